@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs what moefold's build and tests need on a fresh Debian/Ubuntu machine: meson, ninja,
+# doctest, Open MPI, clang-format. The CUDA toolkit (nvcc, NCCL) is used when present.
+set -euo pipefail
+pkgs=(meson ninja-build pkg-config cmake doctest-dev libopenmpi-dev openmpi-bin clang-format python3 g++)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  sudo=""
+  [ "$(id -u)" -ne 0 ] && sudo="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get update -qq >/dev/null
+  $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+echo "setup: ok (${#missing[@]} package(s) installed)"
