@@ -25,6 +25,15 @@ enum class errc {
   hierarchical_cp_mismatch,     //!< Megatron rule 11: product of hierarchical CP sizes != cp
   dist_opt_edp_not_divisible,   //!< Megatron rule 13: edp % dist_opt_instances != 0
   rank_out_of_range,            //!< a rank or coordinate outside the mesh
+  shape_mismatch,               //!< tensor shapes or counts that do not fit together
+  non_finite_input,             //!< NaN or infinity where a finite number is required
+  not_supported,                //!< a valid request this build or backend cannot serve
+  workspace_too_small,          //!< the caller's workspace is smaller than workspace_bytes()
+  comm_mismatch,                //!< peers called different collectives, or counts disagree
+  comm_timeout,                 //!< a peer did not arrive within the timeout
+  comm_peer_failed,             //!< a peer threw, returned early or aborted
+  comm_broken,                  //!< the communicator is unusable after an earlier failure
+  backend_error,                //!< an MPI, NCCL or CUDA call failed (see error::native)
 };
 
 //! The name of an error kind, as used in messages ("world_not_divisible").
@@ -45,14 +54,25 @@ enum class errc {
     case errc::hierarchical_cp_mismatch: return "hierarchical_cp_mismatch";
     case errc::dist_opt_edp_not_divisible: return "dist_opt_edp_not_divisible";
     case errc::rank_out_of_range: return "rank_out_of_range";
+    case errc::shape_mismatch: return "shape_mismatch";
+    case errc::non_finite_input: return "non_finite_input";
+    case errc::not_supported: return "not_supported";
+    case errc::workspace_too_small: return "workspace_too_small";
+    case errc::comm_mismatch: return "comm_mismatch";
+    case errc::comm_timeout: return "comm_timeout";
+    case errc::comm_peer_failed: return "comm_peer_failed";
+    case errc::comm_broken: return "comm_broken";
+    case errc::backend_error: return "backend_error";
   }
   return "unknown";
 }
 
-//! An error: its kind and a message for a person that names the rule and the values.
+//! An error: its kind, a message for a person that names the rule and the values, and for
+//! backend_error the native code (an MPI error class, ncclResult_t or cudaError_t).
 struct error {
   errc code = errc::success;
   std::string message;
+  int native = 0;
 
   friend bool operator==(const error& a, const error& b) = default;
 };
