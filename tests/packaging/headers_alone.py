@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
-"""Every plain header compiles on its own with the C++ compiler alone (no CUDA): the rule that
-.hpp outside cuda/ folders needs nothing but the C++20 standard library."""
+"""Every plain header compiles on its own with the C++ compiler alone: the rule that .hpp outside
+cuda/ folders (CUDA runtime, cuBLAS, NCCL) and mpi/ folders (MPI) needs nothing but the C++20
+standard library."""
 import pathlib
 import subprocess
 import sys
 
 include = pathlib.Path(sys.argv[1])
 compiler = sys.argv[2:]
-headers = sorted(p for p in include.rglob("*.hpp") if "cuda" not in p.relative_to(include).parts)
+headers = sorted(p for p in include.rglob("*.hpp") if not {"cuda", "mpi"} & set(p.relative_to(include).parts))
 failed = 0
 for h in headers:
     rel = h.relative_to(include)
