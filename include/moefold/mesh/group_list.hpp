@@ -116,6 +116,32 @@ enum class derivation : std::uint8_t {
   hierarchical,    //!< each S[g] viewed as (l, s, u), u fastest; one group per (l, u) along s
 };
 
+//! Forward iterator over positions 0..n-1 of a range that answers `range[i]` (a group_view's
+//! ranks, a group_list's groups): one iterator type for both.
+template <class Range, class Value>
+class index_iterator {
+ public:
+  using value_type = Value;
+  using difference_type = std::ptrdiff_t;
+  constexpr index_iterator() = default;
+  constexpr index_iterator(const Range* r, int i) noexcept : r_(r), i_(i) {}
+  constexpr Value operator*() const noexcept { return (*r_)[i_]; }
+  constexpr index_iterator& operator++() noexcept {
+    ++i_;
+    return *this;
+  }
+  constexpr index_iterator operator++(int) noexcept {
+    index_iterator t = *this;
+    ++i_;
+    return t;
+  }
+  constexpr bool operator==(const index_iterator& o) const noexcept { return i_ == o.i_; }
+
+ private:
+  const Range* r_ = nullptr;
+  int i_ = 0;
+};
+
 }  // namespace detail
 
 class group_view;
@@ -223,7 +249,8 @@ class group_list {
     return true;
   }
 
-  class iterator;
+  //! Iterates the groups (each a group_view).
+  using iterator = detail::index_iterator<group_list, group_view>;
   [[nodiscard]] constexpr iterator begin() const noexcept;
   [[nodiscard]] constexpr iterator end() const noexcept;
 
@@ -253,28 +280,7 @@ class group_view {
     return v;
   }
 
-  class iterator {
-   public:
-    using value_type = int;
-    using difference_type = std::ptrdiff_t;
-    constexpr iterator() = default;
-    constexpr iterator(const group_view* v, int k) noexcept : v_(v), k_(k) {}
-    constexpr int operator*() const noexcept { return (*v_)[k_]; }
-    constexpr iterator& operator++() noexcept {
-      ++k_;
-      return *this;
-    }
-    constexpr iterator operator++(int) noexcept {
-      iterator t = *this;
-      ++k_;
-      return t;
-    }
-    constexpr bool operator==(const iterator& o) const noexcept { return k_ == o.k_; }
-
-   private:
-    const group_view* v_ = nullptr;
-    int k_ = 0;
-  };
+  using iterator = detail::index_iterator<group_view, int>;
   [[nodiscard]] constexpr iterator begin() const noexcept { return {this, 0}; }
   [[nodiscard]] constexpr iterator end() const noexcept { return {this, size()}; }
 
@@ -284,30 +290,6 @@ class group_view {
 };
 
 constexpr group_view group_list::operator[](int g) const noexcept { return {*this, g}; }
-
-//! Iterates the groups of a list (each a group_view).
-class group_list::iterator {
- public:
-  using value_type = group_view;
-  using difference_type = std::ptrdiff_t;
-  constexpr iterator() = default;
-  constexpr iterator(const group_list* l, int g) noexcept : l_(l), g_(g) {}
-  constexpr group_view operator*() const noexcept { return (*l_)[g_]; }
-  constexpr iterator& operator++() noexcept {
-    ++g_;
-    return *this;
-  }
-  constexpr iterator operator++(int) noexcept {
-    iterator t = *this;
-    ++g_;
-    return t;
-  }
-  constexpr bool operator==(const iterator& o) const noexcept { return g_ == o.g_; }
-
- private:
-  const group_list* l_ = nullptr;
-  int g_ = 0;
-};
 
 constexpr group_list::iterator group_list::begin() const noexcept { return {this, 0}; }
 constexpr group_list::iterator group_list::end() const noexcept { return {this, count()}; }
