@@ -1,0 +1,72 @@
+//! @file activation.hpp
+//! @brief Expert activations and their derivatives (host reference). Gated forms (SwiGLU, GeGLU)
+//! compute act(gate) * up; plain forms act(x).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <string_view>
+
+namespace moefold {
+
+enum class activation : std::uint8_t {
+  swiglu,        //!< silu(gate) * up (gated)
+  geglu,         //!< gelu(gate) * up (gated)
+  gelu,          //!< gelu(x), the exact (erf) form, as torch.nn.functional.gelu
+  silu,          //!< x * sigmoid(x)
+  relu,          //!< max(x, 0)
+  squared_relu,  //!< max(x, 0)^2
+};
+
+[[nodiscard]] constexpr bool is_gated(activation a) noexcept {
+  return a == activation::swiglu || a == activation::geglu;
+}
+
+[[nodiscard]] constexpr std::string_view to_string(activation a) noexcept {
+  switch (a) {
+    case activation::swiglu: return "swiglu";
+    case activation::geglu: return "geglu";
+    case activation::gelu: return "gelu";
+    case activation::silu: return "silu";
+    case activation::relu: return "relu";
+    case activation::squared_relu: return "squared_relu";
+  }
+  return "?";
+}
+
+//! The elementwise function applied to the gate (gated forms) or to the whole input.
+template <class T>
+[[nodiscard]] T activate(activation a, T x) noexcept {
+  switch (a) {
+    case activation::swiglu:
+    case activation::silu: return x / (T(1) + std::exp(-x));
+    case activation::geglu:
+    case activation::gelu: return T(0.5) * x * (T(1) + std::erf(x / std::sqrt(T(2))));
+    case activation::relu: return x > T(0) ? x : T(0);
+    case activation::squared_relu: return x > T(0) ? x * x : T(0);
+  }
+  return x;
+}
+
+//! Its derivative.
+template <class T>
+[[nodiscard]] T activate_derivative(activation a, T x) noexcept {
+  switch (a) {
+    case activation::swiglu:
+    case activation::silu: {
+      const T s = T(1) / (T(1) + std::exp(-x));
+      return s * (T(1) + x * (T(1) - s));
+    }
+    case activation::geglu:
+    case activation::gelu: {
+      const T pi = T(3.14159265358979323846);
+      return T(0.5) * (T(1) + std::erf(x / std::sqrt(T(2)))) +
+             x * std::exp(-x * x / T(2)) / std::sqrt(T(2) * pi);
+    }
+    case activation::relu: return x > T(0) ? T(1) : T(0);
+    case activation::squared_relu: return x > T(0) ? T(2) * x : T(0);
+  }
+  return T(1);
+}
+
+}  // namespace moefold
