@@ -1,0 +1,465 @@
+// moefold-plan: choose the folded mapping (tp, cp, ep, etp, pp, vpp, micro-batch) for an MoE
+// model on a cluster, from an explicit model of memory and time (docs/planner.md).
+//
+//   moefold-plan --model mixtral-8x22b --cluster h100-sxm --gpus 128 --top 5
+//   moefold-plan --model qwen2-57b-a14b --cluster h100-sxm --gpus 64
+//                --tp 2 --cp 1 --ep 8 --etp 1 --pp 4 --vpp 1 --mbs 1 --format json  (one line)
+//
+// Invalid input of any kind exits with status 2, prints nothing on stdout and one line on stderr
+// that starts with "error:".
+#include <moefold/plan/plan.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace {
+
+namespace mp = moefold::plan;
+
+std::string usage_text() {
+  std::string models, clusters;
+  for (auto n : mp::model_preset_names) models += " " + std::string(n);
+  for (auto n : mp::cluster_preset_names) clusters += " " + std::string(n);
+  return "usage: moefold-plan --model NAME|FILE --cluster NAME|FILE --gpus N [--gbs N] [--seq N]\n"
+         "                    [--tp N --cp N --ep N --etp N --pp N --vpp N --mbs N] [--top N]\n"
+         "                    [--format text|json|svg]\n"
+         "\n"
+         "With all seven sizes given, evaluates that one mapping. Otherwise searches every legal\n"
+         "folded mapping (the sizes given are held fixed) and prints the best --top N (default "
+         "5).\n"
+         "dp = gpus / (tp*cp*pp) and edp = gpus / (etp*ep*pp) are derived; the order is\n"
+         "Megatron-Core's default tp-cp-ep-dp-pp. mfu is a fraction of the cluster's bf16 peak.\n"
+         "\n"
+         "model presets:  " +
+         models +
+         "\n"
+         "cluster presets:" +
+         clusters +
+         "\n"
+         "A model or cluster may also be a JSON file (fields in docs/planner.md).\n";
+}
+
+struct usage_error {
+  std::string message;
+};
+
+int parse_int(std::string_view flag, std::string_view s) {
+  if (s.empty()) throw usage_error{std::string(flag) + " needs an integer value"};
+  std::size_t i = 0;
+  bool neg = false;
+  if (s[0] == '-' || s[0] == '+') {
+    neg = s[0] == '-';
+    i = 1;
+  }
+  if (i == s.size())
+    throw usage_error{std::string(flag) + ": '" + std::string(s) + "' is not an integer"};
+  long long v = 0;
+  for (; i < s.size(); ++i) {
+    if (s[i] < '0' || s[i] > '9')
+      throw usage_error{std::string(flag) + ": '" + std::string(s) + "' is not an integer"};
+    v = v * 10 + (s[i] - '0');
+    if (v > 2147483648LL)
+      throw usage_error{std::string(flag) + ": " + std::string(s) + " does not fit in 32 bits"};
+  }
+  if (neg) v = -v;
+  if (v > 2147483647LL)
+    throw usage_error{std::string(flag) + ": " + std::string(s) + " does not fit in 32 bits"};
+  return static_cast<int>(v);
+}
+
+struct options {
+  std::string model, cluster, format = "text";
+  int gpus = 0;
+  bool gpus_given = false;
+  std::optional<int> gbs, seq;
+  mp::search_constraints fixed;
+  int top = 5;
+};
+
+options parse_args(int argc, char** argv) {
+  options o;
+  std::map<std::string, int> seen;
+  static const std::vector<std::string> known = {
+      "--model", "--cluster", "--gpus", "--gbs", "--seq", "--tp",  "--cp",
+      "--ep",    "--etp",     "--pp",   "--vpp", "--mbs", "--top", "--format"};
+  for (int i = 1; i < argc; ++i) {
+    std::string flag = argv[i], value;
+    bool inline_value = false;
+    if (auto eq = flag.find('='); flag.rfind("--", 0) == 0 && eq != std::string::npos) {
+      value = flag.substr(eq + 1);
+      flag = flag.substr(0, eq);
+      inline_value = true;
+    }
+    if (flag == "--help" || flag == "-h") throw usage_error{"help"};
+    if (std::find(known.begin(), known.end(), flag) == known.end())
+      throw usage_error{"unknown flag '" + flag + "' (see --help)"};
+    if (seen[flag]++) throw usage_error{"flag " + flag + " given twice"};
+    if (!inline_value) {
+      if (i + 1 >= argc) throw usage_error{"flag " + flag + " needs a value"};
+      value = argv[++i];
+    }
+    auto size = [&](std::optional<int>& dst) {
+      const int v = parse_int(flag, value);
+      if (v < 1) throw usage_error{flag + " must be >= 1 (got " + std::to_string(v) + ")"};
+      dst = v;
+    };
+    if (flag == "--model") {
+      o.model = value;
+    } else if (flag == "--cluster") {
+      o.cluster = value;
+    } else if (flag == "--gpus") {
+      o.gpus = parse_int(flag, value);
+      o.gpus_given = true;
+    } else if (flag == "--gbs") {
+      size(o.gbs);
+    } else if (flag == "--seq") {
+      size(o.seq);
+    } else if (flag == "--tp") {
+      size(o.fixed.tp);
+    } else if (flag == "--cp") {
+      size(o.fixed.cp);
+    } else if (flag == "--ep") {
+      size(o.fixed.ep);
+    } else if (flag == "--etp") {
+      size(o.fixed.etp);
+    } else if (flag == "--pp") {
+      size(o.fixed.pp);
+    } else if (flag == "--vpp") {
+      size(o.fixed.vpp);
+    } else if (flag == "--mbs") {
+      size(o.fixed.mbs);
+    } else if (flag == "--top") {
+      o.top = parse_int(flag, value);
+      if (o.top < 1 || o.top > 1000)
+        throw usage_error{"--top must be between 1 and 1000 (got " + value + ")"};
+    } else if (flag == "--format") {
+      if (value != "text" && value != "json" && value != "svg")
+        throw usage_error{"--format must be text, json or svg (got '" + value + "')"};
+      o.format = value;
+    }
+  }
+  if (o.model.empty()) throw usage_error{"--model is required (see --help)"};
+  if (o.cluster.empty()) throw usage_error{"--cluster is required (see --help)"};
+  if (!o.gpus_given) throw usage_error{"--gpus is required (see --help)"};
+  if (o.gpus < 1) throw usage_error{"--gpus must be >= 1 (got " + std::to_string(o.gpus) + ")"};
+  return o;
+}
+
+std::string read_file(const std::string& path, const char* what) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f)
+    throw usage_error{std::string("unknown ") + what + " '" + path +
+                      "': not a preset name and not a readable file (see --help)"};
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  if (f.bad() || (!f.eof() && f.fail()))
+    throw usage_error{std::string("cannot read ") + what + " file '" + path + "'"};
+  return ss.str();
+}
+
+mp::model_config load_model(const std::string& name) {
+  if (auto p = mp::model_preset(name)) return *p;
+  auto m = mp::model_from_json(read_file(name, "model"));
+  if (!m) throw usage_error{"model file '" + name + "': " + m.error().message};
+  return *m;
+}
+
+mp::cluster_config load_cluster(const std::string& name) {
+  if (auto p = mp::cluster_preset(name)) return *p;
+  auto c = mp::cluster_from_json(read_file(name, "cluster"));
+  if (!c) throw usage_error{"cluster file '" + name + "': " + c.error().message};
+  return *c;
+}
+
+std::string num(double v, int digits) {
+  char b[64];
+  std::snprintf(b, sizeof b, "%.*f", digits, v);
+  return b;
+}
+
+std::string json_escape(const std::string& s) {
+  std::string o;
+  for (char ch : s) {
+    if (ch == '"' || ch == '\\') {
+      o += '\\';
+      o += ch;
+    } else if (static_cast<unsigned char>(ch) < 0x20) {
+      char b[8];
+      std::snprintf(b, sizeof b, "\\u%04x", ch);
+      o += b;
+    } else {
+      o += ch;
+    }
+  }
+  return o;
+}
+
+std::string to_json(const mp::plan_result& r) {
+  std::ostringstream o;
+  const auto& m = r.map;
+  o << "{\"mapping\": {\"tp\": " << m.tp << ", \"cp\": " << m.cp << ", \"ep\": " << m.ep
+    << ", \"etp\": " << m.etp << ", \"pp\": " << m.pp << ", \"vpp\": " << m.vpp
+    << ", \"dp\": " << m.dp << ", \"edp\": " << m.edp << ", \"mbs\": " << m.mbs << "}"
+    << ", \"feasible\": " << (r.feasible ? "true" : "false") << ", \"reason\": \""
+    << json_escape(r.reason) << "\", \"mfu\": " << num(r.mfu, 4)
+    << ", \"step_time_s\": " << num(r.step_time_s, 4)
+    << ", \"memory_gib\": " << num(r.memory_gib, 2) << ", \"breakdown\": {\"time_s\": {";
+  bool first = true;
+  for (auto [name, v] : mp::time_components(r.time)) {
+    o << (first ? "" : ", ") << '"' << name << "\": " << num(v, 5);
+    first = false;
+  }
+  const auto& mem = r.memory;
+  o << "}, \"memory_gib\": {\"weights\": " << num(mem.weights / mp::gib, 3)
+    << ", \"grads\": " << num(mem.grads / mp::gib, 3)
+    << ", \"optimizer\": " << num(mem.optimizer / mp::gib, 3)
+    << ", \"activations\": " << num(mem.activations / mp::gib, 3)
+    << ", \"buffers\": " << num(mem.transient / mp::gib, 3)
+    << ", \"reserved\": " << num(mem.reserved / mp::gib, 3) << "}"
+    << ", \"recompute\": \"" << to_string(r.rc) << "\", \"microbatches\": " << r.microbatches
+    << ", \"tflops_per_gpu\": " << num(r.tflops_per_gpu, 1) << ", \"placement\": {";
+  const std::pair<const char*, const mp::group_placement*> groups[] = {
+      {"tp", &r.placement.tp},   {"cp", &r.placement.cp},       {"ep", &r.placement.ep},
+      {"etp", &r.placement.etp}, {"dp_cp", &r.placement.dp_cp}, {"edp", &r.placement.edp},
+      {"pp", &r.placement.pp}};
+  first = true;
+  for (auto [name, g] : groups) {
+    o << (first ? "" : ", ") << '"' << name << "\": {\"size\": " << g->size
+      << ", \"nodes\": " << g->nodes << "}";
+    first = false;
+  }
+  o << "}}}";
+  return o.str();
+}
+
+std::string ep_place(const mp::plan_result& r) {
+  const auto& g = r.placement.ep;
+  if (g.size <= 1) return "-";
+  return g.crosses_nodes() ? std::to_string(g.nodes) + " nodes" : "in node";
+}
+
+void print_header(std::ostream& out, const mp::model_config& m, const mp::cluster_config& c) {
+  out << "moefold-plan: " << m.name << " (" << num(m.total_params() / 1e9, 1) << "B params, "
+      << num(m.active_params() / 1e9, 1) << "B active, "
+      << (m.dtype == mp::precision::fp8 ? "fp8" : "bf16") << ") on " << c.gpus << " x " << c.name
+      << " (" << c.gpus_per_node << " per node, " << num(c.memory_gib, 1) << " GiB)\n"
+      << "  seq " << m.seq << ", global batch " << m.gbs << " sequences ("
+      << static_cast<long long>(m.seq) * m.gbs << " tokens per step)\n";
+}
+
+void print_one_text(const mp::model_config& m, const mp::cluster_config& c,
+                    const mp::plan_result& r) {
+  std::ostringstream out;
+  print_header(out, m, c);
+  out << "\nmapping: " << to_string(r.map) << "\n"
+      << (r.feasible ? "feasible: " : "NOT feasible: ") << r.reason << "\n"
+      << "MFU " << num(100 * r.mfu, 1) << "%, step " << num(r.step_time_s, 3) << " s, "
+      << num(r.tflops_per_gpu, 0) << " TFLOP/s per GPU, " << num(r.memory_gib, 1)
+      << " GiB per GPU, " << r.microbatches << " micro-batches, EP " << ep_place(r) << "\n\n"
+      << "step time by cause (s):\n";
+  for (auto [name, v] : mp::time_components(r.time))
+    out << "  " << name << std::string(14 - std::string(name).size(), ' ') << num(v, 4) << "  ("
+        << num(100 * v / r.step_time_s, 1) << "%)\n";
+  const auto& b = r.memory;
+  out << "memory per GPU (GiB): weights " << num(b.weights / mp::gib, 1) << ", grads "
+      << num(b.grads / mp::gib, 1) << ", optimizer " << num(b.optimizer / mp::gib, 1)
+      << ", activations " << num(b.activations / mp::gib, 1) << ", buffers "
+      << num(b.transient / mp::gib, 1) << ", reserved " << num(b.reserved / mp::gib, 1) << "\n";
+  std::cout << out.str();
+}
+
+void print_ranked_text(const mp::model_config& m, const mp::cluster_config& c,
+                       const mp::search_result& s, std::size_t top, double seconds) {
+  std::ostringstream out;
+  print_header(out, m, c);
+  out << "  searched " << s.legal << " legal folded mappings, " << s.feasible << " fit in memory ("
+      << num(seconds, 2) << " s)\n\n";
+  out << "rank  tp cp  ep etp pp vpp mbs   dp  edp    MFU  step s  TFLOP/s  GiB  recompute  EP\n";
+  const std::size_t n = std::min(top, s.ranked.size());
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto& r = s.ranked[i];
+    const auto& p = r.map;
+    char line[200];
+    std::snprintf(
+        line, sizeof line,
+        "%4zu %3d %2d %3d %3d %2d %3d %3d %4d %4d %5.1f%% %7.3f %8.0f %4.0f  %-9s  %s%s\n", i + 1,
+        p.tp, p.cp, p.ep, p.etp, p.pp, p.vpp, p.mbs, p.dp, p.edp, 100 * r.mfu, r.step_time_s,
+        r.tflops_per_gpu, r.memory_gib, std::string(to_string(r.rc)).c_str(), ep_place(r).c_str(),
+        r.feasible ? "" : "  (does not fit)");
+    out << line;
+    if (i + 1 < s.ranked.size())
+      out << "      why: " << mp::explain_win(r, s.ranked[i + 1]) << "\n";
+    else
+      out << "      why: " << r.reason << "\n";
+  }
+  if (s.feasible == 0)
+    out << "\nno mapping fits in memory; listed are the ones that come closest. "
+        << s.ranked[0].reason << "\n";
+  std::cout << out.str();
+}
+
+// A chart of predicted MFU across the candidates (best first) and the step-time breakdown of the
+// best ones.
+void print_svg(const mp::model_config& m, const mp::cluster_config& c, const mp::search_result& s,
+               std::size_t top) {
+  const std::size_t bars = std::min<std::size_t>(s.ranked.size(), 200);
+  const std::size_t best = std::min(top, s.ranked.size());
+  const int w = 960, chart_h = 260, left = 60, top_y = 60;
+  const int row_h = 26, break_y = top_y + chart_h + 80;
+  const int h = break_y + static_cast<int>(best) * row_h + 90;
+  double max_mfu = 0.01, max_t = 1e-9;
+  for (std::size_t i = 0; i < bars; ++i) max_mfu = std::max(max_mfu, s.ranked[i].mfu);
+  for (std::size_t i = 0; i < best; ++i) max_t = std::max(max_t, s.ranked[i].step_time_s);
+  const char* colors[] = {"#4e79a7", "#a0cbe8", "#f28e2b", "#ffbe7d", "#59a14f", "#e15759",
+                          "#ff9d9a", "#b07aa1", "#9c755f", "#bab0ac", "#76b7b2", "#edc948"};
+  std::ostringstream o;
+  o << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<svg xmlns=\"http://www.w3.org/2000/svg\" "
+    << "width=\"" << w << "\" height=\"" << h << "\" viewBox=\"0 0 " << w << ' ' << h
+    << "\" font-family=\"sans-serif\">\n<title>moefold-plan: " << m.name << " on " << c.gpus
+    << " x " << c.name << "</title>\n<rect x=\"0\" y=\"0\" width=\"" << w << "\" height=\"" << h
+    << "\" fill=\"white\"/>\n<text x=\"" << left
+    << "\" y=\"28\" font-size=\"16\">Predicted MFU of the " << bars << " best of " << s.legal
+    << " legal folded mappings: " << m.name << ", " << c.gpus << " x " << c.name << "</text>\n";
+  const double bw = static_cast<double>(w - left - 20) / std::max<std::size_t>(bars, 1);
+  o << "<g class=\"mfu\">\n";
+  for (std::size_t i = 0; i < bars; ++i) {
+    const auto& r = s.ranked[i];
+    const double bh = chart_h * r.mfu / max_mfu;
+    o << "<rect class=\"candidate\" x=\"" << num(left + i * bw, 1) << "\" y=\""
+      << num(top_y + chart_h - bh, 1) << "\" width=\"" << num(std::max(bw - 1, 0.5), 1)
+      << "\" height=\"" << num(bh, 1) << "\" fill=\"" << (r.feasible ? "#4e79a7" : "#cccccc")
+      << "\"><title>" << to_string(r.map) << ": MFU " << num(100 * r.mfu, 1)
+      << "%</title></rect>\n";
+  }
+  o << "</g>\n<text x=\"8\" y=\"" << top_y + 10 << "\" font-size=\"11\">" << num(100 * max_mfu, 1)
+    << "%</text><text x=\"8\" y=\"" << top_y + chart_h << "\" font-size=\"11\">0%</text>\n"
+    << "<text x=\"" << left << "\" y=\"" << top_y + chart_h + 20
+    << "\" font-size=\"12\">candidates, best first (grey: does not fit in memory)</text>\n"
+    << "<text x=\"" << left << "\" y=\"" << break_y - 20 << "\" font-size=\"16\">Step time of the "
+    << best << " best, by cause (longest bar " << num(max_t, 3) << " s)</text>\n";
+  const int label_w = 250;
+  for (std::size_t i = 0; i < best; ++i) {
+    const auto& r = s.ranked[i];
+    const int y = break_y + static_cast<int>(i) * row_h;
+    o << "<text x=\"8\" y=\"" << y + 16 << "\" font-size=\"11\">#" << i + 1 << " tp" << r.map.tp
+      << " cp" << r.map.cp << " ep" << r.map.ep << " etp" << r.map.etp << " pp" << r.map.pp
+      << " vpp" << r.map.vpp << " mbs" << r.map.mbs << " " << num(100 * r.mfu, 1)
+      << "%</text>\n<g class=\"breakdown\">\n";
+    double x = left + label_w - left;
+    int k = 0;
+    for (auto [name, v] : mp::time_components(r.time)) {
+      const double seg = (w - label_w - 20) * v / max_t;
+      o << "<rect class=\"part\" data-part=\"" << name << "\" x=\"" << num(x, 1) << "\" y=\"" << y
+        << "\" width=\"" << num(seg, 2) << "\" height=\"" << row_h - 6 << "\" fill=\""
+        << colors[k++ % 12] << "\"><title>" << name << ": " << num(v, 4) << " s</title></rect>\n";
+      x += seg;
+    }
+    o << "</g>\n";
+  }
+  int k = 0, lx = 8;
+  const int ly = break_y + static_cast<int>(best) * row_h + 30;
+  for (auto [name, v] : mp::time_components(s.ranked[0].time)) {
+    (void)v;
+    o << "<rect x=\"" << lx << "\" y=\"" << ly << "\" width=\"10\" height=\"10\" fill=\""
+      << colors[k++ % 12] << "\"/><text x=\"" << lx + 13 << "\" y=\"" << ly + 9
+      << "\" font-size=\"10\">" << name << "</text>\n";
+    lx += 78;
+  }
+  o << "</svg>\n";
+  std::cout << o.str();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  options o;
+  mp::model_config model;
+  mp::cluster_config cluster;
+  try {
+    o = parse_args(argc, argv);
+    model = load_model(o.model);
+    cluster = load_cluster(o.cluster);
+  } catch (const usage_error& e) {
+    if (e.message == "help") {
+      std::cout << usage_text();
+      return 0;
+    }
+    std::cerr << "error: " << e.message << "\n";
+    return 2;
+  }
+  if (o.gbs) model.gbs = *o.gbs;
+  if (o.seq) model.seq = *o.seq;
+  cluster.gpus = o.gpus;
+  if (auto ok = mp::validate(model); !ok) {
+    std::cerr << "error: " << ok.error().message << "\n";
+    return 2;
+  }
+  if (auto ok = mp::validate(cluster); !ok) {
+    std::cerr << "error: " << ok.error().message << "\n";
+    return 2;
+  }
+  const auto& f = o.fixed;
+  if (f.tp && f.cp && f.ep && f.etp && f.pp && f.vpp && f.mbs) {
+    auto r = mp::evaluate(model, cluster,
+                          {.tp = *f.tp,
+                           .cp = *f.cp,
+                           .ep = *f.ep,
+                           .etp = *f.etp,
+                           .pp = *f.pp,
+                           .vpp = *f.vpp,
+                           .mbs = *f.mbs});
+    if (!r) {
+      std::cerr << "error: " << r.error().message << " [" << to_string(r.error().code) << "]\n";
+      return 2;
+    }
+    if (o.format == "json")
+      std::cout << to_json(*r) << "\n";
+    else if (o.format == "svg")
+      print_svg(model, cluster, mp::search_result{{*r}, 1, r->feasible ? 1 : 0}, 1);
+    else
+      print_one_text(model, cluster, *r);
+    return 0;
+  }
+  const auto start = std::chrono::steady_clock::now();
+  auto last = start;
+  bool shown = false;
+  auto progress = [&](long long done, long long total) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now - last < std::chrono::milliseconds(500) && done != total) return;
+    if (!shown && done == total) return;  // short searches stay quiet
+    last = now;
+    shown = true;
+    std::cerr << "moefold-plan: searched " << done << " of " << total << " folds\n";
+  };
+  const std::size_t keep = std::max<std::size_t>(static_cast<std::size_t>(o.top) + 1, 200);
+  auto s = mp::search(model, cluster, o.fixed, keep, progress);
+  if (!s) {
+    std::cerr << "error: " << s.error().message << " [" << to_string(s.error().code) << "]\n";
+    return 2;
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const std::size_t top = static_cast<std::size_t>(o.top);
+  if (o.format == "json") {
+    std::ostringstream out;
+    out << "{\"ranked\": [";
+    for (std::size_t i = 0; i < std::min(top, s->ranked.size()); ++i)
+      out << (i ? ",\n  " : "\n  ") << to_json(s->ranked[i]);
+    out << "]}\n";
+    std::cout << out.str();
+  } else if (o.format == "svg") {
+    print_svg(model, cluster, *s, top);
+  } else {
+    print_ranked_text(model, cluster, *s, top, seconds);
+  }
+  return 0;
+}
