@@ -1,0 +1,71 @@
+//! @file communicator.hpp
+//! @brief The communicator concept: what every backend (thread world, MPI, NCCL, device
+//! loopback) offers the layers above it.
+//!
+//! A communicator is a value owned by the caller (no registry, no global "world"). Its collectives
+//! take typed buffers and per-peer counts in elements, return a [[nodiscard]] moefold::status, and
+//! are called by every rank of the communicator in the same order with consistent counts. Backends
+//! check that rule at run time (a small header exchange before the data moves) and turn a
+//! violation, a peer that fails, or a peer that never arrives into an error on every rank: never
+//! a hang. Host backends complete the collective before returning; GPU backends enqueue on a
+//! stream and never block the host (see their headers).
+//!
+//! The V-collectives' offsets and counts come from one place, comm/schedule.hpp, for all backends.
+#pragma once
+
+#include <concepts>
+#include <span>
+
+#include "../core/expected.hpp"
+
+namespace moefold {
+
+//! The reductions of all_reduce and reduce_scatter_v.
+enum class reduce_op { sum, max };
+
+[[nodiscard]] constexpr const char* to_string(reduce_op op) noexcept {
+  return op == reduce_op::sum ? "sum" : "max";
+}
+
+//! Host-buffer collectives. Counts are in elements, one per peer (size() of them). Element types
+//! at least float, double, int, std::int64_t and moefold::bfloat16 / float16 (comm/dtype.hpp).
+//!
+//! - all_reduce(buf, op): in place, every rank ends with the element-wise reduction.
+//! - all_gather(s, r): r.size() >= size() * s.size(); rank i's s lands at r[i * s.size()].
+//! - all_gather_v(s, r, n): rank i sends its first n[i] elements; they land in r at the exclusive
+//!   prefix sum of n at i; n is the same on every rank.
+//! - all_to_all_v(s, sn, r, rn): sn[j] elements (taken in peer order) go to rank j; rn[j]
+//!   elements come from rank j (stored in peer order); my sn[j] must equal rank j's rn[me].
+//! - reduce_scatter_v(s, n, r, op): s holds sum(n) elements; rank i receives in r the reduction
+//!   over ranks of their n[i]-element chunk i. Sums run in rank order (deterministic); bf16/fp16
+//!   accumulate in fp32. n is the same on every rank.
+//! - broadcast(buf, root): root's buf is copied to every rank's buf.
+//! - barrier(): returns when every rank has entered it.
+//!
+//! Buffers may be larger than the counts require; the rest is left untouched.
+template <class C>
+concept communicator = std::movable<C> && requires(C& c, const C& cc, std::span<const float> s,
+                                                   std::span<float> r, std::span<const int> n) {
+  { cc.rank() } -> std::same_as<int>;
+  { cc.size() } -> std::same_as<int>;
+  { c.all_reduce(r, reduce_op::sum) } -> std::same_as<status>;
+  { c.all_gather(s, r) } -> std::same_as<status>;
+  { c.all_gather_v(s, r, n) } -> std::same_as<status>;
+  { c.all_to_all_v(s, n, r, n) } -> std::same_as<status>;
+  { c.reduce_scatter_v(s, n, r, reduce_op::sum) } -> std::same_as<status>;
+  { c.broadcast(r, 0) } -> std::same_as<status>;
+  { c.barrier() } -> std::same_as<status>;
+};
+
+//! A communicator that derives sub-communicators: split(color, key) is collective over this
+//! communicator; ranks with the same color form a new communicator ordered by (key, old rank).
+//! A rank passing split_no_color takes part but joins none (it gets an error value back).
+template <class C>
+concept splittable_communicator = communicator<C> && requires(C& c) {
+  { c.split(0, 0) } -> std::same_as<expected<C>>;
+};
+
+//! The color of a rank that takes part in a split but joins no new communicator.
+inline constexpr int split_no_color = -1;
+
+}  // namespace moefold

@@ -1,0 +1,191 @@
+//! @file mpi_device_communicator.hpp
+//! @brief The MPI backend with device buffers: collectives on buffers that may live in GPU
+//! memory, over MPI processes.
+//!
+//! Where the MPI library is CUDA-aware (checked at run time, MPIX_Query_cuda_support), the
+//! collectives that only move data (all_to_all_v, all_gather_v, all_gather, broadcast) hand the
+//! device pointers to MPI. Otherwise, and always for the reductions (moefold reduces on the host,
+//! in rank order), device buffers are staged through host memory: the inputs are copied to the
+//! host after the stream's earlier work, the host collective runs (with its header check and
+//! timeout, comm/mpi/mpi_communicator.hpp), and the outputs are copied back. The call returns when
+//! the outputs are in place (it synchronizes the stream; MPI collectives block the host anyway).
+//! Host and managed buffers go to MPI as they are.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <mpi.h>
+#if __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>
+#endif
+
+#include <cstddef>
+#include <cstring>
+#include <span>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "../../core/expected.hpp"
+#include "../communicator.hpp"
+#include "../dtype.hpp"
+#include "../mpi/mpi_communicator.hpp"
+#include "cuda_types.hpp"
+#include "nccl_communicator.hpp"  // detail::cuda_check
+
+namespace moefold {
+
+//! True when this process's MPI moves device buffers itself (Open MPI's run-time query; false
+//! for an MPI that does not say).
+[[nodiscard]] inline bool mpi_is_cuda_aware() noexcept {
+#if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
+  return MPIX_Query_cuda_support() == 1;
+#else
+  return false;
+#endif
+}
+
+namespace detail {
+//! True for memory the host cannot read (device memory); host, managed and unknown (no GPU)
+//! pointers are false.
+inline bool is_device_memory(const void* p) noexcept {
+  if (!p) return false;
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no device" or "invalid value"
+    return false;
+  }
+  return a.type == cudaMemoryTypeDevice;
+}
+}  // namespace detail
+
+//! One rank's MPI communicator for device (or host) buffers. Move-only.
+class mpi_device_communicator {
+ public:
+  //! Wraps `comm` as mpi_communicator::wrap does; device work is ordered on `stream`.
+  [[nodiscard]] static expected<mpi_device_communicator> wrap(MPI_Comm comm, mpi_options opt = {},
+                                                              cudaStream_t stream = nullptr) {
+    auto host = mpi_communicator::wrap(comm, opt);
+    if (!host) return unexpected<error>(host.error());
+    return mpi_device_communicator(std::move(*host), stream);
+  }
+  mpi_device_communicator(mpi_communicator host, cudaStream_t stream)
+      : host_(std::move(host)), stream_(stream), cuda_aware_(mpi_is_cuda_aware()) {}
+
+  [[nodiscard]] int rank() const noexcept { return host_.rank(); }
+  [[nodiscard]] int size() const noexcept { return host_.size(); }
+  //! Whether device buffers go to MPI directly (else they are staged through host memory).
+  [[nodiscard]] bool cuda_aware() const noexcept { return cuda_aware_; }
+  [[nodiscard]] mpi_communicator& host() noexcept { return host_; }
+  [[nodiscard]] cudaStream_t stream() const noexcept { return stream_; }
+
+  template <reducible T>
+  [[nodiscard]] status all_reduce(std::span<T> buf, reduce_op op) {
+    return staged<T>(buf, buf, false, [&](std::span<const T>, std::span<T> out) {
+      return host_.all_reduce<T>(out, op);
+    });
+  }
+
+  template <transferable T>
+  [[nodiscard]] status all_gather(std::span<const std::type_identity_t<T>> send,
+                                  std::span<T> recv) {
+    return staged<T>(send, recv, true, [&](std::span<const T> in, std::span<T> out) {
+      return host_.all_gather<T>(in, out);
+    });
+  }
+
+  template <transferable T>
+  [[nodiscard]] status all_gather_v(std::span<const std::type_identity_t<T>> send,
+                                    std::span<T> recv, std::span<const int> counts) {
+    return staged<T>(send, recv, true, [&](std::span<const T> in, std::span<T> out) {
+      return host_.all_gather_v<T>(in, out, counts);
+    });
+  }
+
+  template <transferable T>
+  [[nodiscard]] status all_to_all_v(std::span<const std::type_identity_t<T>> send,
+                                    std::span<const int> send_counts, std::span<T> recv,
+                                    std::span<const int> recv_counts) {
+    return staged<T>(send, recv, true, [&](std::span<const T> in, std::span<T> out) {
+      return host_.all_to_all_v<T>(in, send_counts, out, recv_counts);
+    });
+  }
+
+  template <reducible T>
+  [[nodiscard]] status reduce_scatter_v(std::span<const std::type_identity_t<T>> send,
+                                        std::span<const int> counts, std::span<T> recv,
+                                        reduce_op op) {
+    return staged<T>(send, recv, false, [&](std::span<const T> in, std::span<T> out) {
+      return host_.reduce_scatter_v<T>(in, counts, out, op);
+    });
+  }
+
+  template <transferable T>
+  [[nodiscard]] status broadcast(std::span<T> buf, int root) {
+    return staged<T>(buf, buf, true, [&](std::span<const T>, std::span<T> out) {
+      return host_.broadcast<T>(out, root);
+    });
+  }
+
+  [[nodiscard]] status barrier() { return host_.barrier(); }
+
+  [[nodiscard]] expected<mpi_device_communicator> split(int color, int key) {
+    auto sub = host_.split(color, key);
+    if (!sub) return unexpected<error>(sub.error());
+    return mpi_device_communicator(std::move(*sub), stream_);
+  }
+
+ private:
+  // Runs f on buffers MPI can use: the caller's when they are host memory (or device memory and
+  // `movable` on a CUDA-aware MPI), host copies otherwise. `out` may alias `in` (in place).
+  template <class T, class F>
+  status staged(std::span<const T> in, std::span<T> out, bool movable, F&& f) {
+    const bool dev_in = detail::is_device_memory(in.data());
+    const bool dev_out = detail::is_device_memory(out.data());
+    if ((!dev_in && !dev_out) || (movable && cuda_aware_)) {
+      if (dev_in || dev_out)  // MPI reads device memory now: the stream's producers first
+        if (auto ok = detail::cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+            !ok)
+          return ok;
+      return f(in, out);
+    }
+    const bool in_place =
+        static_cast<const void*>(in.data()) == static_cast<const void*>(out.data());
+    std::vector<T> h_in, h_out(out.size());
+    if (dev_out && in_place) {
+      if (auto ok = to_host(h_out.data(), out.data(), out.size()); !ok) return ok;
+    } else if (dev_in) {
+      h_in.resize(in.size());
+      if (auto ok = to_host(h_in.data(), in.data(), in.size()); !ok) return ok;
+    }
+    if (auto ok = detail::cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); !ok)
+      return ok;
+    const std::span<const T> hin = in_place ? std::span<const T>(h_out)
+                                   : dev_in ? std::span<const T>(h_in)
+                                            : in;
+    if (!dev_out) return f(hin, out);  // only the input was staged
+    if (auto ok = f(hin, std::span<T>(h_out)); !ok) return ok;
+    if (auto ok =
+            detail::cuda_check(cudaMemcpyAsync(out.data(), h_out.data(), out.size() * sizeof(T),
+                                               cudaMemcpyHostToDevice, stream_),
+                               "cudaMemcpyAsync");
+        !ok)
+      return ok;
+    // h_out dies here: wait for the copy.
+    return detail::cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+  }
+
+  template <class T>
+  status to_host(T* dst, const T* src, std::size_t n) {
+    return detail::cuda_check(
+        cudaMemcpyAsync(dst, src, n * sizeof(T), cudaMemcpyDeviceToHost, stream_),
+        "cudaMemcpyAsync");
+  }
+
+  mpi_communicator host_;
+  cudaStream_t stream_ = nullptr;
+  bool cuda_aware_ = false;
+};
+
+static_assert(splittable_communicator<mpi_device_communicator>);
+
+}  // namespace moefold
