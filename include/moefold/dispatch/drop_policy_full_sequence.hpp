@@ -1,0 +1,173 @@
+//! @file drop_policy_full_sequence.hpp
+//! @brief Full-sequence dropping: the capacity and the keep decision are taken over the whole
+//! sequences held by the TP x CP group. Each rank gathers the (detached) top-k routing of the
+//! group, takes the same deterministic decision in true sequence order, and keeps its own rows.
+//! The result does not depend on TP or CP. Megatron-Core no longer ships this mode (it went with
+//! the alltoall_seq dispatcher); the semantics are reference/dispatch-semantics.md section 3.4.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <span>
+#include <vector>
+
+#include "../comm/communicator.hpp"
+#include "drop_policy.hpp"
+
+namespace moefold {
+
+//! Where this rank's tokens sit in the full sequences (sequence parallelism over TP, context
+//! parallelism with Megatron-Core's load-balanced chunks over CP).
+struct sequence_layout {
+  int tp_rank = 0;
+  int tp = 1;
+  int cp_rank = 0;
+  int cp = 1;
+  int local_seq = 0;  //!< S_local = S / (TP*CP)
+  int batch = 1;      //!< B
+};
+
+//! The true-order key of each local token n = s*B + b: (global position) * B + b. Under CP the
+//! sequence is cut into 2*CP chunks and CP rank r holds chunks r and 2*CP-1-r; sequence
+//! parallelism then splits the rank's CP part contiguously over TP.
+[[nodiscard]] inline expected<std::vector<std::int64_t>> sequence_order_keys(
+    const sequence_layout& l) {
+  using detail::to_decimal;
+  if (l.tp < 1 || l.cp < 1 || l.tp_rank < 0 || l.tp_rank >= l.tp || l.cp_rank < 0 ||
+      l.cp_rank >= l.cp || l.local_seq < 0 || l.batch < 1)
+    return make_error(errc::invalid_argument,
+                      "sequence_layout: ranks must lie in [0, tp) and [0, "
+                      "cp); sizes >= 1 (local_seq >= 0)");
+  const std::int64_t cp_len = static_cast<std::int64_t>(l.local_seq) * l.tp;  // CP rank's part
+  if (l.cp > 1 && cp_len % 2 != 0)
+    return make_error(errc::invalid_argument,
+                      "sequence_layout: with cp > 1 the CP part S_local*tp (" +
+                          to_decimal(static_cast<long long>(cp_len)) +
+                          ") must be even (two chunks per CP rank)");
+  const std::int64_t chunk = l.cp > 1 ? cp_len / 2 : cp_len;
+  std::vector<std::int64_t> keys(static_cast<std::size_t>(l.local_seq) *
+                                 static_cast<std::size_t>(l.batch));
+  for (int s = 0; s < l.local_seq; ++s) {
+    const std::int64_t p = static_cast<std::int64_t>(l.tp_rank) * l.local_seq + s;  // in CP part
+    std::int64_t pos = p;
+    if (l.cp > 1)
+      pos = p < chunk ? l.cp_rank * chunk + p : (2 * l.cp - 1 - l.cp_rank) * chunk + (p - chunk);
+    for (int b = 0; b < l.batch; ++b)
+      keys[static_cast<std::size_t>(s) * l.batch + b] = pos * l.batch + b;
+  }
+  return keys;
+}
+
+//! Full-sequence dropping: C = ceil(N_group*k/E * capacity_factor) over the N_group tokens of the
+//! TP x CP group; ties (probs) and positions follow the true sequence order given by the keys.
+struct full_sequence {
+  double capacity_factor = 1.0;
+  bool pad_to_capacity = false;
+  drop_by by = drop_by::probs;
+
+  //! `order_keys` [N]: the true sequence-order key of each local token (sequence_order_keys), or
+  //! empty to take the group's rank order (rank 0's tokens first) as the sequence order; all ranks
+  //! must agree on which. Collective over tp_cp: every rank calls it, and every rank gets the same
+  //! error when one rank's input is bad.
+  template <communicator C, class T>
+  [[nodiscard]] status apply(C& tp_cp, std::span<const std::int64_t> order_keys,
+                             const topk_routing<T>& r, drop_result<T>& out) const {
+    using detail::to_decimal;
+    // 1. Exchange a small header: shape, whether keys are given, whether the local input is good.
+    status local = detail::check_routing(r);
+    if (local && !order_keys.empty() && order_keys.size() != static_cast<std::size_t>(r.num_tokens))
+      local = make_error(errc::shape_mismatch,
+                         "full_sequence: order_keys must be empty or have "
+                         "num_tokens entries");
+    const int G = tp_cp.size();
+    const int hdr[4] = {local ? r.num_tokens : -1, r.num_experts, r.topk,
+                        order_keys.empty() ? 0 : 1};
+    std::vector<int> all(static_cast<std::size_t>(4 * G));
+    if (auto s = tp_cp.all_gather(std::span<const int>(hdr, 4), std::span<int>(all)); !s) return s;
+    if (!local) return local;
+    std::vector<int> n(static_cast<std::size_t>(G));
+    long long total = 0, offset = 0;
+    for (int g = 0; g < G; ++g) {
+      const int* h = all.data() + 4 * g;
+      if (h[0] < 0)
+        return make_error(errc::invalid_argument,
+                          "full_sequence: rank " + to_decimal(g) + " of the group has bad input");
+      if (h[1] != r.num_experts || h[2] != r.topk || h[3] != hdr[3])
+        return make_error(errc::comm_mismatch,
+                          "full_sequence: ranks disagree on num_experts, topk or whether order "
+                          "keys are given (rank " +
+                              to_decimal(g) + ")");
+      n[static_cast<std::size_t>(g)] = h[0];
+      if (g < tp_cp.rank()) offset += h[0];
+      total += h[0];
+    }
+    if (total * r.topk > INT_MAX)
+      return make_error(errc::overflow, "full_sequence: the group's routed pairs overflow int");
+    auto cap = expert_capacity(total * r.topk, r.num_experts, capacity_factor);
+    if (!cap) return unexpected<error>(cap.error());
+    if (pad_to_capacity && *cap > total)
+      return make_error(errc::invalid_argument, "pad_to_capacity: capacity " + to_decimal(*cap) +
+                                                    " exceeds the " + to_decimal(total) +
+                                                    " tokens of the sequence group");
+
+    // 2. Gather the detached routing (and keys) of the whole group, in rank order.
+    topk_routing<T> g;
+    g.num_tokens = static_cast<int>(total);
+    g.num_experts = r.num_experts;
+    g.topk = r.topk;
+    g.indices.resize(static_cast<std::size_t>(total) * r.topk);
+    g.probs.resize(g.indices.size());
+    std::vector<int> nk(n);
+    for (int& v : nk) v *= r.topk;
+    if (auto s = tp_cp.all_gather_v(std::span<const int>(r.indices), std::span<int>(g.indices),
+                                    std::span<const int>(nk));
+        !s)
+      return s;
+    if (auto s = tp_cp.all_gather_v(std::span<const T>(r.probs), std::span<T>(g.probs),
+                                    std::span<const int>(nk));
+        !s)
+      return s;
+    std::vector<long long> order;  // row -> rank in true order
+    if (!order_keys.empty()) {
+      std::vector<std::int64_t> keys(static_cast<std::size_t>(total));
+      if (auto s = tp_cp.all_gather_v(order_keys, std::span<std::int64_t>(keys),
+                                      std::span<const int>(n));
+          !s)
+        return s;
+      std::vector<std::size_t> by_key(keys.size());
+      std::iota(by_key.begin(), by_key.end(), std::size_t{0});
+      std::stable_sort(by_key.begin(), by_key.end(),
+                       [&](std::size_t a, std::size_t b) { return keys[a] < keys[b]; });
+      order.resize(keys.size());
+      for (std::size_t i = 0; i < by_key.size(); ++i) {
+        if (i > 0 && keys[by_key[i]] == keys[by_key[i - 1]])
+          return make_error(errc::invalid_argument,
+                            "full_sequence: two tokens of the group have the same order key " +
+                                to_decimal(static_cast<long long>(keys[by_key[i]])));
+        order[by_key[i]] = static_cast<long long>(i);
+      }
+    }
+
+    // 3. The same decision on every rank; keep this rank's rows.
+    drop_result<T> whole;
+    detail::keep_within_capacity(g, *cap, by, pad_to_capacity, std::span<const long long>(order),
+                                 whole);
+    const auto E = static_cast<std::size_t>(r.num_experts), K = static_cast<std::size_t>(r.topk);
+    const auto first = static_cast<std::size_t>(offset), N = static_cast<std::size_t>(r.num_tokens);
+    out.num_tokens = r.num_tokens;
+    out.num_experts = r.num_experts;
+    out.topk = r.topk;
+    out.final_map.assign(whole.final_map.begin() + static_cast<std::ptrdiff_t>(first * E),
+                         whole.final_map.begin() + static_cast<std::ptrdiff_t>((first + N) * E));
+    out.final_probs.assign(
+        whole.final_probs.begin() + static_cast<std::ptrdiff_t>(first * E),
+        whole.final_probs.begin() + static_cast<std::ptrdiff_t>((first + N) * E));
+    out.kept.assign(whole.kept.begin() + static_cast<std::ptrdiff_t>(first * K),
+                    whole.kept.begin() + static_cast<std::ptrdiff_t>((first + N) * K));
+    detail::fill_report(r, *cap, out);
+    return {};
+  }
+};
+
+}  // namespace moefold

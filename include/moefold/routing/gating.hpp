@@ -1,0 +1,132 @@
+//! @file gating.hpp
+//! @brief The router's gating linear (logits = x W^T + b in the router dtype), its backward, and
+//! the optional input jitter from a seeded, counter-based generator.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "../core/error.hpp"
+#include "../core/expected.hpp"
+
+namespace moefold {
+
+//! Shapes of the gating linear: N tokens of hidden size H, E experts.
+struct gating_shape {
+  int num_tokens = 0;   //!< N
+  int hidden = 0;       //!< H
+  int num_experts = 0;  //!< E
+};
+
+namespace detail {
+[[nodiscard]] inline status check_gating(const gating_shape& g, std::size_t x, std::size_t w,
+                                         std::size_t b, std::size_t out) {
+  if (g.num_tokens < 0 || g.hidden < 1 || g.num_experts < 1)
+    return make_error(errc::invalid_size,
+                      "gating: need num_tokens >= 0, hidden >= 1, num_experts >= 1 (got " +
+                          to_decimal(g.num_tokens) + ", " + to_decimal(g.hidden) + ", " +
+                          to_decimal(g.num_experts) + ")");
+  const auto N = static_cast<std::size_t>(g.num_tokens), H = static_cast<std::size_t>(g.hidden),
+             E = static_cast<std::size_t>(g.num_experts);
+  if (x != N * H || w != E * H || (b != 0 && b != E) || out != N * E)
+    return make_error(errc::shape_mismatch,
+                      "gating: need x [N*H], weight [E*H], bias [E] or empty, logits [N*E] with "
+                      "N=" +
+                          to_decimal(g.num_tokens) + ", H=" + to_decimal(g.hidden) +
+                          ", E=" + to_decimal(g.num_experts));
+  return {};
+}
+}  // namespace detail
+
+//! logits [N, E] = x [N, H] * weight [E, H]^T (+ bias [E]), accumulated in the router dtype T
+//! (Megatron-Core `router_gating_linear`: inputs and weight are cast to the router dtype).
+template <class T, class In, class W>
+[[nodiscard]] status gating_forward(const gating_shape& g, std::span<const In> x,
+                                    std::span<const W> weight, std::span<const W> bias,
+                                    std::span<T> logits) {
+  if (auto s = detail::check_gating(g, x.size(), weight.size(), bias.size(), logits.size()); !s)
+    return s;
+  const std::size_t H = static_cast<std::size_t>(g.hidden),
+                    E = static_cast<std::size_t>(g.num_experts);
+  for (std::size_t n = 0; n < static_cast<std::size_t>(g.num_tokens); ++n)
+    for (std::size_t e = 0; e < E; ++e) {
+      T acc = bias.empty() ? T(0) : static_cast<T>(bias[e]);
+      for (std::size_t h = 0; h < H; ++h)
+        acc += static_cast<T>(x[n * H + h]) * static_cast<T>(weight[e * H + h]);
+      logits[n * E + e] = acc;
+    }
+  return {};
+}
+
+//! Backward of gating_forward: dx [N, H] = dlogits W, dweight [E, H] = dlogits^T x, dbias [E] =
+//! column sums (empty: no bias). Outputs are overwritten, computed in T.
+template <class T, class In, class W>
+[[nodiscard]] status gating_backward(const gating_shape& g, std::span<const In> x,
+                                     std::span<const W> weight, std::span<const T> dlogits,
+                                     std::span<T> dx, std::span<T> dweight, std::span<T> dbias) {
+  if (auto s = detail::check_gating(g, x.size(), weight.size(), dbias.size(), dlogits.size()); !s)
+    return s;
+  if (dx.size() != x.size() || dweight.size() != weight.size())
+    return make_error(errc::shape_mismatch, "gating backward: dx and dweight must match x, weight");
+  const std::size_t N = static_cast<std::size_t>(g.num_tokens),
+                    H = static_cast<std::size_t>(g.hidden),
+                    E = static_cast<std::size_t>(g.num_experts);
+  for (std::size_t n = 0; n < N; ++n)
+    for (std::size_t h = 0; h < H; ++h) {
+      T acc = 0;
+      for (std::size_t e = 0; e < E; ++e)
+        acc += dlogits[n * E + e] * static_cast<T>(weight[e * H + h]);
+      dx[n * H + h] = acc;
+    }
+  for (std::size_t e = 0; e < E; ++e) {
+    for (std::size_t h = 0; h < H; ++h) {
+      T acc = 0;
+      for (std::size_t n = 0; n < N; ++n) acc += dlogits[n * E + e] * static_cast<T>(x[n * H + h]);
+      dweight[e * H + h] = acc;
+    }
+    if (!dbias.empty()) {
+      T acc = 0;
+      for (std::size_t n = 0; n < N; ++n) acc += dlogits[n * E + e];
+      dbias[e] = acc;
+    }
+  }
+  return {};
+}
+
+namespace detail {
+// SplitMix64 finaliser: a counter-based generator, so element i's draw depends only on
+// (seed, offset + i), never on thread order or on how many draws happened before.
+[[nodiscard]] constexpr std::uint64_t mix64(std::uint64_t z) noexcept {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+}  // namespace detail
+
+//! Uniform draw in [0, 1) for element `index` of stream `seed` (53 random bits).
+[[nodiscard]] constexpr double jitter_uniform(std::uint64_t seed, std::uint64_t index) noexcept {
+  return static_cast<double>(detail::mix64(detail::mix64(seed) ^ index) >> 11) * 0x1.0p-53;
+}
+
+//! Input jitter (Switch Transformer, Megatron-Core `moe_input_jitter_eps`): the router input is
+//! multiplied elementwise by U(1 - eps, 1 + eps); the experts see the un-jittered tokens. Element
+//! i uses draw (seed, offset + i): give each rank and micro-batch its own offset or seed.
+//! x_out may alias x. 0 < eps < 1.
+template <class T>
+[[nodiscard]] status apply_input_jitter(std::span<const T> x, double eps, std::uint64_t seed,
+                                        std::uint64_t offset, std::span<T> x_out) {
+  if (!(eps > 0 && eps < 1))
+    return make_error(errc::invalid_argument, "input jitter: eps must be in (0, 1)");
+  if (x_out.size() != x.size())
+    return make_error(errc::shape_mismatch, "input jitter: output size must equal input size");
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const double u = jitter_uniform(seed, offset + i);
+    x_out[i] = static_cast<T>(static_cast<double>(x[i]) * ((1.0 - eps) + 2.0 * eps * u));
+  }
+  return {};
+}
+
+}  // namespace moefold

@@ -1,0 +1,132 @@
+//! @file group_losses.hpp
+//! @brief The auxiliary losses and the z-loss of ranks that each hold a piece of the batch:
+//! statistics that Megatron-Core sums across TP x CP (or TP x DP x CP for the global loss) are
+//! summed through a moefold communicator, so the partial losses of the group add up to the
+//! formula on the full batch. Generic over the communicator concept.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "../comm/communicator.hpp"
+#include "../core/error.hpp"
+#include "../core/expected.hpp"
+#include "aux_loss.hpp"
+
+namespace moefold {
+
+namespace detail {
+template <communicator C>
+[[nodiscard]] status sum_counts(C& group, std::vector<double>& counts) {
+  if (group.size() == 1) return {};
+  return group.all_reduce(std::span<double>(counts), reduce_op::sum);
+}
+}  // namespace detail
+
+//! Micro-batch load-balancing loss (`aux_loss`): counts summed over `tp_cp`, T = N * |tp_cp|
+//! (or, with a padding mask, the group's valid tokens). Returns this rank's partial loss.
+template <communicator C, class T>
+[[nodiscard]] expected<aux_loss_term<T>> load_balancing_loss(C& tp_cp, const aux_scores<T>& a,
+                                                             double coeff) {
+  const auto E = static_cast<std::size_t>(a.num_experts);
+  std::vector<double> counts = column_counts(std::span<const std::uint8_t>(a.map), E);
+  if (auto s = detail::sum_counts(tp_cp, counts); !s) return unexpected<error>(s.error());
+  double total = static_cast<double>(a.num_tokens) * tp_cp.size();
+  if (a.has_padding_mask) {
+    total = 0;
+    for (double c : counts) total += c;
+    total /= a.topk;
+  }
+  return switch_load_balancing(std::span<const T>(a.scores), E, std::span<const double>(counts),
+                               total, a.topk, a.num_experts, coeff);
+}
+
+//! Per-sequence load-balancing loss (`seq_aux_loss`, DeepSeek-V2/V3): token n = s*B + b belongs
+//! to sequence b; counts per (sequence, expert) summed over `tp_cp`; T = S (the full sequence
+//! length); the result is the mean over the B sequences of each sequence's loss.
+template <communicator C, class T>
+[[nodiscard]] expected<aux_loss_term<T>> seq_load_balancing_loss(C& tp_cp, const aux_scores<T>& a,
+                                                                 int batch, double coeff) {
+  if (batch < 1 || a.num_tokens % batch != 0)
+    return make_error(errc::shape_mismatch,
+                      "seq aux loss: num_tokens=" + detail::to_decimal(a.num_tokens) +
+                          " is not a multiple of the batch size " + detail::to_decimal(batch));
+  const auto cols = static_cast<std::size_t>(batch) * static_cast<std::size_t>(a.num_experts);
+  std::vector<double> counts = column_counts(std::span<const std::uint8_t>(a.map), cols);
+  if (auto s = detail::sum_counts(tp_cp, counts); !s) return unexpected<error>(s.error());
+  double total = static_cast<double>(a.num_tokens / batch) * tp_cp.size();
+  if (a.has_padding_mask) {
+    total = 0;
+    for (double c : counts) total += c;
+    total /= static_cast<double>(a.topk) * batch;
+  }
+  return switch_load_balancing(std::span<const T>(a.scores), cols, std::span<const double>(counts),
+                               total, a.topk, a.num_experts, coeff, static_cast<double>(batch));
+}
+
+//! The running counts of the global load-balancing loss: summed over micro-batches of one global
+//! batch, reset when it ends (Megatron-Core `global_tokens_per_expert`, `ga_steps`).
+struct global_aux_state {
+  std::vector<double> tokens_per_expert{};  // [E]
+  int steps = 0;
+  //! Call at the end of every global batch.
+  void reset() noexcept {
+    for (double& c : tokens_per_expert) c = 0;
+    steps = 0;
+  }
+};
+
+//! Global load-balancing loss (`global_aux_loss`): this micro-batch's counts summed over
+//! `tp_dp_cp` are added to `state`; the loss uses the running average state / steps and
+//! T = N * |tp_dp_cp| of this micro-batch.
+template <communicator C, class T>
+[[nodiscard]] expected<aux_loss_term<T>> global_load_balancing_loss(C& tp_dp_cp,
+                                                                    const aux_scores<T>& a,
+                                                                    double coeff,
+                                                                    global_aux_state& state) {
+  const auto E = static_cast<std::size_t>(a.num_experts);
+  if (state.tokens_per_expert.empty()) state.tokens_per_expert.assign(E, 0.0);
+  if (state.tokens_per_expert.size() != E)
+    return make_error(
+        errc::shape_mismatch,
+        "global aux loss: the state has " +
+            detail::to_decimal(static_cast<long long>(state.tokens_per_expert.size())) +
+            " experts, the scores " + detail::to_decimal(a.num_experts));
+  std::vector<double> counts = column_counts(std::span<const std::uint8_t>(a.map), E);
+  if (auto s = detail::sum_counts(tp_dp_cp, counts); !s) return unexpected<error>(s.error());
+  double total = static_cast<double>(a.num_tokens) * tp_dp_cp.size();
+  if (a.has_padding_mask) {
+    total = 0;
+    for (double c : counts) total += c;
+    total /= a.topk;
+  }
+  state.steps += 1;
+  std::vector<double> avg(E);
+  for (std::size_t e = 0; e < E; ++e) {
+    state.tokens_per_expert[e] += counts[e];
+    avg[e] = state.tokens_per_expert[e] / state.steps;
+  }
+  return switch_load_balancing(std::span<const T>(a.scores), E, std::span<const double>(avg), total,
+                               a.topk, a.num_experts, coeff);
+}
+
+//! z-loss of this rank's tokens with the coefficient divided by |tp_cp|: the partials of the group
+//! sum to the mean over the group (when every rank holds the same number of tokens, as under
+//! sequence and context parallelism). No collective is needed.
+template <communicator C, class T>
+[[nodiscard]] expected<T> group_z_loss(const C& tp_cp, std::span<const T> logits, int num_experts,
+                                       double coeff, std::span<const std::uint8_t> padding = {}) {
+  return z_loss(logits, num_experts, coeff / tp_cp.size(), padding);
+}
+
+//! Gradient of group_z_loss (adds to dlogits).
+template <communicator C, class T>
+[[nodiscard]] status add_group_z_loss_gradient(const C& tp_cp, std::span<const T> logits,
+                                               int num_experts, double coeff,
+                                               std::span<const std::uint8_t> padding, T seed,
+                                               std::span<T> dlogits) {
+  return add_z_loss_gradient(logits, num_experts, coeff / tp_cp.size(), padding, seed, dlogits);
+}
+
+}  // namespace moefold

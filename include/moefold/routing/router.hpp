@@ -1,0 +1,36 @@
+//! @file router.hpp
+//! @brief The router concept: what moefold's drop policies and dispatcher need from a router, so
+//! that a user can bring their own routing rule and keep the rest of the pipeline.
+#pragma once
+
+#include <concepts>
+#include <span>
+
+#include "../core/expected.hpp"
+#include "topk_router.hpp"
+
+namespace moefold {
+
+//! A router maps logits [N, E] to a top-k routing (k experts and probabilities per token) and
+//! back-propagates the gradient of those probabilities to the logits. topk_router<T> is one;
+//! a user type satisfies it by providing the same four members:
+//!   value_type                 float or double (the router dtype)
+//!   num_experts(), topk()      E and k
+//!   route(logits, routing&)    -> status; fills routing with N = logits.size() / E tokens
+//!   backward(logits, routing, dprobs [N*k], dlogits [N*E]) -> status
+template <class R>
+concept router = std::floating_point<typename R::value_type> &&
+    requires(const R& r, std::span<const typename R::value_type> logits,
+             topk_routing<typename R::value_type>& out,
+             const topk_routing<typename R::value_type>& in,
+             std::span<const typename R::value_type> dprobs,
+             std::span<typename R::value_type> dlogits) {
+  { r.num_experts() } -> std::convertible_to<int>;
+  { r.topk() } -> std::convertible_to<int>;
+  { r.route(logits, out) } -> std::same_as<status>;
+  { r.backward(logits, in, dprobs, dlogits) } -> std::same_as<status>;
+};
+
+static_assert(router<topk_router<float>> && router<topk_router<double>>);
+
+}  // namespace moefold
