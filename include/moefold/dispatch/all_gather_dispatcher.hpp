@@ -1,0 +1,223 @@
+//! @file all_gather_dispatcher.hpp
+//! @brief The AllGather token dispatcher (host path): every rank of the tp-ep group gathers all
+//! tokens of the group, computes the rows of its own local experts, and a ReduceScatter sums the
+//! experts' contributions (over EP) and the row-parallel partials (over ETP) back to each token's
+//! rank (dispatch-semantics.md 5.1). Simpler than the All-to-All path and a test oracle for it:
+//! same results, more bytes (O(N * ETP * EP * H) per rank, independent of k).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "../comm/communicator.hpp"
+#include "../core/expected.hpp"
+#include "../core/workspace.hpp"
+#include "dispatch_args.hpp"
+#include "dispatch_handle.hpp"
+#include "permute.hpp"
+
+namespace moefold {
+
+template <class T, communicator Comm>
+class all_gather_dispatcher {
+ public:
+  using value_type = T;
+  using handle_type = dispatch_handle<all_gather_dispatcher>;
+  //! What the handle keeps: the token count of every tp-ep rank (in tp-ep rank order).
+  struct state {
+    std::span<int> tokens;  //!< [EP*ETP]
+    int gathered = 0;       //!< sum of tokens
+  };
+
+  //! Checks the shape (detail::check_dispatch_shape).
+  [[nodiscard]] static expected<all_gather_dispatcher> make(const dispatch_shape& s) {
+    if (auto st = detail::check_dispatch_shape(s); !st) return unexpected<error>(st.error());
+    all_gather_dispatcher d;
+    d.s_ = s;
+    return d;
+  }
+
+  [[nodiscard]] const dispatch_shape& shape() const noexcept { return s_; }
+
+  //! Bytes of workspace one round trip (and its backward) needs.
+  [[nodiscard]] std::size_t workspace_bytes() const {
+    workspace_carver c;
+    (void)carve(c);
+    return c.required();
+  }
+
+  //! Forward dispatch: gather the group's tokens, keep the rows of this rank's experts.
+  [[nodiscard]] expected<handle_type> dispatch(const dispatch_input<T>& in,
+                                               const dispatch_groups<Comm>& g,
+                                               std::span<std::byte> workspace) {
+    using detail::to_decimal;
+    if (auto st = detail::check_dispatch_groups(s_, g); !st) return unexpected<error>(st.error());
+    if (auto st = detail::check_dispatch_input(s_, in); !st) return unexpected<error>(st.error());
+    workspace_carver c(workspace);
+    buffers b = carve(c);
+    if (!c.fits())
+      return make_error(errc::workspace_too_small,
+                        "dispatch: the workspace has " + to_decimal(workspace.size()) +
+                            " bytes, workspace_bytes() = " + to_decimal(c.required()));
+    bufs_ = b;
+    const auto H = uz(s_.hidden), K = uz(s_.topk);
+    handle_type h;
+    h.issue(this, ++serial_, s_.hidden, in.num_tokens);
+    h.st_.tokens = b.tokens;
+    // 1. Token counts of the group, then tokens, routing and probabilities.
+    const int n = in.num_tokens;
+    if (auto st = g.tp_ep.template all_gather<int>(std::span<const int>(&n, 1), b.tokens); !st)
+      return unexpected<error>(st.error());
+    long long total = 0;
+    for (int v : b.tokens) {
+      if (v < 0 || v > s_.max_tokens)
+        return make_error(errc::invalid_size, "dispatch: a peer has " + to_decimal(v) +
+                                                  " tokens, outside [0, max_tokens]");
+      total += v;
+    }
+    h.st_.gathered = static_cast<int>(total);
+    const auto G = uz(total);
+    const int peers = g.tp_ep.size() - 1;
+    h.volume_.count_gather = {peers,
+                              static_cast<long long>(peers) * static_cast<long long>(sizeof(int))};
+    auto xg = b.rows_a.first(G * H);
+    auto eg = b.experts.first(G * K);
+    auto pg = b.probs_a.first(G * K);
+    if (auto st = g.tp_ep.template all_gather_v<T>(in.x, xg, elements(b.tokens, s_.hidden)); !st)
+      return unexpected<error>(st.error());
+    if (auto st = g.tp_ep.template all_gather_v<int>(in.expert, eg, elements(b.tokens, s_.topk));
+        !st)
+      return unexpected<error>(st.error());
+    if (auto st = g.tp_ep.template all_gather_v<T>(in.probs, pg, elements(b.tokens, s_.topk)); !st)
+      return unexpected<error>(st.error());
+    const long long sent = static_cast<long long>(n) * peers;
+    h.volume_.dispatch_agv = {
+        sent, sent * static_cast<long long>(H * sizeof(T) + K * (sizeof(T) + sizeof(int)))};
+    // 2. Keep this rank's experts: a local routing record over the gathered tokens.
+    const int L = s_.num_experts / s_.ep, first = g.ep.rank() * L;
+    auto local = b.local_experts.first(G * K);
+    for (std::size_t i = 0; i < G * K; ++i)
+      local[i] = (eg[i] >= first && eg[i] < first + L) ? eg[i] - first : -1;
+    auto plan = permute_plan::make(
+        {.num_tokens = static_cast<int>(total), .topk = s_.topk, .num_experts = L, .expert = local},
+        b.plan);
+    if (!plan) return unexpected<error>(plan.error());
+    h.plan_ = *plan;
+    h.per_expert_ = h.plan_.counts();
+    const auto M = uz(h.plan_.num_rows());
+    h.x_ = b.batch_x.first(M * H);
+    h.p_ = b.batch_probs.first(M);
+    if (auto st = permute<T>(h.plan_, std::span<const T>(xg), s_.hidden, h.x_); !st)
+      return unexpected<error>(st.error());
+    if (auto st = permute_probs<T>(h.plan_, std::span<const T>(pg), h.p_); !st)
+      return unexpected<error>(st.error());
+    return h;
+  }
+
+  //! Forward combine: y [M, H] -> out [N, H].
+  [[nodiscard]] status combine(handle_type& h, std::span<const T> y, const dispatch_groups<Comm>& g,
+                               std::span<T> out) {
+    if (auto st = check_handle(h, g); !st) return st;
+    const auto H = uz(s_.hidden), G = uz(h.st_.gathered);
+    if (y.size() != uz(h.num_rows()) * H || out.size() != uz(h.num_tokens()) * H)
+      return make_error(errc::shape_mismatch, "combine: y must be [M, H] and out [N, H]");
+    auto u = bufs_.rows_b.first(G * H);  // zeros for tokens without a local expert
+    if (auto st = unpermute<T>(h.plan_, y, s_.hidden, {}, u); !st) return st;
+    if (auto st = g.tp_ep.template reduce_scatter_v<T>(
+            std::span<const T>(u), elements(h.st_.tokens, s_.hidden), out, reduce_op::sum);
+        !st)
+      return st;
+    const long long rows = static_cast<long long>(G) - h.num_tokens();
+    h.volume_.combine_rsv = {rows, rows * static_cast<long long>(H * sizeof(T))};
+    return {};
+  }
+
+  //! Backward of combine: dout [N, H] -> dy [M, H].
+  [[nodiscard]] status combine_backward(const handle_type& h, std::span<const T> dout,
+                                        const dispatch_groups<Comm>& g, std::span<T> dy) {
+    if (auto st = check_handle(h, g); !st) return st;
+    const auto H = uz(s_.hidden), G = uz(h.st_.gathered);
+    if (dout.size() != uz(h.num_tokens()) * H || dy.size() != uz(h.num_rows()) * H)
+      return make_error(errc::shape_mismatch, "combine_backward: dout [N, H], dy [M, H]");
+    auto gu = bufs_.rows_b.first(G * H);  // ReduceScatter backward = AllGather
+    if (auto st = g.tp_ep.template all_gather_v<T>(dout, gu, elements(h.st_.tokens, s_.hidden));
+        !st)
+      return st;
+    return permute<T>(h.plan_, std::span<const T>(gu), s_.hidden, dy);  // un-permute backward
+  }
+
+  //! Backward of dispatch: dx_rows [M, H], dprob_rows [M] -> dx [N, H], dprobs [N*k].
+  [[nodiscard]] status dispatch_backward(const handle_type& h, std::span<const T> dx_rows,
+                                         std::span<const T> dprob_rows,
+                                         const dispatch_groups<Comm>& g, std::span<T> dx,
+                                         std::span<T> dprobs) {
+    if (auto st = check_handle(h, g); !st) return st;
+    const auto H = uz(s_.hidden), K = uz(s_.topk), G = uz(h.st_.gathered);
+    if (dx_rows.size() != uz(h.num_rows()) * H || dprob_rows.size() != uz(h.num_rows()) ||
+        dx.size() != uz(h.num_tokens()) * H || dprobs.size() != uz(h.num_tokens()) * K)
+      return make_error(errc::shape_mismatch,
+                        "dispatch_backward: dx_rows [M, H], dprob_rows "
+                        "[M], dx [N, H], dprobs [N*k]");
+    // Permute backward (a sum per gathered token), then the AllGather backward: a sum over the
+    // group, which adds the experts of the other EP ranks and the partials of the ETP peers.
+    auto gx = bufs_.rows_b.first(G * H);
+    if (auto st = unpermute<T>(h.plan_, dx_rows, s_.hidden, {}, gx); !st) return st;
+    if (auto st = g.tp_ep.template reduce_scatter_v<T>(
+            std::span<const T>(gx), elements(h.st_.tokens, s_.hidden), dx, reduce_op::sum);
+        !st)
+      return st;
+    auto gp = bufs_.probs_a.first(G * K);
+    for (std::size_t s = 0; s < G * K; ++s) {
+      const int r = h.plan_.slot_row()[s];
+      gp[s] = r < 0 ? T(0) : dprob_rows[uz(r)];
+    }
+    return g.tp_ep.template reduce_scatter_v<T>(
+        std::span<const T>(gp), elements(h.st_.tokens, s_.topk), dprobs, reduce_op::sum);
+  }
+
+ private:
+  struct buffers {
+    std::span<std::byte> plan;
+    std::span<int> tokens, counts, experts, local_experts;
+    std::span<T> rows_a, rows_b, probs_a, batch_x, batch_probs;
+  };
+
+  static constexpr std::size_t uz(long long v) noexcept { return static_cast<std::size_t>(v); }
+
+  buffers carve(workspace_carver& c) const {
+    buffers b;
+    const auto P = uz(s_.ep) * uz(s_.etp), H = uz(s_.hidden), K = uz(s_.topk);
+    const auto G = uz(s_.max_tokens) * P;
+    const permute_args pa{
+        .num_tokens = static_cast<int>(G), .topk = s_.topk, .num_experts = s_.num_experts / s_.ep};
+    b.plan = c.take<std::byte>(permute_plan::workspace_bytes(pa));
+    b.tokens = c.take<int>(P);
+    b.counts = c.take<int>(P);
+    b.experts = c.take<int>(G * K);
+    b.local_experts = c.take<int>(G * K);
+    b.rows_a = c.take<T>(G * H);
+    b.rows_b = c.take<T>(G * H);
+    b.probs_a = c.take<T>(G * K);
+    b.batch_x = c.take<T>(G * K * H);
+    b.batch_probs = c.take<T>(G * K);
+    return b;
+  }
+
+  // Per-rank element counts of a gather over tp-ep: tokens[i] * width.
+  std::span<const int> elements(std::span<const int> tokens, int width) {
+    for (std::size_t i = 0; i < tokens.size(); ++i) bufs_.counts[i] = tokens[i] * width;
+    return bufs_.counts.first(tokens.size());
+  }
+
+  status check_handle(const handle_type& h, const dispatch_groups<Comm>& g) const {
+    if (auto st = h.check_issued_by(this, serial_); !st) return st;
+    return detail::check_dispatch_groups(s_, g);
+  }
+
+  dispatch_shape s_{};
+  std::uint64_t serial_ = 0;
+  buffers bufs_{};
+};
+
+}  // namespace moefold

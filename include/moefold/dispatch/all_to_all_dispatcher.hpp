@@ -1,0 +1,343 @@
+//! @file all_to_all_dispatcher.hpp
+//! @brief The All-to-All token dispatcher (host path): tokens laid out by the attention mesh go to
+//! their experts under the MoE mesh and come back, forward and backward, for any fold.
+//!
+//! Forward (dispatch-semantics.md 5.2.2), per rank:
+//!   permute -> All-to-All-V over EP -> AllGather-V over ETP -> chunk sort (t, j, l) -> (l, t, j)
+//!   -> [experts] -> chunk unsort -> ReduceScatter-V over ETP -> All-to-All-V back -> un-permute.
+//! The backward runs the mirror image and reuses the forward's plan, splits and chunk order, which
+//! the typed handle carries. Everything a step needs lives in the caller's workspace.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "../comm/communicator.hpp"
+#include "../core/expected.hpp"
+#include "../core/workspace.hpp"
+#include "../experts/expert_fn.hpp"
+#include "chunk_sort.hpp"
+#include "dispatch_args.hpp"
+#include "dispatch_handle.hpp"
+#include "permute.hpp"
+#include "splits.hpp"
+
+namespace moefold {
+
+//! The All-to-All dispatcher for element type T over communicators of type Comm.
+template <class T, communicator Comm>
+class all_to_all_dispatcher {
+ public:
+  using value_type = T;
+  using handle_type = dispatch_handle<all_to_all_dispatcher>;
+  //! What the handle keeps for combine and the backward: splits and the chunk order.
+  struct state {
+    std::span<int> input_splits, output_splits, output_splits_tp, per_expert, chunk_counts, order,
+        sorted_sizes;
+  };
+
+  //! Checks the shape (detail::check_dispatch_shape).
+  [[nodiscard]] static expected<all_to_all_dispatcher> make(const dispatch_shape& s) {
+    if (auto st = detail::check_dispatch_shape(s); !st) return unexpected<error>(st.error());
+    all_to_all_dispatcher d;
+    d.s_ = s;
+    return d;
+  }
+
+  [[nodiscard]] const dispatch_shape& shape() const noexcept { return s_; }
+
+  //! Bytes of workspace one dispatch/combine round trip (and its backward) needs.
+  [[nodiscard]] std::size_t workspace_bytes() const {
+    workspace_carver c;
+    (void)carve(c, s_.max_tokens);
+    return c.required();
+  }
+
+  //! Forward dispatch: after it, handle.batch() is what the local experts compute.
+  [[nodiscard]] expected<handle_type> dispatch(const dispatch_input<T>& in,
+                                               const dispatch_groups<Comm>& g,
+                                               std::span<std::byte> workspace) {
+    using detail::to_decimal;
+    if (auto st = detail::check_dispatch_groups(s_, g); !st) return unexpected<error>(st.error());
+    if (auto st = detail::check_dispatch_input(s_, in); !st) return unexpected<error>(st.error());
+    workspace_carver c(workspace);
+    buffers b = carve(c, s_.max_tokens);
+    if (!c.fits())
+      return make_error(errc::workspace_too_small,
+                        "dispatch: the workspace has " + to_decimal(workspace.size()) +
+                            " bytes, workspace_bytes() = " + to_decimal(c.required()));
+    bufs_ = b;
+    const auto H = uz(s_.hidden);
+    handle_type h;
+    h.issue(this, ++serial_, s_.hidden, in.num_tokens);
+    // 1. Plan the permutation (validates the routing record) and exchange the counts.
+    auto plan = permute_plan::make({.num_tokens = in.num_tokens,
+                                    .topk = s_.topk,
+                                    .num_experts = s_.num_experts,
+                                    .expert = in.expert},
+                                   b.plan);
+    if (!plan) return unexpected<error>(plan.error());
+    h.plan_ = *plan;
+    if (auto st = g.tp_ep.template all_gather<int>(h.plan_.counts(), b.gathered); !st)
+      return unexpected<error>(st.error());
+    h.volume_.count_gather = volume(s_.num_experts * (s_.ep * s_.etp - 1), sizeof(int), 1);
+    // 2. Splits, chunk order.
+    h.st_.input_splits = b.input_splits;
+    h.st_.output_splits = b.output_splits;
+    h.st_.output_splits_tp = b.output_splits_tp;
+    h.st_.per_expert = b.per_expert;
+    h.st_.chunk_counts = b.chunk_counts;
+    h.st_.order = b.order;
+    h.st_.sorted_sizes = b.sorted_sizes;
+    if (auto st = compute_splits({.ep = s_.ep,
+                                  .etp = s_.etp,
+                                  .num_experts = s_.num_experts,
+                                  .my_ep = g.ep.rank(),
+                                  .my_etp = g.etp.rank(),
+                                  .gathered_counts = b.gathered},
+                                 {.input_splits = h.st_.input_splits,
+                                  .output_splits = h.st_.output_splits,
+                                  .output_splits_tp = h.st_.output_splits_tp,
+                                  .tokens_per_local_expert = h.st_.per_expert,
+                                  .chunk_counts = h.st_.chunk_counts});
+        !st)
+      return unexpected<error>(st.error());
+    expert_major_chunk_order(s_.etp, s_.ep, local_experts(), h.st_.order);
+    h.per_expert_ = h.st_.per_expert;
+    sorted_chunk_sizes(h.st_.chunk_counts, h.st_.order, h.st_.sorted_sizes);
+    const int m_send = h.plan_.num_rows();
+    const int m_a2a = sum(h.st_.output_splits);
+    const int m_all = sum(h.st_.output_splits_tp);
+    if (m_all > bound_rows())
+      return make_error(errc::invalid_size,
+                        "dispatch: this rank receives " + to_decimal(m_all) +
+                            " rows, more than the bound max_tokens * topk * ep * etp = " +
+                            to_decimal(bound_rows()) + " (a peer exceeded max_tokens)");
+    // 3. Permute rows and probabilities.            x [N,H] -> xp [m_send, H], pp [m_send]
+    auto xp = b.rows_a.first(uz(m_send) * H);
+    auto pp = b.probs_a.first(uz(m_send));
+    if (auto st = permute<T>(h.plan_, in.x, s_.hidden, xp); !st)
+      return unexpected<error>(st.error());
+    if (auto st = permute_probs<T>(h.plan_, in.probs, pp); !st)
+      return unexpected<error>(st.error());
+    // 4. All-to-All-V over EP.                       -> [m_a2a, H] ordered (j, l, token)
+    auto xr = b.rows_b.first(uz(m_a2a) * H);
+    auto pr = b.probs_b.first(uz(m_a2a));
+    if (auto st = a2a(g.ep, xp, h.st_.input_splits, xr, h.st_.output_splits, s_.hidden); !st)
+      return unexpected<error>(st.error());
+    if (auto st = a2a(g.ep, std::span<const T>(pp), h.st_.input_splits, pr, h.st_.output_splits, 1);
+        !st)
+      return unexpected<error>(st.error());
+    h.volume_.dispatch_a2a =
+        volume(m_send - h.st_.input_splits[uz(g.ep.rank())], sizeof(T), s_.hidden + 1);
+    // 5. AllGather-V over ETP.                        -> [m_all, H] ordered (t, j, l, token)
+    std::span<T> xg = xr, pg = pr;
+    if (s_.etp > 1) {
+      xg = b.rows_a.first(uz(m_all) * H);
+      pg = b.probs_a.first(uz(m_all));
+      if (auto st = agv(g.etp, std::span<const T>(xr), xg, h.st_.output_splits_tp, s_.hidden); !st)
+        return unexpected<error>(st.error());
+      if (auto st = agv(g.etp, std::span<const T>(pr), pg, h.st_.output_splits_tp, 1); !st)
+        return unexpected<error>(st.error());
+      h.volume_.dispatch_agv =
+          volume(static_cast<long long>(m_a2a) * (s_.etp - 1), sizeof(T), s_.hidden + 1);
+    }
+    // 6. Chunk sort (t, j, l) -> (l, t, j): rows grouped by local expert.
+    h.x_ = b.batch_x.first(uz(m_all) * H);
+    h.p_ = b.batch_probs.first(uz(m_all));
+    if (auto st = sort_chunks<T>(h.st_.chunk_counts, h.st_.order, xg, s_.hidden, h.x_); !st)
+      return unexpected<error>(st.error());
+    if (auto st = sort_chunks<T>(h.st_.chunk_counts, h.st_.order, pg, 1, h.p_); !st)
+      return unexpected<error>(st.error());
+    return h;
+  }
+
+  //! Forward combine: y [M, H] (the experts' outputs for handle.batch(), ETP partials) ->
+  //! out [N, H]. Probabilities were applied inside the experts.
+  [[nodiscard]] status combine(handle_type& h, std::span<const T> y, const dispatch_groups<Comm>& g,
+                               std::span<T> out) {
+    if (auto st = check_handle(h, g); !st) return st;
+    const auto H = uz(s_.hidden);
+    if (y.size() != uz(h.num_rows()) * H || out.size() != uz(h.num_tokens()) * H)
+      return make_error(errc::shape_mismatch, "combine: y must be [M, H] and out [N, H]");
+    const int m_a2a = sum(h.st_.output_splits), m_send = h.plan_.num_rows(), m_all = h.num_rows();
+    // Unsort (l, t, j) -> (t, j, l).
+    auto yu = bufs_.rows_a.first(uz(m_all) * H);
+    if (auto st = unsort_chunks<T>(h.st_.chunk_counts, h.st_.order, y, s_.hidden, yu); !st)
+      return st;
+    // ReduceScatter-V over ETP: sums the row-parallel partials, returns each peer its rows.
+    std::span<T> yr = yu;
+    if (s_.etp > 1) {
+      yr = bufs_.rows_b.first(uz(m_a2a) * H);
+      if (auto st = rsv(g.etp, std::span<const T>(yu), yr, h.st_.output_splits_tp, s_.hidden); !st)
+        return st;
+      h.volume_.combine_rsv = volume(m_all - m_a2a, sizeof(T), s_.hidden);
+    }
+    // All-to-All-V back over EP.
+    auto yc = bufs_.rows_c.first(uz(m_send) * H);
+    if (auto st = a2a(g.ep, std::span<const T>(yr), h.st_.output_splits, yc, h.st_.input_splits,
+                      s_.hidden);
+        !st)
+      return st;
+    h.volume_.combine_a2a =
+        volume(m_a2a - h.st_.output_splits[uz(g.ep.rank())], sizeof(T), s_.hidden);
+    // Un-permute: out[t] = sum over its pairs, in slot order.
+    return unpermute<T>(h.plan_, std::span<const T>(yc), s_.hidden, {}, out);
+  }
+
+  //! Backward of combine: dout [N, H] -> dy [M, H] (the experts' output gradient, batch order).
+  [[nodiscard]] status combine_backward(const handle_type& h, std::span<const T> dout,
+                                        const dispatch_groups<Comm>& g, std::span<T> dy) {
+    if (auto st = check_handle(h, g); !st) return st;
+    const auto H = uz(s_.hidden);
+    if (dout.size() != uz(h.num_tokens()) * H || dy.size() != uz(h.num_rows()) * H)
+      return make_error(errc::shape_mismatch, "combine_backward: dout [N, H], dy [M, H]");
+    const int m_a2a = sum(h.st_.output_splits), m_send = h.plan_.num_rows(), m_all = h.num_rows();
+    auto gc = bufs_.rows_c.first(uz(m_send) * H);  // un-permute backward = permute
+    if (auto st = permute<T>(h.plan_, dout, s_.hidden, gc); !st) return st;
+    auto gr = bufs_.rows_b.first(uz(m_a2a) * H);  // All-to-All backward: swap the splits
+    if (auto st = a2a(g.ep, std::span<const T>(gc), h.st_.input_splits, gr, h.st_.output_splits,
+                      s_.hidden);
+        !st)
+      return st;
+    std::span<T> gu = gr;  // ReduceScatter backward = AllGather
+    if (s_.etp > 1) {
+      gu = bufs_.rows_a.first(uz(m_all) * H);
+      if (auto st = agv(g.etp, std::span<const T>(gr), gu, h.st_.output_splits_tp, s_.hidden); !st)
+        return st;
+    }
+    return sort_chunks<T>(h.st_.chunk_counts, h.st_.order, std::span<const T>(gu), s_.hidden, dy);
+  }
+
+  //! Backward of dispatch: the experts' input and probability gradients (batch order, ETP
+  //! partials) -> dx [N, H] and dprobs [N*k] (0 for dropped pairs).
+  [[nodiscard]] status dispatch_backward(const handle_type& h, std::span<const T> dx_rows,
+                                         std::span<const T> dprob_rows,
+                                         const dispatch_groups<Comm>& g, std::span<T> dx,
+                                         std::span<T> dprobs) {
+    if (auto st = check_handle(h, g); !st) return st;
+    const auto H = uz(s_.hidden), K = uz(s_.topk);
+    if (dx_rows.size() != uz(h.num_rows()) * H || dprob_rows.size() != uz(h.num_rows()) ||
+        dx.size() != uz(h.num_tokens()) * H || dprobs.size() != uz(h.num_tokens()) * K)
+      return make_error(errc::shape_mismatch,
+                        "dispatch_backward: dx_rows [M, H], dprob_rows "
+                        "[M], dx [N, H], dprobs [N*k]");
+    const int m_a2a = sum(h.st_.output_splits), m_send = h.plan_.num_rows(), m_all = h.num_rows();
+    auto gx = bufs_.rows_a.first(uz(m_all) * H);  // sort backward = unsort
+    auto gp = bufs_.probs_a.first(uz(m_all));
+    if (auto st = unsort_chunks<T>(h.st_.chunk_counts, h.st_.order, dx_rows, s_.hidden, gx); !st)
+      return st;
+    if (auto st = unsort_chunks<T>(h.st_.chunk_counts, h.st_.order, dprob_rows, 1, gp); !st)
+      return st;
+    std::span<T> rx = gx, rp = gp;  // AllGather backward = ReduceScatter (a sum over ETP)
+    if (s_.etp > 1) {
+      rx = bufs_.rows_b.first(uz(m_a2a) * H);
+      rp = bufs_.probs_b.first(uz(m_a2a));
+      if (auto st = rsv(g.etp, std::span<const T>(gx), rx, h.st_.output_splits_tp, s_.hidden); !st)
+        return st;
+      if (auto st = rsv(g.etp, std::span<const T>(gp), rp, h.st_.output_splits_tp, 1); !st)
+        return st;
+    }
+    auto sx = bufs_.rows_c.first(uz(m_send) * H);  // All-to-All backward: swap the splits
+    auto sp = bufs_.probs_c.first(uz(m_send));
+    if (auto st = a2a(g.ep, std::span<const T>(rx), h.st_.output_splits, sx, h.st_.input_splits,
+                      s_.hidden);
+        !st)
+      return st;
+    if (auto st = a2a(g.ep, std::span<const T>(rp), h.st_.output_splits, sp, h.st_.input_splits, 1);
+        !st)
+      return st;
+    // Permute backward = un-permute without probs; the probs' permute backward is a gather.
+    if (auto st = unpermute<T>(h.plan_, std::span<const T>(sx), s_.hidden, {}, dx); !st) return st;
+    for (std::size_t s = 0; s < dprobs.size(); ++s) {
+      const int r = h.plan_.slot_row()[s];
+      dprobs[s] = r < 0 ? T(0) : sp[uz(r)];
+    }
+    return {};
+  }
+
+ private:
+  struct buffers {
+    std::span<std::byte> plan;
+    std::span<int> gathered, input_splits, output_splits, output_splits_tp, per_expert,
+        chunk_counts, order, sorted_sizes;
+    std::span<int> counts_send, counts_recv;  // per-peer element counts of one collective
+    // Scratch rows and probs reused by every step, and the expert batch, which must survive
+    // until the backward (the experts read it again there).
+    std::span<T> rows_a, rows_b, rows_c, probs_a, probs_b, probs_c, batch_x, batch_probs;
+  };
+
+  static constexpr std::size_t uz(long long v) noexcept { return static_cast<std::size_t>(v); }
+  static int sum(std::span<const int> v) noexcept {
+    int s = 0;
+    for (int x : v) s += x;
+    return s;
+  }
+  int local_experts() const noexcept { return s_.num_experts / s_.ep; }
+  int bound_rows() const noexcept { return s_.max_tokens * s_.topk * s_.ep * s_.etp; }
+  static comm_volume volume(long long rows, std::size_t elem, int per_row) noexcept {
+    return {rows, rows * static_cast<long long>(elem) * per_row};
+  }
+
+  // One layout, used both to size and to carve (never two functions that can drift).
+  buffers carve(workspace_carver& c, int max_tokens) const {
+    buffers b;
+    const auto E = uz(s_.num_experts), EP = uz(s_.ep), ETP = uz(s_.etp), L = uz(local_experts()),
+               H = uz(s_.hidden);
+    const auto rows = uz(bound_rows());
+    const permute_args pa{.num_tokens = max_tokens, .topk = s_.topk, .num_experts = s_.num_experts};
+    b.plan = c.take<std::byte>(permute_plan::workspace_bytes(pa));
+    b.gathered = c.take<int>(EP * ETP * E);
+    b.input_splits = c.take<int>(EP);
+    b.output_splits = c.take<int>(EP);
+    b.output_splits_tp = c.take<int>(ETP);
+    b.per_expert = c.take<int>(L);
+    b.chunk_counts = c.take<int>(ETP * EP * L);
+    b.order = c.take<int>(ETP * EP * L);
+    b.sorted_sizes = c.take<int>(ETP * EP * L);
+    b.counts_send = c.take<int>(EP > ETP ? EP : ETP);
+    b.counts_recv = c.take<int>(EP > ETP ? EP : ETP);
+    b.rows_a = c.take<T>(rows * H);
+    b.rows_b = c.take<T>(rows * H);
+    b.rows_c = c.take<T>(rows * H);
+    b.probs_a = c.take<T>(rows);
+    b.probs_b = c.take<T>(rows);
+    b.probs_c = c.take<T>(rows);
+    b.batch_x = c.take<T>(rows * H);
+    b.batch_probs = c.take<T>(rows);
+    return b;
+  }
+
+  status check_handle(const handle_type& h, const dispatch_groups<Comm>& g) const {
+    if (auto st = h.check_issued_by(this, serial_); !st) return st;
+    return detail::check_dispatch_groups(s_, g);
+  }
+
+  // Row-wise wrappers of the collectives: counts in rows, `width` elements per row.
+  static std::span<const int> elements(std::span<const int> rows, int width, std::span<int> out) {
+    for (std::size_t i = 0; i < rows.size(); ++i) out[i] = rows[i] * width;
+    return out.first(rows.size());
+  }
+  status a2a(Comm& c, std::span<const T> send, std::span<const int> send_rows, std::span<T> recv,
+             std::span<const int> recv_rows, int width) {
+    return c.template all_to_all_v<T>(send, elements(send_rows, width, bufs_.counts_send), recv,
+                                      elements(recv_rows, width, bufs_.counts_recv));
+  }
+  status agv(Comm& c, std::span<const T> send, std::span<T> recv, std::span<const int> rows,
+             int width) {
+    return c.template all_gather_v<T>(send, recv, elements(rows, width, bufs_.counts_send));
+  }
+  status rsv(Comm& c, std::span<const T> send, std::span<T> recv, std::span<const int> rows,
+             int width) {
+    return c.template reduce_scatter_v<T>(send, elements(rows, width, bufs_.counts_send), recv,
+                                          reduce_op::sum);
+  }
+
+  dispatch_shape s_{};
+  std::uint64_t serial_ = 0;
+  buffers bufs_{};
+};
+
+}  // namespace moefold

@@ -1,0 +1,79 @@
+//! @file dispatch_handle.hpp
+//! @brief The typed handle a dispatcher's dispatch() returns and only its combine() and backward
+//! accept, and the byte accounting every dispatcher reports.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "../core/expected.hpp"
+#include "../experts/expert_fn.hpp"
+#include "permute.hpp"
+
+namespace moefold {
+
+//! Rows and bytes one collective sent from this rank to other ranks.
+struct comm_volume {
+  long long rows = 0;
+  long long bytes = 0;
+};
+
+//! Per-step byte accounting of one dispatch/combine round trip (forward).
+struct dispatch_volume {
+  comm_volume count_gather;  //!< per-expert counts (or token counts), AllGather over tp-ep
+  comm_volume dispatch_a2a;  //!< token rows and probs, All-to-All-V over EP
+  comm_volume dispatch_agv;  //!< AllGather-V over ETP (All-to-All path) or tp-ep (AllGather path)
+  comm_volume combine_rsv;   //!< ReduceScatter-V over ETP (All-to-All path) or tp-ep (AllGather)
+  comm_volume combine_a2a;   //!< All-to-All-V back over EP
+};
+
+//! What dispatch() hands to combine() and the backward: views into the dispatcher's workspace,
+//! valid while that workspace is and until the next dispatch() of the same dispatcher (each MoE
+//! layer of a model has its own dispatcher and workspace). The dispatcher that made a handle
+//! checks it; any other refuses it with an error before any collective runs.
+template <class Dispatcher>
+class dispatch_handle {
+ public:
+  using value_type = typename Dispatcher::value_type;
+
+  //! The rows this rank's local experts compute, grouped by local expert.
+  [[nodiscard]] expert_batch<value_type> batch() const noexcept {
+    return {.hidden = hidden_, .counts = per_expert_, .x = x_, .probs = p_};
+  }
+  //! Rows of batch() (M).
+  [[nodiscard]] int num_rows() const noexcept { return static_cast<int>(p_.size()); }
+  //! Tokens of this rank (N).
+  [[nodiscard]] int num_tokens() const noexcept { return num_tokens_; }
+  //! Rows and bytes each collective of the round trip sent (combine fills its part).
+  [[nodiscard]] const dispatch_volume& volume() const noexcept { return volume_; }
+
+ private:
+  friend Dispatcher;
+  const void* owner_ = nullptr;
+  std::uint64_t serial_ = 0;
+  int hidden_ = 0;
+  int num_tokens_ = 0;
+  permute_plan plan_{};
+  std::span<const int> per_expert_;
+  std::span<value_type> x_, p_;
+  dispatch_volume volume_{};
+  typename Dispatcher::state st_{};
+
+  // Issued by `owner` as its dispatch number `serial`.
+  void issue(const void* owner, std::uint64_t serial, int hidden, int num_tokens) noexcept {
+    owner_ = owner;
+    serial_ = serial;
+    hidden_ = hidden;
+    num_tokens_ = num_tokens;
+  }
+  // The handle of `owner`'s latest dispatch, or an error (before any collective runs).
+  [[nodiscard]] status check_issued_by(const void* owner, std::uint64_t latest) const {
+    if (owner_ != owner || serial_ != latest)
+      return make_error(errc::invalid_argument,
+                        "dispatcher: the handle comes from another dispatcher or an earlier "
+                        "dispatch (its workspace has been reused)");
+    return {};
+  }
+};
+
+}  // namespace moefold

@@ -1,0 +1,213 @@
+//! @file shared_expert.hpp
+//! @brief The shared expert (host path): a dense MLP every token goes through, sharded over the
+//! attention TP group like Megatron-Core's (sequence parallel: gather the sequence over TP, fc1
+//! column-parallel, fc2 row-parallel, reduce-scatter back), with an optional sigmoid gate
+//! out = sigmoid(x . w_g) * mlp(x), w_g of shape [H].
+//!
+//! Gradient reduction: the TP-sharded MLP weights see every token of their TP group, so they are
+//! summed over the attention data groups (dp-cp); the gate weight is replicated over TP and sees
+//! only this rank's tokens, so it is summed over tp-dp-cp (like the router weight).
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "../comm/communicator.hpp"
+#include "../core/expected.hpp"
+#include "../core/workspace.hpp"
+#include "reference_mlp.hpp"
+
+namespace moefold {
+
+struct shared_expert_shape {
+  int max_tokens = 0;  //!< upper bound of N on every rank of the TP group
+  int hidden = 0;      //!< H
+  int ffn = 0;         //!< F, the full shared-expert FFN size
+  int tp = 1;          //!< attention TP
+  int tp_rank = 0;     //!< this rank's index in the TP group
+  activation act = activation::swiglu;
+  bool gate = false;  //!< multiply by sigmoid(x . w_g)
+};
+
+template <class T, communicator Comm>
+class shared_expert {
+ public:
+  [[nodiscard]] static expected<shared_expert> make(const shared_expert_shape& s) {
+    if (s.max_tokens < 0)
+      return make_error(errc::invalid_size, "shared_expert: max_tokens must be >= 0");
+    if (static_cast<long long>(s.max_tokens) * s.tp * s.hidden > 2147483647LL)
+      return make_error(errc::overflow, "shared_expert: max_tokens * tp * hidden exceeds 2^31-1");
+    auto mlp = reference_mlp<T>::make({.hidden = s.hidden,
+                                       .ffn = s.ffn,
+                                       .num_local_experts = 1,
+                                       .etp = s.tp,
+                                       .etp_rank = s.tp_rank,
+                                       .act = s.act});
+    if (!mlp) return unexpected<error>(mlp.error());
+    shared_expert e;
+    e.s_ = s;
+    e.mlp_ = std::move(*mlp);
+    e.gate_w_.assign(static_cast<std::size_t>(s.hidden), T(0));
+    e.gate_g_.assign(static_cast<std::size_t>(s.hidden), T(0));
+    return e;
+  }
+
+  //! The TP shard of the MLP (load it with mlp().load_full(0, fc1, fc2)).
+  [[nodiscard]] reference_mlp<T>& mlp() noexcept { return mlp_; }
+  //! The gate weight [H] and its gradient (unused without a gate).
+  [[nodiscard]] std::span<T> gate_weight() noexcept { return gate_w_; }
+  [[nodiscard]] std::span<T> gate_grad() noexcept { return gate_g_; }
+
+  //! Bytes of workspace forward() and backward() need (kept between them).
+  [[nodiscard]] std::size_t workspace_bytes() const {
+    workspace_carver c;
+    (void)carve(c);
+    return c.required();
+  }
+
+  //! out [N, H] = gate * mlp(x) for x [N, H]; `tp` is this rank's attention TP communicator.
+  [[nodiscard]] status forward(int n, std::span<const T> x, Comm& tp, std::span<T> out,
+                               std::span<std::byte> workspace) {
+    if (auto st = check(n, x.size(), out.size(), tp); !st) return st;
+    workspace_carver c(workspace);
+    bufs_ = carve(c);
+    if (!c.fits())
+      return make_error(errc::workspace_too_small,
+                        "shared_expert: workspace smaller than "
+                        "workspace_bytes()");
+    const auto H = uz(s_.hidden);
+    if (auto st = tp.template all_gather<int>(std::span<const int>(&n, 1), bufs_.tokens); !st)
+      return st;
+    long long total = 0;
+    for (int v : bufs_.tokens) total += v;
+    n_ = n;
+    gathered_ = static_cast<int>(total);
+    const auto G = uz(gathered_);
+    auto xg = bufs_.x_gathered.first(G * H);
+    if (auto st = tp.template all_gather_v<T>(x, xg, elements(s_.hidden)); !st) return st;
+    for (auto& v : bufs_.ones.first(G)) v = T(1);
+    auto yp = bufs_.y_partial.first(G * H);
+    if (auto st = mlp_.forward(batch(), yp); !st) return st;
+    auto y = bufs_.y.first(uz(n) * H);  // the ungated output, kept for the gate's gradient
+    if (auto st = tp.template reduce_scatter_v<T>(std::span<const T>(yp), elements(s_.hidden), y,
+                                                  reduce_op::sum);
+        !st)
+      return st;
+    for (std::size_t t = 0; t < uz(n); ++t) {
+      const T g = s_.gate ? sigmoid(t, x) : T(1);
+      bufs_.gates[t] = g;
+      for (std::size_t h = 0; h < H; ++h) out[t * H + h] = g * y[t * H + h];
+    }
+    // This rank's rows inside the gathered input (kept for the gate's backward).
+    long long before = 0;
+    for (int r = 0; r < tp.rank(); ++r) before += bufs_.tokens[uz(r)];
+    mine_ = uz(before);
+    return {};
+  }
+
+  //! dx [N, H] from dout [N, H] of the last forward (its workspace must be intact); adds the MLP
+  //! weight gradients (this TP shard's) and the gate's.
+  [[nodiscard]] status backward(std::span<const T> dout, Comm& tp, std::span<T> dx) {
+    if (auto st = check(n_, dout.size(), dx.size(), tp); !st) return st;
+    const auto H = uz(s_.hidden), N = uz(n_), G = uz(gathered_);
+    auto dy = bufs_.y_partial.first(N * H);  // gradient at the ungated output
+    for (std::size_t t = 0; t < N; ++t) {
+      const T g = bufs_.gates[t];
+      T dg = T(0);
+      for (std::size_t h = 0; h < H; ++h) {
+        dy[t * H + h] = g * dout[t * H + h];
+        dg += dout[t * H + h] * bufs_.y[t * H + h];
+      }
+      if (s_.gate) {
+        const T dpre = dg * g * (T(1) - g);
+        for (std::size_t h = 0; h < H; ++h)
+          gate_g_[h] += dpre * bufs_.x_gathered[(mine_ + t) * H + h];
+        bufs_.gate_dpre[t] = dpre;
+      }
+    }
+    // Reduce-scatter backward = all-gather; then the shard's backward; then the all-gather's
+    // backward = reduce-scatter (sums the column-parallel partials of dx).
+    auto dyg = bufs_.dy_gathered.first(G * H);
+    if (auto st = tp.template all_gather_v<T>(std::span<const T>(dy), dyg, elements(s_.hidden));
+        !st)
+      return st;
+    auto dxg = bufs_.dx_gathered.first(G * H);
+    auto dprobs = bufs_.dprobs.first(G);
+    if (auto st = mlp_.backward(batch(), dyg, dxg, dprobs); !st) return st;
+    if (auto st = tp.template reduce_scatter_v<T>(std::span<const T>(dxg), elements(s_.hidden), dx,
+                                                  reduce_op::sum);
+        !st)
+      return st;
+    if (s_.gate)
+      for (std::size_t t = 0; t < N; ++t)
+        for (std::size_t h = 0; h < H; ++h) dx[t * H + h] += bufs_.gate_dpre[t] * gate_w_[h];
+    return {};
+  }
+
+ private:
+  struct buffers {
+    std::span<int> tokens, counts;
+    std::span<T> x_gathered, y_partial, y, gates, gate_dpre, ones, dy_gathered, dx_gathered, dprobs;
+  };
+  static constexpr std::size_t uz(long long v) noexcept { return static_cast<std::size_t>(v); }
+
+  buffers carve(workspace_carver& c) const {
+    buffers b;
+    const auto P = uz(s_.tp), N = uz(s_.max_tokens), H = uz(s_.hidden);
+    b.tokens = c.take<int>(P);
+    b.counts = c.take<int>(P);
+    b.x_gathered = c.take<T>(P * N * H);
+    b.y_partial = c.take<T>(P * N * H);
+    b.y = c.take<T>(N * H);
+    b.gates = c.take<T>(N);
+    b.gate_dpre = c.take<T>(N);
+    b.ones = c.take<T>(P * N);
+    b.dy_gathered = c.take<T>(P * N * H);
+    b.dx_gathered = c.take<T>(P * N * H);
+    b.dprobs = c.take<T>(P * N);
+    return b;
+  }
+  expert_batch<T> batch() const {
+    const auto G = uz(gathered_), H = uz(s_.hidden);
+    count_ = gathered_;
+    return {.hidden = s_.hidden,
+            .counts = std::span<const int>(&count_, 1),
+            .x = bufs_.x_gathered.first(G * H),
+            .probs = bufs_.ones.first(G)};
+  }
+  std::span<const int> elements(int width) {
+    for (std::size_t i = 0; i < bufs_.tokens.size(); ++i) bufs_.counts[i] = bufs_.tokens[i] * width;
+    return bufs_.counts;
+  }
+  T sigmoid(std::size_t t, std::span<const T> x) const {
+    T z = T(0);
+    for (std::size_t h = 0; h < uz(s_.hidden); ++h) z += x[t * uz(s_.hidden) + h] * gate_w_[h];
+    return T(1) / (T(1) + std::exp(-z));
+  }
+  status check(int n, std::size_t in, std::size_t out, const Comm& tp) const {
+    using detail::to_decimal;
+    if (tp.size() != s_.tp)
+      return make_error(errc::shape_mismatch, "shared_expert: the TP communicator has " +
+                                                  to_decimal(tp.size()) + " ranks, the shape " +
+                                                  to_decimal(s_.tp));
+    if (n < 0 || n > s_.max_tokens)
+      return make_error(errc::invalid_size,
+                        "shared_expert: N = " + to_decimal(n) + " outside [0, max_tokens]");
+    const auto want = uz(n) * uz(s_.hidden);
+    if (in != want || out != want)
+      return make_error(errc::shape_mismatch, "shared_expert: buffers must be [N, H]");
+    return {};
+  }
+
+  shared_expert_shape s_{};
+  reference_mlp<T> mlp_{};
+  std::vector<T> gate_w_, gate_g_;
+  buffers bufs_{};
+  std::size_t mine_ = 0;
+  int n_ = 0, gathered_ = 0;
+  mutable int count_ = 0;
+};
+
+}  // namespace moefold

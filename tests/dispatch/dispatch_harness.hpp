@@ -1,0 +1,284 @@
+// Shared by the thread-world and MPI dispatcher tests: deterministic problem data keyed by
+// (rank, token), a single-rank fp64 reference written here (a plain loop over tokens and their
+// experts with its own SwiGLU math: no permutation, no dispatcher, no reference_mlp code), and the
+// per-rank body that runs dispatch, experts, combine and the backward on any communicator.
+#pragma once
+
+#include <moefold/comm/group_communicator.hpp>
+#include <moefold/dispatch/all_gather_dispatcher.hpp>
+#include <moefold/dispatch/all_to_all_dispatcher.hpp>
+#include <moefold/experts/reference_mlp.hpp>
+#include <moefold/mesh/fold.hpp>
+#include <moefold/mesh/groups.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <vector>
+
+namespace moefold::test {
+
+struct problem {
+  fold_config fold;
+  int experts = 4, topk = 2, hidden = 3, ffn = 4, tokens = 5;
+  double drop = 0.0;        // fraction of pairs dropped (-1) by the "policy"
+  bool empty_rank = false;  // rank 0 of each stage holds no tokens
+};
+
+// Deterministic data keyed by (rank, token): every rank and the reference generate the same.
+struct data {
+  int H, F, E, K;
+  std::vector<double> w1, w2;  // per expert: [H, 2F] columns [gate | up], [F, H]
+  double weight1(int e, int h, int c) const {
+    return w1[(static_cast<std::size_t>(e) * H + h) * 2 * F + c];
+  }
+  double weight2(int e, int c, int h) const {
+    return w2[(static_cast<std::size_t>(e) * F + c) * H + h];
+  }
+};
+
+inline double unit(std::uint64_t a, std::uint64_t b, std::uint64_t c) {  // a hash to [-1, 1)
+  std::uint64_t z = a * 0x9E3779B97F4A7C15ull ^
+                    (b + 0x632BE59BD9B4E019ull) * 0xBF58476D1CE4E5B9ull ^
+                    (c + 17) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  z *= 0xD6E8FEB86659FD93ull;
+  z ^= z >> 29;
+  return static_cast<double>(z >> 11) / 4503599627370496.0 - 1.0;
+}
+
+struct token_data {
+  std::vector<double> x;     // [H]
+  std::vector<int> expert;   // [K]
+  std::vector<double> prob;  // [K]
+  std::vector<double> dout;  // [H]
+};
+
+inline token_data make_token(const problem& p, int rank, int t) {
+  token_data d;
+  for (int h = 0; h < p.hidden; ++h) {
+    d.x.push_back(unit(1, rank * 1000 + t, h));
+    d.dout.push_back(unit(2, rank * 1000 + t, h));
+  }
+  // Distinct experts: a rotation of a hashed start.
+  const int start =
+      static_cast<int>((unit(3, rank * 1000 + t, 0) + 1) * 0.5 * p.experts) % p.experts;
+  const int step = 1 + static_cast<int>((unit(4, rank * 1000 + t, 0) + 1) * 0.5 * (p.experts - 1)) %
+                           (p.experts - 1 > 0 ? p.experts - 1 : 1);
+  std::vector<int> used;
+  int e = start;
+  for (int j = 0; j < p.topk; ++j) {
+    while (std::find(used.begin(), used.end(), e) != used.end()) e = (e + 1) % p.experts;
+    used.push_back(e);
+    const bool dropped = (unit(5, rank * 1000 + t, j) + 1) * 0.5 < p.drop;
+    d.expert.push_back(dropped ? -1 : e);
+    d.prob.push_back(0.1 + 0.9 * (unit(6, rank * 1000 + t, j) + 1) * 0.5);
+    e = (e + step) % p.experts;
+  }
+  return d;
+}
+
+inline data make_weights(const problem& p) {
+  data w{p.hidden, p.ffn, p.experts, p.topk, {}, {}};
+  for (int e = 0; e < p.experts; ++e) {
+    for (int i = 0; i < p.hidden * 2 * p.ffn; ++i) w.w1.push_back(0.5 * unit(7, e, i));
+    for (int i = 0; i < p.ffn * p.hidden; ++i) w.w2.push_back(0.5 * unit(8, e, i));
+  }
+  return w;
+}
+
+inline double silu(double v) { return v / (1 + std::exp(-v)); }
+inline double silu_grad(double v) {
+  const double s = 1 / (1 + std::exp(-v));
+  return s * (1 + v * (1 - s));
+}
+
+// The reference: what one token's output and gradients are, and what its pairs add to the
+// weight gradients of their experts.
+struct reference_grads {
+  std::map<int, std::vector<double>> dw1, dw2;  // per global expert, full layouts
+};
+inline void reference_token(const data& w, const token_data& d, std::vector<double>& out,
+                            std::vector<double>& dx, std::vector<double>& dprob,
+                            reference_grads& g) {
+  const int H = w.H, F = w.F;
+  out.assign(static_cast<std::size_t>(H), 0.0);
+  dx.assign(static_cast<std::size_t>(H), 0.0);
+  dprob.assign(d.expert.size(), 0.0);
+  for (std::size_t j = 0; j < d.expert.size(); ++j) {
+    const int e = d.expert[j];
+    if (e < 0) continue;  // a dropped pair contributes nothing
+    auto& dw1 = g.dw1[e];
+    auto& dw2 = g.dw2[e];
+    dw1.resize(static_cast<std::size_t>(H * 2 * F), 0.0);
+    dw2.resize(static_cast<std::size_t>(F * H), 0.0);
+    const double p = d.prob[j];
+    for (int c = 0; c < F; ++c) {
+      double gate = 0, up = 0;
+      for (int h = 0; h < H; ++h) {
+        gate += d.x[h] * w.weight1(e, h, c);
+        up += d.x[h] * w.weight1(e, h, F + c);
+      }
+      const double a = silu(gate) * up;
+      double dh = 0;
+      for (int o = 0; o < H; ++o) {
+        out[o] += a * p * w.weight2(e, c, o);
+        dh += d.dout[o] * w.weight2(e, c, o);
+        dw2[c * H + o] += a * p * d.dout[o];
+      }
+      dprob[j] += a * dh;
+      const double dgate = p * dh * up * silu_grad(gate), dup = p * dh * silu(gate);
+      for (int h = 0; h < H; ++h) {
+        dx[h] += dgate * w.weight1(e, h, c) + dup * w.weight1(e, h, F + c);
+        dw1[(h * 2 * F) + c] += d.x[h] * dgate;
+        dw1[(h * 2 * F) + F + c] += d.x[h] * dup;
+      }
+    }
+  }
+}
+
+inline double rel_err(const std::vector<double>& a, const std::vector<double>& b) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    num += (a[i] - b[i]) * (a[i] - b[i]);
+    den += b[i] * b[i];
+  }
+  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
+}
+
+struct rank_result {
+  std::vector<double> out, dx, dprob;
+  std::vector<double> dw1, dw2;  // after the EDP reduction, this rank's shards of all local experts
+  long long a2a_rows = 0;
+};
+
+template <class Comm>
+struct all_to_all_path {
+  using type = all_to_all_dispatcher<double, Comm>;
+  static constexpr bool exact_bytes = true;  // one row per remote pair
+};
+template <class Comm>
+struct all_gather_path {
+  using type = all_gather_dispatcher<double, Comm>;
+  static constexpr bool exact_bytes = false;
+};
+
+inline int tokens_of(const problem& p, const megatron_groups& groups, int r) {
+  return (p.empty_rank && groups(group_kind::tp_dp_cp).find(r).position == 0) ? 0 : p.tokens;
+}
+
+//! One rank's part of the layer: dispatch, experts, combine, backward, EDP gradient reduction.
+template <class Path, class Comm>
+expected<rank_result> run_rank(const problem& p, Comm& world) {
+  const auto fold = make_folded(p.fold).value();
+  const megatron_groups groups(fold);
+  const data w = make_weights(p);
+  const int r = world.rank();
+  auto ep = group_communicator(world, groups, {group_kind::ep});
+  auto etp = group_communicator(world, groups, {group_kind::etp});
+  auto tp_ep = group_communicator(world, groups, {group_kind::tp_ep});
+  auto edp = group_communicator(world, groups, {group_kind::edp});
+  if (!ep || !etp || !tp_ep || !edp) return make_error(errc::invalid_argument, "groups");
+  const int L = p.experts / fold.ep();
+  const auto mc = fold.moe_coord_of(r);
+  const int n = tokens_of(p, groups, r);
+  std::vector<double> x, probs, dout;
+  std::vector<int> expert;
+  for (int t = 0; t < n; ++t) {
+    const auto d = make_token(p, r, t);
+    x.insert(x.end(), d.x.begin(), d.x.end());
+    expert.insert(expert.end(), d.expert.begin(), d.expert.end());
+    probs.insert(probs.end(), d.prob.begin(), d.prob.end());
+    dout.insert(dout.end(), d.dout.begin(), d.dout.end());
+  }
+  auto disp = Path::type::make({.max_tokens = p.tokens,
+                                .hidden = p.hidden,
+                                .topk = p.topk,
+                                .num_experts = p.experts,
+                                .ep = fold.ep(),
+                                .etp = fold.etp()});
+  if (!disp) return unexpected<error>(disp.error());
+  std::vector<std::byte> ws(disp->workspace_bytes());
+  const dispatch_groups<Comm> g{*ep, *etp, *tp_ep};
+  auto h = disp->dispatch({.num_tokens = n, .x = x, .expert = expert, .probs = probs}, g, ws);
+  if (!h) return unexpected<error>(h.error());
+  auto mlp = reference_mlp<double>::make({.hidden = p.hidden,
+                                          .ffn = p.ffn,
+                                          .num_local_experts = L,
+                                          .etp = fold.etp(),
+                                          .etp_rank = mc.etp,
+                                          .act = activation::swiglu});
+  if (!mlp) return unexpected<error>(mlp.error());
+  for (int l = 0; l < L; ++l) {
+    const auto e = static_cast<std::size_t>(mc.ep * L + l);
+    const auto n1 = static_cast<std::size_t>(p.hidden * 2 * p.ffn);
+    const auto n2 = static_cast<std::size_t>(p.ffn * p.hidden);
+    if (auto st = mlp->load_full(l, std::span<const double>(w.w1).subspan(e * n1, n1),
+                                 std::span<const double>(w.w2).subspan(e * n2, n2));
+        !st)
+      return unexpected<error>(st.error());
+  }
+  const auto M = static_cast<std::size_t>(h->num_rows());
+  const auto H = static_cast<std::size_t>(p.hidden);
+  rank_result res;
+  std::vector<double> y(M * H), dy(M * H), dx_rows(M * H), dp_rows(M);
+  res.out.resize(static_cast<std::size_t>(n) * H);
+  res.dx.resize(res.out.size());
+  res.dprob.resize(probs.size());
+  auto ok = [](const status& st) { return st.has_value(); };
+  for (const status& st :
+       {mlp->forward(h->batch(), y), disp->combine(*h, y, g, res.out),
+        disp->combine_backward(*h, dout, g, dy), mlp->backward(h->batch(), dy, dx_rows, dp_rows),
+        disp->dispatch_backward(*h, dx_rows, dp_rows, g, res.dx, res.dprob),
+        // Expert weights are replicated over EDP: their gradients are summed over it.
+        edp->template all_reduce<double>(mlp->grads_fc1(), reduce_op::sum),
+        edp->template all_reduce<double>(mlp->grads_fc2(), reduce_op::sum)})
+    if (!ok(st)) return unexpected<error>(st.error());
+  res.dw1.assign(mlp->grads_fc1().begin(), mlp->grads_fc1().end());
+  res.dw2.assign(mlp->grads_fc2().begin(), mlp->grads_fc2().end());
+  res.a2a_rows = h->volume().dispatch_a2a.rows;
+  return res;
+}
+
+//! What rank r must get: its tokens' outputs and gradients, the EDP-reduced gradients of its
+//! expert shards (the reference sums over all tokens of its pipeline stage), and the number of
+//! its routed pairs whose expert lives on another EP rank.
+inline rank_result expected_for_rank(const problem& p, int r) {
+  const auto fold = make_folded(p.fold).value();
+  const megatron_groups groups(fold);
+  const data w = make_weights(p);
+  const int L = p.experts / fold.ep();
+  rank_result want;
+  reference_grads g;
+  const auto stage = groups(group_kind::tp_dp_cp)[groups(group_kind::tp_dp_cp).find(r).group];
+  for (int q : stage)
+    for (int t = 0; t < tokens_of(p, groups, q); ++t) {
+      const auto d = make_token(p, q, t);
+      std::vector<double> o, dx, dp;
+      reference_token(w, d, o, dx, dp, g);
+      if (q != r) continue;
+      want.out.insert(want.out.end(), o.begin(), o.end());
+      want.dx.insert(want.dx.end(), dx.begin(), dx.end());
+      want.dprob.insert(want.dprob.end(), dp.begin(), dp.end());
+      for (int e : d.expert) want.a2a_rows += (e >= 0 && e / L != fold.moe_coord_of(r).ep) ? 1 : 0;
+    }
+  const auto mc = fold.moe_coord_of(r);
+  const int fs = p.ffn / fold.etp();
+  for (int l = 0; l < L; ++l) {
+    auto d1 = g.dw1[mc.ep * L + l], d2 = g.dw2[mc.ep * L + l];
+    d1.resize(static_cast<std::size_t>(p.hidden * 2 * p.ffn), 0.0);
+    d2.resize(static_cast<std::size_t>(p.ffn * p.hidden), 0.0);
+    for (int h = 0; h < p.hidden; ++h)
+      for (int gu = 0; gu < 2; ++gu)  // this shard's [gate | up] columns
+        for (int c = 0; c < fs; ++c)
+          want.dw1.push_back(
+              d1[static_cast<std::size_t>(h * 2 * p.ffn + gu * p.ffn + mc.etp * fs + c)]);
+    for (int c = 0; c < fs; ++c)  // this shard's fc2 rows
+      for (int h = 0; h < p.hidden; ++h)
+        want.dw2.push_back(d2[static_cast<std::size_t>((mc.etp * fs + c) * p.hidden + h)]);
+  }
+  return want;
+}
+
+}  // namespace moefold::test

@@ -1,0 +1,94 @@
+// Both dispatcher paths under MPI (mpirun -np 8): every process is one rank, runs its part of the
+// layer and checks it against the single-rank fp64 reference (dispatch_harness.hpp).
+#include <moefold/comm/mpi/mpi_communicator.hpp>
+
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+#include <mpi.h>
+
+#include <iostream>
+#include <sstream>
+
+#include "dispatch_harness.hpp"
+
+using namespace moefold;
+using namespace moefold::test;
+
+namespace {
+
+template <class Path>
+void check_on_this_rank(const problem& p) {
+  CAPTURE(p.fold.tp);
+  CAPTURE(p.fold.cp);
+  CAPTURE(p.fold.pp);
+  CAPTURE(p.fold.ep);
+  CAPTURE(p.fold.etp.value_or(p.fold.tp));
+  CAPTURE(std::string(p.fold.order));
+  CAPTURE(p.drop);
+  auto world = mpi_communicator::wrap(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(60)});
+  REQUIRE(world);
+  auto got = run_rank<Path>(p, *world);
+  REQUIRE_MESSAGE(got.has_value(), got.error().message);
+  const auto want = expected_for_rank(p, world->rank());
+  CHECK(rel_err(got->out, want.out) <= 1e-12);
+  CHECK(rel_err(got->dx, want.dx) <= 1e-12);
+  CHECK(rel_err(got->dprob, want.dprob) <= 1e-12);
+  CHECK(rel_err(got->dw1, want.dw1) <= 1e-12);
+  CHECK(rel_err(got->dw2, want.dw2) <= 1e-12);
+  if (Path::exact_bytes) CHECK(got->a2a_rows == want.a2a_rows);
+}
+
+}  // namespace
+
+TEST_CASE("both dispatcher paths equal the reference on 12 folds of 8 MPI processes") {
+  int size = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  REQUIRE_MESSAGE(size == 8, "run this test with mpirun -np 8");
+  const fold_config folds[] = {
+      {.world = 8, .tp = 2, .pp = 2, .ep = 2, .etp = 1},
+      {.world = 8, .tp = 2, .cp = 2, .ep = 8, .etp = 1},
+      {.world = 8, .cp = 2, .pp = 2, .ep = 2, .etp = 2},
+      {.world = 8, .tp = 4, .ep = 2, .etp = 2},
+      {.world = 8, .tp = 2, .pp = 2, .ep = 2, .etp = 1, .order = "tp-cp-ep-pp-dp"},
+      {.world = 8, .ep = 8, .etp = 1},
+      {.world = 8, .tp = 2, .ep = 4, .etp = 2},
+      {.world = 8, .tp = 8, .ep = 8, .etp = 1},
+      {.world = 8, .pp = 2, .ep = 4, .etp = 1},
+      {.world = 8, .tp = 2, .cp = 2, .pp = 2, .ep = 2, .etp = 2},
+      {.world = 8, .tp = 4, .ep = 2, .etp = 4},
+      {.world = 8, .ep = 1, .etp = 1},
+  };
+  int i = 0;
+  for (const auto& f : folds)
+    for (double drop : {0.0, 0.3}) {
+      const auto fold = make_folded(f).value();
+      problem p{.fold = f};
+      p.experts = fold.ep() * (1 + i % 2);
+      p.topk = std::min(2, p.experts);
+      p.ffn = 2 * fold.etp();
+      p.drop = drop;
+      p.empty_rank = i % 3 == 2;
+      check_on_this_rank<all_to_all_path<mpi_communicator>>(p);
+      check_on_this_rank<all_gather_path<mpi_communicator>>(p);
+      ++i;
+    }
+}
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  doctest::Context ctx(argc, argv);
+  std::ostringstream quiet;
+  if (rank != 0) ctx.setCout(&quiet);  // one summary (rank 0's); other ranks report failures
+  int rc = ctx.run();
+  if (rc != 0 && rank != 0) {
+    std::istringstream in(quiet.str());
+    for (std::string line; std::getline(in, line);)
+      if (line.rfind("[doctest]", 0) != 0) std::cerr << "[rank " << rank << "] " << line << "\n";
+  }
+  int worst = rc;
+  MPI_Allreduce(&rc, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  MPI_Finalize();
+  return worst;
+}

@@ -1,0 +1,183 @@
+// Both dispatcher paths (All-to-All and AllGather) on the thread world, over a sweep of folded
+// mappings, against the single-rank fp64 reference of dispatch_harness.hpp.
+#include <moefold/comm/thread_world.hpp>
+
+#include <doctest/doctest.h>
+
+#include <cstring>
+#include <mutex>
+
+#include "dispatch_harness.hpp"
+
+using namespace moefold;
+using namespace moefold::test;
+
+namespace {
+
+using a2a = all_to_all_path<thread_communicator>;
+using ag = all_gather_path<thread_communicator>;
+
+template <class Path>
+std::vector<rank_result> run(const problem& p) {
+  const int world = make_folded(p.fold).value().world_size();
+  std::vector<rank_result> results(static_cast<std::size_t>(world));
+  const auto st = run_thread_world(world, [&](thread_communicator& comm) -> status {
+    auto r = run_rank<Path>(p, comm);
+    if (!r) return unexpected<error>(r.error());
+    results[static_cast<std::size_t>(comm.rank())] = std::move(*r);
+    return {};
+  });
+  for (const auto& s : st) REQUIRE_MESSAGE(s.has_value(), s.error().message);
+  return results;
+}
+
+struct coverage {
+  int etp_gt_1 = 0, several_local = 0, ep_spans_attention = 0, dropped_pairs = 0, empty = 0,
+      configs = 0;
+};
+
+template <class Path>
+void check_problem(const problem& p, coverage& cov) {
+  CAPTURE(p.fold.world);
+  CAPTURE(p.fold.tp);
+  CAPTURE(p.fold.cp);
+  CAPTURE(p.fold.pp);
+  CAPTURE(p.fold.ep);
+  CAPTURE(p.fold.etp.value_or(p.fold.tp));
+  CAPTURE(std::string(p.fold.order));
+  CAPTURE(p.drop);
+  const auto res = run<Path>(p);
+  for (std::size_t r = 0; r < res.size(); ++r) {
+    CAPTURE(r);
+    const auto want = expected_for_rank(p, static_cast<int>(r));
+    CHECK(rel_err(res[r].out, want.out) <= 1e-12);
+    CHECK(rel_err(res[r].dx, want.dx) <= 1e-12);
+    CHECK(rel_err(res[r].dprob, want.dprob) <= 1e-12);
+    CHECK(rel_err(res[r].dw1, want.dw1) <= 1e-12);
+    CHECK(rel_err(res[r].dw2, want.dw2) <= 1e-12);
+    // Bytes: one row per routed pair whose expert lives on another EP rank, nothing more.
+    if (Path::exact_bytes) CHECK(res[r].a2a_rows == want.a2a_rows);
+  }
+  const auto fold = make_folded(p.fold).value();
+  const megatron_groups groups(fold);
+  for (int r = 0; r < fold.world_size(); ++r)
+    for (int t = 0; t < tokens_of(p, groups, r); ++t) {
+      const auto d = make_token(p, r, t);
+      cov.dropped_pairs += static_cast<int>(std::count(d.expert.begin(), d.expert.end(), -1));
+    }
+  ++cov.configs;
+  if (fold.etp() > 1) ++cov.etp_gt_1;
+  if (p.experts / fold.ep() > 1) ++cov.several_local;
+  if (fold.ep() > 1 && fold.ep() * fold.etp() > fold.tp() * fold.cp()) ++cov.ep_spans_attention;
+  if (p.empty_rank) ++cov.empty;
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE(
+    "each dispatcher path equals the fp64 single-rank reference over a sweep of folds", Path, a2a,
+    ag) {
+  const fold_config folds[] = {
+      {.world = 1},
+      {.world = 2, .ep = 2, .etp = 1},
+      {.world = 4, .ep = 4, .etp = 1},
+      {.world = 4, .tp = 2, .ep = 2, .etp = 2},
+      {.world = 4, .tp = 2, .ep = 4, .etp = 1},
+      {.world = 8, .tp = 2, .pp = 2, .ep = 2, .etp = 1},
+      {.world = 8, .tp = 2, .cp = 2, .ep = 8, .etp = 1},
+      {.world = 8, .cp = 2, .pp = 2, .ep = 2, .etp = 2},
+      {.world = 8, .tp = 4, .ep = 2, .etp = 2},
+      {.world = 8, .tp = 2, .pp = 2, .ep = 2, .etp = 1, .order = "tp-cp-ep-pp-dp"},
+      {.world = 12, .tp = 2, .pp = 3, .ep = 2, .etp = 1},
+      {.world = 12, .tp = 3, .ep = 4, .etp = 3},
+      {.world = 16, .tp = 2, .cp = 2, .pp = 2, .ep = 4, .etp = 1},
+      {.world = 16, .tp = 4, .ep = 16, .etp = 1},
+      {.world = 16, .tp = 2, .pp = 2, .ep = 2, .etp = 2},
+      {.world = 6, .tp = 3, .ep = 2, .etp = 1},
+  };
+  coverage cov;
+  int i = 0;
+  for (const auto& f : folds) {
+    for (double drop : {0.0, 0.3}) {
+      const auto fold = make_folded(f).value();
+      problem p{.fold = f};
+      p.experts = fold.ep() * (1 + i % 3);  // 1..3 local experts
+      p.topk = std::min(2 + i % 2, p.experts);
+      p.ffn = 2 * fold.etp() * (1 + i % 2);
+      p.drop = drop;
+      p.empty_rank = i % 4 == 3;
+      check_problem<Path>(p, cov);
+      ++i;
+    }
+  }
+  CHECK(cov.configs == 32);
+  CHECK(cov.etp_gt_1 >= 6);
+  CHECK(cov.several_local >= 10);
+  CHECK(cov.ep_spans_attention >= 8);
+  CHECK(cov.dropped_pairs >= 50);
+  CHECK(cov.empty >= 6);
+}
+
+TEST_CASE_TEMPLATE("each dispatcher path is bitwise repeatable run to run", Path, a2a, ag) {
+  problem p{.fold = {.world = 8, .tp = 2, .pp = 2, .ep = 2, .etp = 2}, .experts = 4, .ffn = 4};
+  const auto r1 = run<Path>(p), r2 = run<Path>(p);
+  for (std::size_t r = 0; r < r1.size(); ++r) {
+    REQUIRE(r1[r].out.size() == r2[r].out.size());
+    CHECK(std::memcmp(r1[r].out.data(), r2[r].out.data(), r1[r].out.size() * sizeof(double)) == 0);
+    CHECK(std::memcmp(r1[r].dx.data(), r2[r].dx.data(), r1[r].dx.size() * sizeof(double)) == 0);
+    CHECK(std::memcmp(r1[r].dw1.data(), r2[r].dw1.data(), r1[r].dw1.size() * sizeof(double)) == 0);
+  }
+}
+
+TEST_CASE("dispatcher misuse gives clear errors") {
+  CHECK(all_to_all_dispatcher<double, thread_communicator>::make(
+            {.max_tokens = 4, .hidden = 2, .topk = 2, .num_experts = 6, .ep = 4})
+            .error()
+            .message.find("not divisible by ep = 4") != std::string::npos);
+  CHECK(all_to_all_dispatcher<double, thread_communicator>::make(
+            {.max_tokens = 4, .hidden = 2, .topk = 5, .num_experts = 4})
+            .error()
+            .code == errc::invalid_argument);
+  auto st = run_thread_world(2, [](thread_communicator& world) -> status {
+    auto d = all_to_all_dispatcher<double, thread_communicator>::make(
+                 {.max_tokens = 2, .hidden = 1, .topk = 1, .num_experts = 2, .ep = 2})
+                 .value();
+    auto d2 = d;
+    std::vector<std::byte> ws(d.workspace_bytes()), small(16);
+    auto ep = world.split(0, world.rank()).value();
+    auto etp = world.split(world.rank(), 0).value();
+    auto tpep = world.split(0, world.rank()).value();
+    const dispatch_groups<thread_communicator> g{ep, etp, tpep};
+    const std::vector<double> x = {1, 2}, probs = {1, 1};
+    const std::vector<int> expert = {0, 1};
+    CHECK(d.dispatch({.num_tokens = 3, .x = x, .expert = expert, .probs = probs}, g, ws)
+              .error()
+              .code == errc::invalid_size);
+    CHECK(d.dispatch({.num_tokens = 2, .x = x, .expert = expert, .probs = probs}, g, small)
+              .error()
+              .code == errc::workspace_too_small);
+    auto h = d.dispatch({.num_tokens = 2, .x = x, .expert = expert, .probs = probs}, g, ws);
+    REQUIRE(h);
+    std::vector<double> y(static_cast<std::size_t>(h->num_rows())), out(2);
+    // A handle from another dispatcher is refused (no collective runs, so no rank waits).
+    CHECK(d2.combine(*h, y, g, out).error().message.find("another dispatcher") !=
+          std::string::npos);
+    return d.combine(*h, y, g, out);
+  });
+  for (const auto& s : st) CHECK(s.has_value());
+}
+
+TEST_CASE("both dispatcher paths agree on identical routing and weights") {
+  problem p{.fold = {.world = 8, .tp = 2, .cp = 2, .ep = 4, .etp = 2},
+            .experts = 8,
+            .ffn = 4,
+            .drop = 0.2};
+  const auto r1 = run<a2a>(p), r2 = run<ag>(p);
+  for (std::size_t r = 0; r < r1.size(); ++r) {
+    CHECK(rel_err(r2[r].out, r1[r].out) <= 1e-13);
+    CHECK(rel_err(r2[r].dx, r1[r].dx) <= 1e-13);
+    CHECK(rel_err(r2[r].dprob, r1[r].dprob) <= 1e-13);
+    CHECK(rel_err(r2[r].dw1, r1[r].dw1) <= 1e-13);
+    CHECK(rel_err(r2[r].dw2, r1[r].dw2) <= 1e-13);
+  }
+}
