@@ -99,9 +99,9 @@ class all_gather_dispatcher {
     auto local = b.local_experts.first(G * K);
     for (std::size_t i = 0; i < G * K; ++i)
       local[i] = (eg[i] >= first && eg[i] < first + L) ? eg[i] - first : -1;
-    auto plan = permute_plan::make(
-        {.num_tokens = static_cast<int>(total), .topk = s_.topk, .num_experts = L, .expert = local},
-        b.plan);
+    const permute_args pa{
+        .num_tokens = static_cast<int>(total), .topk = s_.topk, .num_experts = L, .expert = local};
+    auto plan = permute_plan::make(pa, b.plan);
     if (!plan) return unexpected<error>(plan.error());
     h.plan_ = *plan;
     h.per_expert_ = h.plan_.counts();

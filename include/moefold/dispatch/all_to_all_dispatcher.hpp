@@ -73,11 +73,13 @@ class all_to_all_dispatcher {
     handle_type h;
     h.issue(this, ++serial_, s_.hidden, in.num_tokens);
     // 1. Plan the permutation (validates the routing record) and exchange the counts.
-    auto plan = permute_plan::make({.num_tokens = in.num_tokens,
-                                    .topk = s_.topk,
-                                    .num_experts = s_.num_experts,
-                                    .expert = in.expert},
-                                   b.plan);
+    // NOTE: aggregates are built as named variables, not braced arguments: nvcc 13 miscompiles a
+    // braced designated initializer with dependent members passed as an argument in a template.
+    const permute_args pa{.num_tokens = in.num_tokens,
+                          .topk = s_.topk,
+                          .num_experts = s_.num_experts,
+                          .expert = in.expert};
+    auto plan = permute_plan::make(pa, b.plan);
     if (!plan) return unexpected<error>(plan.error());
     h.plan_ = *plan;
     if (auto st = g.tp_ep.template all_gather<int>(h.plan_.counts(), b.gathered); !st)
@@ -91,19 +93,18 @@ class all_to_all_dispatcher {
     h.st_.chunk_counts = b.chunk_counts;
     h.st_.order = b.order;
     h.st_.sorted_sizes = b.sorted_sizes;
-    if (auto st = compute_splits({.ep = s_.ep,
-                                  .etp = s_.etp,
-                                  .num_experts = s_.num_experts,
-                                  .my_ep = g.ep.rank(),
-                                  .my_etp = g.etp.rank(),
-                                  .gathered_counts = b.gathered},
-                                 {.input_splits = h.st_.input_splits,
-                                  .output_splits = h.st_.output_splits,
-                                  .output_splits_tp = h.st_.output_splits_tp,
-                                  .tokens_per_local_expert = h.st_.per_expert,
-                                  .chunk_counts = h.st_.chunk_counts});
-        !st)
-      return unexpected<error>(st.error());
+    const split_args sa{.ep = s_.ep,
+                        .etp = s_.etp,
+                        .num_experts = s_.num_experts,
+                        .my_ep = g.ep.rank(),
+                        .my_etp = g.etp.rank(),
+                        .gathered_counts = b.gathered};
+    const split_view sv{.input_splits = h.st_.input_splits,
+                        .output_splits = h.st_.output_splits,
+                        .output_splits_tp = h.st_.output_splits_tp,
+                        .tokens_per_local_expert = h.st_.per_expert,
+                        .chunk_counts = h.st_.chunk_counts};
+    if (auto st = compute_splits(sa, sv); !st) return unexpected<error>(st.error());
     expert_major_chunk_order(s_.etp, s_.ep, local_experts(), h.st_.order);
     h.per_expert_ = h.st_.per_expert;
     sorted_chunk_sizes(h.st_.chunk_counts, h.st_.order, h.st_.sorted_sizes);

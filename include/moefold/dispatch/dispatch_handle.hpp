@@ -38,7 +38,9 @@ class dispatch_handle {
 
   //! The rows this rank's local experts compute, grouped by local expert.
   [[nodiscard]] expert_batch<value_type> batch() const noexcept {
-    return {.hidden = hidden_, .counts = per_expert_, .x = x_, .probs = p_};
+    const expert_batch<value_type> b{
+        .hidden = hidden_, .counts = per_expert_, .x = x_, .probs = p_};
+    return b;
   }
   //! Rows of batch() (M).
   [[nodiscard]] int num_rows() const noexcept { return static_cast<int>(p_.size()); }

@@ -75,11 +75,12 @@ struct full_sequence {
                              const topk_routing<T>& r, drop_result<T>& out) const {
     using detail::to_decimal;
     // 1. Exchange a small header: shape, whether keys are given, whether the local input is good.
-    status local = detail::check_routing(r);
-    if (local && !order_keys.empty() && order_keys.size() != static_cast<std::size_t>(r.num_tokens))
-      local = make_error(errc::shape_mismatch,
-                         "full_sequence: order_keys must be empty or have "
-                         "num_tokens entries");
+    const bool keys_ok =
+        order_keys.empty() || order_keys.size() == static_cast<std::size_t>(r.num_tokens);
+    const status local = !keys_ok ? status(make_error(errc::shape_mismatch,
+                                                      "full_sequence: order_keys must be empty or "
+                                                      "have num_tokens entries"))
+                                  : detail::check_routing(r);
     const int G = tp_cp.size();
     const int hdr[4] = {local ? r.num_tokens : -1, r.num_experts, r.topk,
                         order_keys.empty() ? 0 : 1};

@@ -39,12 +39,13 @@ class shared_expert {
       return make_error(errc::invalid_size, "shared_expert: max_tokens must be >= 0");
     if (static_cast<long long>(s.max_tokens) * s.tp * s.hidden > 2147483647LL)
       return make_error(errc::overflow, "shared_expert: max_tokens * tp * hidden exceeds 2^31-1");
-    auto mlp = reference_mlp<T>::make({.hidden = s.hidden,
-                                       .ffn = s.ffn,
-                                       .num_local_experts = 1,
-                                       .etp = s.tp,
-                                       .etp_rank = s.tp_rank,
-                                       .act = s.act});
+    const mlp_shape shape{.hidden = s.hidden,
+                          .ffn = s.ffn,
+                          .num_local_experts = 1,
+                          .etp = s.tp,
+                          .etp_rank = s.tp_rank,
+                          .act = s.act};
+    auto mlp = reference_mlp<T>::make(shape);
     if (!mlp) return unexpected<error>(mlp.error());
     shared_expert e;
     e.s_ = s;
@@ -172,10 +173,11 @@ class shared_expert {
   expert_batch<T> batch() const {
     const auto G = uz(gathered_), H = uz(s_.hidden);
     count_ = gathered_;
-    return {.hidden = s_.hidden,
-            .counts = std::span<const int>(&count_, 1),
-            .x = bufs_.x_gathered.first(G * H),
-            .probs = bufs_.ones.first(G)};
+    const expert_batch<T> b{.hidden = s_.hidden,
+                            .counts = std::span<const int>(&count_, 1),
+                            .x = bufs_.x_gathered.first(G * H),
+                            .probs = bufs_.ones.first(G)};
+    return b;
   }
   std::span<const int> elements(int width) {
     for (std::size_t i = 0; i < bufs_.tokens.size(); ++i) bufs_.counts[i] = bufs_.tokens[i] * width;

@@ -68,12 +68,13 @@ class moe_layer {
                                                 Experts experts) {
     auto router = topk_router<T>::make(o.router);
     if (!router) return unexpected<error>(router.error());
-    auto disp = Dispatcher::make({.max_tokens = o.max_tokens,
-                                  .hidden = o.hidden,
-                                  .topk = o.router.topk,
-                                  .num_experts = o.router.num_experts,
-                                  .ep = o.ep,
-                                  .etp = o.etp});
+    const dispatch_shape shape{.max_tokens = o.max_tokens,
+                               .hidden = o.hidden,
+                               .topk = o.router.topk,
+                               .num_experts = o.router.num_experts,
+                               .ep = o.ep,
+                               .etp = o.etp};
+    auto disp = Dispatcher::make(shape);
     if (!disp) return unexpected<error>(disp.error());
     if (experts.hidden() != o.hidden || experts.num_local_experts() * o.ep != o.router.num_experts)
       return make_error(errc::shape_mismatch, "moe_layer: the experts hold " +
@@ -121,9 +122,8 @@ class moe_layer {
     x_.assign(x.begin(), x.end());
     logits_.resize(uz(n) * uz(E));
     moe_forward_stats stats;
-    if (auto st = gating_forward<T, T, T>({.num_tokens = n, .hidden = o_.hidden, .num_experts = E},
-                                          x, std::span<const T>(w_), {}, logits_);
-        !st)
+    const gating_shape gs{.num_tokens = n, .hidden = o_.hidden, .num_experts = E};
+    if (auto st = gating_forward<T, T, T>(gs, x, std::span<const T>(w_), {}, logits_); !st)
       return unexpected<error>(st.error());
     if (auto st = router_.route(logits_, routing_); !st) return unexpected<error>(st.error());
     if (o_.aux_loss_coeff > 0) {
@@ -145,8 +145,9 @@ class moe_layer {
     stats.dropped = drop_.report;
     kept_experts_ = drop_.kept_experts(routing_);
     kept_probs_ = drop_.kept_probs(routing_);
-    auto h = disp_.dispatch(
-        {.num_tokens = n, .x = x, .expert = kept_experts_, .probs = kept_probs_}, g.dispatch, ws_);
+    const dispatch_input<T> din{
+        .num_tokens = n, .x = x, .expert = kept_experts_, .probs = kept_probs_};
+    auto h = disp_.dispatch(din, g.dispatch, ws_);
     if (!h) return unexpected<error>(h.error());
     handle_.emplace(std::move(*h));
     y_.resize(uz(handle_->num_rows()) * H);
@@ -177,6 +178,7 @@ class moe_layer {
     // then the router Jacobian, the auxiliary losses, the gating GEMM.
     std::vector<T> dlogits(N * uz(E)), dx_router(N * H), dw(uz(E) * H);
     if (auto st = router_.backward(logits_, routing_, dprobs, dlogits); !st) return st;
+    const gating_shape gbs{.num_tokens = n_, .hidden = o_.hidden, .num_experts = E};
     if (o_.aux_loss_coeff > 0)
       if (auto st = add_aux_loss_gradient<T>(o_.router.score, logits_, E, {}, aux_term_, loss_seed,
                                              dlogits);
@@ -189,8 +191,7 @@ class moe_layer {
           !st)
         return st;
     if (auto st =
-            gating_backward<T, T, T>({.num_tokens = n_, .hidden = o_.hidden, .num_experts = E}, x_,
-                                     std::span<const T>(w_), dlogits, dx_router, dw, {});
+            gating_backward<T, T, T>(gbs, x_, std::span<const T>(w_), dlogits, dx_router, dw, {});
         !st)
       return st;
     for (std::size_t i = 0; i < dw.size(); ++i) dw_[i] += dw[i];
