@@ -8,6 +8,8 @@
 // that starts with "error:" and names the rule broken.
 #include <moefold/moefold.hpp>
 
+#include "cli_args.hpp"
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -19,6 +21,9 @@
 #include <vector>
 
 namespace {
+
+using moefold::examples::parse_int;
+using moefold::examples::usage_error;
 
 constexpr const char* usage_text =
     "usage: moefold-mesh --world N [--tp N] [--cp N] [--pp N] [--ep N] [--etp N] [--order STR]\n"
@@ -41,35 +46,6 @@ struct options {
   int gpus_per_node = 8;
   std::string format = "text";
 };
-
-struct usage_error {
-  std::string message;
-};
-
-// A decimal integer that fits in int: no sign games, no trailing junk, no overflow.
-int parse_int(std::string_view flag, std::string_view s) {
-  if (s.empty()) throw usage_error{std::string(flag) + " needs an integer value"};
-  std::size_t i = 0;
-  bool neg = false;
-  if (s[0] == '-' || s[0] == '+') {
-    neg = s[0] == '-';
-    i = 1;
-  }
-  if (i == s.size())
-    throw usage_error{std::string(flag) + ": '" + std::string(s) + "' is not an integer"};
-  long long v = 0;
-  for (; i < s.size(); ++i) {
-    if (s[i] < '0' || s[i] > '9')
-      throw usage_error{std::string(flag) + ": '" + std::string(s) + "' is not an integer"};
-    v = v * 10 + (s[i] - '0');
-    if (v > 2147483648LL)
-      throw usage_error{std::string(flag) + ": " + std::string(s) + " does not fit in 32 bits"};
-  }
-  if (neg) v = -v;
-  if (v > 2147483647LL)
-    throw usage_error{std::string(flag) + ": " + std::string(s) + " does not fit in 32 bits"};
-  return static_cast<int>(v);
-}
 
 options parse_args(int argc, char** argv) {
   options o;
@@ -323,12 +299,7 @@ int main(int argc, char** argv) {
   try {
     o = parse_args(argc, argv);
   } catch (const usage_error& e) {
-    if (e.message == "help") {
-      std::cout << usage_text;
-      return 0;
-    }
-    std::cerr << "error: " << e.message << "\n";
-    return 2;
+    return moefold::examples::report(e, usage_text);
   }
   auto fold = moefold::make_folded({.world = o.world,
                                     .tp = o.tp,

@@ -9,6 +9,8 @@
 // that starts with "error:".
 #include <moefold/plan/plan.hpp>
 
+#include "cli_args.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -22,6 +24,9 @@
 #include <vector>
 
 namespace {
+
+using moefold::examples::parse_int;
+using moefold::examples::usage_error;
 
 namespace mp = moefold::plan;
 
@@ -46,34 +51,6 @@ std::string usage_text() {
          clusters +
          "\n"
          "A model or cluster may also be a JSON file (fields in docs/planner.md).\n";
-}
-
-struct usage_error {
-  std::string message;
-};
-
-int parse_int(std::string_view flag, std::string_view s) {
-  if (s.empty()) throw usage_error{std::string(flag) + " needs an integer value"};
-  std::size_t i = 0;
-  bool neg = false;
-  if (s[0] == '-' || s[0] == '+') {
-    neg = s[0] == '-';
-    i = 1;
-  }
-  if (i == s.size())
-    throw usage_error{std::string(flag) + ": '" + std::string(s) + "' is not an integer"};
-  long long v = 0;
-  for (; i < s.size(); ++i) {
-    if (s[i] < '0' || s[i] > '9')
-      throw usage_error{std::string(flag) + ": '" + std::string(s) + "' is not an integer"};
-    v = v * 10 + (s[i] - '0');
-    if (v > 2147483648LL)
-      throw usage_error{std::string(flag) + ": " + std::string(s) + " does not fit in 32 bits"};
-  }
-  if (neg) v = -v;
-  if (v > 2147483647LL)
-    throw usage_error{std::string(flag) + ": " + std::string(s) + " does not fit in 32 bits"};
-  return static_cast<int>(v);
 }
 
 struct options {
@@ -389,12 +366,7 @@ int main(int argc, char** argv) {
     model = load_model(o.model);
     cluster = load_cluster(o.cluster);
   } catch (const usage_error& e) {
-    if (e.message == "help") {
-      std::cout << usage_text();
-      return 0;
-    }
-    std::cerr << "error: " << e.message << "\n";
-    return 2;
+    return moefold::examples::report(e, usage_text());
   }
   if (o.gbs) model.gbs = *o.gbs;
   if (o.seq) model.seq = *o.seq;

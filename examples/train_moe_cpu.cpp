@@ -20,6 +20,8 @@
 #include <moefold/layer/moe_layer.hpp>
 #include <moefold/moefold.hpp>
 
+#include "cli_args.hpp"
+
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -31,6 +33,10 @@
 #include <vector>
 
 namespace {
+
+using moefold::examples::parse_double;
+using moefold::examples::parse_int;
+using moefold::examples::usage_error;
 
 struct options {
   int world = 8, tp = 1, cp = 1, pp = 1, ep = 1;
@@ -44,35 +50,6 @@ struct options {
   double lr = 0.2, aux = 0.01, z = 0.0;
   bool quiet = false;
 };
-
-struct usage_error {
-  std::string message;
-};
-
-long long parse_int(const std::string& flag, const std::string& v) {
-  std::size_t used = 0;
-  long long x = 0;
-  try {
-    x = std::stoll(v, &used);
-  } catch (...) {
-    used = 0;
-  }
-  if (used != v.size() || v.empty() || x < -2147483648LL || x > 2147483647LL)
-    throw usage_error{flag + ": '" + v + "' is not a 32-bit integer"};
-  return x;
-}
-double parse_double(const std::string& flag, const std::string& v) {
-  std::size_t used = 0;
-  double x = 0;
-  try {
-    x = std::stod(v, &used);
-  } catch (...) {
-    used = 0;
-  }
-  if (used != v.size() || v.empty() || !std::isfinite(x))
-    throw usage_error{flag + ": '" + v + "' is not a finite number"};
-  return x;
-}
 
 options parse(int argc, char** argv) {
   options o;
@@ -89,7 +66,7 @@ options parse(int argc, char** argv) {
     }
     if (i + 1 >= argc) throw usage_error{"flag " + f + " needs a value"};
     const std::string v = argv[++i];
-    auto to_int = [&] { return static_cast<int>(parse_int(f, v)); };
+    auto to_int = [&] { return parse_int(f, v); };
     if (f == "--world")
       o.world = to_int();
     else if (f == "--tp")
@@ -346,15 +323,13 @@ int main(int argc, char** argv) {
   try {
     o = parse(argc, argv);
   } catch (const usage_error& e) {
-    if (e.message == "help") {
-      std::cout << "usage: train_moe_cpu [--world N] [--tp N] [--cp N] [--ep N] [--etp N] "
-                   "[--order STR]\n  [--drop dropless|sub_sequence|full_sequence] [--capacity F] "
-                   "[--pad] [--dtype fp32|fp64]\n  [--experts E] [--topk K] [--hidden H] [--ffn F] "
-                   "[--tokens N] [--steps N] [--lr F]\n  [--aux-loss F] [--z-loss F] [--quiet]\n";
-      return 0;
-    }
-    std::cerr << "error: " << e.message << "\n";
-    return 2;
+    return moefold::examples::report(
+        e,
+        "usage: train_moe_cpu [--world N] [--tp N] [--cp N] [--ep N] [--etp N] [--order STR]\n"
+        "  [--drop dropless|sub_sequence|full_sequence] [--capacity F] [--pad] [--dtype "
+        "fp32|fp64]\n"
+        "  [--experts E] [--topk K] [--hidden H] [--ffn F] [--tokens N] [--steps N] [--lr F]\n"
+        "  [--aux-loss F] [--z-loss F] [--quiet]\n");
   }
   using namespace moefold;
   auto run = [&]<class T>(T) {
