@@ -277,3 +277,68 @@ TEST_CASE("the MoE layer equals the fp64 reference: dropless, sub-sequence and f
   }
   CHECK(dropping_runs >= 12);  // tokens were actually dropped in most runs
 }
+
+TEST_CASE("the MoE layer equals the reference on a sweep of 100+ folded mappings") {
+  // Every legal fold of worlds up to 16 with tp, cp, ep, etp, pp from their divisors (pp <= 2),
+  // both trainer orders, taken in a fixed order; each with one of the three policies.
+  std::vector<fold_config> folds;
+  for (int world : {1, 2, 3, 4, 6, 8, 12, 16})
+    for (int pp : {1, 2})
+      for (int tp = 1; tp <= world; ++tp)
+        for (int cp = 1; cp <= 2; ++cp)
+          for (int ep = 1; ep <= world; ++ep)
+            for (int etp = 1; etp <= 4; ++etp)
+              for (const char* order : {"tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"}) {
+                const fold_config f{.world = world,
+                                    .tp = tp,
+                                    .cp = cp,
+                                    .pp = pp,
+                                    .ep = ep,
+                                    .etp = etp,
+                                    .order = order};
+                if (world % (tp * cp * pp) || world % (ep * etp * pp) || !make_folded(f)) continue;
+                if (pp == 1 && std::string(order) != "tp-cp-ep-dp-pp") continue;  // same groups
+                folds.push_back(f);
+              }
+  int runs = 0, etp_gt_1 = 0, several_local = 0, ep_spans = 0, dropping = 0, pp_not_last = 0;
+  for (std::size_t i = 0; i < folds.size(); i += 2) {  // every other one: 100+ of them
+    const auto fold = make_folded(folds[i]).value();
+    problem p{.fold = folds[i]};
+    p.experts = fold.ep() * (1 + static_cast<int>(i / 2) % 2);
+    if (p.experts < 2) p.experts = 2;
+    p.topk = 2;
+    p.ffn = 2 * fold.etp();
+    p.tokens = 4;
+    long long dropped = 0;
+    switch (i / 2 % 3) {
+      case 0:
+        dropped = check_layer<dropless, all_to_all_path<thread_communicator>>(p, dropless{},
+                                                                              drop_mode::none);
+        break;
+      case 1:
+        dropped = check_layer<sub_sequence, all_to_all_path<thread_communicator>>(
+            p, sub_sequence{.capacity_factor = 1.0, .pad_to_capacity = i % 4 == 2},
+            drop_mode::per_rank);
+        break;
+      default:
+        dropped = check_layer<full_sequence, all_gather_path<thread_communicator>>(
+            p, full_sequence{.capacity_factor = 1.0, .pad_to_capacity = i % 4 == 0},
+            drop_mode::per_sequence);
+    }
+    ++runs;
+    etp_gt_1 += fold.etp() > 1;
+    several_local += p.experts / fold.ep() > 1;
+    ep_spans += fold.ep() > 1 && fold.ep() * fold.etp() > fold.tp() * fold.cp();
+    dropping += dropped > 0;
+    pp_not_last += std::string(folds[i].order) == "tp-cp-ep-pp-dp";
+  }
+  MESSAGE(runs << " mappings: " << etp_gt_1 << " with ETP > 1, " << several_local
+               << " with several experts per rank, " << ep_spans << " with EP spanning TP/CP/DP, "
+               << dropping << " that dropped tokens, " << pp_not_last << " with pp not last");
+  CHECK(runs >= 100);
+  CHECK(etp_gt_1 >= 20);
+  CHECK(several_local >= 20);
+  CHECK(ep_spans >= 20);
+  CHECK(dropping >= 20);
+  CHECK(pp_not_last >= 5);
+}
