@@ -4,8 +4,10 @@
 
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <cstring>
 #include <mutex>
+#include <stdexcept>
 
 #include "dispatch_harness.hpp"
 
@@ -180,4 +182,85 @@ TEST_CASE("both dispatcher paths agree on identical routing and weights") {
     CHECK(rel_err(r2[r].dw1, r1[r].dw1) <= 1e-13);
     CHECK(rel_err(r2[r].dw2, r1[r].dw2) <= 1e-13);
   }
+}
+
+namespace {
+
+// An expert functor that misbehaves on one rank: throws, or reports a wrong shape.
+struct faulty_experts {
+  reference_mlp<double> inner;
+  bool throw_here = false, wrong_shape_here = false;
+  int num_local_experts() const { return inner.num_local_experts(); }
+  int hidden() const { return inner.hidden(); }
+  status forward(const expert_batch<double>& b, std::span<double> y) {
+    if (throw_here) throw std::runtime_error("expert functor failed on this rank");
+    if (wrong_shape_here) return inner.forward(b, y.first(y.size() / 2));  // half the rows
+    return inner.forward(b, y);
+  }
+  status backward(const expert_batch<double>& b, std::span<const double> dy, std::span<double> dx,
+                  std::span<double> dp) {
+    return inner.backward(b, dy, dx, dp);
+  }
+};
+static_assert(expert_fn<faulty_experts, double>);
+
+// Runs dispatch -> experts -> combine on a world of 4 (EP 4), rank 2's functor misbehaving.
+std::vector<status> run_faulty(bool throws, bool wrong_shape, int experts_on_rank_2 = 4) {
+  return run_thread_world(
+      4,
+      [&](thread_communicator& world) -> status {
+        const int r = world.rank();
+        const int E = r == 2 ? experts_on_rank_2 : 4;
+        auto disp = all_to_all_dispatcher<double, thread_communicator>::make(
+            {.max_tokens = 3, .hidden = 2, .topk = 1, .num_experts = E, .ep = 4});
+        if (!disp) return unexpected<error>(disp.error());
+        auto ep = world.split(0, r);
+        auto etp = world.split(r, 0);
+        auto tp_ep = world.split(0, r);
+        if (!ep || !etp || !tp_ep) return make_error(errc::invalid_argument, "split");
+        faulty_experts fx{
+            reference_mlp<double>::make({.hidden = 2, .ffn = 2, .num_local_experts = E / 4})
+                .value(),
+            r == 2 && throws, r == 2 && wrong_shape};
+        std::vector<double> x(6, 1.0), probs(3, 1.0), out(6);
+        std::vector<int> expert = {1, 2, 3};  // rank 2 owns expert 2: it gets rows
+        std::vector<std::byte> ws(disp->workspace_bytes());
+        const dispatch_groups<thread_communicator> g{*ep, *etp, *tp_ep};
+        auto h = disp->dispatch({.num_tokens = 3, .x = x, .expert = expert, .probs = probs}, g, ws);
+        if (!h) return unexpected<error>(h.error());
+        std::vector<double> y(static_cast<std::size_t>(h->num_rows()) * 2);
+        if (auto s = fx.forward(h->batch(), y); !s) return s;  // a failing rank returns early
+        return disp->combine(*h, y, g, out);
+      },
+      {.timeout = std::chrono::milliseconds(2000)});
+}
+
+}  // namespace
+
+TEST_CASE(
+    "a misbehaving expert functor or inconsistent expert counts: errors on every rank, no hang") {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (auto [throws, wrong] : {std::pair{true, false}, std::pair{false, true}}) {
+    CAPTURE(throws);
+    const auto st = run_faulty(throws, wrong);
+    for (int r = 0; r < 4; ++r) {
+      CAPTURE(r);
+      REQUIRE_FALSE(st[static_cast<std::size_t>(r)].has_value());
+      const auto& e = st[static_cast<std::size_t>(r)].error();
+      if (r == 2) {
+        CHECK((throws ? e.code == errc::comm_peer_failed : e.code == errc::shape_mismatch));
+        if (throws) CHECK(e.message.find("expert functor failed") != std::string::npos);
+      } else {
+        // The others learn it in their next collective, within the timeout.
+        CHECK((e.code == errc::comm_peer_failed || e.code == errc::comm_timeout));
+      }
+    }
+  }
+  // Rank 2 believes in 8 experts, the others in 4: the count exchange does not match.
+  const auto st = run_faulty(false, false, 8);
+  for (const auto& s : st) {
+    REQUIRE_FALSE(s.has_value());
+    CHECK((s.error().code == errc::comm_mismatch || s.error().code == errc::comm_peer_failed));
+  }
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20));
 }
