@@ -74,21 +74,4 @@ TEST_CASE("both dispatcher paths equal the reference on 12 folds of 8 MPI proces
     }
 }
 
-int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  doctest::Context ctx(argc, argv);
-  std::ostringstream quiet;
-  if (rank != 0) ctx.setCout(&quiet);  // one summary (rank 0's); other ranks report failures
-  int rc = ctx.run();
-  if (rc != 0 && rank != 0) {
-    std::istringstream in(quiet.str());
-    for (std::string line; std::getline(in, line);)
-      if (line.rfind("[doctest]", 0) != 0) std::cerr << "[rank " << rank << "] " << line << "\n";
-  }
-  int worst = rc;
-  MPI_Allreduce(&rc, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  MPI_Finalize();
-  return worst;
-}
+#include "../mpi_doctest_main.hpp"
