@@ -24,6 +24,8 @@ struct problem {
   int experts = 4, topk = 2, hidden = 3, ffn = 4, tokens = 5;
   double drop = 0.0;        // fraction of pairs dropped (-1) by the "policy"
   bool empty_rank = false;  // rank 0 of each stage holds no tokens
+  int capacity = -1;        // >= 0: pairs beyond it per (rank, expert) in token order are dropped
+  bool pad = false;         // dispatch in pad mode with that capacity
 };
 
 // Deterministic data keyed by (rank, token): every rank and the reference generate the same.
@@ -150,7 +152,9 @@ inline double rel_err(const std::vector<double>& a, const std::vector<double>& b
 struct rank_result {
   std::vector<double> out, dx, dprob;
   std::vector<double> dw1, dw2;  // after the EDP reduction, this rank's shards of all local experts
-  long long a2a_rows = 0;
+  long long a2a_rows = 0, count_gather_rows = 0;
+  int rows = 0;                 // M, the rows of the experts' batch
+  std::vector<int> per_expert;  // [L] rows per local expert
 };
 
 template <class Comm>
@@ -166,6 +170,19 @@ struct all_gather_path {
 
 inline int tokens_of(const problem& p, const megatron_groups& groups, int r) {
   return (p.empty_rank && groups(group_kind::tp_dp_cp).find(r).position == 0) ? 0 : p.tokens;
+}
+
+// Rank r's tokens; with a capacity, each expert keeps the first `capacity` pairs of the rank in
+// token order (a position drop written here, independent of the drop policies).
+inline std::vector<token_data> rank_tokens(const problem& p, const megatron_groups& groups, int r) {
+  std::vector<token_data> toks;
+  std::map<int, int> taken;
+  for (int t = 0; t < tokens_of(p, groups, r); ++t) {
+    toks.push_back(make_token(p, r, t));
+    for (int& e : toks.back().expert)
+      if (e >= 0 && p.capacity >= 0 && taken[e]++ >= p.capacity) e = -1;
+  }
+  return toks;
 }
 
 //! One rank's part of the layer: dispatch, experts, combine, backward, EDP gradient reduction.
@@ -185,8 +202,7 @@ expected<rank_result> run_rank(const problem& p, Comm& world) {
   const int n = tokens_of(p, groups, r);
   std::vector<double> x, probs, dout;
   std::vector<int> expert;
-  for (int t = 0; t < n; ++t) {
-    const auto d = make_token(p, r, t);
+  for (const auto& d : rank_tokens(p, groups, r)) {
     x.insert(x.end(), d.x.begin(), d.x.end());
     expert.insert(expert.end(), d.expert.begin(), d.expert.end());
     probs.insert(probs.end(), d.prob.begin(), d.prob.end());
@@ -199,9 +215,11 @@ expected<rank_result> run_rank(const problem& p, Comm& world) {
                                 .ep = fold.ep(),
                                 .etp = fold.etp()});
   if (!disp) return unexpected<error>(disp.error());
-  std::vector<std::byte> ws(disp->workspace_bytes());
+  const int cap = p.pad ? p.capacity : -1;
+  std::vector<std::byte> ws(disp->workspace_bytes(cap));
   const dispatch_groups<Comm> g{*ep, *etp, *tp_ep};
-  auto h = disp->dispatch({.num_tokens = n, .x = x, .expert = expert, .probs = probs}, g, ws);
+  auto h = disp->dispatch(
+      {.num_tokens = n, .x = x, .expert = expert, .probs = probs, .capacity = cap}, g, ws);
   if (!h) return unexpected<error>(h.error());
   auto mlp = reference_mlp<double>::make({.hidden = p.hidden,
                                           .ffn = p.ffn,
@@ -238,6 +256,9 @@ expected<rank_result> run_rank(const problem& p, Comm& world) {
   res.dw1.assign(mlp->grads_fc1().begin(), mlp->grads_fc1().end());
   res.dw2.assign(mlp->grads_fc2().begin(), mlp->grads_fc2().end());
   res.a2a_rows = h->volume().dispatch_a2a.rows;
+  res.count_gather_rows = h->volume().count_gather.rows;
+  res.rows = h->num_rows();
+  res.per_expert.assign(h->batch().counts.begin(), h->batch().counts.end());
   return res;
 }
 
@@ -253,8 +274,7 @@ inline rank_result expected_for_rank(const problem& p, int r) {
   reference_grads g;
   const auto stage = groups(group_kind::tp_dp_cp)[groups(group_kind::tp_dp_cp).find(r).group];
   for (int q : stage)
-    for (int t = 0; t < tokens_of(p, groups, q); ++t) {
-      const auto d = make_token(p, q, t);
+    for (const auto& d : rank_tokens(p, groups, q)) {
       std::vector<double> o, dx, dp;
       reference_token(w, d, o, dx, dp, g);
       if (q != r) continue;

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <mutex>
 #include <stdexcept>
+#include <type_traits>
 
 #include "dispatch_harness.hpp"
 
@@ -263,4 +264,104 @@ TEST_CASE(
     CHECK((s.error().code == errc::comm_mismatch || s.error().code == errc::comm_peer_failed));
   }
   CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20));
+}
+
+TEST_CASE_TEMPLATE(
+    "pad mode: every expert gets exactly C rows per source, results equal no padding", Path, a2a,
+    ag) {
+  // Invariants 4 and 6 of dispatch-semantics.md 11 at the dispatcher: with the same kept pairs,
+  // padding to the capacity changes the row counts (C per source and expert, C*ETP*EP per local
+  // expert, static: no counts exchanged on the All-to-All path) and nothing else.
+  const fold_config folds[] = {
+      {.world = 1},
+      {.world = 4, .ep = 4, .etp = 1},
+      {.world = 4, .tp = 2, .ep = 2, .etp = 2},
+      {.world = 8, .tp = 2, .cp = 2, .ep = 4, .etp = 2},
+      {.world = 8, .tp = 2, .pp = 2, .ep = 2, .etp = 1, .order = "tp-cp-ep-pp-dp"},
+      {.world = 12, .tp = 3, .ep = 4, .etp = 3},
+  };
+  int i = 0, dropped_by_capacity = 0;
+  for (const auto& f : folds)
+    for (int cap : {1, 2, 5}) {
+      const auto fold = make_folded(f).value();
+      problem p{.fold = f};
+      p.experts = fold.ep() * (1 + i % 2);
+      p.topk = std::min(2, p.experts);
+      p.ffn = 2 * fold.etp();
+      p.drop = i % 3 == 0 ? 0.2 : 0.0;
+      p.empty_rank = i % 4 == 1;
+      p.capacity = cap;
+      CAPTURE(f.world);
+      CAPTURE(f.ep);
+      CAPTURE(cap);
+      const auto plain = run<Path>(p);
+      p.pad = true;
+      const auto padded = run<Path>(p);
+      const int L = p.experts / fold.ep(), P = fold.ep() * fold.etp();
+      for (std::size_t r = 0; r < plain.size(); ++r) {
+        CAPTURE(r);
+        const auto want = expected_for_rank(p, static_cast<int>(r));
+        CHECK(rel_err(padded[r].out, want.out) <= 1e-12);
+        CHECK(rel_err(padded[r].dw1, want.dw1) <= 1e-12);
+        // Equal to the unpadded run: zero rows add exact zeros in the same order.
+        CHECK(padded[r].out == plain[r].out);
+        CHECK(padded[r].dx == plain[r].dx);
+        CHECK(padded[r].dprob == plain[r].dprob);
+        CHECK(padded[r].dw1 == plain[r].dw1);
+        CHECK(padded[r].dw2 == plain[r].dw2);
+        // Invariant 4: counts bounded without padding, exact with it.
+        REQUIRE(padded[r].per_expert.size() == static_cast<std::size_t>(L));
+        for (int l = 0; l < L; ++l) {
+          CHECK(plain[r].per_expert[static_cast<std::size_t>(l)] <= cap * P);
+          CHECK(padded[r].per_expert[static_cast<std::size_t>(l)] == cap * P);
+        }
+        CHECK(padded[r].rows == cap * L * P);
+        if (Path::exact_bytes) {  // the padding travels: C*L rows to each other EP rank
+          CHECK(padded[r].a2a_rows == static_cast<long long>(cap) * L * (fold.ep() - 1));
+          CHECK(padded[r].count_gather_rows == 0);
+        }
+      }
+      const megatron_groups groups(fold);
+      for (int r = 0; r < fold.world_size(); ++r) {
+        const auto kept = rank_tokens(p, groups, r);
+        for (std::size_t t = 0; t < kept.size(); ++t)
+          dropped_by_capacity += make_token(p, r, static_cast<int>(t)).expert != kept[t].expert;
+      }
+      ++i;
+    }
+  CHECK(dropped_by_capacity >= 20);  // the capacity actually bound in many runs
+}
+
+TEST_CASE_TEMPLATE("pad mode: ranks padding to different capacities fail together, no hang", Path,
+                   a2a, ag) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto st = run_thread_world(
+      4,
+      [](thread_communicator& world) -> status {
+        const int r = world.rank();
+        auto disp =
+            Path::type::make({.max_tokens = 2, .hidden = 1, .topk = 1, .num_experts = 4, .ep = 4});
+        if (!disp) return unexpected<error>(disp.error());
+        auto ep = world.split(0, r).value();
+        auto etp = world.split(r, 0).value();
+        auto tp_ep = world.split(0, r).value();
+        const int cap = r == 1 ? 2 : 1;
+        std::vector<double> x = {1, 2}, probs = {1, 1};
+        std::vector<int> expert = {0, 3};
+        std::vector<std::byte> ws(disp->workspace_bytes(cap));
+        const dispatch_groups<thread_communicator> g{ep, etp, tp_ep};
+        auto h = disp->dispatch(
+            {.num_tokens = 2, .x = x, .expert = expert, .probs = probs, .capacity = cap}, g, ws);
+        if (!h) return unexpected<error>(h.error());
+        return {};
+      },
+      {.timeout = std::chrono::milliseconds(2000)});
+  for (const auto& s : st) {
+    REQUIRE_FALSE(s.has_value());
+    CHECK((s.error().code == errc::comm_mismatch || s.error().code == errc::comm_peer_failed));
+  }
+  if (std::is_same_v<Path, ag>)  // the AllGather path names the rule
+    CHECK(st[0].error().message.find("every rank must pad to the same capacity") !=
+          std::string::npos);
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10));
 }

@@ -310,3 +310,90 @@ TEST_CASE("no tokens, or no routed pair: empty buffers work and the output is ze
   REQUIRE(unpermute<double>(none, y, 2, probs, out));
   CHECK(out == std::vector<double>{0, 0});
 }
+
+TEST_CASE("pad mode over several sources: C rows per (expert, source), blocks in source order") {
+  // The layout is checked against a direct construction: for expert e and source s, block
+  // [e*S*C + s*C, e*S*C + (s+1)*C) holds the source's kept pairs of e in token order, then padding.
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 40; ++trial) {
+    const int sources = 1 + static_cast<int>(rng() % 5), e = 1 + static_cast<int>(rng() % 4);
+    const int k = 1 + static_cast<int>(rng() % static_cast<unsigned>(e));
+    std::vector<int> per_source(static_cast<std::size_t>(sources));
+    int n = 0;
+    for (auto& v : per_source) n += v = trial % 5 == 0 ? 0 : static_cast<int>(rng() % 6);
+    auto r = random_routing(rng, n, k, e, 0.2);
+    const int cap = static_cast<int>(rng() % 4);
+    // Drop over capacity per (source, expert), first come first kept.
+    std::vector<int> owner;
+    for (int s = 0; s < sources; ++s)
+      for (int t = 0; t < per_source[static_cast<std::size_t>(s)]; ++t) owner.push_back(s);
+    std::vector<int> seen(static_cast<std::size_t>(sources * e), 0);
+    for (int t = 0; t < n; ++t)
+      for (int j = 0; j < k; ++j) {
+        int& ex = r.expert[static_cast<std::size_t>(t * k + j)];
+        if (ex >= 0 &&
+            seen[static_cast<std::size_t>(owner[static_cast<std::size_t>(t)] * e + ex)]++ >= cap)
+          ex = -1;
+      }
+    const permute_args a{.num_tokens = n,
+                         .topk = k,
+                         .num_experts = e,
+                         .expert = r.expert,
+                         .capacity = cap,
+                         .num_sources = sources,
+                         .source_tokens = per_source};
+    std::vector<std::byte> ws(permute_plan::workspace_bytes(a));
+    const auto plan = permute_plan::make(a, ws).value();
+    REQUIRE(plan.num_rows() == cap * e * sources);
+    std::vector<int> want(static_cast<std::size_t>(cap * e * sources), -1);
+    for (int ex = 0; ex < e; ++ex)
+      for (int s = 0; s < sources; ++s) {
+        int row = (ex * sources + s) * cap;
+        for (int t = 0; t < n; ++t)
+          for (int j = 0; j < k; ++j)
+            if (owner[static_cast<std::size_t>(t)] == s &&
+                r.expert[static_cast<std::size_t>(t * k + j)] == ex)
+              want[static_cast<std::size_t>(row++)] = t * k + j;
+      }
+    CHECK(std::vector<int>(plan.row_slot().begin(), plan.row_slot().end()) == want);
+    for (int s = 0; s < n * k; ++s) {
+      const int row = plan.slot_row()[static_cast<std::size_t>(s)];
+      if (row >= 0) CHECK(plan.row_slot()[static_cast<std::size_t>(row)] == s);
+      CHECK((row >= 0) == (r.expert[static_cast<std::size_t>(s)] >= 0));
+    }
+  }
+  // Bad input: source counts that do not add up, several sources without pad mode, a source over
+  // capacity (named in the message).
+  const std::vector<int> ex = {0, 0, 0}, two = {1, 2}, wrong = {1, 1};
+  std::vector<std::byte> ws(4096);
+  CHECK(permute_plan::make({.num_tokens = 3,
+                            .topk = 1,
+                            .num_experts = 1,
+                            .expert = ex,
+                            .capacity = 2,
+                            .num_sources = 2,
+                            .source_tokens = wrong},
+                           ws)
+            .error()
+            .code == errc::shape_mismatch);
+  CHECK(permute_plan::make({.num_tokens = 3,
+                            .topk = 1,
+                            .num_experts = 1,
+                            .expert = ex,
+                            .num_sources = 2,
+                            .source_tokens = two},
+                           ws)
+            .error()
+            .code == errc::invalid_argument);
+  const auto over = permute_plan::make({.num_tokens = 3,
+                                        .topk = 1,
+                                        .num_experts = 1,
+                                        .expert = ex,
+                                        .capacity = 1,
+                                        .num_sources = 2,
+                                        .source_tokens = two},
+                                       ws);
+  REQUIRE_FALSE(over);
+  CHECK(over.error().message.find("expert 0 has 2 routed pairs from source 1") !=
+        std::string::npos);
+}

@@ -29,6 +29,8 @@ class all_gather_dispatcher {
     std::span<int> tokens;  //!< [EP*ETP]
     int gathered = 0;       //!< sum of tokens
   };
+  //! In pad mode (dispatch_input::capacity >= 0) every local expert gets `capacity` rows from
+  //! each rank of the group: its rows are EP*ETP blocks in tp-ep rank order.
 
   //! Checks the shape (detail::check_dispatch_shape).
   [[nodiscard]] static expected<all_gather_dispatcher> make(const dispatch_shape& s) {
@@ -40,10 +42,10 @@ class all_gather_dispatcher {
 
   [[nodiscard]] const dispatch_shape& shape() const noexcept { return s_; }
 
-  //! Bytes of workspace one round trip (and its backward) needs.
-  [[nodiscard]] std::size_t workspace_bytes() const {
+  //! Bytes of workspace one round trip (and its backward) needs; in pad mode pass the capacity.
+  [[nodiscard]] std::size_t workspace_bytes(int capacity = -1) const {
     workspace_carver c;
-    (void)carve(c);
+    (void)carve(c, capacity);
     return c.required();
   }
 
@@ -55,32 +57,43 @@ class all_gather_dispatcher {
     if (auto st = detail::check_dispatch_groups(s_, g); !st) return unexpected<error>(st.error());
     if (auto st = detail::check_dispatch_input(s_, in); !st) return unexpected<error>(st.error());
     workspace_carver c(workspace);
-    buffers b = carve(c);
+    buffers b = carve(c, in.capacity);
     if (!c.fits())
       return make_error(errc::workspace_too_small,
                         "dispatch: the workspace has " + to_decimal(workspace.size()) +
-                            " bytes, workspace_bytes() = " + to_decimal(c.required()));
+                            " bytes, workspace_bytes(" + to_decimal(in.capacity) +
+                            ") = " + to_decimal(c.required()));
     bufs_ = b;
     const auto H = uz(s_.hidden), K = uz(s_.topk);
     handle_type h;
     h.issue(this, ++serial_, s_.hidden, in.num_tokens);
     h.st_.tokens = b.tokens;
-    // 1. Token counts of the group, then tokens, routing and probabilities.
+    // 1. Token counts and pad capacities of the group (every rank sees the same table, so a
+    //    capacity mismatch fails every rank alike), then tokens, routing and probabilities.
     const int n = in.num_tokens;
-    if (auto st = g.tp_ep.template all_gather<int>(std::span<const int>(&n, 1), b.tokens); !st)
+    const int header[2] = {n, in.capacity};
+    if (auto st = g.tp_ep.template all_gather<int>(std::span<const int>(header, 2), b.header); !st)
       return unexpected<error>(st.error());
     long long total = 0;
-    for (int v : b.tokens) {
+    for (std::size_t q = 0; q < b.tokens.size(); ++q) {
+      const int v = b.header[2 * q], cap = b.header[2 * q + 1];
       if (v < 0 || v > s_.max_tokens)
         return make_error(errc::invalid_size, "dispatch: a peer has " + to_decimal(v) +
                                                   " tokens, outside [0, max_tokens]");
+      if (cap != b.header[1])
+        return make_error(errc::comm_mismatch,
+                          "dispatch: pad mode capacities differ in the tp-ep group (rank 0: " +
+                              to_decimal(b.header[1]) + ", rank " +
+                              to_decimal(static_cast<long long>(q)) + ": " + to_decimal(cap) +
+                              "); every rank must pad to the same capacity");
+      b.tokens[q] = v;
       total += v;
     }
     h.st_.gathered = static_cast<int>(total);
     const auto G = uz(total);
     const int peers = g.tp_ep.size() - 1;
-    h.volume_.count_gather = {peers,
-                              static_cast<long long>(peers) * static_cast<long long>(sizeof(int))};
+    h.volume_.count_gather = {
+        peers, static_cast<long long>(peers) * static_cast<long long>(sizeof(header))};
     auto xg = b.rows_a.first(G * H);
     auto eg = b.experts.first(G * K);
     auto pg = b.probs_a.first(G * K);
@@ -99,12 +112,20 @@ class all_gather_dispatcher {
     auto local = b.local_experts.first(G * K);
     for (std::size_t i = 0; i < G * K; ++i)
       local[i] = (eg[i] >= first && eg[i] < first + L) ? eg[i] - first : -1;
-    const permute_args pa{
-        .num_tokens = static_cast<int>(total), .topk = s_.topk, .num_experts = L, .expert = local};
+    const bool pad = in.capacity >= 0;
+    const permute_args pa{.num_tokens = static_cast<int>(total),
+                          .topk = s_.topk,
+                          .num_experts = L,
+                          .expert = local,
+                          .capacity = in.capacity,
+                          .num_sources = pad ? g.tp_ep.size() : 1,
+                          .source_tokens = pad ? b.tokens : std::span<int>()};
     auto plan = permute_plan::make(pa, b.plan);
     if (!plan) return unexpected<error>(plan.error());
     h.plan_ = *plan;
-    h.per_expert_ = h.plan_.counts();
+    for (int l = 0; l < L; ++l)  // rows per local expert, padding included
+      b.per_expert[uz(l)] = h.plan_.offsets()[uz(l) + 1] - h.plan_.offsets()[uz(l)];
+    h.per_expert_ = b.per_expert;
     const auto M = uz(h.plan_.num_rows());
     h.x_ = b.batch_x.first(M * H);
     h.p_ = b.batch_probs.first(M);
@@ -179,28 +200,35 @@ class all_gather_dispatcher {
  private:
   struct buffers {
     std::span<std::byte> plan;
-    std::span<int> tokens, counts, experts, local_experts;
+    std::span<int> header, tokens, counts, per_expert, experts, local_experts;
     std::span<T> rows_a, rows_b, probs_a, batch_x, batch_probs;
   };
 
   static constexpr std::size_t uz(long long v) noexcept { return static_cast<std::size_t>(v); }
 
-  buffers carve(workspace_carver& c) const {
+  buffers carve(workspace_carver& c, int capacity) const {
     buffers b;
     const auto P = uz(s_.ep) * uz(s_.etp), H = uz(s_.hidden), K = uz(s_.topk);
-    const auto G = uz(s_.max_tokens) * P;
-    const permute_args pa{
-        .num_tokens = static_cast<int>(G), .topk = s_.topk, .num_experts = s_.num_experts / s_.ep};
+    const auto G = uz(s_.max_tokens) * P, L = uz(s_.num_experts / s_.ep);
+    // Rows of the experts' batch: the routed pairs of the group, or C per (rank, local expert).
+    const auto M = capacity >= 0 ? uz(capacity) * L * P : G * K;
+    const permute_args pa{.num_tokens = static_cast<int>(G),
+                          .topk = s_.topk,
+                          .num_experts = static_cast<int>(L),
+                          .capacity = capacity,
+                          .num_sources = capacity >= 0 ? static_cast<int>(P) : 1};
     b.plan = c.take<std::byte>(permute_plan::workspace_bytes(pa));
+    b.header = c.take<int>(2 * P);
     b.tokens = c.take<int>(P);
     b.counts = c.take<int>(P);
+    b.per_expert = c.take<int>(L);
     b.experts = c.take<int>(G * K);
     b.local_experts = c.take<int>(G * K);
     b.rows_a = c.take<T>(G * H);
     b.rows_b = c.take<T>(G * H);
     b.probs_a = c.take<T>(G * K);
-    b.batch_x = c.take<T>(G * K * H);
-    b.batch_probs = c.take<T>(G * K);
+    b.batch_x = c.take<T>(M * H);
+    b.batch_probs = c.take<T>(M);
     return b;
   }
 

@@ -48,10 +48,11 @@ class all_to_all_dispatcher {
 
   [[nodiscard]] const dispatch_shape& shape() const noexcept { return s_; }
 
-  //! Bytes of workspace one dispatch/combine round trip (and its backward) needs.
-  [[nodiscard]] std::size_t workspace_bytes() const {
+  //! Bytes of workspace one dispatch/combine round trip (and its backward) needs; in pad mode
+  //! (dispatch_input::capacity >= 0) pass the capacity: the rows then follow from it.
+  [[nodiscard]] std::size_t workspace_bytes(int capacity = -1) const {
     workspace_carver c;
-    (void)carve(c, s_.max_tokens);
+    (void)carve(c, capacity);
     return c.required();
   }
 
@@ -63,28 +64,34 @@ class all_to_all_dispatcher {
     if (auto st = detail::check_dispatch_groups(s_, g); !st) return unexpected<error>(st.error());
     if (auto st = detail::check_dispatch_input(s_, in); !st) return unexpected<error>(st.error());
     workspace_carver c(workspace);
-    buffers b = carve(c, s_.max_tokens);
+    buffers b = carve(c, in.capacity);
     if (!c.fits())
       return make_error(errc::workspace_too_small,
                         "dispatch: the workspace has " + to_decimal(workspace.size()) +
-                            " bytes, workspace_bytes() = " + to_decimal(c.required()));
+                            " bytes, workspace_bytes(" + to_decimal(in.capacity) +
+                            ") = " + to_decimal(c.required()));
     bufs_ = b;
     const auto H = uz(s_.hidden);
     handle_type h;
     h.issue(this, ++serial_, s_.hidden, in.num_tokens);
-    // 1. Plan the permutation (validates the routing record) and exchange the counts.
+    // 1. Plan the permutation (validates the routing record) and exchange the counts; in pad mode
+    //    every count is the capacity, so nothing is exchanged (static shapes).
     // NOTE: aggregates are built as named variables, not braced arguments: nvcc 13 miscompiles a
     // braced designated initializer with dependent members passed as an argument in a template.
+    const bool pad = in.capacity >= 0;
     const permute_args pa{.num_tokens = in.num_tokens,
                           .topk = s_.topk,
                           .num_experts = s_.num_experts,
-                          .expert = in.expert};
+                          .expert = in.expert,
+                          .capacity = in.capacity};
     auto plan = permute_plan::make(pa, b.plan);
     if (!plan) return unexpected<error>(plan.error());
     h.plan_ = *plan;
-    if (auto st = g.tp_ep.template all_gather<int>(h.plan_.counts(), b.gathered); !st)
-      return unexpected<error>(st.error());
-    h.volume_.count_gather = volume(s_.num_experts * (s_.ep * s_.etp - 1), sizeof(int), 1);
+    if (!pad) {
+      if (auto st = g.tp_ep.template all_gather<int>(h.plan_.counts(), b.gathered); !st)
+        return unexpected<error>(st.error());
+      h.volume_.count_gather = volume(s_.num_experts * (s_.ep * s_.etp - 1), sizeof(int), 1);
+    }
     // 2. Splits, chunk order.
     h.st_.input_splits = b.input_splits;
     h.st_.output_splits = b.output_splits;
@@ -104,18 +111,21 @@ class all_to_all_dispatcher {
                         .output_splits_tp = h.st_.output_splits_tp,
                         .tokens_per_local_expert = h.st_.per_expert,
                         .chunk_counts = h.st_.chunk_counts};
-    if (auto st = compute_splits(sa, sv); !st) return unexpected<error>(st.error());
+    if (pad)
+      uniform_splits(in.capacity, sv);
+    else if (auto st = compute_splits(sa, sv); !st)
+      return unexpected<error>(st.error());
     expert_major_chunk_order(s_.etp, s_.ep, local_experts(), h.st_.order);
     h.per_expert_ = h.st_.per_expert;
     sorted_chunk_sizes(h.st_.chunk_counts, h.st_.order, h.st_.sorted_sizes);
     const int m_send = h.plan_.num_rows();
     const int m_a2a = sum(h.st_.output_splits);
     const int m_all = sum(h.st_.output_splits_tp);
-    if (m_all > bound_rows())
+    if (m_all > bound_rows(in.capacity))
       return make_error(errc::invalid_size,
                         "dispatch: this rank receives " + to_decimal(m_all) +
                             " rows, more than the bound max_tokens * topk * ep * etp = " +
-                            to_decimal(bound_rows()) + " (a peer exceeded max_tokens)");
+                            to_decimal(bound_rows(in.capacity)) + " (a peer exceeded max_tokens)");
     // 3. Permute rows and probabilities.            x [N,H] -> xp [m_send, H], pp [m_send]
     auto xp = b.rows_a.first(uz(m_send) * H);
     auto pp = b.probs_a.first(uz(m_send));
@@ -277,18 +287,36 @@ class all_to_all_dispatcher {
     return s;
   }
   int local_experts() const noexcept { return s_.num_experts / s_.ep; }
-  int bound_rows() const noexcept { return s_.max_tokens * s_.topk * s_.ep * s_.etp; }
+  // Rows one rank sends at most (in pad mode exactly C*E), and receives at most (that times the
+  // tp-ep group; in pad mode C*E*ETP).
+  long long bound_rows(int capacity) const noexcept {
+    const long long send = capacity >= 0 ? static_cast<long long>(capacity) * s_.num_experts
+                                         : static_cast<long long>(s_.max_tokens) * s_.topk;
+    return send * s_.ep * s_.etp;
+  }
+  // Pad mode: C rows per (source, expert) everywhere; what compute_splits gives for those counts.
+  void uniform_splits(int capacity, const split_view& v) const noexcept {
+    const int L = local_experts();
+    for (auto& x : v.input_splits) x = capacity * L;
+    for (auto& x : v.output_splits) x = capacity * L;
+    for (auto& x : v.output_splits_tp) x = capacity * L * s_.ep;
+    for (auto& x : v.tokens_per_local_expert) x = capacity * s_.ep * s_.etp;
+    for (auto& x : v.chunk_counts) x = capacity;
+  }
   static comm_volume volume(long long rows, std::size_t elem, int per_row) noexcept {
     return {rows, rows * static_cast<long long>(elem) * per_row};
   }
 
   // One layout, used both to size and to carve (never two functions that can drift).
-  buffers carve(workspace_carver& c, int max_tokens) const {
+  buffers carve(workspace_carver& c, int capacity) const {
     buffers b;
     const auto E = uz(s_.num_experts), EP = uz(s_.ep), ETP = uz(s_.etp), L = uz(local_experts()),
                H = uz(s_.hidden);
-    const auto rows = uz(bound_rows());
-    const permute_args pa{.num_tokens = max_tokens, .topk = s_.topk, .num_experts = s_.num_experts};
+    const auto rows = uz(bound_rows(capacity));
+    const permute_args pa{.num_tokens = s_.max_tokens,
+                          .topk = s_.topk,
+                          .num_experts = s_.num_experts,
+                          .capacity = capacity};
     b.plan = c.take<std::byte>(permute_plan::workspace_bytes(pa));
     b.gathered = c.take<int>(EP * ETP * E);
     b.input_splits = c.take<int>(EP);

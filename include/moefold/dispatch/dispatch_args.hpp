@@ -28,6 +28,12 @@ struct dispatch_input {
   std::span<const T> x{};         //!< [N, H] tokens
   std::span<const int> expert{};  //!< [N*k] expert of each pair, -1 = dropped
   std::span<const T> probs{};     //!< [N*k] router probability of each pair
+  //! Pad mode when >= 0 (static shapes, dispatch-semantics.md 5.2.1): every expert receives
+  //! exactly `capacity` rows from this rank, its kept pairs in token order and then zero rows of
+  //! probability 0, so no counts need exchanging. Every rank of the tp-ep group must pass the same
+  //! value (drop_result::pad_rows); a mismatch is reported by the communicator's count check
+  //! (All-to-All path) or by the dispatcher (AllGather path). -1: rows as routed.
+  int capacity = -1;
 };
 
 //! This rank's communicators for the three groups a dispatcher uses. The tp-ep rank must be
@@ -91,6 +97,15 @@ template <class T>
   const auto H = static_cast<std::size_t>(s.hidden), K = static_cast<std::size_t>(s.topk);
   if (in.x.size() != N * H || in.probs.size() != N * K || in.expert.size() != N * K)
     return make_error(errc::shape_mismatch, "dispatch: x must be [N, H] and expert, probs [N*k]");
+  if (in.capacity < -1)
+    return make_error(errc::invalid_argument,
+                      "dispatch: capacity = " + to_decimal(in.capacity) +
+                          " (pad mode takes a capacity >= 0, -1 turns it off)");
+  const long long pad_bound =
+      static_cast<long long>(in.capacity) * s.num_experts * s.ep * s.etp * s.hidden;
+  if (in.capacity > 0 && pad_bound > 2147483647LL)
+    return make_error(errc::overflow,
+                      "dispatch: capacity * num_experts * ep * etp * hidden exceeds 2^31-1");
   return {};
 }
 

@@ -47,11 +47,16 @@ struct drop_result {
   std::vector<std::uint8_t> final_map{};  // [N, E]
   std::vector<T> final_probs{};           // [N, E]
   std::vector<std::uint8_t> kept{};       // [N, k]: pair (t, indices[t, i]) survived
+  //! Pad mode: the rows per expert the dispatcher pads this rank's column to (its kept pairs,
+  //! then zero rows of probability 0, which contribute nothing: dispatch-semantics.md 3.3), giving
+  //! static shapes; -1 without padding. Sub-sequence: C. Full-sequence: the group's C, because a
+  //! rank may hold up to all C kept rows of a column (static shapes cost |TP x CP| x the rows).
+  int pad_rows = -1;
   drop_report report;
 
   //! The surviving routing in top-k record form, as the dispatcher takes it: expert [N*k] with
-  //! -1 for a dropped pair (pad-mode fillers are not pairs; the dispatcher adds them from the
-  //! capacity), and probs [N*k] with 0 for a dropped pair.
+  //! -1 for a dropped pair (pad-mode fillers are not pairs; the dispatcher pads to pad_rows), and
+  //! probs [N*k] with 0 for a dropped pair.
   [[nodiscard]] std::vector<int> kept_experts(const topk_routing<T>& r) const {
     std::vector<int> out(r.indices);
     for (std::size_t p = 0; p < out.size() && p < kept.size(); ++p)
@@ -192,6 +197,7 @@ void keep_within_capacity(const topk_routing<T>& r, int capacity, drop_by by, bo
   out.final_map.assign(N * E, 0);
   out.final_probs.assign(N * E, T(0));
   out.kept.assign(N * K, 0);
+  out.pad_rows = pad ? capacity : -1;
   auto ord = [&](std::size_t t) { return order.empty() ? static_cast<long long>(t) : order[t]; };
   // Per expert: its routed (row, slot) pairs.
   std::vector<std::vector<std::size_t>> col(E);  // flat pair index t*K + i

@@ -166,6 +166,7 @@ struct full_sequence {
         whole.final_probs.begin() + static_cast<std::ptrdiff_t>((first + N) * E));
     out.kept.assign(whole.kept.begin() + static_cast<std::ptrdiff_t>(first * K),
                     whole.kept.begin() + static_cast<std::ptrdiff_t>((first + N) * K));
+    out.pad_rows = whole.pad_rows;
     detail::fill_report(r, *cap, out);
     return {};
   }

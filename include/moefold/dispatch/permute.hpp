@@ -24,6 +24,12 @@ struct permute_args {
   int num_experts = 1;            //!< E
   std::span<const int> expert{};  //!< [N*k] expert of each (token, slot) pair, -1 = dropped
   int capacity = -1;              //!< pad mode when >= 0: every expert gets exactly this many rows
+  //! Pad mode over the concatenated tokens of several sources (the AllGather dispatcher's gathered
+  //! group): each expert gets exactly `capacity` rows from each source, so the rows of expert e
+  //! are num_sources blocks of capacity rows. `source_tokens` [num_sources] are the sources' token
+  //! counts in order (make() needs them; workspace_bytes() only num_sources).
+  int num_sources = 1;
+  std::span<const int> source_tokens{};
 };
 
 //! Where every row of the permuted buffer comes from and goes to. A view into the caller's
@@ -33,7 +39,9 @@ class permute_plan {
   //! Bytes of workspace a plan for `a` needs.
   [[nodiscard]] static std::size_t workspace_bytes(const permute_args& a) noexcept {
     workspace_carver c;
-    (void)carve(c, a, a.capacity >= 0 ? a.capacity * a.num_experts : a.num_tokens * a.topk);
+    const long long pad_rows = static_cast<long long>(a.capacity) * a.num_experts *
+                               (a.num_sources > 1 ? a.num_sources : 1);
+    (void)carve(c, a, a.capacity >= 0 ? static_cast<int>(pad_rows) : a.num_tokens * a.topk);
     return c.required();
   }
 
@@ -48,9 +56,28 @@ class permute_plan {
                             to_decimal(a.num_tokens) + ", " + to_decimal(a.topk) + ", " +
                             to_decimal(a.num_experts) + ")");
     const long long slots = static_cast<long long>(a.num_tokens) * a.topk;
+    if (a.num_sources < 1 || (a.num_sources > 1 && a.capacity < 0))
+      return make_error(errc::invalid_argument,
+                        "permute: num_sources must be >= 1, and several sources need pad mode "
+                        "(capacity >= 0)");
+    const long long sources = a.num_sources;
     if (slots > 2147483647LL ||
-        (a.capacity >= 0 && static_cast<long long>(a.capacity) * a.num_experts > 2147483647LL))
-      return make_error(errc::overflow, "permute: N*k or capacity*E exceeds 2^31-1");
+        (a.capacity >= 0 &&
+         static_cast<long long>(a.capacity) * a.num_experts * sources > 2147483647LL))
+      return make_error(errc::overflow, "permute: N*k or capacity*E*sources exceeds 2^31-1");
+    if (a.num_sources > 1) {
+      long long total = 0;
+      bool ok = a.source_tokens.size() == static_cast<std::size_t>(a.num_sources);
+      for (int v : a.source_tokens) {
+        ok = ok && v >= 0;
+        total += v;
+      }
+      if (!ok || total != a.num_tokens)
+        return make_error(
+            errc::shape_mismatch,
+            "permute: source_tokens must hold num_sources = " + to_decimal(a.num_sources) +
+                " counts >= 0 that sum to num_tokens = " + to_decimal(a.num_tokens));
+    }
     if (static_cast<long long>(a.expert.size()) != slots)
       return make_error(errc::shape_mismatch, "permute: the routing record has " +
                                                   to_decimal(a.expert.size()) +
@@ -72,33 +99,31 @@ class permute_plan {
                 "permute: token " + to_decimal(t) + " names expert " + to_decimal(e) + " twice");
         routed += e >= 0 ? 1 : 0;
       }
-    const int rows = a.capacity >= 0 ? a.capacity * a.num_experts : routed;
+    const int rows =
+        a.capacity >= 0 ? static_cast<int>(a.capacity * a.num_experts * sources) : routed;
     workspace_carver c(workspace);
     permute_plan p = carve(c, a, rows);
     if (!c.fits())
       return make_error(errc::workspace_too_small,
                         "permute: the workspace has " + to_decimal(workspace.size()) +
                             " bytes but the plan needs " + to_decimal(c.required()));
-    p.build(a);
-    if (a.capacity >= 0)
-      for (int e = 0; e < a.num_experts; ++e)
-        if (p.real_[static_cast<std::size_t>(e)] > a.capacity)
-          return make_error(errc::invalid_argument,
-                            "permute: expert " + to_decimal(e) + " has " +
-                                to_decimal(p.real_[static_cast<std::size_t>(e)]) +
-                                " routed pairs, more than the capacity " + to_decimal(a.capacity) +
-                                " (drop before padding)");
+    if (const overflow o = p.build(a); o.expert >= 0)
+      return make_error(
+          errc::invalid_argument,
+          "permute: expert " + to_decimal(o.expert) + " has " + to_decimal(p.pairs_from(a, o)) +
+              " routed pairs" + (a.num_sources > 1 ? " from source " + to_decimal(o.source) : "") +
+              ", more than the capacity " + to_decimal(a.capacity) + " (drop before padding)");
     return p;
   }
 
   [[nodiscard]] int num_tokens() const noexcept { return n_; }
   [[nodiscard]] int topk() const noexcept { return k_; }
   [[nodiscard]] int num_experts() const noexcept { return static_cast<int>(real_.size()); }
-  //! Rows of the permuted buffer (routed pairs, or capacity * E in pad mode).
+  //! Rows of the permuted buffer (routed pairs, or capacity * E * num_sources in pad mode).
   [[nodiscard]] int num_rows() const noexcept { return static_cast<int>(row_slot_.size()); }
   //! Routed pairs per expert [E] (excludes padding rows).
   [[nodiscard]] std::span<const int> counts() const noexcept { return real_; }
-  //! First row of each expert [E+1] (in pad mode expert e starts at e * capacity).
+  //! First row of each expert [E+1] (in pad mode expert e starts at e * capacity * num_sources).
   [[nodiscard]] std::span<const int> offsets() const noexcept { return offsets_; }
   //! The (token, slot) pair t*k+j of each row [M]; -1 for a padding row.
   [[nodiscard]] std::span<const int> row_slot() const noexcept { return row_slot_; }
@@ -114,13 +139,34 @@ class permute_plan {
     p.offsets_ = c.take<int>(static_cast<std::size_t>(a.num_experts) + 1);
     p.row_slot_ = c.take<int>(static_cast<std::size_t>(rows));
     p.slot_row_ = c.take<int>(static_cast<std::size_t>(a.num_tokens) * a.topk);
+    p.cursor_ = c.take<int>(static_cast<std::size_t>(a.num_experts));
     return p;
   }
 
+  // The first (expert, source) over capacity in pad mode, if any.
+  struct overflow {
+    int expert = -1, source = 0;
+  };
+
+  // Pairs routed to o.expert from source o.source (for the error message).
+  int pairs_from(const permute_args& a, overflow o) const {
+    int first = 0;
+    for (int s = 0; s < o.source; ++s) first += a.source_tokens[static_cast<std::size_t>(s)];
+    const int last =
+        a.num_sources > 1 ? first + a.source_tokens[static_cast<std::size_t>(o.source)] : n_;
+    int n = 0;
+    for (int t = first; t < last; ++t)
+      for (int j = 0; j < k_; ++j) n += a.expert[static_cast<std::size_t>(t * k_ + j)] == o.expert;
+    return n;
+  }
+
   // A counting sort by expert; visiting pairs in token order keeps tokens ascending inside each
-  // expert (the stable sort of the reference, without sorting).
-  void build(const permute_args& a) {
-    const int E = a.num_experts;
+  // expert (the stable sort of the reference, without sorting). In pad mode expert e owns rows
+  // [e*S*C, (e+1)*S*C), source s's block starting at e*S*C + s*C; the rows a block does not fill
+  // stay padding (row_slot -1).
+  overflow build(const permute_args& a) {
+    const int E = a.num_experts, S = a.num_sources > 1 ? a.num_sources : 1;
+    const bool pad = a.capacity >= 0;
     for (auto& v : real_) v = 0;
     for (int e : a.expert)
       if (e >= 0) ++real_[static_cast<std::size_t>(e)];
@@ -128,26 +174,37 @@ class permute_plan {
     for (int e = 0; e < E; ++e)
       offsets_[static_cast<std::size_t>(e) + 1] =
           offsets_[static_cast<std::size_t>(e)] +
-          (a.capacity >= 0 ? a.capacity : real_[static_cast<std::size_t>(e)]);
+          (pad ? a.capacity * S : real_[static_cast<std::size_t>(e)]);
     for (auto& v : row_slot_) v = -1;
-    // Reuse real_ as a running cursor, then restore the counts.
-    for (int e = 0; e < E; ++e) real_[static_cast<std::size_t>(e)] = 0;
-    for (int s = 0; s < n_ * k_; ++s) {
-      const int e = a.expert[static_cast<std::size_t>(s)];
-      if (e < 0 || (a.capacity >= 0 && real_[static_cast<std::size_t>(e)] >= a.capacity)) {
-        // A dropped pair, or one over capacity: make() counts the latter and rejects the plan.
-        slot_row_[static_cast<std::size_t>(s)] = -1;
-        if (e >= 0) ++real_[static_cast<std::size_t>(e)];
-        continue;
+    overflow first;
+    for (auto& v : cursor_) v = 0;  // rows taken by each expert inside the current source
+    int source = 0, source_end = S > 1 ? a.source_tokens[0] : n_;
+    for (int t = 0; t < n_; ++t) {
+      while (S > 1 && t >= source_end) {  // the next non-empty source
+        for (auto& v : cursor_) v = 0;
+        ++source;
+        source_end += a.source_tokens[static_cast<std::size_t>(source)];
       }
-      const int row = offsets_[static_cast<std::size_t>(e)] + real_[static_cast<std::size_t>(e)]++;
-      row_slot_[static_cast<std::size_t>(row)] = s;
-      slot_row_[static_cast<std::size_t>(s)] = row;
+      for (int j = 0; j < k_; ++j) {
+        const int s = t * k_ + j;
+        const int e = a.expert[static_cast<std::size_t>(s)];
+        slot_row_[static_cast<std::size_t>(s)] = -1;
+        if (e < 0) continue;  // a dropped pair
+        const auto ue = static_cast<std::size_t>(e);
+        if (pad && cursor_[ue] >= a.capacity) {  // over capacity: make() rejects the plan
+          if (first.expert < 0) first = {e, source};
+          continue;
+        }
+        const int row = offsets_[ue] + (pad ? source * a.capacity : 0) + cursor_[ue]++;
+        row_slot_[static_cast<std::size_t>(row)] = s;
+        slot_row_[static_cast<std::size_t>(s)] = row;
+      }
     }
+    return first;
   }
 
   int n_ = 0, k_ = 1;
-  std::span<int> real_, offsets_, row_slot_, slot_row_;
+  std::span<int> real_, offsets_, row_slot_, slot_row_, cursor_;
 };
 
 namespace detail {

@@ -145,8 +145,14 @@ class moe_layer {
     stats.dropped = drop_.report;
     kept_experts_ = drop_.kept_experts(routing_);
     kept_probs_ = drop_.kept_probs(routing_);
-    const dispatch_input<T> din{
-        .num_tokens = n, .x = x, .expert = kept_experts_, .probs = kept_probs_};
+    const dispatch_input<T> din{.num_tokens = n,
+                                .x = x,
+                                .expert = kept_experts_,
+                                .probs = kept_probs_,
+                                .capacity = drop_.pad_rows};
+    // Pad mode sizes the rows from the capacity (the workspace grows to the largest one seen).
+    if (const auto need = disp_.workspace_bytes(drop_.pad_rows); ws_.size() < need)
+      ws_.resize(need);
     auto h = disp_.dispatch(din, g.dispatch, ws_);
     if (!h) return unexpected<error>(h.error());
     handle_.emplace(std::move(*h));
