@@ -1,0 +1,521 @@
+// The MoE layer's optional parts on the thread world, against an fp64 reference written here:
+// the per-sequence and global load-balancing losses (values and gradients, over two micro-batches
+// and the end of a global batch), the shared expert with its sigmoid gate (inside the layer, its
+// gradients reduced over their own groups), the expert bias (selection, post-drop counts, update),
+// and evaluation mode. The router's decisions come from the routing code (checked on its own);
+// the losses, their softmax chain, the shared MLP and the gate are plain loops here.
+#include <moefold/comm/thread_world.hpp>
+#include <moefold/dispatch/drop_policy_local.hpp>
+#include <moefold/layer/moe_layer.hpp>
+
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <map>
+#include <vector>
+
+#include "../dispatch/dispatch_harness.hpp"
+
+using namespace moefold;
+using namespace moefold::test;
+
+namespace {
+
+constexpr int kBatch = 2;  // sequences per micro-batch: token n = s*B + b
+constexpr double seq_coeff = 0.02, global_coeff = 0.03;
+constexpr int shared_ffn = 6;
+constexpr int micro_batches = 2;
+
+std::vector<double> router_weight(const problem& p) {  // [E, H]
+  std::vector<double> w;
+  for (int e = 0; e < p.experts; ++e)
+    for (int h = 0; h < p.hidden; ++h) w.push_back(2.0 * unit(9, e, h));
+  return w;
+}
+std::vector<double> gate_weight(const problem& p) {  // [H]
+  std::vector<double> w;
+  for (int h = 0; h < p.hidden; ++h) w.push_back(unit(10, h, 0));
+  return w;
+}
+std::vector<float> bias_values(int E) {  // large enough to change selections
+  std::vector<float> b;
+  for (int e = 0; e < E; ++e) b.push_back(e % 2 ? 0.4f : -0.1f * static_cast<float>(e));
+  return b;
+}
+// Micro-batch m's tokens of rank r (keys distinct from the other micro-batches).
+token_data token(const problem& p, int m, int r, int t) { return make_token(p, r + 97 * m, t); }
+
+enum class variant { losses_and_shared, expert_bias };
+
+struct rank_out {
+  std::vector<double> out[micro_batches], dx[micro_batches];
+  double seq_aux[micro_batches] = {}, global_aux[micro_batches] = {};
+  double global_after_reset = 0;
+  std::vector<double> dw_router, dw1, dw2, shared_dw1, shared_dw2, gate_dw;
+  std::vector<double> eval_out;
+  moe_forward_stats eval_stats;
+  int global_steps_before_eval = 0, global_steps_after_eval = 0;
+  std::vector<float> counts_after_train, counts_after_eval, bias_after_update, counts_after_update;
+};
+
+topk_router_options router_options(const problem& p, variant v) {
+  topk_router_options o{.num_experts = p.experts, .topk = p.topk};
+  if (v == variant::expert_bias) {
+    o.score = score_function::sigmoid;
+    o.expert_bias = true;
+  }
+  return o;
+}
+
+std::vector<rank_out> run(const problem& p, variant v) {
+  const auto fold = make_folded(p.fold).value();
+  const megatron_groups groups(fold);
+  const data w = make_weights(p);
+  problem ps = p;
+  ps.experts = 1;
+  ps.ffn = shared_ffn;
+  const data ws = make_weights(ps);
+  const auto wr = router_weight(p), wg = gate_weight(p);
+  std::vector<rank_out> results(static_cast<std::size_t>(fold.world_size()));
+  const auto st = run_thread_world(fold.world_size(), [&](thread_communicator& world) -> status {
+    const int r = world.rank();
+    auto get = [&](group_kind k) { return group_communicator(world, groups, {k}).value(); };
+    auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep);
+    auto tp_cp = get(group_kind::tp_cp), stage = get(group_kind::tp_dp_cp),
+         edp = get(group_kind::edp), tp = get(group_kind::tp), dp_cp = get(group_kind::dp_cp);
+    const int L = p.experts / fold.ep();
+    const auto mc = fold.moe_coord_of(r);
+    auto mlp = reference_mlp<double>::make({.hidden = p.hidden,
+                                            .ffn = p.ffn,
+                                            .num_local_experts = L,
+                                            .etp = fold.etp(),
+                                            .etp_rank = mc.etp})
+                   .value();
+    const auto n1 = static_cast<std::size_t>(p.hidden * 2 * p.ffn),
+               n2 = static_cast<std::size_t>(p.ffn * p.hidden);
+    for (int l = 0; l < L; ++l) {
+      const auto e = static_cast<std::size_t>(mc.ep * L + l);
+      if (auto s = mlp.load_full(l, std::span<const double>(w.w1).subspan(e * n1, n1),
+                                 std::span<const double>(w.w2).subspan(e * n2, n2));
+          !s)
+        return s;
+    }
+    moe_layer_options o{.hidden = p.hidden,
+                        .max_tokens = p.tokens,
+                        .ep = fold.ep(),
+                        .etp = fold.etp(),
+                        .router = router_options(p, v),
+                        .batch = kBatch};
+    if (v == variant::losses_and_shared) {
+      o.seq_aux_loss_coeff = seq_coeff;
+      o.global_aux_loss_coeff = global_coeff;
+      o.shared_expert = {.ffn = shared_ffn,
+                         .gate = true,
+                         .tp = fold.tp(),
+                         .tp_rank = groups(group_kind::tp).find(r).position};
+    }
+    using layer_t =
+        moe_layer<double, thread_communicator, dropless,
+                  all_to_all_dispatcher<double, thread_communicator>, reference_mlp<double>>;
+    auto layer = layer_t::make(o, dropless{}, std::move(mlp));
+    if (!layer) return unexpected<error>(layer.error());
+    std::copy(wr.begin(), wr.end(), layer->router_weight().begin());
+    if (auto* se = layer->shared()) {
+      if (auto s = se->mlp().load_full(0, ws.w1, ws.w2); !s) return s;
+      std::copy(wg.begin(), wg.end(), se->gate_weight().begin());
+    }
+    if (v == variant::expert_bias) layer->expert_bias().bias = bias_values(p.experts);
+    const moe_layer_groups<thread_communicator> g{
+        .tp_cp = tp_cp, .dispatch = {ep, etp, tp_ep}, .tp = &tp, .tp_dp_cp = &stage};
+    auto& res = results[static_cast<std::size_t>(r)];
+    auto inputs = [&](int m, std::vector<double>& x, std::vector<double>& dout) {
+      x.clear();
+      dout.clear();
+      for (int t = 0; t < p.tokens; ++t) {
+        const auto d = token(p, m, r, t);
+        x.insert(x.end(), d.x.begin(), d.x.end());
+        dout.insert(dout.end(), d.dout.begin(), d.dout.end());
+      }
+    };
+    std::vector<double> x, dout;
+    for (int m = 0; m < micro_batches; ++m) {
+      inputs(m, x, dout);
+      res.out[m].resize(x.size());
+      res.dx[m].resize(x.size());
+      auto stats = layer->forward(p.tokens, x, {}, g, res.out[m]);
+      if (!stats) return unexpected<error>(stats.error());
+      res.seq_aux[m] = stats->seq_aux_loss;
+      res.global_aux[m] = stats->global_aux_loss;
+      if (auto s = layer->backward(dout, 1.0, g, res.dx[m]); !s) return s;
+    }
+    if (auto s = layer->reduce_gradients(
+            stage, edp, {layer->experts().grads_fc1(), layer->experts().grads_fc2()}, &dp_cp);
+        !s)
+      return s;
+    res.dw_router.assign(layer->router_weight_grad().begin(), layer->router_weight_grad().end());
+    res.dw1.assign(layer->experts().grads_fc1().begin(), layer->experts().grads_fc1().end());
+    res.dw2.assign(layer->experts().grads_fc2().begin(), layer->experts().grads_fc2().end());
+    if (auto* se = layer->shared()) {
+      res.shared_dw1.assign(se->mlp().grads_fc1().begin(), se->mlp().grads_fc1().end());
+      res.shared_dw2.assign(se->mlp().grads_fc2().begin(), se->mlp().grads_fc2().end());
+      res.gate_dw.assign(se->gate_grad().begin(), se->gate_grad().end());
+    }
+    res.counts_after_train = layer->expert_bias().local_tokens_per_expert;
+    // Evaluation: micro-batch 0 again; same output, no losses, no counting.
+    res.global_steps_before_eval = layer->global_aux().steps;
+    layer->set_training(false);
+    inputs(0, x, dout);
+    res.eval_out.resize(x.size());
+    auto ev = layer->forward(p.tokens, x, {}, g, res.eval_out);
+    if (!ev) return unexpected<error>(ev.error());
+    res.eval_stats = *ev;
+    res.global_steps_after_eval = layer->global_aux().steps;
+    res.counts_after_eval = layer->expert_bias().local_tokens_per_expert;
+    layer->set_training(true);
+    // End of the global batch: bias update, running counts restart.
+    if (auto s = layer->end_global_batch(stage); !s) return s;
+    res.bias_after_update = layer->expert_bias().bias;
+    res.counts_after_update = layer->expert_bias().local_tokens_per_expert;
+    if (v == variant::losses_and_shared) {
+      inputs(1, x, dout);
+      std::vector<double> out(x.size());
+      auto again = layer->forward(p.tokens, x, {}, g, out);
+      if (!again) return unexpected<error>(again.error());
+      res.global_after_reset = again->global_aux_loss;
+    }
+    return {};
+  });
+  for (const auto& s : st) REQUIRE_MESSAGE(s.has_value(), s.error().message);
+  return results;
+}
+
+// Softmax over one row of logits.
+std::vector<double> softmax(const double* z, int E) {
+  double mx = z[0];
+  for (int e = 1; e < E; ++e) mx = std::max(mx, z[e]);
+  std::vector<double> s(static_cast<std::size_t>(E));
+  double sum = 0;
+  for (int e = 0; e < E; ++e) sum += s[static_cast<std::size_t>(e)] = std::exp(z[e] - mx);
+  for (auto& v : s) v /= sum;
+  return s;
+}
+
+void check(const problem& p, variant v) {
+  CAPTURE(p.fold.world);
+  CAPTURE(p.fold.tp);
+  CAPTURE(p.fold.cp);
+  CAPTURE(p.fold.ep);
+  CAPTURE(static_cast<int>(v));
+  const auto res = run(p, v);
+  const auto fold = make_folded(p.fold).value();
+  const megatron_groups groups(fold);
+  const int E = p.experts, H = p.hidden, K = p.topk, N = p.tokens, W = fold.world_size();
+  const int L = E / fold.ep();
+  const data w = make_weights(p);
+  problem ps = p;
+  ps.experts = 1;
+  ps.ffn = shared_ffn;
+  const data ws = make_weights(ps);
+  const auto wr = router_weight(p), wg = gate_weight(p);
+  const bool losses = v == variant::losses_and_shared;
+  const auto bias = bias_values(E);
+  const auto router = topk_router<double>::make(router_options(p, v)).value();
+  REQUIRE(fold.pp() == 1);  // one stage: the whole world
+
+  reference_grads g, gs;  // routed experts, shared expert
+  std::vector<double> dw_router(static_cast<std::size_t>(E * H), 0.0), dgate(H, 0.0);
+  std::vector<double> global_counts(static_cast<std::size_t>(E), 0.0);  // running sum
+  std::vector<std::vector<float>> bias_counts(static_cast<std::size_t>(W),
+                                              std::vector<float>(E, 0.f));
+  for (int m = 0; m < micro_batches; ++m) {
+    // Logits, routing and aux statistics of every token of the stage, rank-major.
+    std::vector<double> logits(static_cast<std::size_t>(W * N * E));
+    std::vector<token_data> toks;
+    for (int r = 0; r < W; ++r)
+      for (int t = 0; t < N; ++t) {
+        toks.push_back(token(p, m, r, t));
+        for (int e = 0; e < E; ++e) {
+          double z = 0;
+          for (int h = 0; h < H; ++h) z += toks.back().x[h] * wr[e * H + h];
+          logits[static_cast<std::size_t>((r * N + t) * E + e)] = z;
+        }
+      }
+    topk_routing<double> routing;
+    REQUIRE(router.route(
+        logits, routing,
+        v == variant::expert_bias ? std::span<const float>(bias) : std::span<const float>()));
+    // Aux scores (softmax) and their plain top-k map.
+    std::vector<std::vector<double>> sc;
+    std::vector<std::vector<int>> top;
+    for (int i = 0; i < W * N; ++i) {
+      sc.push_back(softmax(&logits[static_cast<std::size_t>(i * E)], E));
+      std::vector<int> idx(static_cast<std::size_t>(E));
+      for (int e = 0; e < E; ++e) idx[static_cast<std::size_t>(e)] = e;
+      std::stable_sort(idx.begin(), idx.end(),
+                       [&](int a, int b) { return sc.back()[a] > sc.back()[b]; });
+      idx.resize(static_cast<std::size_t>(K));
+      top.push_back(idx);
+    }
+    // dlogits of the losses, by the formulas of dispatch-semantics.md 2.5 and the softmax chain.
+    std::vector<double> dscore(static_cast<std::size_t>(W * N * E), 0.0);
+    if (losses) {
+      // Per sequence, per tp-cp group: S = N/B * |tp_cp| tokens per sequence.
+      for (auto grp : groups(group_kind::tp_cp)) {
+        const double S = static_cast<double>(N / kBatch) * grp.size();
+        double loss = 0, partial_sum = 0;
+        for (int b = 0; b < kBatch; ++b) {
+          std::vector<double> P(E, 0.0), c(E, 0.0);
+          for (int r : grp)
+            for (int t = b; t < N; t += kBatch) {
+              for (int e = 0; e < E; ++e) P[e] += sc[r * N + t][e];
+              for (int e : top[r * N + t]) c[e] += 1;
+            }
+          const double f = seq_coeff * E / (K * S * S * kBatch);
+          for (int e = 0; e < E; ++e) loss += f * P[e] * c[e];
+          for (int r : grp)
+            for (int t = b; t < N; t += kBatch)
+              for (int e = 0; e < E; ++e)
+                dscore[static_cast<std::size_t>((r * N + t) * E + e)] += f * c[e];
+        }
+        for (int r : grp) partial_sum += res[static_cast<std::size_t>(r)].seq_aux[m];
+        CHECK(partial_sum == doctest::Approx(loss).epsilon(1e-12));
+      }
+      // Global: counts over the stage, running average over the micro-batches so far.
+      for (int i = 0; i < W * N; ++i)
+        for (int e : top[i]) global_counts[e] += 1;
+      const double T = static_cast<double>(N) * W, f = global_coeff * E / (K * T * T);
+      double loss = 0, partial_sum = 0;
+      for (int i = 0; i < W * N; ++i)
+        for (int e = 0; e < E; ++e) {
+          const double avg = global_counts[e] / (m + 1);
+          loss += f * sc[i][e] * avg;
+          dscore[static_cast<std::size_t>(i * E + e)] += f * avg;
+        }
+      for (int r = 0; r < W; ++r) partial_sum += res[static_cast<std::size_t>(r)].global_aux[m];
+      CHECK(partial_sum == doctest::Approx(loss).epsilon(1e-12));
+    }
+    // Per token: routed experts, shared expert with gate, router chain.
+    std::vector<double> dprobs(static_cast<std::size_t>(W * N * K));
+    std::vector<std::vector<double>> out_ref(static_cast<std::size_t>(W)),
+        dx_tok(static_cast<std::size_t>(W * N));
+    for (int i = 0; i < W * N; ++i) {
+      const int r = i / N;
+      token_data d = toks[static_cast<std::size_t>(i)];
+      for (int j = 0; j < K; ++j) {
+        d.expert[j] = routing.expert(i, j);
+        d.prob[j] = routing.prob(i, j);
+        bias_counts[r][d.expert[j]] += 1.f;
+      }
+      std::vector<double> o, dx, dp;
+      reference_token(w, d, o, dx, dp, g);
+      for (int j = 0; j < K; ++j) dprobs[static_cast<std::size_t>(i * K + j)] = dp[j];
+      if (losses) {
+        double z = 0;
+        for (int h = 0; h < H; ++h) z += d.x[h] * wg[h];
+        const double gt = 1 / (1 + std::exp(-z));
+        token_data sd{d.x, {0}, {1.0}, d.dout};
+        for (auto& v2 : sd.dout) v2 *= gt;
+        std::vector<double> so, sdx, sdp;
+        reference_token(ws, sd, so, sdx, sdp, gs);
+        const double dpre = sdp[0] * (1 - gt);
+        for (int h = 0; h < H; ++h) {
+          o[h] += gt * so[h];
+          dx[h] += sdx[h] + dpre * wg[h];
+          dgate[h] += dpre * d.x[h];
+        }
+      }
+      out_ref[r].insert(out_ref[r].end(), o.begin(), o.end());
+      dx_tok[static_cast<std::size_t>(i)] = dx;
+    }
+    std::vector<double> dlogits(static_cast<std::size_t>(W * N * E), 0.0);
+    REQUIRE(router.backward(logits, routing, dprobs, dlogits));
+    for (int i = 0; i < W * N; ++i) {  // softmax Jacobian: s_e (g_e - sum_j s_j g_j)
+      double dot = 0;
+      for (int e = 0; e < E; ++e) dot += sc[i][e] * dscore[static_cast<std::size_t>(i * E + e)];
+      for (int e = 0; e < E; ++e)
+        dlogits[static_cast<std::size_t>(i * E + e)] +=
+            sc[i][e] * (dscore[static_cast<std::size_t>(i * E + e)] - dot);
+    }
+    for (int r = 0; r < W; ++r) {
+      CAPTURE(m);
+      CAPTURE(r);
+      std::vector<double> dx_ref;
+      for (int t = 0; t < N; ++t) {
+        const int i = r * N + t;
+        for (int h = 0; h < H; ++h) {
+          double val = dx_tok[static_cast<std::size_t>(i)][h];
+          for (int e = 0; e < E; ++e)
+            val += dlogits[static_cast<std::size_t>(i * E + e)] * wr[e * H + h];
+          dx_ref.push_back(val);
+        }
+      }
+      CHECK(rel_err(res[static_cast<std::size_t>(r)].out[m], out_ref[r]) <= 1e-12);
+      CHECK(rel_err(res[static_cast<std::size_t>(r)].dx[m], dx_ref) <= 1e-12);
+    }
+    for (int i = 0; i < W * N; ++i)
+      for (int e = 0; e < E; ++e)
+        for (int h = 0; h < H; ++h)
+          dw_router[e * H + h] +=
+              dlogits[static_cast<std::size_t>(i * E + e)] * toks[static_cast<std::size_t>(i)].x[h];
+  }
+  // Gradients after reduce_gradients, summed over both micro-batches.
+  auto shard = [](const std::vector<double>& d1, const std::vector<double>& d2, int Hh, int F,
+                  int parts, int part, std::vector<double>& w1, std::vector<double>& w2) {
+    const int fs = F / parts;
+    for (int h = 0; h < Hh; ++h)
+      for (int gu = 0; gu < 2; ++gu)
+        for (int c = 0; c < fs; ++c)
+          w1.push_back(d1[static_cast<std::size_t>(h * 2 * F + gu * F + part * fs + c)]);
+    for (int c = 0; c < fs; ++c)
+      for (int h = 0; h < Hh; ++h)
+        w2.push_back(d2[static_cast<std::size_t>((part * fs + c) * Hh + h)]);
+  };
+  for (int r = 0; r < W; ++r) {
+    CAPTURE(r);
+    const auto& got = res[static_cast<std::size_t>(r)];
+    CHECK(rel_err(got.dw_router, dw_router) <= 1e-12);
+    const auto mc = fold.moe_coord_of(r);
+    std::vector<double> want1, want2;
+    for (int l = 0; l < L; ++l) {
+      auto d1 = g.dw1[mc.ep * L + l], d2 = g.dw2[mc.ep * L + l];
+      d1.resize(static_cast<std::size_t>(H * 2 * p.ffn), 0.0);
+      d2.resize(static_cast<std::size_t>(p.ffn * H), 0.0);
+      shard(d1, d2, H, p.ffn, fold.etp(), mc.etp, want1, want2);
+    }
+    CHECK(rel_err(got.dw1, want1) <= 1e-12);
+    CHECK(rel_err(got.dw2, want2) <= 1e-12);
+    if (losses) {
+      std::vector<double> s1, s2;
+      shard(gs.dw1[0], gs.dw2[0], H, shared_ffn, fold.tp(), groups(group_kind::tp).find(r).position,
+            s1, s2);
+      CHECK(rel_err(got.shared_dw1, s1) <= 1e-12);
+      CHECK(rel_err(got.shared_dw2, s2) <= 1e-12);
+      CHECK(rel_err(got.gate_dw, dgate) <= 1e-12);
+    }
+    // Evaluation: the same output as training on the same tokens, no losses, no statistics.
+    CHECK(got.eval_out == got.out[0]);
+    CHECK(got.eval_stats.aux_loss == 0.0);
+    CHECK(got.eval_stats.seq_aux_loss == 0.0);
+    CHECK(got.eval_stats.global_aux_loss == 0.0);
+    CHECK(got.eval_stats.z_loss == 0.0);
+    CHECK(got.global_steps_after_eval == got.global_steps_before_eval);
+    CHECK(got.counts_after_eval == got.counts_after_train);
+    if (losses) {
+      CHECK(got.global_steps_before_eval == micro_batches);
+      // After end_global_batch the running average restarts from this micro-batch alone: the
+      // partials of micro-batch 1 with its own counts (m = 0 in the average).
+      CHECK(got.global_after_reset != 0.0);
+    } else {
+      // Expert bias: post-drop counts of this rank over both micro-batches, then the update
+      // from the stage's counts, and the counts reset.
+      CHECK(got.counts_after_train == bias_counts[static_cast<std::size_t>(r)]);
+      std::vector<float> c(static_cast<std::size_t>(E), 0.f);
+      for (int q = 0; q < W; ++q)
+        for (int e = 0; e < E; ++e) c[e] += bias_counts[static_cast<std::size_t>(q)][e];
+      float mean = 0;
+      for (float x : c) mean += x;
+      mean /= static_cast<float>(E);
+      for (int e = 0; e < E; ++e) {
+        const float want = bias[e] + (mean > c[e] ? 1e-3f : mean < c[e] ? -1e-3f : 0.f);
+        CHECK(got.bias_after_update[e] == want);
+        CHECK(got.counts_after_update[e] == 0.f);
+      }
+    }
+  }
+  if (losses) {  // the restarted global loss: micro-batch 1's counts as the whole average
+    double sum = 0;
+    for (const auto& r : res) sum += r.global_after_reset;
+    std::vector<double> counts(static_cast<std::size_t>(E), 0.0),
+        P(static_cast<std::size_t>(E), 0.0);
+    for (int r = 0; r < W; ++r)
+      for (int t = 0; t < N; ++t) {
+        const auto d = token(p, 1, r, t);
+        std::vector<double> z(static_cast<std::size_t>(E), 0.0);
+        for (int e = 0; e < E; ++e)
+          for (int h = 0; h < H; ++h) z[e] += d.x[h] * wr[e * H + h];
+        const auto s = softmax(z.data(), E);
+        std::vector<int> idx(static_cast<std::size_t>(E));
+        for (int e = 0; e < E; ++e) idx[e] = e;
+        std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return s[a] > s[b]; });
+        for (int j = 0; j < K; ++j) counts[idx[j]] += 1;
+        for (int e = 0; e < E; ++e) P[e] += s[e];
+      }
+    const double T = static_cast<double>(N) * W;
+    double want = 0;
+    for (int e = 0; e < E; ++e) want += global_coeff * E / (K * T * T) * P[e] * counts[e];
+    CHECK(sum == doctest::Approx(want).epsilon(1e-12));
+  }
+}
+
+const fold_config feature_folds[] = {
+    {.world = 1},
+    {.world = 4, .tp = 2, .ep = 2, .etp = 2},
+    {.world = 4, .cp = 2, .ep = 4, .etp = 1},
+    {.world = 8, .tp = 2, .cp = 2, .ep = 4, .etp = 1},
+    {.world = 8, .tp = 2, .ep = 2, .etp = 2},
+};
+
+}  // namespace
+
+TEST_CASE("MoE layer: per-sequence and global aux losses and the gated shared expert match fp64") {
+  for (const auto& f : feature_folds) {
+    problem p{.fold = f};
+    p.experts = 4;
+    p.topk = 2;
+    p.ffn = 4;
+    p.tokens = 4;
+    check(p, variant::losses_and_shared);
+  }
+}
+
+TEST_CASE("MoE layer: the expert bias steers selection, counts post-drop tokens, updates") {
+  for (const auto& f : feature_folds) {
+    problem p{.fold = f};
+    p.experts = 4;
+    p.topk = 2;
+    p.ffn = 4;
+    p.tokens = 4;
+    check(p, variant::expert_bias);
+  }
+}
+
+TEST_CASE("MoE layer: missing communicators and bad options are named") {
+  using layer_t =
+      moe_layer<double, thread_communicator, dropless,
+                all_to_all_dispatcher<double, thread_communicator>, reference_mlp<double>>;
+  auto mlp = [] {
+    return reference_mlp<double>::make({.hidden = 2, .ffn = 2, .num_local_experts = 2}).value();
+  };
+  const topk_router_options ro{.num_experts = 2, .topk = 1, .pre_softmax = true};
+  const auto bad =
+      layer_t::make({.hidden = 2, .max_tokens = 2, .router = ro, .seq_aux_loss_coeff = -1},
+                    dropless{}, mlp());
+  REQUIRE_FALSE(bad);
+  CHECK_MESSAGE(bad.error().message.find("finite and >= 0") != std::string::npos,
+                bad.error().message);
+  CHECK(layer_t::make({.hidden = 2, .max_tokens = 2, .router = ro, .batch = 0}, dropless{}, mlp())
+            .error()
+            .code == errc::invalid_argument);
+  const auto st = run_thread_world(1, [&](thread_communicator& world) -> status {
+    auto self = world.split(0, 0).value();
+    const moe_layer_groups<thread_communicator> g{.tp_cp = self, .dispatch = {self, self, self}};
+    const std::vector<double> x = {1, 2};
+    std::vector<double> out(2);
+    auto shared =
+        layer_t::make({.hidden = 2, .max_tokens = 1, .router = ro, .shared_expert = {.ffn = 2}},
+                      dropless{}, mlp())
+            .value();
+    CHECK(shared.forward(1, x, {}, g, out).error().message.find("moe_layer_groups::tp") !=
+          std::string::npos);
+    auto global =
+        layer_t::make({.hidden = 2, .max_tokens = 1, .router = ro, .global_aux_loss_coeff = 0.1},
+                      dropless{}, mlp())
+            .value();
+    CHECK(global.forward(1, x, {}, g, out).error().message.find("moe_layer_groups::tp_dp_cp") !=
+          std::string::npos);
+    global.set_training(false);  // evaluation computes no aux loss, so needs no stage group
+    CHECK(global.forward(1, x, {}, g, out).has_value());
+    return {};
+  });
+  for (const auto& s : st) CHECK_MESSAGE(s.has_value(), s.error().message);
+}
