@@ -10,6 +10,8 @@
 
 #include <doctest/doctest.h>
 
+#include <type_traits>
+
 #include "../dispatch/dispatch_harness.hpp"
 
 using namespace moefold;
@@ -30,9 +32,20 @@ struct layer_result {
   std::vector<double> out, dx, dw_router, dw1, dw2;
   double aux = 0, z = 0;
   long long dropped = 0;
+  std::vector<int> indices, kept;  // the implementation's routing and kept pairs [N*k]
 };
 
-template <class Policy, class Path>
+template <class T>
+std::vector<T> cast(const std::vector<double>& v) {
+  return std::vector<T>(v.begin(), v.end());
+}
+template <class T>
+std::vector<double> widen(std::span<const T> v) {
+  return std::vector<double>(v.begin(), v.end());
+}
+
+// The layer in T (double or float) on every rank; results widened to double.
+template <class T, class Policy, class Dispatcher>
 std::vector<layer_result> run_layer(const problem& p, const Policy& policy) {
   const auto fold = make_folded(p.fold).value();
   const megatron_groups groups(fold);
@@ -47,23 +60,23 @@ std::vector<layer_result> run_layer(const problem& p, const Policy& policy) {
          edp = get(group_kind::edp);
     const int L = p.experts / fold.ep();
     const auto mc = fold.moe_coord_of(r);
-    auto mlp = reference_mlp<double>::make({.hidden = p.hidden,
-                                            .ffn = p.ffn,
-                                            .num_local_experts = L,
-                                            .etp = fold.etp(),
-                                            .etp_rank = mc.etp})
+    auto mlp = reference_mlp<T>::make({.hidden = p.hidden,
+                                       .ffn = p.ffn,
+                                       .num_local_experts = L,
+                                       .etp = fold.etp(),
+                                       .etp_rank = mc.etp})
                    .value();
     for (int l = 0; l < L; ++l) {
       const auto e = static_cast<std::size_t>(mc.ep * L + l);
       const auto n1 = static_cast<std::size_t>(p.hidden * 2 * p.ffn),
                  n2 = static_cast<std::size_t>(p.ffn * p.hidden);
-      if (auto s = mlp.load_full(l, std::span<const double>(w.w1).subspan(e * n1, n1),
-                                 std::span<const double>(w.w2).subspan(e * n2, n2));
+      const auto w1 = cast<T>(w.w1), w2 = cast<T>(w.w2);
+      if (auto s = mlp.load_full(l, std::span<const T>(w1).subspan(e * n1, n1),
+                                 std::span<const T>(w2).subspan(e * n2, n2));
           !s)
         return s;
     }
-    using layer_t =
-        moe_layer<double, thread_communicator, Policy, typename Path::type, reference_mlp<double>>;
+    using layer_t = moe_layer<T, thread_communicator, Policy, Dispatcher, reference_mlp<T>>;
     auto layer = layer_t::make({.hidden = p.hidden,
                                 .max_tokens = p.tokens,
                                 .ep = fold.ep(),
@@ -74,7 +87,7 @@ std::vector<layer_result> run_layer(const problem& p, const Policy& policy) {
                                policy, std::move(mlp));
     if (!layer) return unexpected<error>(layer.error());
     std::copy(wr.begin(), wr.end(), layer->router_weight().begin());
-    std::vector<double> x, dout;
+    std::vector<T> x, dout;
     for (int t = 0; t < p.tokens; ++t) {
       const auto d = make_token(p, r, t);
       x.insert(x.end(), d.x.begin(), d.x.end());
@@ -82,21 +95,24 @@ std::vector<layer_result> run_layer(const problem& p, const Policy& policy) {
     }
     const moe_layer_groups<thread_communicator> g{tp_cp, {ep, etp, tp_ep}};
     auto& res = results[static_cast<std::size_t>(r)];
-    res.out.resize(x.size());
-    res.dx.resize(x.size());
-    auto stats = layer->forward(p.tokens, x, {}, g, res.out);
+    std::vector<T> out(x.size()), dx(x.size());
+    auto stats = layer->forward(p.tokens, x, {}, g, out);
     if (!stats) return unexpected<error>(stats.error());
     res.aux = stats->aux_loss;
     res.z = stats->z_loss;
     res.dropped = stats->dropped.dropped_pairs;
-    if (auto s = layer->backward(dout, 1.0, g, res.dx); !s) return s;
+    res.indices = layer->last_routing().indices;
+    res.kept = layer->last_drop().kept_experts(layer->last_routing());
+    if (auto s = layer->backward(dout, T(1), g, dx); !s) return s;
     if (auto s = layer->reduce_gradients(
             stage, edp, {layer->experts().grads_fc1(), layer->experts().grads_fc2()});
         !s)
       return s;
-    res.dw_router.assign(layer->router_weight_grad().begin(), layer->router_weight_grad().end());
-    res.dw1.assign(layer->experts().grads_fc1().begin(), layer->experts().grads_fc1().end());
-    res.dw2.assign(layer->experts().grads_fc2().begin(), layer->experts().grads_fc2().end());
+    res.out = widen<T>(out);
+    res.dx = widen<T>(dx);
+    res.dw_router = widen<T>(layer->router_weight_grad());
+    res.dw1 = widen<T>(layer->experts().grads_fc1());
+    res.dw2 = widen<T>(layer->experts().grads_fc2());
     return {};
   });
   for (const auto& s : st) REQUIRE_MESSAGE(s.has_value(), s.error().message);
@@ -107,8 +123,12 @@ std::vector<layer_result> run_layer(const problem& p, const Policy& policy) {
 // in rank order (full sequence), or none.
 enum class drop_mode { none, per_rank, per_sequence };
 
-template <class Policy, class Path>
-long long check_layer(const problem& p, const Policy& policy, drop_mode mode) {
+// Checks the layer in T against the fp64 reference: relative errors <= 1e-12 in double and
+// <= 1e-5 in float. In float the reference takes the implementation's routing and drop decisions
+// (an fp32 score may order two near-equal experts differently) and recomputes their
+// probabilities in fp64.
+template <class T, class Policy, class Dispatcher>
+long long check_layer_in(const problem& p, const Policy& policy, drop_mode mode) {
   CAPTURE(p.fold.world);
   CAPTURE(p.fold.tp);
   CAPTURE(p.fold.cp);
@@ -116,7 +136,9 @@ long long check_layer(const problem& p, const Policy& policy, drop_mode mode) {
   CAPTURE(p.fold.ep);
   CAPTURE(p.fold.etp.value_or(p.fold.tp));
   CAPTURE(static_cast<int>(mode));
-  const auto res = run_layer<Policy, Path>(p, policy);
+  const auto res = run_layer<T, Policy, Dispatcher>(p, policy);
+  constexpr bool fp64 = std::is_same_v<T, double>;
+  const double tol = fp64 ? 1e-12 : 1e-5;
   const auto fold = make_folded(p.fold).value();
   const megatron_groups groups(fold);
   const data w = make_weights(p);
@@ -149,7 +171,28 @@ long long check_layer(const problem& p, const Policy& policy, drop_mode mode) {
       topk_routing<double> routing;
       REQUIRE(router.route(logits, routing));
       std::vector<int> kept(routing.indices);
-      if (mode != drop_mode::none) {
+      if (!fp64) {  // the implementation's decisions; fp64 probabilities (softmax over the k)
+        std::vector<int> impl_idx, impl_kept;
+        for (int q : group) {
+          const auto& rq = res[static_cast<std::size_t>(q)];
+          impl_idx.insert(impl_idx.end(), rq.indices.begin(), rq.indices.end());
+          impl_kept.insert(impl_kept.end(), rq.kept.begin(), rq.kept.end());
+        }
+        REQUIRE(impl_idx.size() == routing.indices.size());
+        for (int t = 0; t < NG; ++t) {
+          double mx = -1e300, sum = 0;
+          for (int j = 0; j < K; ++j)
+            mx = std::max(mx, logits[static_cast<std::size_t>(t * E + impl_idx[t * K + j])]);
+          for (int j = 0; j < K; ++j)
+            sum += std::exp(logits[static_cast<std::size_t>(t * E + impl_idx[t * K + j])] - mx);
+          for (int j = 0; j < K; ++j)
+            routing.probs[static_cast<std::size_t>(t * K + j)] =
+                std::exp(logits[static_cast<std::size_t>(t * E + impl_idx[t * K + j])] - mx) / sum;
+        }
+        routing.indices = impl_idx;
+        kept = impl_kept;
+      }
+      if (fp64 && mode != drop_mode::none) {
         auto keep_over = [&](int first, int count) {
           topk_routing<double> part{
               count,
@@ -177,9 +220,8 @@ long long check_layer(const problem& p, const Policy& policy, drop_mode mode) {
         aux_sum += res[static_cast<std::size_t>(q)].aux;
         z_sum += res[static_cast<std::size_t>(q)].z;
       }
-      CHECK(aux_sum == doctest::Approx(term.loss).epsilon(1e-12));
-      CHECK(z_sum ==
-            doctest::Approx(z_loss<double>(logits, E, z_coeff, {}).value()).epsilon(1e-12));
+      CHECK(aux_sum == doctest::Approx(term.loss).epsilon(tol));
+      CHECK(z_sum == doctest::Approx(z_loss<double>(logits, E, z_coeff, {}).value()).epsilon(tol));
       // Per token: experts' output and gradients with the kept pairs, then the router's chain.
       std::vector<double> dprobs(static_cast<std::size_t>(NG * K), 0.0);
       std::vector<std::vector<double>> dx_tok(static_cast<std::size_t>(NG));
@@ -214,9 +256,9 @@ long long check_layer(const problem& p, const Policy& policy, drop_mode mode) {
     for (int r : stage) {
       CAPTURE(r);
       const auto& got = res[static_cast<std::size_t>(r)];
-      CHECK(rel_err(got.out, out_ref[r]) <= 1e-12);
-      CHECK(rel_err(got.dx, dx_ref[r]) <= 1e-12);
-      CHECK(rel_err(got.dw_router, dw_router) <= 1e-12);
+      CHECK(rel_err(got.out, out_ref[r]) <= tol);
+      CHECK(rel_err(got.dx, dx_ref[r]) <= tol);
+      CHECK(rel_err(got.dw_router, dw_router) <= tol);
       // Expert shards (edp-reduced) against the reference's slices.
       const auto mc = fold.moe_coord_of(r);
       const int fs = p.ffn / fold.etp();
@@ -234,13 +276,18 @@ long long check_layer(const problem& p, const Policy& policy, drop_mode mode) {
           for (int h = 0; h < H; ++h)
             want2.push_back(d2[static_cast<std::size_t>((mc.etp * fs + c) * H + h)]);
       }
-      CHECK(rel_err(got.dw1, want1) <= 1e-12);
-      CHECK(rel_err(got.dw2, want2) <= 1e-12);
+      CHECK(rel_err(got.dw1, want1) <= tol);
+      CHECK(rel_err(got.dw2, want2) <= tol);
     }
   }
   long long dropped = 0;
   for (const auto& r : res) dropped += r.dropped;
   return dropped;
+}
+
+template <class Policy, class Path>
+long long check_layer(const problem& p, const Policy& policy, drop_mode mode) {
+  return check_layer_in<double, Policy, typename Path::type>(p, policy, mode);
 }
 
 const fold_config layer_folds[] = {
@@ -300,8 +347,15 @@ TEST_CASE("the MoE layer equals the reference on a sweep of 100+ folded mappings
                 if (pp == 1 && std::string(order) != "tp-cp-ep-dp-pp") continue;  // same groups
                 folds.push_back(f);
               }
-  int runs = 0, etp_gt_1 = 0, several_local = 0, ep_spans = 0, dropping = 0, pp_not_last = 0;
-  for (std::size_t i = 0; i < folds.size(); i += 2) {  // every other one: 100+ of them
+  int runs = 0, etp_gt_1 = 0, several_local = 0, ep_spans = 0, dropping = 0, pp_not_last = 0,
+      fp32_runs = 0;
+  using a2a_d = all_to_all_dispatcher<double, thread_communicator>;
+  using a2a_f = all_to_all_dispatcher<float, thread_communicator>;
+  using ag_d = all_gather_dispatcher<double, thread_communicator>;
+  using ag_f = all_gather_dispatcher<float, thread_communicator>;
+  // Even folds in fp64, odd folds in fp32: 100+ of each, the policies rotating over both.
+  for (std::size_t i = 0; i < folds.size(); ++i) {
+    const bool fp32 = i % 2 == 1;
     const auto fold = make_folded(folds[i]).value();
     problem p{.fold = folds[i]};
     p.experts = fold.ep() * (1 + static_cast<int>(i / 2) % 2);
@@ -309,22 +363,26 @@ TEST_CASE("the MoE layer equals the reference on a sweep of 100+ folded mappings
     p.topk = 2;
     p.ffn = 2 * fold.etp();
     p.tokens = 4;
+    CAPTURE(fp32);
     long long dropped = 0;
+    const sub_sequence sub{.capacity_factor = 1.0, .pad_to_capacity = i % 4 >= 2};
+    const full_sequence full{.capacity_factor = 1.0, .pad_to_capacity = i % 4 < 2};
     switch (i / 2 % 3) {
       case 0:
-        dropped = check_layer<dropless, all_to_all_path<thread_communicator>>(p, dropless{},
-                                                                              drop_mode::none);
+        dropped = fp32 ? check_layer_in<float, dropless, a2a_f>(p, dropless{}, drop_mode::none)
+                       : check_layer_in<double, dropless, a2a_d>(p, dropless{}, drop_mode::none);
         break;
       case 1:
-        dropped = check_layer<sub_sequence, all_to_all_path<thread_communicator>>(
-            p, sub_sequence{.capacity_factor = 1.0, .pad_to_capacity = i % 4 == 2},
-            drop_mode::per_rank);
+        dropped = fp32 ? check_layer_in<float, sub_sequence, a2a_f>(p, sub, drop_mode::per_rank)
+                       : check_layer_in<double, sub_sequence, a2a_d>(p, sub, drop_mode::per_rank);
         break;
       default:
-        dropped = check_layer<full_sequence, all_gather_path<thread_communicator>>(
-            p, full_sequence{.capacity_factor = 1.0, .pad_to_capacity = i % 4 == 0},
-            drop_mode::per_sequence);
+        dropped =
+            fp32 ? check_layer_in<float, full_sequence, ag_f>(p, full, drop_mode::per_sequence)
+                 : check_layer_in<double, full_sequence, ag_d>(p, full, drop_mode::per_sequence);
     }
+    fp32_runs += fp32;
+    if (fp32) continue;
     ++runs;
     etp_gt_1 += fold.etp() > 1;
     several_local += p.experts / fold.ep() > 1;
@@ -332,10 +390,12 @@ TEST_CASE("the MoE layer equals the reference on a sweep of 100+ folded mappings
     dropping += dropped > 0;
     pp_not_last += std::string(folds[i].order) == "tp-cp-ep-pp-dp";
   }
-  MESSAGE(runs << " mappings: " << etp_gt_1 << " with ETP > 1, " << several_local
-               << " with several experts per rank, " << ep_spans << " with EP spanning TP/CP/DP, "
-               << dropping << " that dropped tokens, " << pp_not_last << " with pp not last");
+  MESSAGE(runs << " fp64 mappings (and " << fp32_runs << " in fp32): " << etp_gt_1
+               << " with ETP > 1, " << several_local << " with several experts per rank, "
+               << ep_spans << " with EP spanning TP/CP/DP, " << dropping << " that dropped tokens, "
+               << pp_not_last << " with pp not last");
   CHECK(runs >= 100);
+  CHECK(fp32_runs >= 100);
   CHECK(etp_gt_1 >= 20);
   CHECK(several_local >= 20);
   CHECK(ep_spans >= 20);
