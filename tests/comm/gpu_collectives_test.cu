@@ -2,17 +2,22 @@
 // run the same collective checks as the CPU backends, against the same direct references
 // (collective_reference.hpp): random counts with zeros and empty ranks, prime world sizes,
 // float/double/int64/bf16/fp16. Loopback results must equal the references bit for bit (rank
-// order, fp32 accumulation). Without a GPU the program exits 77 (meson: skipped).
+// order, fp32 accumulation). Also: the fp32 sums of 16-bit floats (NCCL's cuBLAS row sum with
+// 1 to 8 rows, the loopback kernel, NCCL's own collectives) on inputs where rounding after every
+// step would give other bits, and nccl_options::verify_counts. Without a GPU the program exits
+// 77 (meson: skipped).
 #include <moefold/comm/cuda/loopback_world.cuh>
 #include <moefold/comm/cuda/nccl_communicator.hpp>
 #include <moefold/comm/cuda/nccl_reduce_fp32.cuh>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <mutex>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "collective_reference.hpp"
@@ -131,6 +136,126 @@ void check_all_types(C& c) {
   check_collectives<float16>(c);
 }
 
+// Inputs whose 16-bit sum depends on the rounding: rows[p][k] is what rank p contributes to
+// element k. Row 0 holds values near +-1 or 256 with an even last mantissa bit, the other rows
+// hold half a unit in the last place of row 0's value (or small values that do not fit beside
+// it). Rounding after every step (ties to even) drops each half unit; fp32 accumulation keeps
+// them and rounds once. Every value is a multiple of a power of two small enough that all
+// partial sums are exact in fp32, so the fp32 result does not depend on the summation order and
+// cuBLAS's order, the loopback's rank order and the host reference agree bit for bit.
+template <class T>
+struct rounding_case {
+  std::vector<std::vector<T>> rows;  // [P][n]
+  std::vector<T> want;               // fp32 accumulation, one rounding
+  std::vector<T> stepwise;           // rounded after every step, in rank order
+};
+
+template <class T>
+rounding_case<T> make_rounding_case(int P, int n) {
+  const float ulp = std::is_same_v<T, bfloat16> ? 0.0078125f : 0.0009765625f;  // at 1.0
+  rounding_case<T> rc;
+  rc.rows.assign(static_cast<std::size_t>(P), std::vector<T>(static_cast<std::size_t>(n)));
+  for (int k = 0; k < n; ++k) {
+    float base = 1.0f + 2.0f * ulp * static_cast<float>(k % 8), small = ulp / 2;
+    if (k % 3 == 1) {
+      base = -base;
+      small = -small;
+    }
+    if (k % 3 == 2) base = 256.0f, small = 256.0f * ulp / 2 * static_cast<float>(1 + k % 2);
+    for (int p = 0; p < P; ++p)
+      rc.rows[static_cast<std::size_t>(p)][static_cast<std::size_t>(k)] = T(p == 0 ? base : small);
+  }
+  for (int k = 0; k < n; ++k) {
+    double exact = 0;
+    T step{};
+    for (int p = 0; p < P; ++p) {
+      const T x = rc.rows[static_cast<std::size_t>(p)][static_cast<std::size_t>(k)];
+      exact += as_double(x);
+      step = p == 0 ? x : T(static_cast<float>(step) + static_cast<float>(x));
+    }
+    rc.want.push_back(T(static_cast<float>(exact)));
+    rc.stepwise.push_back(step);
+  }
+  return rc;
+}
+
+// cuBLAS's row sum of the NCCL communicator (detail::cublas_row_sum), with P = 1 to 8 rows: the
+// numeric path of nccl_communicator's 16-bit reduce_scatter_v / all_reduce for P ranks, which one
+// GPU cannot run through NCCL itself (NCCL refuses two ranks on one GPU).
+template <class T>
+void check_row_sum() {
+  detail::cublas_row_sum sum;
+  const int n = 24;
+  for (int P = 1; P <= 8; ++P) {
+    const auto rc = make_rounding_case<T>(P, n);
+    std::vector<T> flat, ones(static_cast<std::size_t>(P), T(1.0f));
+    for (const auto& r : rc.rows) flat.insert(flat.end(), r.begin(), r.end());
+    device_vec<T> rows(flat), one(ones), out(static_cast<std::size_t>(n));
+    EXPECT_OK(sum.sum<T>(rows.p, P, n, one.p, out.p, nullptr));
+    EXPECT(cudaStreamSynchronize(nullptr) == cudaSuccess);
+    EXPECT(same_bits(out.host(), rc.want));
+    // The inputs tell the two roundings apart from three rows on (two rows: one rounding either
+    // way).
+    if (P >= 3) EXPECT(!same_bits(rc.stepwise, rc.want));
+  }
+  // The pedantic fp32 compute type is what should run; print it if cuBLAS refused it.
+  if (!sum.pedantic()) std::printf("note: cuBLAS refused CUBLAS_COMPUTE_32F_PEDANTIC; used 32F\n");
+}
+
+// The loopback world's fp32 rank-order kernel on the same inputs: reduce_scatter_v (every rank
+// gets n elements) and all_reduce (rank 0's n elements).
+template <class T>
+void check_loopback_rounding(int P) {
+  const int n = 24;
+  const auto rc = make_rounding_case<T>(P, n);
+  auto st = run_loopback_world(P, [&](loopback_communicator& c) {
+    const auto& mine = rc.rows[static_cast<std::size_t>(c.rank())];
+    std::vector<T> send;
+    for (int j = 0; j < P; ++j) send.insert(send.end(), mine.begin(), mine.end());
+    const std::vector<int> counts(static_cast<std::size_t>(P), n);
+    device_vec<T> d_send(send), d_recv(static_cast<std::size_t>(n)), buf(mine);
+    EXPECT_OK(c.template reduce_scatter_v<T>(d_send.span(), counts, d_recv.span(), reduce_op::sum));
+    EXPECT_OK(c.template all_reduce<T>(buf.span(), reduce_op::sum));
+    EXPECT_OK(c.synchronize());
+    EXPECT(same_bits(d_recv.host(), rc.want));
+    EXPECT(same_bits(buf.host(), rc.want));
+  });
+  for (const auto& s : st) EXPECT_OK(s);
+}
+
+// NCCL with one rank: a 16-bit sum over one rank is each value itself, so this checks that the
+// staging + cuBLAS path moves every value through unchanged (one rank cannot show the fp32
+// accumulation itself: check_row_sum does, with more rows). Normal finite values of both signs,
+// integers and fractions, large and small.
+template <class T>
+void check_nccl_sum16_one_rank(nccl_communicator& c) {
+  std::vector<T> v;
+  for (int k = 0; k < 37; ++k) {
+    const float x = (static_cast<float>(k * 37 % 101) - 50.0f) * (k % 2 ? 0.0390625f : 3.5f);
+    v.push_back(T(x == 0.0f ? 0.25f : x));
+  }
+  v.push_back(T(std::is_same_v<T, bfloat16> ? 3.0e38f : 65504.0f));    // the largest finite
+  v.push_back(T(std::is_same_v<T, bfloat16> ? -1.0e-37f : -6.2e-5f));  // near the smallest normal
+  const std::vector<int> counts{static_cast<int>(v.size())};
+  device_vec<T> send(v), recv(v.size()), buf(v);
+  EXPECT_OK(c.reduce_scatter_v<T>(send.span(), counts, recv.span(), reduce_op::sum));
+  EXPECT_OK(c.all_reduce<T>(buf.span(), reduce_op::sum));
+  EXPECT_OK(c.synchronize());
+  EXPECT(same_bits(recv.host(), v));
+  EXPECT(same_bits(buf.host(), v));
+}
+
+// A one-rank NCCL communicator from a fresh unique id.
+expected<nccl_communicator> one_rank_nccl(cudaStream_t s, bool verify) {
+  auto id = nccl_communicator::make_unique_id();
+  if (!id) return unexpected<error>(id.error());
+  nccl_options opt;
+  opt.timeout = std::chrono::seconds(60);
+  opt.stream = s;
+  opt.verify_counts = verify;
+  return nccl_communicator::from_unique_id(*id, 1, 0, opt);
+}
+
 }  // namespace
 
 int main() {
@@ -211,6 +336,106 @@ int main() {
       }
       cudaStreamDestroy(s);
     }
+    finish_case(before);
+  }
+
+  // fp32 accumulation of 16-bit sums with 1 to 8 summands: cuBLAS's row sum (NCCL's numeric
+  // path) and the loopback kernel give the once-rounded sum on inputs where rounding after
+  // every step differs.
+  {
+    const int before = failures.load();
+    check_row_sum<bfloat16>();
+    check_row_sum<float16>();
+    for (int P : {3, 5, 8}) {
+      check_loopback_rounding<bfloat16>(P);
+      check_loopback_rounding<float16>(P);
+    }
+    finish_case(before);
+  }
+
+  // NCCL (one rank): the 16-bit sums through staging and cuBLAS keep every value; the
+  // communicator's buffers survive a move and a move-assignment onto a communicator that holds
+  // its own buffers; split children work too.
+  {
+    const int before = failures.load();
+    cudaStream_t s = nullptr, s2 = nullptr;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking);
+    {
+      auto c = one_rank_nccl(s, false);
+      EXPECT_OK(c);
+      if (c) {
+        check_nccl_sum16_one_rank<bfloat16>(*c);
+        check_nccl_sum16_one_rank<float16>(*c);
+        nccl_communicator moved = std::move(*c);
+        check_nccl_sum16_one_rank<bfloat16>(moved);
+        EXPECT(!c->reduce_scatter_v<bfloat16>({}, std::vector<int>{0}, {}, reduce_op::sum));
+        auto other = one_rank_nccl(s2, false);
+        EXPECT_OK(other);
+        if (other) {
+          check_nccl_sum16_one_rank<float16>(*other);  // other now owns buffers of its own
+          *other = std::move(moved);                   // ... which the assignment releases
+          other->set_stream(s2);                       // the buffers move to another stream
+          check_nccl_sum16_one_rank<float16>(*other);
+          check_nccl_sum16_one_rank<bfloat16>(*other);
+          auto sub = other->split(0, 0);
+          EXPECT_OK(sub);
+          if (sub) check_nccl_sum16_one_rank<bfloat16>(*sub);
+        }
+      }
+    }
+    cudaStreamDestroy(s);
+    cudaStreamDestroy(s2);
+    finish_case(before);
+  }
+
+  // NCCL (one rank) with verify_counts: matching counts run every collective as before (and the
+  // split child inherits the option); counts a sender and a receiver disagree on (rank 0 sends
+  // itself 1 element and expects 2) are errc::comm_mismatch naming both, not a hang; rejected
+  // arguments are still reported as themselves. Either breaks the communicator. With one rank
+  // every rank reporting the same message cannot be shown; the MPI and thread-world tests cover
+  // the same check_headers rules across ranks.
+  {
+    const int before = failures.load();
+    cudaStream_t s = nullptr;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    {
+      auto c = one_rank_nccl(s, true);
+      EXPECT_OK(c);
+      if (c) {
+        EXPECT(c->options().verify_counts);
+        check_all_types(*c);
+        check_nccl_sum16_one_rank<bfloat16>(*c);
+        auto sub = c->split(0, 0);
+        EXPECT_OK(sub);
+        if (sub) {
+          EXPECT(sub->options().verify_counts);
+          check_collectives<float16>(*sub);
+        }
+        device_vec<float> send(std::size_t{1}), recv(std::size_t{2});
+        const std::vector<int> one{1}, two{2};
+        auto st = c->all_to_all_v<float>(send.span(), one, recv.span(), two);
+        EXPECT(!st && st.error().code == errc::comm_mismatch);
+        if (!st) {
+          const auto& m = st.error().message;
+          EXPECT(m.find("count mismatch in all_to_all_v") != std::string::npos);
+          EXPECT(m.find("rank 0 sends 1 elements to rank 0, which expects 2") != std::string::npos);
+        }
+        EXPECT(c->broken());
+        auto after = c->barrier();
+        EXPECT(!after && after.error().code == errc::comm_broken);
+      }
+      auto r = one_rank_nccl(s, true);
+      EXPECT_OK(r);
+      if (r) {
+        device_vec<float> send(std::size_t{4}), recv(std::size_t{4});
+        const std::vector<int> wrong{1, 1};  // one count per rank is needed: 1
+        auto st = r->reduce_scatter_v<float>(send.span(), wrong, recv.span(), reduce_op::sum);
+        EXPECT(!st && st.error().code == errc::shape_mismatch);
+        EXPECT(r->broken());
+      }
+    }
+    cudaStreamDestroy(s);
     finish_case(before);
   }
 

@@ -12,25 +12,36 @@
 //!   communicator concept and enqueue on the communicator's stream; overloads take a stream.
 //! - V-collectives execute the schedules of comm/schedule.hpp: all_to_all_v as grouped
 //!   ncclSend/ncclRecv, all_gather_v as grouped ncclBroadcast (one per root), reduce_scatter_v as
-//!   grouped ncclReduce (one per root).
+//!   grouped ncclReduce (one per root), except the 16-bit sums below.
 //! - NCCL does not check that peers agree: a mismatch is a hang or garbage in NCCL itself.
 //!   synchronize() turns the hang into errc::comm_timeout (after ncclCommAbort; the communicator
-//!   is broken); the thread world and MPI catch the same mistakes with headers, so test there.
-//! - Reductions of bf16/fp16 accumulate as NCCL does (its reduction kernels). For fp32
-//!   accumulation in rank order (the other backends' numerics) use reduce_scatter_v_fp32 of
-//!   comm/cuda/nccl_reduce_fp32.cuh (nvcc), which stages the chunks and reduces them with a kernel.
+//!   is broken). nccl_options::verify_counts (a debugging aid, off by default) exchanges the
+//!   collective headers of comm/schedule.hpp before every collective and turns a mismatch into
+//!   errc::comm_mismatch on every rank, as the thread world and MPI always do.
+//! - Sums of bf16/fp16 (reduce_scatter_v, all_reduce) accumulate in fp32 and round once per
+//!   element, as on the other backends: NCCL only moves the 16-bit chunks (grouped send/recv or
+//!   ncclAllGather into a [P, n] staging buffer) and cuBLAS reduces the P rows (a GEMM against a
+//!   vector of ones, fp32 compute). The summation order is cuBLAS's, not rank order, so a sum
+//!   whose fp32 partial sums are inexact may differ from the other backends in the last bit; for
+//!   bit-exact rank order use reduce_scatter_v_fp32 of comm/cuda/nccl_reduce_fp32.cuh (nvcc).
+//!   Max of any type, and every reduction of fp32/fp64/integers, is NCCL's own (exact, or the
+//!   type's own arithmetic). This header needs cudart, cuBLAS and NCCL, not nvcc.
 #pragma once
 
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string>
 #include <thread>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "../../core/expected.hpp"
 #include "../communicator.hpp"
@@ -46,6 +57,17 @@ struct nccl_options {
   std::chrono::milliseconds timeout{60000};
   //! The stream the concept's collectives enqueue on (the stream overloads take their own).
   cudaStream_t stream = nullptr;
+  //! A debugging aid for counts that disagree, which NCCL cannot detect (it hangs until the
+  //! timeout, or moves garbage). Before every collective (and split) the ranks all-gather their
+  //! collective headers (comm/schedule.hpp: operation, call number, element type, reduction,
+  //! root, and the count each rank sends to and expects from every peer) and check every pair,
+  //! so a mismatch is errc::comm_mismatch with the same message on every rank, naming the two
+  //! ranks and both values, and nothing hangs. A rank whose own arguments are rejected still
+  //! takes part, so its peers get errc::comm_peer_failed at once. Costs one small ncclAllGather
+  //! (40 * size() bytes per rank) and one host synchronization of the stream per collective,
+  //! bounded by the timeout. Every rank must set it alike (a rank that does not exchange headers
+  //! pairs its data with its peers' header exchange: a hang, then comm_timeout).
+  bool verify_counts = false;
 };
 
 namespace detail {
@@ -72,6 +94,18 @@ inline status nccl_check(ncclResult_t rc, const char* call, ncclComm_t comm = nu
   return unexpected<error>(e);
 }
 
+//! A cuBLAS status as errc::backend_error naming the call and the status (error::native = the
+//! cublasStatus_t).
+inline status cublas_check(cublasStatus_t rc, const char* call) {
+  if (rc == CUBLAS_STATUS_SUCCESS) return {};
+  const char* name = cublasGetStatusName(rc);
+  error e{errc::backend_error,
+          std::string(call) + " failed: " + (name ? name : "unknown cuBLAS status") +
+              " (cublasStatus " + std::to_string(static_cast<int>(rc)) + ")",
+          static_cast<int>(rc)};
+  return unexpected<error>(e);
+}
+
 template <class T>
 constexpr ncclDataType_t nccl_type() noexcept {
   switch (dtype_of<T>) {
@@ -94,6 +128,10 @@ constexpr std::size_t nccl_scale() noexcept {
   return dtype_of<T> == dtype::other ? sizeof(T) : 1;
 }
 
+//! bf16 and fp16: the types whose sums NCCL would round after every step.
+template <class T>
+inline constexpr bool is_16bit_float = dtype_of<T> == dtype::bf16 || dtype_of<T> == dtype::f16;
+
 //! Brackets grouped NCCL calls; ncclGroupEnd's result is what counts.
 class nccl_group {
  public:
@@ -112,6 +150,80 @@ class nccl_group {
   bool open_ = true;
 };
 
+//! Sums `rows` rows of n 16-bit floats (row p at rows + p * n, on the device) into n elements
+//! with one cuBLAS GEMM: out[n x 1] = rows[n x P] * ones[P x 1], alpha 1, beta 0, fp32 compute.
+//! Every product is exact (x * 1), the P terms of an element are added in fp32 and the result is
+//! rounded once into the 16-bit type (NCCL's own kernels round after every step). The order of
+//! the fp32 additions is cuBLAS's; cuBLAS gives the same bits on every run on the same GPU model
+//! and library version. beta = 0: `out` is not read, so it may hold anything (or alias a row
+//! that the stream has finished reading, as all_reduce's in-place buffer does). A sum whose terms
+//! are all -0 comes out +0 (the accumulator starts at +0).
+//!
+//! Compute type: CUBLAS_COMPUTE_32F_PEDANTIC first, which keeps IEEE fp32 arithmetic for every
+//! phase (tensor cores may accumulate with truncated alignment); a k = P GEMM with one column is
+//! memory-bound, so tensor cores would buy nothing. Should a cuBLAS version refuse the pedantic
+//! type for 16-bit inputs (CUBLAS_STATUS_NOT_SUPPORTED), CUBLAS_COMPUTE_32F is used from then on
+//! (still fp32 accumulation, one rounding).
+//!
+//! Owns a cuBLAS handle, created on first use on the current device; cublasDestroy (destructor)
+//! synchronizes the device, as cuBLAS documents.
+class cublas_row_sum {
+ public:
+  cublas_row_sum() = default;
+  cublas_row_sum(cublas_row_sum&& o) noexcept
+      : handle_(std::exchange(o.handle_, nullptr)), pedantic_(o.pedantic_) {}
+  cublas_row_sum& operator=(cublas_row_sum&& o) noexcept {
+    if (this != &o) {
+      reset();
+      handle_ = std::exchange(o.handle_, nullptr);
+      pedantic_ = o.pedantic_;
+    }
+    return *this;
+  }
+  cublas_row_sum(const cublas_row_sum&) = delete;
+  cublas_row_sum& operator=(const cublas_row_sum&) = delete;
+  ~cublas_row_sum() { reset(); }
+
+  //! Enqueues the sum on `s`. T: bf16 or fp16 (moefold's or CUDA's type). rows, ones and out
+  //! are device pointers; ones holds `rows` elements equal to 1 of type T.
+  template <class T>
+  requires is_16bit_float<T>
+  [[nodiscard]] status sum(const T* rows, std::int64_t nrows, std::int64_t n, const T* ones, T* out,
+                           cudaStream_t s) {
+    if (n <= 0 || nrows <= 0) return {};
+    if (!handle_) {
+      cublasHandle_t h = nullptr;
+      if (auto ok = cublas_check(cublasCreate(&h), "cublasCreate"); !ok) return ok;
+      handle_ = h;
+    }
+    if (auto ok = cublas_check(cublasSetStream(handle_, s), "cublasSetStream"); !ok) return ok;
+    constexpr cudaDataType_t t = dtype_of<T> == dtype::bf16 ? CUDA_R_16BF : CUDA_R_16F;
+    const float one = 1.0f, zero = 0.0f;
+    const auto gemm = [&](cublasComputeType_t compute) {
+      return cublasGemmEx_64(handle_, CUBLAS_OP_N, CUBLAS_OP_N, n, 1, nrows, &one, rows, t, n, ones,
+                             t, nrows, &zero, out, t, n, compute, CUBLAS_GEMM_DEFAULT);
+    };
+    cublasStatus_t rc = gemm(pedantic_ ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F);
+    if (rc == CUBLAS_STATUS_NOT_SUPPORTED && pedantic_) {
+      pedantic_ = false;
+      rc = gemm(CUBLAS_COMPUTE_32F);
+    }
+    return cublas_check(rc, "cublasGemmEx_64 (fp32 sum of 16-bit rows)");
+  }
+
+  [[nodiscard]] bool has_handle() const noexcept { return handle_ != nullptr; }
+  //! False once cuBLAS refused CUBLAS_COMPUTE_32F_PEDANTIC and CUBLAS_COMPUTE_32F is used.
+  [[nodiscard]] bool pedantic() const noexcept { return pedantic_; }
+
+ private:
+  void reset() noexcept {
+    if (handle_) cublasDestroy(std::exchange(handle_, nullptr));
+  }
+
+  cublasHandle_t handle_ = nullptr;
+  bool pedantic_ = true;
+};
+
 }  // namespace detail
 
 //! A ncclUniqueId by name (nvcc 13 fails on the unnamed struct inside moefold::expected).
@@ -120,6 +232,11 @@ struct nccl_unique_id {
 };
 
 //! One rank's NCCL communicator. Move-only.
+//!
+//! Besides the ncclComm_t it owns, created lazily on first need and released by the destructor:
+//! a cuBLAS handle and a device buffer for 16-bit sums (ones, then the [P, n] staging area,
+//! grown to the largest request), a device buffer for verify_counts' headers, and one CUDA event
+//! that orders every use of those buffers after the previous one, whatever stream each ran on.
 class nccl_communicator {
  public:
   //! Adopts a communicator the caller made and keeps owning (moefold never destroys it).
@@ -184,7 +301,13 @@ class nccl_communicator {
       broken_ = o.broken_;
       aborted_ = o.aborted_;
       why_ = std::move(o.why_);
+      seq_ = o.seq_;
       barrier_buf_ = std::exchange(o.barrier_buf_, nullptr);
+      sum_buf_ = std::exchange(o.sum_buf_, device_buffer{});
+      verify_buf_ = std::exchange(o.verify_buf_, device_buffer{});
+      buffers_done_ = std::exchange(o.buffers_done_, nullptr);
+      buffers_device_ = o.buffers_device_;
+      row_sum_ = std::move(o.row_sum_);
     }
     return *this;
   }
@@ -234,9 +357,18 @@ class nccl_communicator {
   [[nodiscard]] status barrier() { return barrier(opt_.stream); }
 
   // --- the same on an explicit stream ---------------------------------------------------------
+
+  //! In place. bf16/fp16 sums: every rank gathers all P copies (ncclAllGather into [P, n]
+  //! staging) and reduces them with cuBLAS in fp32, one rounding per element; everything else is
+  //! ncclAllReduce.
   template <reducible T>
   [[nodiscard]] status all_reduce(std::span<T> buf, reduce_op op, cudaStream_t s) {
-    if (auto ok = usable(); !ok) return ok;
+    const auto sch = schedule_builder::all_reduce(rank_, size_, buf.size());
+    if (auto ok = begin(collective::all_reduce, sch, call_info_of<T>(static_cast<int>(op)), s); !ok)
+      return ok;
+    if constexpr (detail::is_16bit_float<T>) {
+      if (op == reduce_op::sum) return all_reduce_sum16<T>(buf, s);
+    }
     return enqueue(ncclAllReduce(buf.data(), buf.data(), buf.size(), detail::nccl_type<T>(),
                                  op == reduce_op::sum ? ncclSum : ncclMax, comm_, s),
                    "ncclAllReduce");
@@ -245,9 +377,8 @@ class nccl_communicator {
   template <transferable T>
   [[nodiscard]] status all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
                                   cudaStream_t s) {
-    auto sch = schedule_builder::all_gather(rank_, size_, send.size(), recv.size());
-    if (!sch) return unexpected<error>(sch.error());
-    if (auto ok = usable(); !ok) return ok;
+    const auto sch = schedule_builder::all_gather(rank_, size_, send.size(), recv.size());
+    if (auto ok = begin(collective::all_gather, sch, call_info_of<T>(), s); !ok) return ok;
     return enqueue(ncclAllGather(send.data(), recv.data(), send.size() * detail::nccl_scale<T>(),
                                  detail::nccl_type<T>(), comm_, s),
                    "ncclAllGather");
@@ -257,9 +388,8 @@ class nccl_communicator {
   [[nodiscard]] status all_gather_v(std::span<const std::type_identity_t<T>> send,
                                     std::span<T> recv, std::span<const int> counts,
                                     cudaStream_t s) {
-    auto sch = schedule_builder::all_gather_v(rank_, size_, counts, send.size(), recv.size());
-    if (!sch) return unexpected<error>(sch.error());
-    if (auto ok = usable(); !ok) return ok;
+    const auto sch = schedule_builder::all_gather_v(rank_, size_, counts, send.size(), recv.size());
+    if (auto ok = begin(collective::all_gather_v, sch, call_info_of<T>(), s); !ok) return ok;
     constexpr auto k = detail::nccl_scale<T>();
     detail::nccl_group g;
     for (int p = 0; p < size_; ++p) {
@@ -280,39 +410,28 @@ class nccl_communicator {
   [[nodiscard]] status all_to_all_v(std::span<const std::type_identity_t<T>> send,
                                     std::span<const int> send_counts, std::span<T> recv,
                                     std::span<const int> recv_counts, cudaStream_t s) {
-    auto sch = schedule_builder::all_to_all_v(rank_, size_, send_counts, recv_counts, send.size(),
-                                              recv.size());
-    if (!sch) return unexpected<error>(sch.error());
-    if (auto ok = usable(); !ok) return ok;
-    constexpr auto k = detail::nccl_scale<T>();
-    detail::nccl_group g;
-    for (int i = 0; i < sch->num_steps(); ++i) {
-      const schedule_step st = sch->step(i);
-      if (st.send_count > 0)
-        if (auto ok = detail::nccl_check(
-                ncclSend(send.data() + st.send_offset, static_cast<std::size_t>(st.send_count) * k,
-                         detail::nccl_type<T>(), st.send_peer, comm_, s),
-                "ncclSend", comm_);
-            !ok)
-          return fail(ok);
-      if (st.recv_count > 0)
-        if (auto ok = detail::nccl_check(
-                ncclRecv(recv.data() + st.recv_offset, static_cast<std::size_t>(st.recv_count) * k,
-                         detail::nccl_type<T>(), st.recv_peer, comm_, s),
-                "ncclRecv", comm_);
-            !ok)
-          return fail(ok);
-    }
-    return enqueue(g.end(), "ncclGroupEnd (all_to_all_v)");
+    const auto sch = schedule_builder::all_to_all_v(rank_, size_, send_counts, recv_counts,
+                                                    send.size(), recv.size());
+    if (auto ok = begin(collective::all_to_all_v, sch, call_info_of<T>(), s); !ok) return ok;
+    return exchange_steps<T>(*sch, send.data(), recv.data(), s, "ncclGroupEnd (all_to_all_v)");
   }
 
+  //! bf16/fp16 sums: every rank's chunk for this rank lands in a [P, n] staging buffer (grouped
+  //! ncclSend/ncclRecv, the schedule's staging layout) and cuBLAS reduces it in fp32, one
+  //! rounding per element; everything else is one ncclReduce per root.
   template <reducible T>
   [[nodiscard]] status reduce_scatter_v(std::span<const std::type_identity_t<T>> send,
                                         std::span<const int> counts, std::span<T> recv,
                                         reduce_op op, cudaStream_t s) {
-    auto sch = schedule_builder::reduce_scatter_v(rank_, size_, counts, send.size(), recv.size());
-    if (!sch) return unexpected<error>(sch.error());
-    if (auto ok = usable(); !ok) return ok;
+    const auto sch =
+        schedule_builder::reduce_scatter_v(rank_, size_, counts, send.size(), recv.size());
+    if (auto ok =
+            begin(collective::reduce_scatter_v, sch, call_info_of<T>(static_cast<int>(op)), s);
+        !ok)
+      return ok;
+    if constexpr (detail::is_16bit_float<T>) {
+      if (op == reduce_op::sum) return reduce_scatter_v_sum16<T>(*sch, send.data(), recv.data(), s);
+    }
     detail::nccl_group g;
     for (int p = 0; p < size_; ++p) {
       const auto n = static_cast<std::size_t>(sch->send_count(p));
@@ -329,18 +448,18 @@ class nccl_communicator {
 
   template <transferable T>
   [[nodiscard]] status broadcast(std::span<T> buf, int root, cudaStream_t s) {
-    auto sch = schedule_builder::broadcast(rank_, size_, buf.size(), root);
-    if (!sch) return unexpected<error>(sch.error());
-    if (auto ok = usable(); !ok) return ok;
+    const auto sch = schedule_builder::broadcast(rank_, size_, buf.size(), root);
+    if (auto ok = begin(collective::broadcast, sch, call_info_of<T>(), s); !ok) return ok;
     return enqueue(ncclBroadcast(buf.data(), buf.data(), buf.size() * detail::nccl_scale<T>(),
                                  detail::nccl_type<T>(), root, comm_, s),
                    "ncclBroadcast");
   }
 
   //! A device-side barrier: a one-element all-reduce enqueued on the stream (the host does not
-  //! wait; synchronize() does).
+  //! wait; synchronize() does, and so does verify_counts' header exchange).
   [[nodiscard]] status barrier(cudaStream_t s) {
-    if (auto ok = usable(); !ok) return ok;
+    const auto sch = schedule_builder::barrier(rank_, size_);
+    if (auto ok = begin(collective::barrier, sch, call_info{}, s); !ok) return ok;
     if (!barrier_buf_)
       if (auto ok = detail::cuda_check(cudaMalloc(&barrier_buf_, sizeof(int)), "cudaMalloc"); !ok)
         return ok;
@@ -374,13 +493,19 @@ class nccl_communicator {
   [[nodiscard]] status synchronize() { return synchronize(opt_.stream); }
 
   //! ncclCommSplit (non-blocking, polled). split_no_color: takes part, joins nothing
-  //! (errc::rank_out_of_range).
+  //! (errc::rank_out_of_range). With verify_counts the ranks first exchange headers on stream()
+  //! (so a rank calling split while a peer calls a collective is an error, not a hang), and the
+  //! new communicator inherits the options.
   [[nodiscard]] expected<nccl_communicator> split(int color, int key) {
-    if (auto ok = usable(); !ok) return unexpected<error>(ok.error());
-    if (color < 0 && color != split_no_color)
-      return make_error(
-          errc::invalid_argument,
-          "split: color must be >= 0 or split_no_color (got " + std::to_string(color) + ")");
+    const bool bad_color = color < 0 && color != split_no_color;
+    const expected<collective_schedule> sch =
+        bad_color
+            ? expected<collective_schedule>(make_error(
+                  errc::invalid_argument, "split: color must be >= 0 or split_no_color (got " +
+                                              std::to_string(color) + ")"))
+            : schedule_builder::split(rank_, size_);
+    if (auto ok = begin(collective::split, sch, call_info{}, opt_.stream); !ok)
+      return unexpected<error>(ok.error());
     ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
     cfg.blocking = 0;
     nccl_communicator c;
@@ -413,6 +538,14 @@ class nccl_communicator {
   }
 
  private:
+  // Device memory the communicator owns. Stream-ordered (cudaMallocAsync / cudaFreeAsync on the
+  // calling stream): growing never blocks the host, whereas cudaFree would synchronize the whole
+  // device, without a timeout, while a collective may be stuck.
+  struct device_buffer {
+    void* p = nullptr;
+    std::size_t bytes = 0;
+  };
+
   nccl_communicator() = default;
 
   status query() {
@@ -423,16 +556,46 @@ class nccl_communicator {
   }
 
   void release() noexcept {
-    if (barrier_buf_) cudaFree(std::exchange(barrier_buf_, nullptr));
-    if (!comm_) return;
-    if (owned_ && !aborted_) {
-      // Flush, then free; if that fails there is nobody left to tell: abort instead.
-      if (!broken_ && (ncclCommFinalize(comm_) == ncclSuccess || settle_comm(comm_, "finalize")))
-        ncclCommDestroy(comm_);
-      else
-        ncclCommAbort(comm_);
+    if (comm_) {
+      if (owned_ && !aborted_) {
+        // Flush, then free; if that fails there is nobody left to tell: abort instead.
+        if (!broken_ && (ncclCommFinalize(comm_) == ncclSuccess || settle_comm(comm_, "finalize")))
+          ncclCommDestroy(comm_);
+        else
+          ncclCommAbort(comm_);
+      }
+      comm_ = nullptr;
     }
-    comm_ = nullptr;
+    // Memory last: the communicator is finalized or aborted by now, so no NCCL work that uses it
+    // can be stuck (cudaFree and cublasDestroy wait for the device).
+    if (barrier_buf_) cudaFree(std::exchange(barrier_buf_, nullptr));
+    release_buffers();
+  }
+
+  // Frees the stream-ordered buffers after their last use without waiting for it: on a private
+  // stream that waits for the last-use event (the caller's streams may be destroyed already).
+  void release_buffers() noexcept {
+    if (!sum_buf_.p && !verify_buf_.p && !buffers_done_ && !row_sum_.has_handle()) return;
+    int current = -1;
+    const bool switch_device = buffers_device_ >= 0 && cudaGetDevice(&current) == cudaSuccess &&
+                               current != buffers_device_ &&
+                               cudaSetDevice(buffers_device_) == cudaSuccess;
+    cudaStream_t s = nullptr;
+    const bool have_stream = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess;
+    if (!have_stream && buffers_done_) cudaEventSynchronize(buffers_done_);  // no stream: wait
+    if (have_stream && buffers_done_) cudaStreamWaitEvent(s, buffers_done_, 0);
+    for (device_buffer* b : {&sum_buf_, &verify_buf_})
+      if (b->p) {
+        if (have_stream)
+          cudaFreeAsync(std::exchange(b->p, nullptr), s);
+        else
+          cudaFree(std::exchange(b->p, nullptr));
+        b->bytes = 0;
+      }
+    if (have_stream) cudaStreamDestroy(s);  // returns at once; the frees run when due
+    if (buffers_done_) cudaEventDestroy(std::exchange(buffers_done_, nullptr));
+    row_sum_ = detail::cublas_row_sum{};
+    if (switch_device) cudaSetDevice(current);
   }
 
   status usable() const {
@@ -487,6 +650,217 @@ class nccl_communicator {
   }
   status abort_with(const status& s) { return fail(s); }
 
+  // A collective every rank agreed not to run (verify_counts found a mismatch or rejected
+  // arguments): nothing is pending, but the program is wrong, so the communicator is broken, as
+  // on MPI. An owned communicator is aborted when it is destroyed.
+  status break_with(const error& e) {
+    broken_ = true;
+    why_ = e.message;
+    return unexpected<error>(e);
+  }
+
+  // Every collective's entry: without verify_counts, the local argument check, then usable();
+  // with it, usable(), then the header exchange, which also reports this rank's own rejected
+  // arguments after its peers have learned of them.
+  status begin(collective op, const expected<collective_schedule>& sch, const call_info& info,
+               cudaStream_t s) {
+    if (!opt_.verify_counts) {
+      if (!sch) return unexpected<error>(sch.error());
+      return usable();
+    }
+    if (auto ok = usable(); !ok) return ok;
+    return verify(op, sch, info, s);
+  }
+
+  // verify_counts: every rank all-gathers its P headers (what it tells each peer) and checks every
+  // pair (a, b) in the same order, so every rank reports the same first disagreement. One small
+  // ncclAllGather on `s`, then the host waits for `s` (polled against the timeout, like
+  // synchronize()) and copies the P x P headers back.
+  status verify(collective op, const expected<collective_schedule>& sch, const call_info& info,
+                cudaStream_t s) {
+    const std::uint64_t call = seq_++;
+    const auto P = static_cast<std::size_t>(size_);
+    constexpr std::size_t hb = sizeof(collective_header);
+    std::vector<collective_header> mine(P), all(P * P);
+    for (std::size_t p = 0; p < P; ++p)
+      mine[p] = sch ? make_header(*sch, static_cast<int>(p), call, info)
+                    : make_failure_header(op, call, header_rejected_arguments);
+    bool fresh = false;
+    if (auto ok = reserve(verify_buf_, hb * P * (P + 1), s, fresh); !ok) return fail(ok);
+    auto* dev = static_cast<std::byte*>(verify_buf_.p);
+    // Pageable host to device: the runtime stages the source before returning (no wait).
+    if (auto ok =
+            detail::cuda_check(cudaMemcpyAsync(dev, mine.data(), hb * P, cudaMemcpyHostToDevice, s),
+                               "cudaMemcpyAsync (verify_counts headers)");
+        !ok)
+      return fail(ok);
+    const auto ok = enqueue(ncclAllGather(dev, dev + hb * P, hb * P, ncclUint8, comm_, s),
+                            "ncclAllGather (verify_counts headers)");
+    const auto done = mark_used(s);
+    if (!ok) return ok;
+    if (!done) return fail(done);
+    // Wait with the timeout first: a copy into pageable memory would block the host until the
+    // stream reaches it, without a timeout. After the wait the copy is all that is left.
+    if (auto w = synchronize(s); !w) return w;
+    if (auto c = detail::cuda_check(
+            cudaMemcpyAsync(all.data(), dev + hb * P, hb * P * P, cudaMemcpyDeviceToHost, s),
+            "cudaMemcpyAsync (verify_counts headers)");
+        !c)
+      return fail(c);
+    if (auto c = detail::cuda_check(cudaStreamSynchronize(s), "cudaStreamSynchronize"); !c)
+      return fail(c);
+    for (int a = 0; a < size_; ++a)
+      for (int b = 0; b < size_; ++b) {
+        const auto ab = static_cast<std::size_t>(a) * P + static_cast<std::size_t>(b);
+        const auto ba = static_cast<std::size_t>(b) * P + static_cast<std::size_t>(a);
+        if (auto v = check_headers(all[ab], all[ba], a, b); !v)
+          return break_with(sch ? v.error() : sch.error());  // a rejecting rank: its own error
+      }
+    if (!sch) return break_with(sch.error());  // unreachable: its own header fails the check
+    return {};
+  }
+
+  // Makes `b` hold at least `bytes`, usable on `s` after every earlier use of the communicator's
+  // buffers (on any stream). fresh: the memory is new (its contents are undefined).
+  status reserve(device_buffer& b, std::size_t bytes, cudaStream_t s, bool& fresh) {
+    fresh = false;
+    if (!buffers_done_) {
+      if (auto ok = detail::cuda_check(cudaGetDevice(&buffers_device_), "cudaGetDevice"); !ok)
+        return ok;
+      if (auto ok =
+              detail::cuda_check(cudaEventCreateWithFlags(&buffers_done_, cudaEventDisableTiming),
+                                 "cudaEventCreateWithFlags");
+          !ok)
+        return ok;
+    }
+    if (auto ok =
+            detail::cuda_check(cudaStreamWaitEvent(s, buffers_done_, 0), "cudaStreamWaitEvent");
+        !ok)
+      return ok;
+    if (b.p && b.bytes >= bytes) return {};
+    if (b.p) {
+      if (auto ok = detail::cuda_check(cudaFreeAsync(b.p, s), "cudaFreeAsync"); !ok) return ok;
+      b = device_buffer{};
+    }
+    const std::size_t want = std::max<std::size_t>(bytes, 256);
+    void* p = nullptr;
+    if (auto ok = detail::cuda_check(cudaMallocAsync(&p, want, s), "cudaMallocAsync"); !ok)
+      return ok;
+    b.p = p;
+    b.bytes = want;
+    fresh = true;
+    return {};
+  }
+  // Records the last use of the buffers (after the work just enqueued on s).
+  status mark_used(cudaStream_t s) {
+    return detail::cuda_check(cudaEventRecord(buffers_done_, s), "cudaEventRecord");
+  }
+
+  // The 16-bit sums' memory: P ones of each 16-bit type (bf16 first), then `elems` elements of
+  // staging, 256-byte aligned.
+  template <class T>
+  status sum_buffers(std::size_t elems, cudaStream_t s, T*& staging, const T*& ones) {
+    const auto P = static_cast<std::size_t>(size_);
+    const std::size_t ones_bytes = (2 * P * sizeof(std::uint16_t) + 255) / 256 * 256;
+    bool fresh = false;
+    if (auto ok = reserve(sum_buf_, ones_bytes + elems * sizeof(T), s, fresh); !ok) return ok;
+    auto* base = static_cast<std::byte*>(sum_buf_.p);
+    if (fresh) {
+      std::vector<std::uint16_t> h(2 * P);
+      for (std::size_t i = 0; i < P; ++i) {
+        h[i] = bfloat16(1.0f).bits;
+        h[P + i] = float16(1.0f).bits;
+      }
+      // Pageable host to device: staged before the call returns, so `h` may go.
+      if (auto ok = detail::cuda_check(
+              cudaMemcpyAsync(base, h.data(), h.size() * sizeof(h[0]), cudaMemcpyHostToDevice, s),
+              "cudaMemcpyAsync (ones)");
+          !ok)
+        return ok;
+    }
+    const std::size_t ones_at = dtype_of<T> == dtype::bf16 ? 0 : P * sizeof(std::uint16_t);
+    ones = reinterpret_cast<const T*>(base + ones_at);
+    staging = reinterpret_cast<T*>(base + ones_bytes);
+    return {};
+  }
+
+  // The P rows of staging (row p at p * n) summed into out by cuBLAS, then the last-use mark.
+  template <class T>
+  status sum_rows(const T* staging, const T* ones, std::int64_t n, T* out, cudaStream_t s) {
+    const auto ok = row_sum_.sum<T>(staging, size_, n, ones, out, s);
+    const auto done = mark_used(s);  // recorded even after a failure: release() waits for it
+    if (!ok) return fail(ok);
+    if (!done) return fail(done);
+    return {};
+  }
+
+  // The steps of a schedule as one group of ncclSend/ncclRecv (all_to_all_v, and the 16-bit
+  // reduce_scatter_v into its staging area).
+  template <class T>
+  status exchange_steps(const collective_schedule& sch, const T* send, T* recv, cudaStream_t s,
+                        const char* what) {
+    constexpr auto k = detail::nccl_scale<T>();
+    detail::nccl_group g;
+    for (int i = 0; i < sch.num_steps(); ++i) {
+      const schedule_step st = sch.step(i);
+      if (st.send_count > 0)
+        if (auto ok = detail::nccl_check(
+                ncclSend(send + st.send_offset, static_cast<std::size_t>(st.send_count) * k,
+                         detail::nccl_type<T>(), st.send_peer, comm_, s),
+                "ncclSend", comm_);
+            !ok)
+          return fail(ok);
+      if (st.recv_count > 0)
+        if (auto ok = detail::nccl_check(
+                ncclRecv(recv + st.recv_offset, static_cast<std::size_t>(st.recv_count) * k,
+                         detail::nccl_type<T>(), st.recv_peer, comm_, s),
+                "ncclRecv", comm_);
+            !ok)
+          return fail(ok);
+    }
+    return enqueue(g.end(), what);
+  }
+
+  template <class T>
+  status reduce_scatter_v_sum16(const collective_schedule& sch, const T* send, T* recv,
+                                cudaStream_t s) {
+    T* staging = nullptr;
+    const T* ones = nullptr;
+    if (auto ok = sum_buffers<T>(static_cast<std::size_t>(sch.recv_extent()), s, staging, ones);
+        !ok) {
+      static_cast<void>(mark_used(s));  // the ones may be in flight to the new memory
+      return fail(ok);                  // this rank cannot take part: its peers must not wait
+    }
+    auto ok = exchange_steps<T>(sch, send, staging, s, "ncclGroupEnd (reduce_scatter_v, fp32 sum)");
+    if (!ok) {
+      static_cast<void>(mark_used(s));  // the communicator is aborted; keep the order anyway
+      return ok;
+    }
+    return sum_rows<T>(staging, ones, sch.result_count(), recv, s);
+  }
+
+  template <class T>
+  status all_reduce_sum16(std::span<T> buf, cudaStream_t s) {
+    const auto n = static_cast<std::int64_t>(buf.size());
+    if (n == 0) return {};  // every rank that agrees on the count skips it
+    T* staging = nullptr;
+    const T* ones = nullptr;
+    if (auto ok = sum_buffers<T>(buf.size() * static_cast<std::size_t>(size_), s, staging, ones);
+        !ok) {
+      static_cast<void>(mark_used(s));
+      return fail(ok);
+    }
+    auto ok =
+        enqueue(ncclAllGather(buf.data(), staging, buf.size(), detail::nccl_type<T>(), comm_, s),
+                "ncclAllGather (all_reduce, fp32 sum)");
+    if (!ok) {
+      static_cast<void>(mark_used(s));
+      return ok;
+    }
+    // The gather has read buf before the GEMM (same stream) overwrites it.
+    return sum_rows<T>(staging, ones, n, buf.data(), s);
+  }
+
   ncclComm_t comm_ = nullptr;
   bool owned_ = false;
   int rank_ = 0;
@@ -495,7 +869,13 @@ class nccl_communicator {
   bool broken_ = false;
   bool aborted_ = false;
   std::string why_;
+  std::uint64_t seq_ = 0;  // verify_counts: collectives called before this one
   int* barrier_buf_ = nullptr;
+  device_buffer sum_buf_;               // 16-bit sums: ones, then the [P, n] staging area
+  device_buffer verify_buf_;            // verify_counts: 40 * P (mine) + 40 * P * P (all) bytes
+  cudaEvent_t buffers_done_ = nullptr;  // the last use of sum_buf_ / verify_buf_
+  int buffers_device_ = -1;             // the device they live on
+  detail::cublas_row_sum row_sum_;
 };
 
 static_assert(splittable_communicator<nccl_communicator>);

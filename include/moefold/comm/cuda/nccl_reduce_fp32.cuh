@@ -1,11 +1,16 @@
 //! @file nccl_reduce_fp32.cuh
-//! @brief reduce_scatter_v over NCCL with 16-bit floats accumulated in fp32, in rank order (the
-//! numerics of the thread world, MPI and the device loopback), for nvcc translation units.
+//! @brief reduce_scatter_v over NCCL with 16-bit floats accumulated in fp32 in rank order (the
+//! exact bits of the thread world, MPI and the device loopback), for nvcc translation units.
 //!
-//! nccl_communicator::reduce_scatter_v leaves the arithmetic to NCCL's reduction kernels, which
-//! for bf16/fp16 round between steps. This variant moves every rank's chunk for this rank into a
-//! staging buffer (grouped ncclSend/ncclRecv, the schedule's staging layout) and reduces it with
-//! kernels/comm/reduce_sources.cuh: one rounding per element. It takes at most 64 ranks.
+//! nccl_communicator::reduce_scatter_v itself already sums bf16/fp16 in fp32 with one rounding
+//! per element, but in cuBLAS's summation order (a GEMM against a vector of ones), so where the
+//! fp32 partial sums are inexact its result can differ from the other backends in the last bit.
+//! This variant moves every rank's chunk for this rank into a staging buffer the caller provides
+//! (grouped ncclSend/ncclRecv, the schedule's staging layout) and reduces it with
+//! kernels/comm/reduce_sources.cuh, adding the ranks' chunks in rank order: deterministic and
+//! bit-identical to the other backends, sum or max. It takes at most 64 ranks, needs nvcc, and
+//! does not take part in nccl_options::verify_counts (call it on every rank alike; the counts are
+//! not exchanged).
 #pragma once
 
 #include <chrono>
