@@ -487,9 +487,8 @@ TEST_CASE("MoE layer: missing communicators and bad options are named") {
     return reference_mlp<double>::make({.hidden = 2, .ffn = 2, .num_local_experts = 2}).value();
   };
   const topk_router_options ro{.num_experts = 2, .topk = 1, .pre_softmax = true};
-  const auto bad =
-      layer_t::make({.hidden = 2, .max_tokens = 2, .router = ro, .seq_aux_loss_coeff = -1},
-                    dropless{}, mlp());
+  const auto bad = layer_t::make(
+      {.hidden = 2, .max_tokens = 2, .router = ro, .seq_aux_loss_coeff = -1}, dropless{}, mlp());
   REQUIRE_FALSE(bad);
   CHECK_MESSAGE(bad.error().message.find("finite and >= 0") != std::string::npos,
                 bad.error().message);
