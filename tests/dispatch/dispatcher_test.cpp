@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <mutex>
 #include <stdexcept>
@@ -36,7 +37,7 @@ std::vector<rank_result> run(const problem& p) {
 
 struct coverage {
   int etp_gt_1 = 0, several_local = 0, ep_spans_attention = 0, dropped_pairs = 0, empty = 0,
-      configs = 0;
+      configs = 0, idle_experts = 0;
 };
 
 template <class Path>
@@ -60,6 +61,11 @@ void check_problem(const problem& p, coverage& cov) {
     CHECK(rel_err(res[r].dw2, want.dw2) <= 1e-12);
     // Bytes: one row per routed pair whose expert lives on another EP rank, nothing more.
     if (Path::exact_bytes) CHECK(res[r].a2a_rows == want.a2a_rows);
+    // Experts that received no row (invariant 10): finite gradients (their values are checked
+    // against the reference above, zero where no replica saw a token).
+    for (int c : res[r].per_expert) cov.idle_experts += c == 0;
+    for (const auto* v : {&res[r].dw1, &res[r].dw2, &res[r].dx, &res[r].dprob})
+      for (double g : *v) REQUIRE(std::isfinite(g));
   }
   const auto fold = make_folded(p.fold).value();
   const megatron_groups groups(fold);
@@ -119,6 +125,8 @@ TEST_CASE_TEMPLATE(
   CHECK(cov.ep_spans_attention >= 8);
   CHECK(cov.dropped_pairs >= 50);
   CHECK(cov.empty >= 6);
+  CHECK(cov.idle_experts >= 3);  // local experts that computed zero rows
+  MESSAGE(cov.idle_experts << " (rank, local expert) pairs with zero rows");
 }
 
 TEST_CASE_TEMPLATE("each dispatcher path is bitwise repeatable run to run", Path, a2a, ag) {
@@ -364,4 +372,163 @@ TEST_CASE_TEMPLATE("pad mode: ranks padding to different capacities fail togethe
     CHECK(st[0].error().message.find("every rank must pad to the same capacity") !=
           std::string::npos);
   CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10));
+}
+
+namespace {
+
+// Identity experts (invariant 1): each ETP shard returns p * x / ETP, so the ReduceScatter over
+// ETP gives p * x; the backward gives dx = p * dy / ETP and dp = <dy, x> / ETP per shard.
+struct identity_experts {
+  int L = 1, H = 1, etp = 1;
+  int num_local_experts() const { return L; }
+  int hidden() const { return H; }
+  status forward(const expert_batch<double>& b, std::span<double> y) const {
+    for (std::size_t r = 0; r < b.probs.size(); ++r)
+      for (std::size_t h = 0; h < static_cast<std::size_t>(H); ++h)
+        y[r * H + h] = b.probs[r] * (b.x[r * H + h] / etp);
+    return {};
+  }
+  status backward(const expert_batch<double>& b, std::span<const double> dy, std::span<double> dx,
+                  std::span<double> dp) const {
+    for (std::size_t r = 0; r < b.probs.size(); ++r) {
+      double dot = 0;
+      for (std::size_t h = 0; h < static_cast<std::size_t>(H); ++h) {
+        dx[r * H + h] = b.probs[r] * (dy[r * H + h] / etp);
+        dot += dy[r * H + h] * b.x[r * H + h];
+      }
+      dp[r] = dot / etp;
+    }
+    return {};
+  }
+};
+static_assert(expert_fn<identity_experts, double>);
+
+struct identity_result {
+  std::vector<double> out, dx, dprob;
+};
+
+// Every rank of a world-8 fold runs the identity round trip on its tokens.
+template <class Path>
+std::vector<identity_result> run_identity(const problem& p) {
+  const auto fold = make_folded(p.fold).value();
+  const megatron_groups groups(fold);
+  std::vector<identity_result> results(static_cast<std::size_t>(fold.world_size()));
+  const auto st = run_thread_world(fold.world_size(), [&](thread_communicator& world) -> status {
+    const int r = world.rank();
+    auto get = [&](group_kind k) { return group_communicator(world, groups, {k}).value(); };
+    auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep);
+    auto disp = Path::type::make({.max_tokens = p.tokens,
+                                  .hidden = p.hidden,
+                                  .topk = p.topk,
+                                  .num_experts = p.experts,
+                                  .ep = fold.ep(),
+                                  .etp = fold.etp()});
+    if (!disp) return unexpected<error>(disp.error());
+    std::vector<double> x, probs, dout;
+    std::vector<int> expert;
+    for (const auto& d : rank_tokens(p, groups, r)) {
+      x.insert(x.end(), d.x.begin(), d.x.end());
+      expert.insert(expert.end(), d.expert.begin(), d.expert.end());
+      probs.insert(probs.end(), d.prob.begin(), d.prob.end());
+      dout.insert(dout.end(), d.dout.begin(), d.dout.end());
+    }
+    const int n = static_cast<int>(x.size()) / p.hidden;
+    std::vector<std::byte> ws(disp->workspace_bytes());
+    const dispatch_groups<thread_communicator> g{ep, etp, tp_ep};
+    auto h = disp->dispatch({.num_tokens = n, .x = x, .expert = expert, .probs = probs}, g, ws);
+    if (!h) return unexpected<error>(h.error());
+    const identity_experts fx{p.experts / fold.ep(), p.hidden, fold.etp()};
+    const auto M = static_cast<std::size_t>(h->num_rows()), H = static_cast<std::size_t>(p.hidden);
+    std::vector<double> y(M * H), dy(M * H), dxr(M * H), dpr(M);
+    auto& res = results[static_cast<std::size_t>(r)];
+    res.out.resize(x.size());
+    res.dx.resize(x.size());
+    res.dprob.resize(probs.size());
+    for (const status& s :
+         {fx.forward(h->batch(), y), disp->combine(*h, y, g, res.out),
+          disp->combine_backward(*h, dout, g, dy), fx.backward(h->batch(), dy, dxr, dpr),
+          disp->dispatch_backward(*h, dxr, dpr, g, res.dx, res.dprob)})
+      if (!s) return s;
+    return {};
+  });
+  for (const auto& s : st) REQUIRE_MESSAGE(s.has_value(), s.error().message);
+  return results;
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE(
+    "identity experts: out = x * sum p, dx = g * sum p, dp = <g, x>, bitwise equal across maps",
+    Path, a2a, ag) {
+  // Invariants 1 and 2 of dispatch-semantics.md 11. The expected values are formed here in slot
+  // order, the All-to-All path's fixed summation order. With ETP a power of two, dividing by ETP
+  // and summing ETP equal parts is exact, so its results are bitwise equal to them and therefore
+  // across mappings: world 8, every fold below computes the same 8 x N tokens. The AllGather path
+  // sums per owning EP rank first and then over the group (its ReduceScatter), a fixed order that
+  // depends on EP: equal to rounding there (and bitwise run to run, tested above).
+  constexpr bool slot_order = std::is_same_v<Path, a2a>;
+  const fold_config folds[] = {
+      {.world = 8, .ep = 1, .etp = 1},
+      {.world = 8, .ep = 8, .etp = 1},
+      {.world = 8, .tp = 2, .ep = 4, .etp = 2},
+      {.world = 8, .tp = 2, .cp = 2, .ep = 2, .etp = 4},
+      {.world = 8, .tp = 4, .ep = 2, .etp = 1},
+      {.world = 8, .tp = 2, .pp = 2, .ep = 2, .etp = 2},
+      {.world = 8, .tp = 2, .pp = 2, .ep = 2, .etp = 1, .order = "tp-cp-ep-pp-dp"},
+  };
+  for (double drop : {0.0, 0.25}) {
+    std::vector<identity_result> first;
+    for (const auto& f : folds) {
+      CAPTURE(f.tp);
+      CAPTURE(f.ep);
+      CAPTURE(f.etp.value_or(f.tp));
+      CAPTURE(drop);
+      problem p{.fold = f, .experts = 8, .topk = 3, .hidden = 4, .tokens = 6, .drop = drop};
+      const auto res = run_identity<Path>(p);
+      const auto fold = make_folded(f).value();
+      const megatron_groups groups(fold);
+      for (int r = 0; r < 8; ++r) {
+        CAPTURE(r);
+        const auto toks = rank_tokens(p, groups, r);
+        std::vector<double> out, dx, dp;
+        for (const auto& d : toks) {
+          for (int h = 0; h < p.hidden; ++h) {
+            double o = 0, g = 0;
+            for (int j = 0; j < p.topk; ++j)
+              if (d.expert[j] >= 0) {
+                o += d.prob[j] * d.x[h];
+                g += d.prob[j] * d.dout[h];
+              }
+            out.push_back(o);
+            dx.push_back(g);
+          }
+          for (int j = 0; j < p.topk; ++j) {
+            double dot = 0;
+            for (int h = 0; h < p.hidden; ++h) dot += d.dout[h] * d.x[h];
+            dp.push_back(d.expert[j] >= 0 ? dot : 0.0);
+          }
+        }
+        const auto& got = res[static_cast<std::size_t>(r)];
+        if (slot_order) {
+          CHECK(got.out == out);
+          CHECK(got.dx == dx);
+        } else {
+          CHECK(rel_err(got.out, out) <= 1e-15);
+          CHECK(rel_err(got.dx, dx) <= 1e-15);
+        }
+        CHECK(got.dprob == dp);
+      }
+      if (!slot_order) continue;
+      if (first.empty()) {
+        first = res;
+      } else {
+        for (std::size_t r = 0; r < res.size(); ++r) {
+          CHECK(std::memcmp(res[r].out.data(), first[r].out.data(),
+                            res[r].out.size() * sizeof(double)) == 0);
+          CHECK(std::memcmp(res[r].dx.data(), first[r].dx.data(),
+                            res[r].dx.size() * sizeof(double)) == 0);
+        }
+      }
+    }
+  }
 }
