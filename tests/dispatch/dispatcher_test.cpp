@@ -532,3 +532,45 @@ TEST_CASE_TEMPLATE(
     }
   }
 }
+
+TEST_CASE_TEMPLATE("pad mode: a rank over capacity, or naming a bad expert, fails every rank", Path,
+                   a2a, ag) {
+  for (int bad_expert : {-1, 7}) {  // -1: rank 2 routes 2 pairs to expert 0 with capacity 1
+    CAPTURE(bad_expert);
+    const auto st = run_thread_world(
+        4,
+        [&](thread_communicator& world) -> status {
+          const int r = world.rank();
+          auto disp = Path::type::make(
+              {.max_tokens = 2, .hidden = 1, .topk = 1, .num_experts = 4, .ep = 4});
+          if (!disp) return unexpected<error>(disp.error());
+          auto ep = world.split(0, r).value();
+          auto etp = world.split(r, 0).value();
+          auto tp_ep = world.split(0, r).value();
+          std::vector<double> x = {1, 2}, probs = {1, 1};
+          std::vector<int> expert = {r, (r + 1) % 4};
+          if (r == 2) expert = {0, bad_expert >= 0 ? bad_expert : 0};
+          const int cap = bad_expert >= 0 ? -1 : 1;
+          std::vector<std::byte> ws(disp->workspace_bytes(cap));
+          const dispatch_groups<thread_communicator> g{ep, etp, tp_ep};
+          auto h = disp->dispatch(
+              {.num_tokens = 2, .x = x, .expert = expert, .probs = probs, .capacity = cap}, g, ws);
+          if (!h) return unexpected<error>(h.error());
+          std::vector<double> y(static_cast<std::size_t>(h->num_rows())), out(2);
+          return disp->combine(*h, y, g, out);
+        },
+        {.timeout = std::chrono::milliseconds(2000)});
+    for (int r = 0; r < 4; ++r) {
+      CAPTURE(r);
+      REQUIRE_FALSE(st[static_cast<std::size_t>(r)].has_value());
+      const auto& e = st[static_cast<std::size_t>(r)].error();
+      if (std::is_same_v<Path, ag> || r == 2) {  // the AllGather path: everyone sees the record
+        CHECK(e.code == errc::invalid_argument);
+        CHECK(e.message.find(bad_expert >= 0 ? "names expert 7" : "drop before padding") !=
+              std::string::npos);
+      } else {  // the All-to-All path: the others learn it from their next collective
+        CHECK((e.code == errc::comm_peer_failed || e.code == errc::comm_timeout));
+      }
+    }
+  }
+}

@@ -518,3 +518,38 @@ TEST_CASE("MoE layer: missing communicators and bad options are named") {
   });
   for (const auto& s : st) CHECK_MESSAGE(s.has_value(), s.error().message);
 }
+
+TEST_CASE("MoE layer: the expert bias counts the pairs that survive the drop policy") {
+  using layer_t =
+      moe_layer<double, thread_communicator, sub_sequence,
+                all_to_all_dispatcher<double, thread_communicator>, reference_mlp<double>>;
+  const int E = 4, H = 3, N = 8, K = 2;
+  const auto st = run_thread_world(1, [&](thread_communicator& world) -> status {
+    auto self = world.split(0, 0).value();
+    auto layer = layer_t::make(
+        {.hidden = H,
+         .max_tokens = N,
+         .router =
+             {.num_experts = E, .topk = K, .score = score_function::sigmoid, .expert_bias = true}},
+        sub_sequence{.capacity_factor = 0.5},
+        reference_mlp<double>::make({.hidden = H, .ffn = 2, .num_local_experts = E}).value());
+    if (!layer) return unexpected<error>(layer.error());
+    for (std::size_t i = 0; i < layer->router_weight().size(); ++i)
+      layer->router_weight()[i] = unit(20, i, 0);
+    std::vector<double> x, out(static_cast<std::size_t>(N * H));
+    for (int i = 0; i < N * H; ++i) x.push_back(unit(21, i, 0));
+    const moe_layer_groups<thread_communicator> g{.tp_cp = self, .dispatch = {self, self, self}};
+    auto stats = layer->forward(N, x, {}, g, out);
+    if (!stats) return unexpected<error>(stats.error());
+    CHECK(stats->dropped.dropped_pairs > 0);  // the capacity bound
+    std::vector<float> kept(E, 0.f), routed(E, 0.f);
+    const auto ke = layer->last_drop().kept_experts(layer->last_routing());
+    for (int e : ke)
+      if (e >= 0) kept[static_cast<std::size_t>(e)] += 1.f;
+    for (int e : layer->last_routing().indices) routed[static_cast<std::size_t>(e)] += 1.f;
+    CHECK(layer->expert_bias().local_tokens_per_expert == kept);
+    CHECK(layer->expert_bias().local_tokens_per_expert != routed);
+    return {};
+  });
+  for (const auto& s : st) CHECK_MESSAGE(s.has_value(), s.error().message);
+}

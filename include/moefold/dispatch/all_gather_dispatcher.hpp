@@ -107,7 +107,27 @@ class all_gather_dispatcher {
     const long long sent = static_cast<long long>(n) * peers;
     h.volume_.dispatch_agv = {
         sent, sent * static_cast<long long>(H * sizeof(T) + K * (sizeof(T) + sizeof(int)))};
-    // 2. Keep this rank's experts: a local routing record over the gathered tokens.
+    // 2. Every rank checks the whole gathered record (expert ids; in pad mode every (source,
+    //    expert) against the capacity), so a bad rank fails all of them alike, never alone.
+    std::size_t t0 = 0;
+    for (std::size_t q = 0; q < b.tokens.size(); ++q) {
+      for (auto& c : b.expert_counts) c = 0;
+      const auto tq = uz(b.tokens[q]);
+      for (std::size_t i = t0 * K; i < (t0 + tq) * K; ++i) {
+        if (eg[i] < -1 || eg[i] >= s_.num_experts)
+          return make_error(errc::invalid_argument,
+                            "dispatch: tp-ep rank " + to_decimal(static_cast<long long>(q)) +
+                                " names expert " + to_decimal(eg[i]) + ", outside [0, " +
+                                to_decimal(s_.num_experts) + ") (use -1 for a dropped pair)");
+        if (in.capacity >= 0 && eg[i] >= 0 && ++b.expert_counts[uz(eg[i])] > in.capacity)
+          return make_error(errc::invalid_argument,
+                            "dispatch: tp-ep rank " + to_decimal(static_cast<long long>(q)) +
+                                " routes more than the capacity " + to_decimal(in.capacity) +
+                                " pairs to expert " + to_decimal(eg[i]) + " (drop before padding)");
+      }
+      t0 += tq;
+    }
+    // 3. Keep this rank's experts: a local routing record over the gathered tokens.
     const int L = s_.num_experts / s_.ep, first = g.ep.rank() * L;
     auto local = b.local_experts.first(G * K);
     for (std::size_t i = 0; i < G * K; ++i)
@@ -200,7 +220,7 @@ class all_gather_dispatcher {
  private:
   struct buffers {
     std::span<std::byte> plan;
-    std::span<int> header, tokens, counts, per_expert, experts, local_experts;
+    std::span<int> header, tokens, counts, per_expert, expert_counts, experts, local_experts;
     std::span<T> rows_a, rows_b, probs_a, batch_x, batch_probs;
   };
 
@@ -222,6 +242,7 @@ class all_gather_dispatcher {
     b.tokens = c.take<int>(P);
     b.counts = c.take<int>(P);
     b.per_expert = c.take<int>(L);
+    b.expert_counts = c.take<int>(uz(s_.num_experts));
     b.experts = c.take<int>(G * K);
     b.local_experts = c.take<int>(G * K);
     b.rows_a = c.take<T>(G * H);

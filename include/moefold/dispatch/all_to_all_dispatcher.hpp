@@ -287,12 +287,12 @@ class all_to_all_dispatcher {
     return s;
   }
   int local_experts() const noexcept { return s_.num_experts / s_.ep; }
-  // Rows one rank sends at most (in pad mode exactly C*E), and receives at most (that times the
-  // tp-ep group; in pad mode C*E*ETP).
+  // Rows a buffer of one step holds at most: what the rank receives after the AllGather-V, at
+  // most every routed pair of the tp-ep group (max_tokens * k * EP * ETP); in pad mode exactly
+  // C*L rows from each of the EP * ETP sources, C*E*ETP (which also covers the C*E it sends).
   long long bound_rows(int capacity) const noexcept {
-    const long long send = capacity >= 0 ? static_cast<long long>(capacity) * s_.num_experts
-                                         : static_cast<long long>(s_.max_tokens) * s_.topk;
-    return send * s_.ep * s_.etp;
+    if (capacity >= 0) return static_cast<long long>(capacity) * s_.num_experts * s_.etp;
+    return static_cast<long long>(s_.max_tokens) * s_.topk * s_.ep * s_.etp;
   }
   // Pad mode: C rows per (source, expert) everywhere; what compute_splits gives for those counts.
   void uniform_splits(int capacity, const split_view& v) const noexcept {

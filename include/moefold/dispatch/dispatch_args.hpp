@@ -101,11 +101,12 @@ template <class T>
     return make_error(errc::invalid_argument,
                       "dispatch: capacity = " + to_decimal(in.capacity) +
                           " (pad mode takes a capacity >= 0, -1 turns it off)");
-  const long long pad_bound =
-      static_cast<long long>(in.capacity) * s.num_experts * s.ep * s.etp * s.hidden;
-  if (in.capacity > 0 && pad_bound > 2147483647LL)
+  // Pad mode: a rank's experts compute C rows from each of the EP * ETP sources per local
+  // expert, C * E * ETP rows in all.
+  const long long pad_bound = static_cast<long long>(in.capacity) * s.num_experts * s.etp;
+  if (in.capacity > 0 && pad_bound * s.hidden > 2147483647LL)
     return make_error(errc::overflow,
-                      "dispatch: capacity * num_experts * ep * etp * hidden exceeds 2^31-1");
+                      "dispatch: capacity * num_experts * etp * hidden exceeds 2^31-1");
   return {};
 }
 

@@ -208,6 +208,7 @@ class moe_layer {
       return make_error(errc::invalid_argument,
                         "moe_layer: the global load-balancing loss needs the tp-dp-cp "
                         "communicator in moe_layer_groups::tp_dp_cp");
+    handle_.reset();  // a failed forward leaves nothing for backward to use
     n_ = n;
     x_.assign(x.begin(), x.end());
     logits_.resize(uz(n) * uz(E));
@@ -266,7 +267,10 @@ class moe_layer {
                                 .expert = kept_experts_,
                                 .probs = kept_probs_,
                                 .capacity = drop_.pad_rows};
-    // Pad mode sizes the rows from the capacity (the workspace grows to the largest one seen).
+    // Pad mode sizes the rows from the capacity (the workspace grows to the largest one seen),
+    // once the capacity is known to be sane.
+    if (auto st = detail::check_dispatch_input(disp_.shape(), din); !st)
+      return unexpected<error>(st.error());
     if (const auto need = disp_.workspace_bytes(drop_.pad_rows); ws_.size() < need)
       ws_.resize(need);
     auto h = disp_.dispatch(din, g.dispatch, ws_);
