@@ -303,8 +303,14 @@ class moe_layer {
       return make_error(errc::invalid_argument,
                         "moe_layer: the layer has a shared expert; pass the attention TP "
                         "communicator in moe_layer_groups::tp");
-    // Experts' path.
-    std::vector<T> dy(M * H), dx_rows(M * H), dp_rows(M), dprobs(N * K), dx_experts(N * H);
+    // Experts' path. The scratch buffers are members, zeroed each step: their capacity is reused,
+    // so steady-state steps allocate nothing here.
+    auto& [dy, dx_rows, dp_rows, dprobs, dx_experts, dlogits, dx_router, dw, dx_shared] = scratch_;
+    dy.assign(M * H, T(0));
+    dx_rows.assign(M * H, T(0));
+    dp_rows.assign(M, T(0));
+    dprobs.assign(N * K, T(0));
+    dx_experts.assign(N * H, T(0));
     if (auto st = disp_.combine_backward(*handle_, dout, g.dispatch, dy); !st) return st;
     if (auto st = experts_.backward(handle_->batch(), dy, dx_rows, dp_rows); !st) return st;
     if (auto st =
@@ -313,7 +319,9 @@ class moe_layer {
       return st;
     // Router's path: dropped pairs have no gradient (their probabilities were not renormalised),
     // then the router Jacobian, the auxiliary losses, the gating GEMM.
-    std::vector<T> dlogits(N * uz(E)), dx_router(N * H), dw(uz(E) * H);
+    dlogits.assign(N * uz(E), T(0));
+    dx_router.assign(N * H, T(0));
+    dw.assign(uz(E) * H, T(0));
     if (auto st = router_.backward(logits_, routing_, dprobs, dlogits); !st) return st;
     const gating_shape gbs{.num_tokens = n_, .hidden = o_.hidden, .num_experts = E};
     for (std::size_t i = 0; i < aux_terms_.size(); ++i)
@@ -335,7 +343,7 @@ class moe_layer {
     for (std::size_t i = 0; i < dw.size(); ++i) dw_[i] += dw[i];
     for (std::size_t i = 0; i < N * H; ++i) dx[i] = dx_experts[i] + dx_router[i];
     if (shared_) {
-      std::vector<T> dx_shared(N * H);
+      dx_shared.assign(N * H, T(0));
       if (auto st = shared_->backward(dout, *g.tp, dx_shared); !st) return st;
       for (std::size_t i = 0; i < N * H; ++i) dx[i] += dx_shared[i];
     }
@@ -409,6 +417,9 @@ class moe_layer {
   std::vector<int> kept_experts_;
   std::vector<T> kept_probs_;
   std::optional<typename Dispatcher::handle_type> handle_;
+  struct backward_scratch {
+    std::vector<T> dy, dx_rows, dp_rows, dprobs, dx_experts, dlogits, dx_router, dw, dx_shared;
+  } scratch_;
 };
 
 }  // namespace moefold
