@@ -28,7 +28,9 @@
 #include <iostream>
 #include <map>
 #include <mutex>
+#include <span>
 #include <string>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -48,6 +50,10 @@ struct options {
   std::string dtype = "fp64";
   int experts = 8, topk = 2, hidden = 16, ffn = 32, tokens = 256, steps = 300;
   double lr = 0.2, aux = 0.01, z = 0.0;
+  double seq_aux = 0.0, global_aux = 0.0;  // per-sequence and global-batch load balancing
+  int shared_ffn = 0;                      // shared expert FFN size (0: none)
+  bool shared_gate = false;                // its sigmoid gate
+  bool expert_bias = false;                // sigmoid routing with aux-loss-free balancing
   bool quiet = false;
 };
 
@@ -62,6 +68,14 @@ options parse(int argc, char** argv) {
     }
     if (f == "--pad") {
       o.pad = true;
+      continue;
+    }
+    if (f == "--shared-gate") {
+      o.shared_gate = true;
+      continue;
+    }
+    if (f == "--expert-bias") {
+      o.expert_bias = true;
       continue;
     }
     if (i + 1 >= argc) throw usage_error{"flag " + f + " needs a value"};
@@ -103,6 +117,12 @@ options parse(int argc, char** argv) {
       o.lr = parse_double(f, v);
     else if (f == "--aux-loss")
       o.aux = parse_double(f, v);
+    else if (f == "--seq-aux-loss")
+      o.seq_aux = parse_double(f, v);
+    else if (f == "--global-aux-loss")
+      o.global_aux = parse_double(f, v);
+    else if (f == "--shared-ffn")
+      o.shared_ffn = to_int();
     else if (f == "--z-loss")
       o.z = parse_double(f, v);
     else
@@ -111,6 +131,10 @@ options parse(int argc, char** argv) {
   if (o.drop != "dropless" && o.drop != "sub_sequence" && o.drop != "full_sequence")
     throw usage_error{"--drop must be dropless, sub_sequence or full_sequence"};
   if (o.dtype != "fp32" && o.dtype != "fp64") throw usage_error{"--dtype must be fp32 or fp64"};
+  if (o.shared_ffn < 0) throw usage_error{"--shared-ffn must be >= 0 (0: no shared expert)"};
+  if (o.shared_gate && o.shared_ffn == 0) throw usage_error{"--shared-gate needs --shared-ffn"};
+  if (!(o.seq_aux >= 0) || !(o.global_aux >= 0))
+    throw usage_error{"--seq-aux-loss and --global-aux-loss must be >= 0"};
   if (o.pp != 1)
     throw usage_error{
         "--pp must be 1: this example trains one layer (pipeline stages hold "
@@ -186,9 +210,10 @@ int train(const options& o, const Policy& policy) {
     std::cerr << "error: " << fold.error().message << "\n";
     return 2;
   }
-  if (o.experts % fold->ep() != 0 || o.ffn % fold->etp() != 0 || o.topk > o.experts) {
-    std::cerr
-        << "error: --experts must be divisible by ep, --ffn by etp, and --topk <= --experts\n";
+  if (o.experts % fold->ep() != 0 || o.ffn % fold->etp() != 0 || o.topk > o.experts ||
+      o.shared_ffn % fold->tp() != 0) {
+    std::cerr << "error: --experts must be divisible by ep, --ffn by etp, --shared-ffn by tp, and "
+                 "--topk <= --experts\n";
     return 2;
   }
   const megatron_groups groups(*fold);
@@ -201,8 +226,8 @@ int train(const options& o, const Policy& policy) {
     auto get = [&](group_kind k) { return group_communicator(world, groups, {k}); };
     auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep),
          tp_cp = get(group_kind::tp_cp), stage = get(group_kind::tp_dp_cp),
-         edp = get(group_kind::edp);
-    for (auto* c : {&ep, &etp, &tp_ep, &tp_cp, &stage, &edp})
+         edp = get(group_kind::edp), tp = get(group_kind::tp), dp_cp = get(group_kind::dp_cp);
+    for (auto* c : {&ep, &etp, &tp_ep, &tp_cp, &stage, &edp, &tp, &dp_cp})
       if (!*c) return unexpected<error>(c->error());
     const int L = o.experts / fold->ep();
     const auto mc = fold->moe_coord_of(r);
@@ -225,18 +250,36 @@ int train(const options& o, const Policy& policy) {
     }
     using layer_t = moe_layer<T, thread_communicator, Policy,
                               all_to_all_dispatcher<T, thread_communicator>, reference_mlp<T>>;
-    auto layer = layer_t::make({.hidden = H,
-                                .max_tokens = per_rank,
-                                .ep = fold->ep(),
-                                .etp = fold->etp(),
-                                .router = {.num_experts = o.experts, .topk = o.topk},
-                                .aux_loss_coeff = o.aux,
-                                .z_loss_coeff = o.z},
-                               policy, std::move(*mlp));
+    moe_layer_options lo{.hidden = H,
+                         .max_tokens = per_rank,
+                         .ep = fold->ep(),
+                         .etp = fold->etp(),
+                         .router = {.num_experts = o.experts, .topk = o.topk},
+                         .aux_loss_coeff = o.aux,
+                         .z_loss_coeff = o.z,
+                         .seq_aux_loss_coeff = o.seq_aux,
+                         .global_aux_loss_coeff = o.global_aux};
+    if (o.expert_bias) {  // DeepSeek-V3 style: sigmoid scores, the bias steers the selection
+      lo.router.score = score_function::sigmoid;
+      lo.router.expert_bias = true;
+    }
+    if (o.shared_ffn > 0)
+      lo.shared_expert = {.ffn = o.shared_ffn,
+                          .gate = o.shared_gate,
+                          .tp = fold->tp(),
+                          .tp_rank = groups(group_kind::tp).find(r).position};
+    auto layer = layer_t::make(lo, policy, std::move(*mlp));
     if (!layer) return unexpected<error>(layer.error());
+    if (auto* se = layer->shared()) {  // random fc1, zero fc2 and gate (from the full weights)
+      std::vector<T> w1, w2(static_cast<std::size_t>(o.shared_ffn * H), T(0));
+      for (int i = 0; i < H * 2 * o.shared_ffn; ++i)
+        w1.push_back(static_cast<T>(3.0 * rnd(300, i, 0) / std::sqrt(H)));
+      if (auto s = se->mlp().load_full(0, w1, w2); !s) return s;
+    }
     for (int i = 0; i < o.experts * H; ++i)
       layer->router_weight()[static_cast<std::size_t>(i)] = static_cast<T>(0.1 * rnd(400, i, 0));
-    const moe_layer_groups<thread_communicator> g{*tp_cp, {*ep, *etp, *tp_ep}};
+    const moe_layer_groups<thread_communicator> g{
+        .tp_cp = *tp_cp, .dispatch = {*ep, *etp, *tp_ep}, .tp = &*tp, .tp_dp_cp = &*stage};
     std::vector<T> x(static_cast<std::size_t>(per_rank * H)), out(x.size()), dout(x.size()),
         dx(x.size());
     std::vector<double> y(static_cast<std::size_t>(H)), xd(static_cast<std::size_t>(H));
@@ -260,19 +303,32 @@ int train(const options& o, const Policy& policy) {
       }
       if (auto s = layer->backward(dout, T(1) / static_cast<T>(fold->dp()), g, dx); !s) return s;
       auto& ex = layer->experts();
-      if (auto s = layer->reduce_gradients(*stage, *edp, {ex.grads_fc1(), ex.grads_fc2()}); !s)
+      if (auto s = layer->reduce_gradients(*stage, *edp, {ex.grads_fc1(), ex.grads_fc2()}, &*dp_cp);
+          !s)
         return s;
       // SGD; every replica applies the same reduced gradient.
-      for (auto [wt, gr] : {std::pair{layer->router_weight(), layer->router_weight_grad()},
-                            std::pair{ex.weights_fc1(), ex.grads_fc1()},
-                            std::pair{ex.weights_fc2(), ex.grads_fc2()}})
+      std::vector<std::pair<std::span<T>, std::span<T>>> params = {
+          {layer->router_weight(), layer->router_weight_grad()},
+          {ex.weights_fc1(), ex.grads_fc1()},
+          {ex.weights_fc2(), ex.grads_fc2()}};
+      if (auto* se = layer->shared()) {
+        params.emplace_back(se->mlp().weights_fc1(), se->mlp().grads_fc1());
+        params.emplace_back(se->mlp().weights_fc2(), se->mlp().grads_fc2());
+        params.emplace_back(se->gate_weight(), se->gate_grad());
+      }
+      for (auto [wt, gr] : params)
         for (std::size_t i = 0; i < wt.size(); ++i) {
           wt[i] -= static_cast<T>(o.lr) * gr[i];
           gr[i] = T(0);
         }
+      // One micro-batch per global batch here: update the expert bias, restart the global counts.
+      if (auto s = layer->end_global_batch(*stage); !s) return s;
       // Step statistics, summed over the world (one pipeline stage).
-      std::vector<double> sums = {sq, stats->aux_loss,
-                                  static_cast<double>(stats->dropped.dropped_pairs)};
+      // The micro-batch and per-sequence partials sum to each tp-cp group's loss (reported as the
+      // mean over DP); the global partials sum over the whole stage to its one loss.
+      std::vector<double> sums = {
+          sq, stats->aux_loss + stats->seq_aux_loss + stats->global_aux_loss * fold->dp(),
+          static_cast<double>(stats->dropped.dropped_pairs)};
       for (int e = 0; e < o.experts; ++e)
         sums.push_back(static_cast<double>(stats->dropped.routed[static_cast<std::size_t>(e)] -
                                            stats->dropped.dropped[static_cast<std::size_t>(e)]));
@@ -329,7 +385,8 @@ int main(int argc, char** argv) {
         "  [--drop dropless|sub_sequence|full_sequence] [--capacity F] [--pad] [--dtype "
         "fp32|fp64]\n"
         "  [--experts E] [--topk K] [--hidden H] [--ffn F] [--tokens N] [--steps N] [--lr F]\n"
-        "  [--aux-loss F] [--z-loss F] [--quiet]\n");
+        "  [--aux-loss F] [--seq-aux-loss F] [--global-aux-loss F] [--z-loss F]\n"
+        "  [--shared-ffn F] [--shared-gate] [--expert-bias] [--quiet]\n");
   }
   using namespace moefold;
   auto run = [&]<class T>(T) {

@@ -48,7 +48,10 @@ def the_loss_curve_is_the_same_under_every_mapping():
 def the_task_is_learned_under_several_mappings_and_policies():
     for args in (["--world", 8, "--tp", 2, "--ep", 4, "--etp", 1, "--drop", "sub_sequence", "--capacity", 1.25],
                  ["--world", 8, "--tp", 2, "--ep", 2, "--etp", 2, "--drop", "full_sequence", "--capacity", 1.0],
-                 ["--world", 4, "--ep", 4, "--dtype", "fp32"]):
+                 ["--world", 4, "--ep", 4, "--dtype", "fp32"],
+                 ["--world", 8, "--tp", 2, "--ep", 4, "--etp", 1, "--drop", "sub_sequence", "--capacity", 1.25,
+                  "--pad", "--shared-ffn", 16, "--shared-gate", "--expert-bias", "--seq-aux-loss", 0.01,
+                  "--global-aux-loss", 0.01]):
         r = run(*args, "--quiet")
         assert r.returncode == 0, (args, r.stderr)
         m = re.search(r"final/initial loss: (\S+) \(below 0.6\)", r.stdout)
@@ -61,7 +64,9 @@ def the_task_is_learned_under_several_mappings_and_policies():
 @case
 def bad_input_exits_2():
     for args in (["--world", 8, "--tp", 3], ["--world", 8, "--pp", 2], ["--drop", "some"], ["--world", 8, "--ep", 3],
-                 ["--tokens", 100, "--world", 8], ["--lr", "x"], ["--bogus", 1], ["--world"]):
+                 ["--tokens", 100, "--world", 8], ["--lr", "x"], ["--bogus", 1], ["--world"],
+                 ["--shared-ffn", -1], ["--shared-gate"], ["--seq-aux-loss", -1],
+                 ["--world", 8, "--tp", 2, "--shared-ffn", 3]):
         r = run(*args)
         assert r.returncode == 2 and r.stdout == "" and r.stderr.startswith("error:"), (args, r.returncode, r.stderr)
 
