@@ -168,6 +168,50 @@ struct all_gather_path {
   static constexpr bool exact_bytes = false;
 };
 
+//! Rank r's shard of the routed experts in T: its E / EP local experts, ETP-sharded, loaded from
+//! the full weights w1 (per expert [H, 2F]) and w2 (per expert [F, H]).
+template <class T>
+expected<reference_mlp<T>> rank_experts(const problem& p, const dynamic_folded_mesh& fold, int r,
+                                        const std::vector<double>& w1,
+                                        const std::vector<double>& w2) {
+  const int L = p.experts / fold.ep();
+  const auto mc = fold.moe_coord_of(r);
+  auto mlp = reference_mlp<T>::make({.hidden = p.hidden,
+                                     .ffn = p.ffn,
+                                     .num_local_experts = L,
+                                     .etp = fold.etp(),
+                                     .etp_rank = mc.etp,
+                                     .act = activation::swiglu});
+  if (!mlp) return mlp;
+  const auto n1 = static_cast<std::size_t>(p.hidden * 2 * p.ffn),
+             n2 = static_cast<std::size_t>(p.ffn * p.hidden);
+  const std::vector<T> t1(w1.begin(), w1.end()), t2(w2.begin(), w2.end());
+  for (int l = 0; l < L; ++l) {
+    const auto e = static_cast<std::size_t>(mc.ep * L + l);
+    if (auto st = mlp->load_full(l, std::span<const T>(t1).subspan(e * n1, n1),
+                                 std::span<const T>(t2).subspan(e * n2, n2));
+        !st)
+      return unexpected<error>(st.error());
+  }
+  return mlp;
+}
+
+//! The 12 folds of 8 ranks the MPI tests (mpirun -np 8) run.
+inline const fold_config mpi_folds[] = {
+    {.world = 8, .tp = 2, .pp = 2, .ep = 2, .etp = 1},
+    {.world = 8, .tp = 2, .cp = 2, .ep = 8, .etp = 1},
+    {.world = 8, .cp = 2, .pp = 2, .ep = 2, .etp = 2},
+    {.world = 8, .tp = 4, .ep = 2, .etp = 2},
+    {.world = 8, .tp = 2, .pp = 2, .ep = 2, .etp = 1, .order = "tp-cp-ep-pp-dp"},
+    {.world = 8, .ep = 8, .etp = 1},
+    {.world = 8, .tp = 2, .ep = 4, .etp = 2},
+    {.world = 8, .tp = 8, .ep = 8, .etp = 1},
+    {.world = 8, .pp = 2, .ep = 4, .etp = 1},
+    {.world = 8, .tp = 2, .cp = 2, .pp = 2, .ep = 2, .etp = 2},
+    {.world = 8, .tp = 4, .ep = 2, .etp = 4},
+    {.world = 8, .ep = 1, .etp = 1},
+};
+
 inline int tokens_of(const problem& p, const megatron_groups& groups, int r) {
   return (p.empty_rank && groups(group_kind::tp_dp_cp).find(r).position == 0) ? 0 : p.tokens;
 }
@@ -197,8 +241,6 @@ expected<rank_result> run_rank(const problem& p, Comm& world) {
   auto tp_ep = group_communicator(world, groups, {group_kind::tp_ep});
   auto edp = group_communicator(world, groups, {group_kind::edp});
   if (!ep || !etp || !tp_ep || !edp) return make_error(errc::invalid_argument, "groups");
-  const int L = p.experts / fold.ep();
-  const auto mc = fold.moe_coord_of(r);
   const int n = tokens_of(p, groups, r);
   std::vector<double> x, probs, dout;
   std::vector<int> expert;
@@ -221,22 +263,8 @@ expected<rank_result> run_rank(const problem& p, Comm& world) {
   auto h = disp->dispatch(
       {.num_tokens = n, .x = x, .expert = expert, .probs = probs, .capacity = cap}, g, ws);
   if (!h) return unexpected<error>(h.error());
-  auto mlp = reference_mlp<double>::make({.hidden = p.hidden,
-                                          .ffn = p.ffn,
-                                          .num_local_experts = L,
-                                          .etp = fold.etp(),
-                                          .etp_rank = mc.etp,
-                                          .act = activation::swiglu});
+  auto mlp = rank_experts<double>(p, fold, r, w.w1, w.w2);
   if (!mlp) return unexpected<error>(mlp.error());
-  for (int l = 0; l < L; ++l) {
-    const auto e = static_cast<std::size_t>(mc.ep * L + l);
-    const auto n1 = static_cast<std::size_t>(p.hidden * 2 * p.ffn);
-    const auto n2 = static_cast<std::size_t>(p.ffn * p.hidden);
-    if (auto st = mlp->load_full(l, std::span<const double>(w.w1).subspan(e * n1, n1),
-                                 std::span<const double>(w.w2).subspan(e * n2, n2));
-        !st)
-      return unexpected<error>(st.error());
-  }
   const auto M = static_cast<std::size_t>(h->num_rows());
   const auto H = static_cast<std::size_t>(p.hidden);
   rank_result res;

@@ -55,22 +55,8 @@ TEST_CASE(
   int size = 0;
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   REQUIRE_MESSAGE(size == 8, "run this test with mpirun -np 8");
-  const fold_config folds[] = {
-      {.world = 8, .tp = 2, .pp = 2, .ep = 2, .etp = 1},
-      {.world = 8, .tp = 2, .cp = 2, .ep = 8, .etp = 1},
-      {.world = 8, .cp = 2, .pp = 2, .ep = 2, .etp = 2},
-      {.world = 8, .tp = 4, .ep = 2, .etp = 2},
-      {.world = 8, .tp = 2, .pp = 2, .ep = 2, .etp = 1, .order = "tp-cp-ep-pp-dp"},
-      {.world = 8, .ep = 8, .etp = 1},
-      {.world = 8, .tp = 2, .ep = 4, .etp = 2},
-      {.world = 8, .tp = 8, .ep = 8, .etp = 1},
-      {.world = 8, .pp = 2, .ep = 4, .etp = 1},
-      {.world = 8, .tp = 2, .cp = 2, .pp = 2, .ep = 2, .etp = 2},
-      {.world = 8, .tp = 4, .ep = 2, .etp = 4},
-      {.world = 8, .ep = 1, .etp = 1},
-  };
   int i = 0;
-  for (const auto& f : folds)
+  for (const auto& f : mpi_folds)
     for (int mode = 0; mode < 3; ++mode) {  // dropless, dropped pairs, capacity 2 with padding
       const auto fold = make_folded(f).value();
       problem p{.fold = f};

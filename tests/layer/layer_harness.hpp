@@ -59,24 +59,7 @@ expected<layer_result> run_layer_rank(const problem& p, const Policy& policy, Co
   auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep);
   auto tp_cp = get(group_kind::tp_cp), stage = get(group_kind::tp_dp_cp),
        edp = get(group_kind::edp);
-  const int L = p.experts / fold.ep();
-  const auto mc = fold.moe_coord_of(r);
-  auto mlp = reference_mlp<T>::make({.hidden = p.hidden,
-                                     .ffn = p.ffn,
-                                     .num_local_experts = L,
-                                     .etp = fold.etp(),
-                                     .etp_rank = mc.etp})
-                 .value();
-  for (int l = 0; l < L; ++l) {
-    const auto e = static_cast<std::size_t>(mc.ep * L + l);
-    const auto n1 = static_cast<std::size_t>(p.hidden * 2 * p.ffn),
-               n2 = static_cast<std::size_t>(p.ffn * p.hidden);
-    const auto w1 = cast<T>(w.w1), w2 = cast<T>(w.w2);
-    if (auto s = mlp.load_full(l, std::span<const T>(w1).subspan(e * n1, n1),
-                               std::span<const T>(w2).subspan(e * n2, n2));
-        !s)
-      return unexpected<error>(s.error());
-  }
+  auto mlp = rank_experts<T>(p, fold, r, w.w1, w.w2).value();
   using layer_t = moe_layer<T, Comm, Policy, Dispatcher, reference_mlp<T>>;
   auto layer = layer_t::make({.hidden = p.hidden,
                               .max_tokens = p.tokens,

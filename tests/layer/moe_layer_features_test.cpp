@@ -83,23 +83,7 @@ std::vector<rank_out> run(const problem& p, variant v) {
     auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep);
     auto tp_cp = get(group_kind::tp_cp), stage = get(group_kind::tp_dp_cp),
          edp = get(group_kind::edp), tp = get(group_kind::tp), dp_cp = get(group_kind::dp_cp);
-    const int L = p.experts / fold.ep();
-    const auto mc = fold.moe_coord_of(r);
-    auto mlp = reference_mlp<double>::make({.hidden = p.hidden,
-                                            .ffn = p.ffn,
-                                            .num_local_experts = L,
-                                            .etp = fold.etp(),
-                                            .etp_rank = mc.etp})
-                   .value();
-    const auto n1 = static_cast<std::size_t>(p.hidden * 2 * p.ffn),
-               n2 = static_cast<std::size_t>(p.ffn * p.hidden);
-    for (int l = 0; l < L; ++l) {
-      const auto e = static_cast<std::size_t>(mc.ep * L + l);
-      if (auto s = mlp.load_full(l, std::span<const double>(w.w1).subspan(e * n1, n1),
-                                 std::span<const double>(w.w2).subspan(e * n2, n2));
-          !s)
-        return s;
-    }
+    auto mlp = rank_experts<double>(p, fold, r, w.w1, w.w2).value();
     moe_layer_options o{.hidden = p.hidden,
                         .max_tokens = p.tokens,
                         .ep = fold.ep(),

@@ -74,22 +74,8 @@ TEST_CASE("the MoE layer under 8 MPI processes equals the fp64 reference on 12 f
   REQUIRE_MESSAGE(size == 8, "run this test with mpirun -np 8");
   using a2a = all_to_all_dispatcher<double, mpi_communicator>;
   using ag = all_gather_dispatcher<double, mpi_communicator>;
-  const fold_config folds[] = {
-      {.world = 8, .tp = 2, .pp = 2, .ep = 2, .etp = 1},
-      {.world = 8, .tp = 2, .cp = 2, .ep = 8, .etp = 1},
-      {.world = 8, .cp = 2, .pp = 2, .ep = 2, .etp = 2},
-      {.world = 8, .tp = 4, .ep = 2, .etp = 2},
-      {.world = 8, .tp = 2, .pp = 2, .ep = 2, .etp = 1, .order = "tp-cp-ep-pp-dp"},
-      {.world = 8, .ep = 8, .etp = 1},
-      {.world = 8, .tp = 2, .ep = 4, .etp = 2},
-      {.world = 8, .tp = 8, .ep = 8, .etp = 1},
-      {.world = 8, .pp = 2, .ep = 4, .etp = 1},
-      {.world = 8, .tp = 2, .cp = 2, .pp = 2, .ep = 2, .etp = 2},
-      {.world = 8, .tp = 4, .ep = 2, .etp = 4},
-      {.world = 8, .ep = 1, .etp = 1},
-  };
   int i = 0, dropping = 0;
-  for (const auto& f : folds) {
+  for (const auto& f : mpi_folds) {
     const auto fold = make_folded(f).value();
     problem p{.fold = f};
     p.experts = std::max(2, fold.ep() * (1 + i % 2));
