@@ -229,6 +229,36 @@ inline std::vector<token_data> rank_tokens(const problem& p, const megatron_grou
   return toks;
 }
 
+//! Rank r's dispatcher inputs, flattened: x [N, H], expert and probs [N*k], dout [N, H].
+struct rank_inputs {
+  int n = 0;
+  std::vector<double> x;
+  std::vector<int> expert;
+  std::vector<double> probs, dout;
+};
+inline rank_inputs inputs_of(const problem& p, const megatron_groups& groups, int r) {
+  rank_inputs in;
+  for (const auto& d : rank_tokens(p, groups, r)) {
+    ++in.n;
+    in.x.insert(in.x.end(), d.x.begin(), d.x.end());
+    in.expert.insert(in.expert.end(), d.expert.begin(), d.expert.end());
+    in.probs.insert(in.probs.end(), d.prob.begin(), d.prob.end());
+    in.dout.insert(in.dout.end(), d.dout.begin(), d.dout.end());
+  }
+  return in;
+}
+
+//! The dispatcher of `Path` sized for the problem and the fold.
+template <class Path>
+auto make_dispatcher(const problem& p, const dynamic_folded_mesh& fold) {
+  return Path::type::make({.max_tokens = p.tokens,
+                           .hidden = p.hidden,
+                           .topk = p.topk,
+                           .num_experts = p.experts,
+                           .ep = fold.ep(),
+                           .etp = fold.etp()});
+}
+
 //! One rank's part of the layer: dispatch, experts, combine, backward, EDP gradient reduction.
 template <class Path, class Comm>
 expected<rank_result> run_rank(const problem& p, Comm& world) {
@@ -241,21 +271,8 @@ expected<rank_result> run_rank(const problem& p, Comm& world) {
   auto tp_ep = group_communicator(world, groups, {group_kind::tp_ep});
   auto edp = group_communicator(world, groups, {group_kind::edp});
   if (!ep || !etp || !tp_ep || !edp) return make_error(errc::invalid_argument, "groups");
-  const int n = tokens_of(p, groups, r);
-  std::vector<double> x, probs, dout;
-  std::vector<int> expert;
-  for (const auto& d : rank_tokens(p, groups, r)) {
-    x.insert(x.end(), d.x.begin(), d.x.end());
-    expert.insert(expert.end(), d.expert.begin(), d.expert.end());
-    probs.insert(probs.end(), d.prob.begin(), d.prob.end());
-    dout.insert(dout.end(), d.dout.begin(), d.dout.end());
-  }
-  auto disp = Path::type::make({.max_tokens = p.tokens,
-                                .hidden = p.hidden,
-                                .topk = p.topk,
-                                .num_experts = p.experts,
-                                .ep = fold.ep(),
-                                .etp = fold.etp()});
+  auto [n, x, expert, probs, dout] = inputs_of(p, groups, r);
+  auto disp = make_dispatcher<Path>(p, fold);
   if (!disp) return unexpected<error>(disp.error());
   const int cap = p.pad ? p.capacity : -1;
   std::vector<std::byte> ws(disp->workspace_bytes(cap));

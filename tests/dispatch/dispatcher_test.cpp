@@ -417,22 +417,9 @@ std::vector<identity_result> run_identity(const problem& p) {
     const int r = world.rank();
     auto get = [&](group_kind k) { return group_communicator(world, groups, {k}).value(); };
     auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep);
-    auto disp = Path::type::make({.max_tokens = p.tokens,
-                                  .hidden = p.hidden,
-                                  .topk = p.topk,
-                                  .num_experts = p.experts,
-                                  .ep = fold.ep(),
-                                  .etp = fold.etp()});
+    auto disp = make_dispatcher<Path>(p, fold);
     if (!disp) return unexpected<error>(disp.error());
-    std::vector<double> x, probs, dout;
-    std::vector<int> expert;
-    for (const auto& d : rank_tokens(p, groups, r)) {
-      x.insert(x.end(), d.x.begin(), d.x.end());
-      expert.insert(expert.end(), d.expert.begin(), d.expert.end());
-      probs.insert(probs.end(), d.prob.begin(), d.prob.end());
-      dout.insert(dout.end(), d.dout.begin(), d.dout.end());
-    }
-    const int n = static_cast<int>(x.size()) / p.hidden;
+    const auto [n, x, expert, probs, dout] = inputs_of(p, groups, r);
     std::vector<std::byte> ws(disp->workspace_bytes());
     const dispatch_groups<thread_communicator> g{ep, etp, tp_ep};
     auto h = disp->dispatch({.num_tokens = n, .x = x, .expert = expert, .probs = probs}, g, ws);
