@@ -25,6 +25,12 @@
 using namespace moefold;
 using namespace moefold::test;
 
+// The GPU communicators take device memory and cuda_exec; the host context does not fit them.
+static_assert(communicator_for<nccl_communicator, cuda_exec>);
+static_assert(communicator_for<loopback_communicator, cuda_exec, int>);
+static_assert(!communicator_for<nccl_communicator, host_exec>);
+static_assert(!communicator_for<loopback_communicator, cpu_exec>);
+
 namespace {
 
 std::atomic<int> failures{0};
@@ -228,7 +234,7 @@ void check_loopback_rounding(int P) {
 // accumulation itself: check_row_sum does, with more rows). Normal finite values of both signs,
 // integers and fractions, large and small.
 template <class T>
-void check_nccl_sum16_one_rank(nccl_communicator& c) {
+void check_nccl_sum16_one_rank(nccl_communicator& c, cudaStream_t s) {
   std::vector<T> v;
   for (int k = 0; k < 37; ++k) {
     const float x = (static_cast<float>(k * 37 % 101) - 50.0f) * (k % 2 ? 0.0390625f : 3.5f);
@@ -238,9 +244,14 @@ void check_nccl_sum16_one_rank(nccl_communicator& c) {
   v.push_back(T(std::is_same_v<T, bfloat16> ? -1.0e-37f : -6.2e-5f));  // near the smallest normal
   const std::vector<int> counts{static_cast<int>(v.size())};
   device_vec<T> send(v), recv(v.size()), buf(v);
-  EXPECT_OK(c.reduce_scatter_v<T>(send.span(), counts, recv.span(), reduce_op::sum));
-  EXPECT_OK(c.all_reduce<T>(buf.span(), reduce_op::sum));
-  EXPECT_OK(c.synchronize());
+  // The row-view forms on the stream of the context passed (the communicator holds none).
+  cuda_exec x(s);
+  const int n = static_cast<int>(v.size());
+  EXPECT_OK(c.reduce_scatter_v(x, row_view<const T, device_space>(send.span().data(), n, 1), counts,
+                               row_view<T, device_space>(recv.span().data(), n, 1),
+                               reduce_op::sum));
+  EXPECT_OK(c.all_reduce(x, row_view<T, device_space>(buf.span().data(), n, 1), reduce_op::sum));
+  EXPECT_OK(c.synchronize(s));
   EXPECT(same_bits(recv.host(), v));
   EXPECT(same_bits(buf.host(), v));
 }
@@ -365,22 +376,22 @@ int main() {
       auto c = one_rank_nccl(s, false);
       EXPECT_OK(c);
       if (c) {
-        check_nccl_sum16_one_rank<bfloat16>(*c);
-        check_nccl_sum16_one_rank<float16>(*c);
+        check_nccl_sum16_one_rank<bfloat16>(*c, s);
+        check_nccl_sum16_one_rank<float16>(*c, s);
         nccl_communicator moved = std::move(*c);
-        check_nccl_sum16_one_rank<bfloat16>(moved);
+        check_nccl_sum16_one_rank<bfloat16>(moved, s);
         EXPECT(!c->reduce_scatter_v<bfloat16>({}, std::vector<int>{0}, {}, reduce_op::sum));
         auto other = one_rank_nccl(s2, false);
         EXPECT_OK(other);
         if (other) {
-          check_nccl_sum16_one_rank<float16>(*other);  // other now owns buffers of its own
-          *other = std::move(moved);                   // ... which the assignment releases
-          other->set_stream(s2);                       // the buffers move to another stream
-          check_nccl_sum16_one_rank<float16>(*other);
-          check_nccl_sum16_one_rank<bfloat16>(*other);
+          check_nccl_sum16_one_rank<float16>(*other, s2);  // other owns buffers of its own
+          *other = std::move(moved);                       // ... which the assignment releases
+          // The buffers move to another stream: the calls pass cuda_exec{s2}.
+          check_nccl_sum16_one_rank<float16>(*other, s2);
+          check_nccl_sum16_one_rank<bfloat16>(*other, s2);
           auto sub = other->split(0, 0);
           EXPECT_OK(sub);
-          if (sub) check_nccl_sum16_one_rank<bfloat16>(*sub);
+          if (sub) check_nccl_sum16_one_rank<bfloat16>(*sub, s2);
         }
       }
     }
@@ -405,7 +416,7 @@ int main() {
       if (c) {
         EXPECT(c->options().verify_counts);
         check_all_types(*c);
-        check_nccl_sum16_one_rank<bfloat16>(*c);
+        check_nccl_sum16_one_rank<bfloat16>(*c, s);
         auto sub = c->split(0, 0);
         EXPECT_OK(sub);
         if (sub) {

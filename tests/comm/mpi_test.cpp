@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "collective_reference.hpp"
+#include "row_checks.hpp"
 
 using namespace moefold;
 using namespace moefold::test;
@@ -140,6 +141,18 @@ TEST_CASE_TEMPLATE("all_gather_v, all_gather, reduce_scatter_v, all_reduce, broa
                                         value_of<T>(root, 4, 2)}));
     }
     REQUIRE(c.barrier().has_value());
+  });
+}
+
+// The row-view form: rows of W elements travel in an MPI row datatype, counts in rows.
+TEST_CASE_TEMPLATE("row-view collectives equal the element references", T, float, int, bfloat16) {
+  static_assert(communicator_for<mpi_communicator, host_exec, T>);
+  on_each_communicator([](mpi_communicator& c) {
+    host_exec x;
+    for (int width : {1, 3, 7}) {
+      CAPTURE(width);
+      CHECK(check_row_collectives<T>(c, x, width, 11u) == "");
+    }
   });
 }
 

@@ -11,12 +11,22 @@
 //! stream and never block the host (see their headers).
 //!
 //! The V-collectives' offsets and counts come from one place, comm/schedule.hpp, for all backends.
+//!
+//! Two forms of every collective:
+//! - on row views (core/row_view.hpp) with an execution context (core/exec.hpp): counts per peer
+//!   in rows, the views' memory space the communicator's, the stream (if any) the context's.
+//!   This is what the dispatcher and the layer call; `communicator_for<C, Exec, T>` states it.
+//! - on spans with counts in elements (comm/span_collectives.hpp), for host code and tests; a span
+//!   is a one-column row view in the communicator's memory space, run on its default context.
 #pragma once
 
 #include <concepts>
 #include <span>
 
+#include "../core/exec.hpp"
 #include "../core/expected.hpp"
+#include "../core/memory_space.hpp"
+#include "../core/row_view.hpp"
 
 namespace moefold {
 
@@ -55,6 +65,42 @@ concept communicator = std::movable<C> && requires(C& c, const C& cc, std::span<
   { c.reduce_scatter_v(s, n, r, reduce_op::sum) } -> std::same_as<status>;
   { c.broadcast(r, 0) } -> std::same_as<status>;
   { c.barrier() } -> std::same_as<status>;
+};
+
+//! A communicator that states where its buffers live: `C::memory_space` is host_space (thread
+//! world, MPI), device_space (NCCL, the device loopback, MPI with device buffers) or
+//! cpu_device_space (the thread world over the CPU executor's memory).
+template <class C>
+concept has_memory_space = memory_space<typename C::memory_space>;
+
+//! C runs its collectives on row views of T in the memory space of execution context Exec, with
+//! the context passed in every call. Rules of the row-view form (every backend):
+//! - views are contiguous (stride == width); send and receive views have the same width, and
+//!   every rank uses the same width (a different width shows as a count mismatch);
+//! - counts are rows per peer (int); a row count or a total of 2^31 rows or more is
+//!   errc::overflow, as is a count beyond a backend's own limit; element and byte offsets are
+//!   64-bit;
+//! - all_to_all_v(x, s, sn, r, rn), all_gather_v(x, s, r, n), all_gather(x, s, r) (every rank
+//!   sends s.rows() rows), reduce_scatter_v(x, s, n, r, op), all_reduce(x, buf, op) (in place,
+//!   every element), broadcast(x, buf, root), barrier(x): as the span forms above, in rows.
+//!
+//! The constraint of every dispatcher and layer: a communicator of another memory space than the
+//! context (NCCL with host_exec, the host thread world with cpu_exec) is rejected here, naming
+//! both types.
+template <class C, class Exec, class T = float>
+concept communicator_for = execution_context<Exec> && has_memory_space<C> &&
+    std::same_as<typename C::memory_space, typename Exec::memory_space> &&
+    requires(C& c, const C& cc, Exec& x, row_view<const T, typename Exec::memory_space> s,
+             row_view<T, typename Exec::memory_space> r, std::span<const int> n) {
+  { cc.rank() } -> std::same_as<int>;
+  { cc.size() } -> std::same_as<int>;
+  { c.all_to_all_v(x, s, n, r, n) } -> std::same_as<status>;
+  { c.all_gather_v(x, s, r, n) } -> std::same_as<status>;
+  { c.all_gather(x, s, r) } -> std::same_as<status>;
+  { c.reduce_scatter_v(x, s, n, r, reduce_op::sum) } -> std::same_as<status>;
+  { c.all_reduce(x, r, reduce_op::sum) } -> std::same_as<status>;
+  { c.broadcast(x, r, 0) } -> std::same_as<status>;
+  { c.barrier(x) } -> std::same_as<status>;
 };
 
 //! A communicator that derives sub-communicators: split(color, key) is collective over this

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "../core/expected.hpp"
+#include "../core/size.hpp"
 #include "communicator.hpp"
 #include "dtype.hpp"
 
@@ -92,6 +93,9 @@ class collective_schedule {
   [[nodiscard]] std::int64_t recv_extent() const noexcept { return recv_extent_; }
   //! Elements written to the output buffer.
   [[nodiscard]] std::int64_t result_count() const noexcept { return result_; }
+  //! Elements per row: the builders take counts and buffer sizes in rows of this width (1 for
+  //! the element-count collectives); counts and offsets here are in elements, 64-bit.
+  [[nodiscard]] int width() const noexcept { return width_; }
 
   [[nodiscard]] int num_steps() const noexcept { return size_; }
   [[nodiscard]] schedule_step step(int i) const noexcept {
@@ -110,6 +114,7 @@ class collective_schedule {
   int rank_ = 0;
   int size_ = 1;
   int root_ = -1;
+  int width_ = 1;
   std::vector<std::int64_t> send_count_, send_offset_, recv_count_, recv_offset_;
   std::int64_t send_extent_ = 0, recv_extent_ = 0, result_ = 0;
 };
@@ -121,15 +126,17 @@ inline std::string num(long long v) { return to_decimal(v); }
 //! Builds schedules. Each function checks its arguments (rank in range, one count per peer,
 //! counts >= 0, totals that fit, buffers large enough) and computes the offsets as exclusive
 //! prefix sums of the counts.
+//!
+//! Counts and buffer sizes are in rows of `width` elements (width 1: elements). A row count, or a
+//! total of row counts, of 2^31 or more is errc::overflow; element offsets are 64-bit, so rows of
+//! any width are addressed correctly.
 struct schedule_builder {
   //! all_to_all_v: send_counts[j] elements to rank j, recv_counts[j] from rank j, both stored in
   //! peer order. send_size / recv_size: the buffers' sizes in elements.
-  [[nodiscard]] static expected<collective_schedule> all_to_all_v(int rank, int size,
-                                                                  std::span<const int> send_counts,
-                                                                  std::span<const int> recv_counts,
-                                                                  std::size_t send_size,
-                                                                  std::size_t recv_size) {
-    auto s = start(collective::all_to_all_v, rank, size);
+  [[nodiscard]] static expected<collective_schedule> all_to_all_v(
+      int rank, int size, std::span<const int> send_counts, std::span<const int> recv_counts,
+      std::size_t send_size, std::size_t recv_size, int width = 1) {
+    auto s = start(collective::all_to_all_v, rank, size, width);
     if (!s) return s;
     if (auto ok = prefix(*s, send_counts, "send_counts", s->send_count_, s->send_offset_,
                          s->send_extent_);
@@ -148,8 +155,9 @@ struct schedule_builder {
   [[nodiscard]] static expected<collective_schedule> all_gather_v(int rank, int size,
                                                                   std::span<const int> counts,
                                                                   std::size_t send_size,
-                                                                  std::size_t recv_size) {
-    auto s = start(collective::all_gather_v, rank, size);
+                                                                  std::size_t recv_size,
+                                                                  int width = 1) {
+    auto s = start(collective::all_gather_v, rank, size, width);
     if (!s) return s;
     if (auto ok = prefix(*s, counts, "counts", s->recv_count_, s->recv_offset_, s->recv_extent_);
         !ok)
@@ -168,8 +176,9 @@ struct schedule_builder {
   [[nodiscard]] static expected<collective_schedule> reduce_scatter_v(int rank, int size,
                                                                       std::span<const int> counts,
                                                                       std::size_t send_size,
-                                                                      std::size_t recv_size) {
-    auto s = start(collective::reduce_scatter_v, rank, size);
+                                                                      std::size_t recv_size,
+                                                                      int width = 1) {
+    auto s = start(collective::reduce_scatter_v, rank, size, width);
     if (!s) return s;
     if (auto ok = prefix(*s, counts, "counts", s->send_count_, s->send_offset_, s->send_extent_);
         !ok)
@@ -183,16 +192,23 @@ struct schedule_builder {
     return fits(std::move(*s), send_size, recv_size);
   }
 
-  //! all_gather: count elements from every rank; recv_size >= size * count.
+  //! all_gather: count rows from every rank; recv_size >= size * count rows.
   [[nodiscard]] static expected<collective_schedule> all_gather(int rank, int size,
                                                                 std::size_t count,
-                                                                std::size_t recv_size) {
-    auto s = uniform(collective::all_gather, rank, size, count);
+                                                                std::size_t recv_size,
+                                                                int width = 1) {
+    if (width < 0) return make_error(errc::invalid_size, "all_gather: row width must be >= 0");
+    if (size > 0 && count > static_cast<std::size_t>(max_rows) / static_cast<std::size_t>(size))
+      return make_error(errc::overflow, "all_gather: " + std::to_string(count) + " rows times " +
+                                            detail::num(size) + " ranks reach 2^31 rows");
+    const auto w = static_cast<std::size_t>(width);
+    auto s = uniform(collective::all_gather, rank, size, count * w);
     if (!s) return s;
-    for (int p = 0; p < size; ++p)
-      s->recv_offset_[static_cast<std::size_t>(p)] = p * static_cast<std::int64_t>(count);
-    s->send_extent_ = static_cast<std::int64_t>(count);
-    s->recv_extent_ = s->result_ = static_cast<std::int64_t>(count) * size;
+    s->width_ = width;
+    const auto n = static_cast<std::int64_t>(count * w);
+    for (int p = 0; p < size; ++p) s->recv_offset_[static_cast<std::size_t>(p)] = p * n;
+    s->send_extent_ = n;
+    s->recv_extent_ = s->result_ = n * size;
     return fits(std::move(*s), count, recv_size);
   }
 
@@ -236,7 +252,11 @@ struct schedule_builder {
   }
 
  private:
-  static expected<collective_schedule> start(collective op, int rank, int size) {
+  static expected<collective_schedule> start(collective op, int rank, int size, int width = 1) {
+    if (width < 0)
+      return make_error(
+          errc::invalid_size,
+          std::string(to_string(op)) + ": row width must be >= 0 (got " + detail::num(width) + ")");
     if (size < 1)
       return make_error(errc::invalid_size, std::string(to_string(op)) +
                                                 ": communicator size must be >= 1 (got " +
@@ -249,6 +269,7 @@ struct schedule_builder {
     s.op_ = op;
     s.rank_ = rank;
     s.size_ = size;
+    s.width_ = width;
     return s;
   }
 
@@ -284,31 +305,41 @@ struct schedule_builder {
                             " entries; it needs one per rank (" + detail::num(s.size_) + ")");
     count.resize(counts.size());
     offset.resize(counts.size());
-    std::int64_t run = 0;
+    const std::int64_t w = s.width_;
+    std::int64_t run = 0;  // rows
     for (std::size_t p = 0; p < counts.size(); ++p) {
       if (counts[p] < 0)
         return make_error(errc::invalid_size, op + ": " + what + "[" + std::to_string(p) +
                                                   "] = " + detail::num(counts[p]) + " is negative");
-      count[p] = counts[p];
-      offset[p] = run;
+      count[p] = counts[p] * w;
+      offset[p] = run * w;
       run += counts[p];  // at most 2^31 * 2^31: cannot overflow int64
     }
-    total = run;
+    // Elements are 64-bit, but rows stay below 2^31 (views, and MPI's row datatypes, count rows
+    // in int).
+    if (run > max_rows)
+      return make_error(errc::overflow, op + ": " + what + " add up to " + detail::num(run) +
+                                            " rows, 2^31 or more");
+    total = run * w;
     return {};
   }
 
+  // Buffer sizes in rows against the extents (elements / width).
   static expected<collective_schedule> fits(collective_schedule s, std::size_t send_size,
                                             std::size_t recv_size) {
     const std::string op = to_string(s.op_);
-    if (static_cast<std::uint64_t>(s.send_extent_) > send_size)
+    const std::int64_t w = s.width_ > 0 ? s.width_ : 1;
+    const std::string unit =
+        s.width_ == 1 ? " elements" : " rows (of " + detail::num(s.width_) + " elements)";
+    if (static_cast<std::uint64_t>(s.send_extent_ / w) > send_size)
       return make_error(errc::shape_mismatch,
-                        op + ": the send buffer holds " + std::to_string(send_size) +
-                            " elements but the counts need " + detail::num(s.send_extent_));
+                        op + ": the send buffer holds " + std::to_string(send_size) + unit +
+                            " but the counts need " + detail::num(s.send_extent_ / w));
     const std::int64_t need = s.op_ == collective::reduce_scatter_v ? s.result_ : s.recv_extent_;
-    if (static_cast<std::uint64_t>(need) > recv_size)
-      return make_error(errc::shape_mismatch,
-                        op + ": the receive buffer holds " + std::to_string(recv_size) +
-                            " elements but the counts need " + detail::num(need));
+    if (static_cast<std::uint64_t>(need / w) > recv_size)
+      return make_error(errc::shape_mismatch, op + ": the receive buffer holds " +
+                                                  std::to_string(recv_size) + unit +
+                                                  " but the counts need " + detail::num(need / w));
     return s;
   }
 };

@@ -28,11 +28,16 @@
 #include <utility>
 #include <vector>
 
+#include "../core/cpu_exec.hpp"
 #include "../core/expected.hpp"
+#include "../core/host_exec.hpp"
+#include "../core/row_view.hpp"
+#include "../core/size.hpp"
 #include "communicator.hpp"
 #include "dtype.hpp"
 #include "group_communicator.hpp"
 #include "schedule.hpp"
+#include "span_collectives.hpp"
 
 namespace moefold {
 
@@ -41,8 +46,6 @@ struct thread_world_options {
   //! How long a rank waits for its peers in one collective before it reports comm_timeout.
   std::chrono::milliseconds timeout{10000};
 };
-
-class thread_communicator;
 
 namespace detail {
 
@@ -95,15 +98,45 @@ inline std::string rank_list(const std::vector<int>& r) {
 
 }  // namespace detail
 
+template <memory_space Space>
+class basic_thread_communicator;
+
+//! The thread world over host memory (host_exec): what tests and the CPU layer use.
+using thread_communicator = basic_thread_communicator<host_space>;
+//! The thread world over the CPU executor's device memory (cpu_exec): the GPU code path of the
+//! dispatcher, run multi-rank in CI. Get one from a thread_communicator with
+//! `std::move(world).in_space<cpu_device_space>()`.
+using thread_device_communicator = basic_thread_communicator<cpu_device_space>;
+
+namespace detail {
+template <class Space>
+struct thread_exec {
+  using type = host_exec;
+};
+template <>
+struct thread_exec<cpu_device_space> {
+  using type = cpu_exec;
+};
+}  // namespace detail
+
 //! One rank's handle on a thread world (or on a communicator split from one). Move-only: the
-//! call counter that keeps ranks in step lives in it.
-class thread_communicator {
+//! call counter that keeps ranks in step lives in it. Its buffers are in memory space `Space`
+//! (host memory, or the CPU executor's, which is host memory too: the thread world moves both
+//! the same way).
+template <memory_space Space>
+class basic_thread_communicator : public span_collectives<basic_thread_communicator<Space>, Space> {
+  using spans = span_collectives<basic_thread_communicator<Space>, Space>;
+
  public:
-  thread_communicator(thread_communicator&&) noexcept = default;
-  thread_communicator& operator=(thread_communicator&&) noexcept = default;
-  thread_communicator(const thread_communicator&) = delete;
-  thread_communicator& operator=(const thread_communicator&) = delete;
-  ~thread_communicator() = default;
+  using memory_space = Space;
+  //! The execution context of the row-view collectives: host_exec or cpu_exec.
+  using exec_type = typename detail::thread_exec<Space>::type;
+
+  basic_thread_communicator(basic_thread_communicator&&) noexcept = default;
+  basic_thread_communicator& operator=(basic_thread_communicator&&) noexcept = default;
+  basic_thread_communicator(const basic_thread_communicator&) = delete;
+  basic_thread_communicator& operator=(const basic_thread_communicator&) = delete;
+  ~basic_thread_communicator() = default;
 
   [[nodiscard]] int rank() const noexcept { return rank_; }
   [[nodiscard]] int size() const noexcept { return st_ ? st_->size() : 0; }
@@ -112,6 +145,22 @@ class thread_communicator {
     return st_->world_rank[static_cast<std::size_t>(rank_)];
   }
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return st_->job->timeout; }
+  //! The context the span forms run on.
+  [[nodiscard]] exec_type default_exec() const noexcept { return exec_type{}; }
+
+  //! The same rank, with buffers in another memory space (this handle is consumed: the call
+  //! sequence continues in the new one).
+  template <moefold::memory_space S2>
+  [[nodiscard]] basic_thread_communicator<S2> in_space() && {
+    basic_thread_communicator<S2> c(std::move(st_), rank_);
+    c.seq_ = seq_;
+    return c;
+  }
+
+  using spans::all_gather;
+  using spans::all_gather_v;
+  using spans::all_to_all_v;
+  using spans::reduce_scatter_v;
 
   template <reducible T>
   [[nodiscard]] status all_reduce(std::span<T> buf, reduce_op op) {
@@ -134,54 +183,6 @@ class thread_communicator {
   }
 
   template <transferable T>
-  [[nodiscard]] status all_gather(std::span<const std::type_identity_t<T>> send,
-                                  std::span<T> recv) {
-    auto s = schedule_builder::all_gather(rank_, size(), send.size(), recv.size());
-    return run(collective::all_gather, s, call_info_of<T>(), send.data(), recv.data(),
-               pull<T>(recv.data()));
-  }
-
-  template <transferable T>
-  [[nodiscard]] status all_gather_v(std::span<const std::type_identity_t<T>> send,
-                                    std::span<T> recv, std::span<const int> counts) {
-    auto s = schedule_builder::all_gather_v(rank_, size(), counts, send.size(), recv.size());
-    return run(collective::all_gather_v, s, call_info_of<T>(), send.data(), recv.data(),
-               pull<T>(recv.data()));
-  }
-
-  template <transferable T>
-  [[nodiscard]] status all_to_all_v(std::span<const std::type_identity_t<T>> send,
-                                    std::span<const int> send_counts, std::span<T> recv,
-                                    std::span<const int> recv_counts) {
-    auto s = schedule_builder::all_to_all_v(rank_, size(), send_counts, recv_counts, send.size(),
-                                            recv.size());
-    return run(collective::all_to_all_v, s, call_info_of<T>(), send.data(), recv.data(),
-               pull<T>(recv.data()));
-  }
-
-  template <reducible T>
-  [[nodiscard]] status reduce_scatter_v(std::span<const std::type_identity_t<T>> send,
-                                        std::span<const int> counts, std::span<T> recv,
-                                        reduce_op op) {
-    auto s = schedule_builder::reduce_scatter_v(rank_, size(), counts, send.size(), recv.size());
-    return run(collective::reduce_scatter_v, s, call_info_of<T>(static_cast<int>(op)), send.data(),
-               recv.data(), [&](const std::vector<detail::tw_slot>& slots) {
-                 const auto me = rank_;
-                 const std::int64_t n = slots[static_cast<std::size_t>(me)].sched.result_count();
-                 // Peer p's chunk for me starts at p's own send offset for me.
-                 auto chunk = [&](std::size_t p) {
-                   return static_cast<const T*>(slots[p].send) + slots[p].sched.send_offset(me);
-                 };
-                 for (std::int64_t i = 0; i < n; ++i) {
-                   auto acc = detail::widen(chunk(0)[i]);
-                   for (std::size_t p = 1; p < slots.size(); ++p)
-                     acc = combine(acc, detail::widen(chunk(p)[i]), op);
-                   recv[static_cast<std::size_t>(i)] = detail::narrow<T>(acc);
-                 }
-               });
-  }
-
-  template <transferable T>
   [[nodiscard]] status broadcast(std::span<T> buf, int root) {
     auto s = schedule_builder::broadcast(rank_, size(), buf.size(), root);
     return run(collective::broadcast, s, call_info_of<T>(), buf.data(), buf.data(),
@@ -197,9 +198,83 @@ class thread_communicator {
                nullptr, [](const std::vector<detail::tw_slot>&) {});
   }
 
+  // --- row views (counts in rows), on this communicator's memory space ----------------------
+
+  template <reducible T>
+  [[nodiscard]] status all_reduce(exec_type&, row_view<T, Space> buf, reduce_op op) {
+    return all_reduce(flat(buf), op);
+  }
+
+  template <transferable T>
+  [[nodiscard]] status all_gather(exec_type&, row_view<const T, Space> send,
+                                  row_view<T, Space> recv) {
+    auto s = rows_schedule("all_gather", send, recv, [&](int w) {
+      return schedule_builder::all_gather(rank_, size(), detail::uz(send.rows()),
+                                          detail::uz(recv.rows()), w);
+    });
+    return run(collective::all_gather, s, call_info_of<T>(), send.data(), recv.data(),
+               pull<T>(recv.data()));
+  }
+
+  template <transferable T>
+  [[nodiscard]] status all_gather_v(exec_type&, row_view<const T, Space> send,
+                                    row_view<T, Space> recv, std::span<const int> counts) {
+    auto s = rows_schedule("all_gather_v", send, recv, [&](int w) {
+      return schedule_builder::all_gather_v(rank_, size(), counts, detail::uz(send.rows()),
+                                            detail::uz(recv.rows()), w);
+    });
+    return run(collective::all_gather_v, s, call_info_of<T>(), send.data(), recv.data(),
+               pull<T>(recv.data()));
+  }
+
+  template <transferable T>
+  [[nodiscard]] status all_to_all_v(exec_type&, row_view<const T, Space> send,
+                                    std::span<const int> send_counts, row_view<T, Space> recv,
+                                    std::span<const int> recv_counts) {
+    auto s = rows_schedule("all_to_all_v", send, recv, [&](int w) {
+      return schedule_builder::all_to_all_v(rank_, size(), send_counts, recv_counts,
+                                            detail::uz(send.rows()), detail::uz(recv.rows()), w);
+    });
+    return run(collective::all_to_all_v, s, call_info_of<T>(), send.data(), recv.data(),
+               pull<T>(recv.data()));
+  }
+
+  template <reducible T>
+  [[nodiscard]] status reduce_scatter_v(exec_type&, row_view<const T, Space> send,
+                                        std::span<const int> counts, row_view<T, Space> recv,
+                                        reduce_op op) {
+    auto s = rows_schedule("reduce_scatter_v", send, recv, [&](int w) {
+      return schedule_builder::reduce_scatter_v(rank_, size(), counts, detail::uz(send.rows()),
+                                                detail::uz(recv.rows()), w);
+    });
+    T* out = recv.data();
+    return run(collective::reduce_scatter_v, s, call_info_of<T>(static_cast<int>(op)), send.data(),
+               out, [&](const std::vector<detail::tw_slot>& slots) {
+                 const auto me = rank_;
+                 const std::int64_t n = slots[static_cast<std::size_t>(me)].sched.result_count();
+                 // Peer p's chunk for me starts at p's own send offset for me.
+                 auto chunk = [&](std::size_t p) {
+                   return static_cast<const T*>(slots[p].send) + slots[p].sched.send_offset(me);
+                 };
+                 for (std::int64_t i = 0; i < n; ++i) {
+                   auto acc = detail::widen(chunk(0)[i]);
+                   for (std::size_t p = 1; p < slots.size(); ++p)
+                     acc = combine(acc, detail::widen(chunk(p)[i]), op);
+                   out[i] = detail::narrow<T>(acc);
+                 }
+               });
+  }
+
+  template <transferable T>
+  [[nodiscard]] status broadcast(exec_type&, row_view<T, Space> buf, int root) {
+    return broadcast(flat(buf), root);
+  }
+
+  [[nodiscard]] status barrier(exec_type&) { return barrier(); }
+
   //! Ranks with the same color form a new communicator, ordered by (key, rank). Collective. A rank
   //! passing split_no_color takes part and gets errc::rank_out_of_range back.
-  [[nodiscard]] expected<thread_communicator> split(int color, int key) {
+  [[nodiscard]] expected<basic_thread_communicator> split(int color, int key) {
     if (color < 0 && color != split_no_color)
       return fail_local(
           collective::split,
@@ -215,7 +290,8 @@ class thread_communicator {
       return make_error(errc::rank_out_of_range,
                         "split: rank " + std::to_string(rank_) +
                             " passed split_no_color and joins no new communicator");
-    return thread_communicator(std::move(sub), st_->split_rank[static_cast<std::size_t>(rank_)]);
+    return basic_thread_communicator(std::move(sub),
+                                     st_->split_rank[static_cast<std::size_t>(rank_)]);
   }
 
   //! For backends built on this rendezvous (the device loopback): one collective of schedule `s`
@@ -232,10 +308,28 @@ class thread_communicator {
   }
 
   //! Used by run_thread_world and split; not for users.
-  thread_communicator(std::shared_ptr<detail::tw_state> st, int rank)
+  basic_thread_communicator(std::shared_ptr<detail::tw_state> st, int rank)
       : st_(std::move(st)), rank_(rank) {}
 
  private:
+  template <moefold::memory_space>
+  friend class basic_thread_communicator;
+
+  // A contiguous view as the span of its elements (the thread world reads every space alike).
+  template <class T>
+  static std::span<T> flat(const row_view<T, Space>& v) noexcept {
+    return {v.data(), static_cast<std::size_t>(v.contiguous() ? v.extent() : 0)};
+  }
+  // The schedule of a row-view collective, or the rank's rejected arguments.
+  template <class U, class T, class Build>
+  static expected<collective_schedule> rows_schedule(const char* op, const row_view<U, Space>& send,
+                                                     const row_view<T, Space>& recv,
+                                                     Build&& build) {
+    if (auto ok = detail::check_row_views(op, send, recv); !ok)
+      return unexpected<error>(ok.error());
+    return build(detail::row_width(send, recv));
+  }
+
   template <class A>
   static A combine(A a, A b, reduce_op op) {
     if (op == reduce_op::sum) return static_cast<A>(a + b);
@@ -261,7 +355,7 @@ class thread_communicator {
 
   // A locally rejected call that has not got as far as a schedule: still posted, so that peers
   // fail at once instead of waiting for the timeout.
-  expected<thread_communicator> fail_local(collective op, const unexpected<error>& e) {
+  expected<basic_thread_communicator> fail_local(collective op, const unexpected<error>& e) {
     auto st = post_rejected(op, e.error());
     return unexpected<error>(st.error());
   }
@@ -477,6 +571,8 @@ class thread_communicator {
 };
 
 static_assert(splittable_communicator<thread_communicator>);
+static_assert(communicator_for<thread_communicator, host_exec>);
+static_assert(communicator_for<thread_device_communicator, cpu_exec>);
 
 //! Runs fn(thread_communicator& world) on n threads (ranks 0..n-1) and returns each rank's status.
 //! fn may return void or status. An exception thrown by fn becomes that rank's error

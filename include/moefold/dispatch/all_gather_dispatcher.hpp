@@ -12,6 +12,8 @@
 
 #include "../comm/communicator.hpp"
 #include "../core/expected.hpp"
+#include "../core/host_exec.hpp"
+#include "../core/row_view.hpp"
 #include "../core/workspace.hpp"
 #include "dispatch_args.hpp"
 #include "dispatch_handle.hpp"
@@ -19,10 +21,19 @@
 
 namespace moefold {
 
-template <class T, communicator Comm>
+//! The AllGather dispatcher for element type T over communicators of type Comm, run on execution
+//! context Exec: Comm's memory space must be Exec's (communicator_for).
+template <class T, class Comm, class Exec = host_exec>
+requires communicator_for<Comm, Exec, T> && communicator_for<Comm, Exec, int>
 class all_gather_dispatcher {
+  // As in all_to_all_dispatcher: the device contexts get the row operations next.
+  static_assert(host_accessible_v<typename Exec::memory_space>,
+                "all_gather_dispatcher: the device path (cpu_exec, cuda_exec) is not built yet");
+
  public:
   using value_type = T;
+  using exec_type = Exec;
+  using space = typename Exec::memory_space;
   using handle_type = dispatch_handle<all_gather_dispatcher>;
   //! What the handle keeps: the token count of every tp-ep rank (in tp-ep rank order).
   struct state {
@@ -50,7 +61,7 @@ class all_gather_dispatcher {
   }
 
   //! Forward dispatch: gather the group's tokens, keep the rows of this rank's experts.
-  [[nodiscard]] expected<handle_type> dispatch(const dispatch_input<T>& in,
+  [[nodiscard]] expected<handle_type> dispatch(Exec& x, const dispatch_input<T>& in,
                                                const dispatch_groups<Comm>& g,
                                                std::span<std::byte> workspace) {
     using detail::to_decimal;
@@ -72,7 +83,9 @@ class all_gather_dispatcher {
     //    capacity mismatch fails every rank alike), then tokens, routing and probabilities.
     const int n = in.num_tokens;
     const int header[2] = {n, in.capacity};
-    if (auto st = g.tp_ep.template all_gather<int>(std::span<const int>(header, 2), b.header); !st)
+    if (auto st = g.tp_ep.all_gather(x, row_view<const int, space>(header, 1, 2),
+                                     rows_of(std::span<int>(b.header), 2));
+        !st)
       return unexpected<error>(st.error());
     long long total = 0;
     for (std::size_t q = 0; q < b.tokens.size(); ++q) {
@@ -97,12 +110,16 @@ class all_gather_dispatcher {
     auto xg = b.rows_a.first(G * H);
     auto eg = b.experts.first(G * K);
     auto pg = b.probs_a.first(G * K);
-    if (auto st = g.tp_ep.template all_gather_v<T>(in.x, xg, elements(b.tokens, s_.hidden)); !st)
-      return unexpected<error>(st.error());
-    if (auto st = g.tp_ep.template all_gather_v<int>(in.expert, eg, elements(b.tokens, s_.topk));
+    const std::span<const int> tokens = b.tokens;  // rows per tp-ep rank
+    if (auto st = g.tp_ep.all_gather_v(x, rows_of(in.x, s_.hidden), rows_of(xg, s_.hidden), tokens);
         !st)
       return unexpected<error>(st.error());
-    if (auto st = g.tp_ep.template all_gather_v<T>(in.probs, pg, elements(b.tokens, s_.topk)); !st)
+    if (auto st =
+            g.tp_ep.all_gather_v(x, rows_of(in.expert, s_.topk), rows_of(eg, s_.topk), tokens);
+        !st)
+      return unexpected<error>(st.error());
+    if (auto st = g.tp_ep.all_gather_v(x, rows_of(in.probs, s_.topk), rows_of(pg, s_.topk), tokens);
+        !st)
       return unexpected<error>(st.error());
     const long long sent = static_cast<long long>(n) * peers;
     h.volume_.dispatch_agv = {
@@ -157,16 +174,17 @@ class all_gather_dispatcher {
   }
 
   //! Forward combine: y [M, H] -> out [N, H].
-  [[nodiscard]] status combine(handle_type& h, std::span<const T> y, const dispatch_groups<Comm>& g,
-                               std::span<T> out) {
+  [[nodiscard]] status combine(Exec& x, handle_type& h, std::span<const T> y,
+                               const dispatch_groups<Comm>& g, std::span<T> out) {
     if (auto st = check_handle(h, g); !st) return st;
     const auto H = uz(s_.hidden), G = uz(h.st_.gathered);
     if (y.size() != uz(h.num_rows()) * H || out.size() != uz(h.num_tokens()) * H)
       return make_error(errc::shape_mismatch, "combine: y must be [M, H] and out [N, H]");
     auto u = bufs_.rows_b.first(G * H);  // zeros for tokens without a local expert
     if (auto st = unpermute<T>(h.plan_, y, s_.hidden, {}, u); !st) return st;
-    if (auto st = g.tp_ep.template reduce_scatter_v<T>(
-            std::span<const T>(u), elements(h.st_.tokens, s_.hidden), out, reduce_op::sum);
+    if (auto st = g.tp_ep.reduce_scatter_v(x, rows_of(std::span<const T>(u), s_.hidden),
+                                           std::span<const int>(h.st_.tokens),
+                                           rows_of(out, s_.hidden), reduce_op::sum);
         !st)
       return st;
     const long long rows = static_cast<long long>(G) - h.num_tokens();
@@ -175,21 +193,22 @@ class all_gather_dispatcher {
   }
 
   //! Backward of combine: dout [N, H] -> dy [M, H].
-  [[nodiscard]] status combine_backward(const handle_type& h, std::span<const T> dout,
+  [[nodiscard]] status combine_backward(Exec& x, const handle_type& h, std::span<const T> dout,
                                         const dispatch_groups<Comm>& g, std::span<T> dy) {
     if (auto st = check_handle(h, g); !st) return st;
     const auto H = uz(s_.hidden), G = uz(h.st_.gathered);
     if (dout.size() != uz(h.num_tokens()) * H || dy.size() != uz(h.num_rows()) * H)
       return make_error(errc::shape_mismatch, "combine_backward: dout [N, H], dy [M, H]");
     auto gu = bufs_.rows_b.first(G * H);  // ReduceScatter backward = AllGather
-    if (auto st = g.tp_ep.template all_gather_v<T>(dout, gu, elements(h.st_.tokens, s_.hidden));
+    if (auto st = g.tp_ep.all_gather_v(x, rows_of(dout, s_.hidden), rows_of(gu, s_.hidden),
+                                       std::span<const int>(h.st_.tokens));
         !st)
       return st;
     return permute<T>(h.plan_, std::span<const T>(gu), s_.hidden, dy);  // un-permute backward
   }
 
   //! Backward of dispatch: dx_rows [M, H], dprob_rows [M] -> dx [N, H], dprobs [N*k].
-  [[nodiscard]] status dispatch_backward(const handle_type& h, std::span<const T> dx_rows,
+  [[nodiscard]] status dispatch_backward(Exec& x, const handle_type& h, std::span<const T> dx_rows,
                                          std::span<const T> dprob_rows,
                                          const dispatch_groups<Comm>& g, std::span<T> dx,
                                          std::span<T> dprobs) {
@@ -204,8 +223,9 @@ class all_gather_dispatcher {
     // group, which adds the experts of the other EP ranks and the partials of the ETP peers.
     auto gx = bufs_.rows_b.first(G * H);
     if (auto st = unpermute<T>(h.plan_, dx_rows, s_.hidden, {}, gx); !st) return st;
-    if (auto st = g.tp_ep.template reduce_scatter_v<T>(
-            std::span<const T>(gx), elements(h.st_.tokens, s_.hidden), dx, reduce_op::sum);
+    if (auto st = g.tp_ep.reduce_scatter_v(x, rows_of(std::span<const T>(gx), s_.hidden),
+                                           std::span<const int>(h.st_.tokens),
+                                           rows_of(dx, s_.hidden), reduce_op::sum);
         !st)
       return st;
     auto gp = bufs_.probs_a.first(G * K);
@@ -213,14 +233,41 @@ class all_gather_dispatcher {
       const int r = h.plan_.slot_row()[s];
       gp[s] = r < 0 ? T(0) : dprob_rows[uz(r)];
     }
-    return g.tp_ep.template reduce_scatter_v<T>(
-        std::span<const T>(gp), elements(h.st_.tokens, s_.topk), dprobs, reduce_op::sum);
+    return g.tp_ep.reduce_scatter_v(x, rows_of(std::span<const T>(gp), s_.topk),
+                                    std::span<const int>(h.st_.tokens), rows_of(dprobs, s_.topk),
+                                    reduce_op::sum);
+  }
+
+  // The same on a default-constructed context (host_exec: nothing to carry).
+  [[nodiscard]] expected<handle_type> dispatch(
+      const dispatch_input<T>& in, const dispatch_groups<Comm>& g,
+      std::span<std::byte> workspace) requires std::default_initializable<Exec> {
+    Exec x{};
+    return dispatch(x, in, g, workspace);
+  }
+  [[nodiscard]] status combine(handle_type& h, std::span<const T> y, const dispatch_groups<Comm>& g,
+                               std::span<T> out) requires std::default_initializable<Exec> {
+    Exec x{};
+    return combine(x, h, y, g, out);
+  }
+  [[nodiscard]] status combine_backward(const handle_type& h, std::span<const T> dout,
+                                        const dispatch_groups<Comm>& g,
+                                        std::span<T> dy) requires std::default_initializable<Exec> {
+    Exec x{};
+    return combine_backward(x, h, dout, g, dy);
+  }
+  [[nodiscard]] status dispatch_backward(
+      const handle_type& h, std::span<const T> dx_rows, std::span<const T> dprob_rows,
+      const dispatch_groups<Comm>& g, std::span<T> dx,
+      std::span<T> dprobs) requires std::default_initializable<Exec> {
+    Exec x{};
+    return dispatch_backward(x, h, dx_rows, dprob_rows, g, dx, dprobs);
   }
 
  private:
   struct buffers {
     std::span<std::byte> plan;
-    std::span<int> header, tokens, counts, per_expert, expert_counts, experts, local_experts;
+    std::span<int> header, tokens, per_expert, expert_counts, experts, local_experts;
     std::span<T> rows_a, rows_b, probs_a, batch_x, batch_probs;
   };
 
@@ -240,7 +287,6 @@ class all_gather_dispatcher {
     b.plan = c.take<std::byte>(permute_plan::workspace_bytes(pa));
     b.header = c.take<int>(2 * P);
     b.tokens = c.take<int>(P);
-    b.counts = c.take<int>(P);
     b.per_expert = c.take<int>(L);
     b.expert_counts = c.take<int>(uz(s_.num_experts));
     b.experts = c.take<int>(G * K);
@@ -253,10 +299,11 @@ class all_gather_dispatcher {
     return b;
   }
 
-  // Per-rank element counts of a gather over tp-ep: tokens[i] * width.
-  std::span<const int> elements(std::span<const int> tokens, int width) {
-    for (std::size_t i = 0; i < tokens.size(); ++i) bufs_.counts[i] = tokens[i] * width;
-    return bufs_.counts.first(tokens.size());
+  // [v.size() / width, width] in this dispatcher's space.
+  template <class U>
+  static row_view<U, space> rows_of(std::span<U> v, int width) noexcept {
+    return row_view<U, space>(v.data(), width > 0 ? static_cast<int>(v.size() / uz(width)) : 0,
+                              width);
   }
 
   status check_handle(const handle_type& h, const dispatch_groups<Comm>& g) const {

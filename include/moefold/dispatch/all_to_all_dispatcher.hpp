@@ -16,6 +16,8 @@
 
 #include "../comm/communicator.hpp"
 #include "../core/expected.hpp"
+#include "../core/host_exec.hpp"
+#include "../core/row_view.hpp"
 #include "../core/workspace.hpp"
 #include "../experts/expert_fn.hpp"
 #include "chunk_sort.hpp"
@@ -26,11 +28,20 @@
 
 namespace moefold {
 
-//! The All-to-All dispatcher for element type T over communicators of type Comm.
-template <class T, communicator Comm>
+//! The All-to-All dispatcher for element type T over communicators of type Comm, run on
+//! execution context Exec: Comm's memory space must be Exec's (communicator_for).
+template <class T, class Comm, class Exec = host_exec>
+requires communicator_for<Comm, Exec, T> && communicator_for<Comm, Exec, int>
 class all_to_all_dispatcher {
+  // The dispatcher's bookkeeping and row movement are host loops today; the device contexts get
+  // them as context operations (permute, gather, copy chunks), then this file serves both.
+  static_assert(host_accessible_v<typename Exec::memory_space>,
+                "all_to_all_dispatcher: the device path (cpu_exec, cuda_exec) is not built yet");
+
  public:
   using value_type = T;
+  using exec_type = Exec;
+  using space = typename Exec::memory_space;
   using handle_type = dispatch_handle<all_to_all_dispatcher>;
   //! What the handle keeps for combine and the backward: splits and the chunk order.
   struct state {
@@ -57,7 +68,7 @@ class all_to_all_dispatcher {
   }
 
   //! Forward dispatch: after it, handle.batch() is what the local experts compute.
-  [[nodiscard]] expected<handle_type> dispatch(const dispatch_input<T>& in,
+  [[nodiscard]] expected<handle_type> dispatch(Exec& x, const dispatch_input<T>& in,
                                                const dispatch_groups<Comm>& g,
                                                std::span<std::byte> workspace) {
     using detail::to_decimal;
@@ -88,7 +99,9 @@ class all_to_all_dispatcher {
     if (!plan) return unexpected<error>(plan.error());
     h.plan_ = *plan;
     if (!pad) {
-      if (auto st = g.tp_ep.template all_gather<int>(h.plan_.counts(), b.gathered); !st)
+      if (auto st = g.tp_ep.all_gather(x, rows_of(h.plan_.counts(), s_.num_experts),
+                                       rows_of(std::span<int>(b.gathered), s_.num_experts));
+          !st)
         return unexpected<error>(st.error());
       h.volume_.count_gather = volume(s_.num_experts * (s_.ep * s_.etp - 1), sizeof(int), 1);
     }
@@ -136,10 +149,9 @@ class all_to_all_dispatcher {
     // 4. All-to-All-V over EP.                       -> [m_a2a, H] ordered (j, l, token)
     auto xr = b.rows_b.first(uz(m_a2a) * H);
     auto pr = b.probs_b.first(uz(m_a2a));
-    if (auto st = a2a(g.ep, xp, h.st_.input_splits, xr, h.st_.output_splits, s_.hidden); !st)
+    if (auto st = a2a(x, g.ep, xp, h.st_.input_splits, xr, h.st_.output_splits, s_.hidden); !st)
       return unexpected<error>(st.error());
-    if (auto st = a2a(g.ep, std::span<const T>(pp), h.st_.input_splits, pr, h.st_.output_splits, 1);
-        !st)
+    if (auto st = a2a(x, g.ep, pp, h.st_.input_splits, pr, h.st_.output_splits, 1); !st)
       return unexpected<error>(st.error());
     h.volume_.dispatch_a2a =
         volume(m_send - h.st_.input_splits[uz(g.ep.rank())], sizeof(T), s_.hidden + 1);
@@ -148,9 +160,9 @@ class all_to_all_dispatcher {
     if (s_.etp > 1) {
       xg = b.rows_a.first(uz(m_all) * H);
       pg = b.probs_a.first(uz(m_all));
-      if (auto st = agv(g.etp, std::span<const T>(xr), xg, h.st_.output_splits_tp, s_.hidden); !st)
+      if (auto st = agv(x, g.etp, xr, xg, h.st_.output_splits_tp, s_.hidden); !st)
         return unexpected<error>(st.error());
-      if (auto st = agv(g.etp, std::span<const T>(pr), pg, h.st_.output_splits_tp, 1); !st)
+      if (auto st = agv(x, g.etp, pr, pg, h.st_.output_splits_tp, 1); !st)
         return unexpected<error>(st.error());
       h.volume_.dispatch_agv =
           volume(static_cast<long long>(m_a2a) * (s_.etp - 1), sizeof(T), s_.hidden + 1);
@@ -167,8 +179,8 @@ class all_to_all_dispatcher {
 
   //! Forward combine: y [M, H] (the experts' outputs for handle.batch(), ETP partials) ->
   //! out [N, H]. Probabilities were applied inside the experts.
-  [[nodiscard]] status combine(handle_type& h, std::span<const T> y, const dispatch_groups<Comm>& g,
-                               std::span<T> out) {
+  [[nodiscard]] status combine(Exec& x, handle_type& h, std::span<const T> y,
+                               const dispatch_groups<Comm>& g, std::span<T> out) {
     if (auto st = check_handle(h, g); !st) return st;
     const auto H = uz(s_.hidden);
     if (y.size() != uz(h.num_rows()) * H || out.size() != uz(h.num_tokens()) * H)
@@ -182,15 +194,12 @@ class all_to_all_dispatcher {
     std::span<T> yr = yu;
     if (s_.etp > 1) {
       yr = bufs_.rows_b.first(uz(m_a2a) * H);
-      if (auto st = rsv(g.etp, std::span<const T>(yu), yr, h.st_.output_splits_tp, s_.hidden); !st)
-        return st;
+      if (auto st = rsv(x, g.etp, yu, yr, h.st_.output_splits_tp, s_.hidden); !st) return st;
       h.volume_.combine_rsv = volume(m_all - m_a2a, sizeof(T), s_.hidden);
     }
     // All-to-All-V back over EP.
     auto yc = bufs_.rows_c.first(uz(m_send) * H);
-    if (auto st = a2a(g.ep, std::span<const T>(yr), h.st_.output_splits, yc, h.st_.input_splits,
-                      s_.hidden);
-        !st)
+    if (auto st = a2a(x, g.ep, yr, h.st_.output_splits, yc, h.st_.input_splits, s_.hidden); !st)
       return st;
     h.volume_.combine_a2a =
         volume(m_a2a - h.st_.output_splits[uz(g.ep.rank())], sizeof(T), s_.hidden);
@@ -199,7 +208,7 @@ class all_to_all_dispatcher {
   }
 
   //! Backward of combine: dout [N, H] -> dy [M, H] (the experts' output gradient, batch order).
-  [[nodiscard]] status combine_backward(const handle_type& h, std::span<const T> dout,
+  [[nodiscard]] status combine_backward(Exec& x, const handle_type& h, std::span<const T> dout,
                                         const dispatch_groups<Comm>& g, std::span<T> dy) {
     if (auto st = check_handle(h, g); !st) return st;
     const auto H = uz(s_.hidden);
@@ -209,22 +218,19 @@ class all_to_all_dispatcher {
     auto gc = bufs_.rows_c.first(uz(m_send) * H);  // un-permute backward = permute
     if (auto st = permute<T>(h.plan_, dout, s_.hidden, gc); !st) return st;
     auto gr = bufs_.rows_b.first(uz(m_a2a) * H);  // All-to-All backward: swap the splits
-    if (auto st = a2a(g.ep, std::span<const T>(gc), h.st_.input_splits, gr, h.st_.output_splits,
-                      s_.hidden);
-        !st)
+    if (auto st = a2a(x, g.ep, gc, h.st_.input_splits, gr, h.st_.output_splits, s_.hidden); !st)
       return st;
     std::span<T> gu = gr;  // ReduceScatter backward = AllGather
     if (s_.etp > 1) {
       gu = bufs_.rows_a.first(uz(m_all) * H);
-      if (auto st = agv(g.etp, std::span<const T>(gr), gu, h.st_.output_splits_tp, s_.hidden); !st)
-        return st;
+      if (auto st = agv(x, g.etp, gr, gu, h.st_.output_splits_tp, s_.hidden); !st) return st;
     }
     return sort_chunks<T>(h.st_.chunk_counts, h.st_.order, std::span<const T>(gu), s_.hidden, dy);
   }
 
   //! Backward of dispatch: the experts' input and probability gradients (batch order, ETP
   //! partials) -> dx [N, H] and dprobs [N*k] (0 for dropped pairs).
-  [[nodiscard]] status dispatch_backward(const handle_type& h, std::span<const T> dx_rows,
+  [[nodiscard]] status dispatch_backward(Exec& x, const handle_type& h, std::span<const T> dx_rows,
                                          std::span<const T> dprob_rows,
                                          const dispatch_groups<Comm>& g, std::span<T> dx,
                                          std::span<T> dprobs) {
@@ -246,20 +252,14 @@ class all_to_all_dispatcher {
     if (s_.etp > 1) {
       rx = bufs_.rows_b.first(uz(m_a2a) * H);
       rp = bufs_.probs_b.first(uz(m_a2a));
-      if (auto st = rsv(g.etp, std::span<const T>(gx), rx, h.st_.output_splits_tp, s_.hidden); !st)
-        return st;
-      if (auto st = rsv(g.etp, std::span<const T>(gp), rp, h.st_.output_splits_tp, 1); !st)
-        return st;
+      if (auto st = rsv(x, g.etp, gx, rx, h.st_.output_splits_tp, s_.hidden); !st) return st;
+      if (auto st = rsv(x, g.etp, gp, rp, h.st_.output_splits_tp, 1); !st) return st;
     }
     auto sx = bufs_.rows_c.first(uz(m_send) * H);  // All-to-All backward: swap the splits
     auto sp = bufs_.probs_c.first(uz(m_send));
-    if (auto st = a2a(g.ep, std::span<const T>(rx), h.st_.output_splits, sx, h.st_.input_splits,
-                      s_.hidden);
-        !st)
+    if (auto st = a2a(x, g.ep, rx, h.st_.output_splits, sx, h.st_.input_splits, s_.hidden); !st)
       return st;
-    if (auto st = a2a(g.ep, std::span<const T>(rp), h.st_.output_splits, sp, h.st_.input_splits, 1);
-        !st)
-      return st;
+    if (auto st = a2a(x, g.ep, rp, h.st_.output_splits, sp, h.st_.input_splits, 1); !st) return st;
     // Permute backward = un-permute without probs; the probs' permute backward is a gather.
     if (auto st = unpermute<T>(h.plan_, std::span<const T>(sx), s_.hidden, {}, dx); !st) return st;
     for (std::size_t s = 0; s < dprobs.size(); ++s) {
@@ -269,12 +269,37 @@ class all_to_all_dispatcher {
     return {};
   }
 
+  // The same on a default-constructed context (host_exec: nothing to carry).
+  [[nodiscard]] expected<handle_type> dispatch(
+      const dispatch_input<T>& in, const dispatch_groups<Comm>& g,
+      std::span<std::byte> workspace) requires std::default_initializable<Exec> {
+    Exec x{};
+    return dispatch(x, in, g, workspace);
+  }
+  [[nodiscard]] status combine(handle_type& h, std::span<const T> y, const dispatch_groups<Comm>& g,
+                               std::span<T> out) requires std::default_initializable<Exec> {
+    Exec x{};
+    return combine(x, h, y, g, out);
+  }
+  [[nodiscard]] status combine_backward(const handle_type& h, std::span<const T> dout,
+                                        const dispatch_groups<Comm>& g,
+                                        std::span<T> dy) requires std::default_initializable<Exec> {
+    Exec x{};
+    return combine_backward(x, h, dout, g, dy);
+  }
+  [[nodiscard]] status dispatch_backward(
+      const handle_type& h, std::span<const T> dx_rows, std::span<const T> dprob_rows,
+      const dispatch_groups<Comm>& g, std::span<T> dx,
+      std::span<T> dprobs) requires std::default_initializable<Exec> {
+    Exec x{};
+    return dispatch_backward(x, h, dx_rows, dprob_rows, g, dx, dprobs);
+  }
+
  private:
   struct buffers {
     std::span<std::byte> plan;
     std::span<int> gathered, input_splits, output_splits, output_splits_tp, per_expert,
         chunk_counts, order, sorted_sizes;
-    std::span<int> counts_send, counts_recv;  // per-peer element counts of one collective
     // Scratch rows and probs reused by every step, and the expert batch, which must survive
     // until the backward (the experts read it again there).
     std::span<T> rows_a, rows_b, rows_c, probs_a, probs_b, probs_c, batch_x, batch_probs;
@@ -326,8 +351,6 @@ class all_to_all_dispatcher {
     b.chunk_counts = c.take<int>(ETP * EP * L);
     b.order = c.take<int>(ETP * EP * L);
     b.sorted_sizes = c.take<int>(ETP * EP * L);
-    b.counts_send = c.take<int>(EP > ETP ? EP : ETP);
-    b.counts_recv = c.take<int>(EP > ETP ? EP : ETP);
     b.rows_a = c.take<T>(rows * H);
     b.rows_b = c.take<T>(rows * H);
     b.rows_c = c.take<T>(rows * H);
@@ -344,24 +367,24 @@ class all_to_all_dispatcher {
     return detail::check_dispatch_groups(s_, g);
   }
 
-  // Row-wise wrappers of the collectives: counts in rows, `width` elements per row.
-  static std::span<const int> elements(std::span<const int> rows, int width, std::span<int> out) {
-    for (std::size_t i = 0; i < rows.size(); ++i) out[i] = rows[i] * width;
-    return out.first(rows.size());
+  // The collectives on row views: counts in rows of `width` elements (the communicator does the
+  // 64-bit element arithmetic).
+  template <class U>
+  static row_view<U, space> rows_of(std::span<U> v, int width) noexcept {
+    return row_view<U, space>(v.data(), width > 0 ? static_cast<int>(v.size() / uz(width)) : 0,
+                              width);
   }
-  status a2a(Comm& c, std::span<const T> send, std::span<const int> send_rows, std::span<T> recv,
-             std::span<const int> recv_rows, int width) {
-    return c.template all_to_all_v<T>(send, elements(send_rows, width, bufs_.counts_send), recv,
-                                      elements(recv_rows, width, bufs_.counts_recv));
+  static status a2a(Exec& x, Comm& c, std::span<const T> send, std::span<const int> send_rows,
+                    std::span<T> recv, std::span<const int> recv_rows, int width) {
+    return c.all_to_all_v(x, rows_of(send, width), send_rows, rows_of(recv, width), recv_rows);
   }
-  status agv(Comm& c, std::span<const T> send, std::span<T> recv, std::span<const int> rows,
-             int width) {
-    return c.template all_gather_v<T>(send, recv, elements(rows, width, bufs_.counts_send));
+  static status agv(Exec& x, Comm& c, std::span<const T> send, std::span<T> recv,
+                    std::span<const int> rows, int width) {
+    return c.all_gather_v(x, rows_of(send, width), rows_of(recv, width), rows);
   }
-  status rsv(Comm& c, std::span<const T> send, std::span<T> recv, std::span<const int> rows,
-             int width) {
-    return c.template reduce_scatter_v<T>(send, elements(rows, width, bufs_.counts_send), recv,
-                                          reduce_op::sum);
+  static status rsv(Exec& x, Comm& c, std::span<const T> send, std::span<T> recv,
+                    std::span<const int> rows, int width) {
+    return c.reduce_scatter_v(x, rows_of(send, width), rows, rows_of(recv, width), reduce_op::sum);
   }
 
   dispatch_shape s_{};

@@ -91,7 +91,8 @@ inline constexpr group_kind shared_expert_gradient_group = group_kind::dp_cp;
 inline constexpr group_kind shared_gate_gradient_group = group_kind::tp_dp_cp;
 
 template <class T, communicator Comm, class Policy, class Dispatcher, class Experts>
-requires expert_fn<Experts, T> && drop_policy<Policy, T, Comm>
+requires expert_fn<Experts, T> && drop_policy<Policy, T, Comm> &&
+    communicator_for<Comm, typename Dispatcher::exec_type, T>
 class moe_layer {
  public:
   [[nodiscard]] static expected<moe_layer> make(const moe_layer_options& o, Policy policy,

@@ -28,13 +28,16 @@
 #include <utility>
 #include <vector>
 
+#include "../../core/cuda/cuda_check.hpp"
+#include "../../core/cuda/cuda_exec.hpp"
 #include "../../core/expected.hpp"
+#include "../../core/row_view.hpp"
 #include "../communicator.hpp"
 #include "../dtype.hpp"
 #include "../schedule.hpp"
+#include "../span_collectives.hpp"
 #include "../thread_world.hpp"
 #include "cuda_types.hpp"
-#include "nccl_communicator.hpp"  // detail::cuda_check
 
 namespace moefold {
 
@@ -88,9 +91,14 @@ struct loopback_events {
 }  // namespace detail
 
 //! One rank of a loopback world. Buffers are device memory of the world's GPU, counts host
-//! values; collectives enqueue on stream(). Move-only.
-class loopback_communicator {
+//! values; the row-view collectives enqueue on the context's stream, the span forms on stream()
+//! (this rank's). Move-only.
+class loopback_communicator : public span_collectives<loopback_communicator, device_space> {
+  using spans = span_collectives<loopback_communicator, device_space>;
+
  public:
+  using memory_space = device_space;
+
   loopback_communicator(thread_communicator tc, std::shared_ptr<detail::loopback_stream> stream,
                         std::shared_ptr<detail::loopback_events> ev,
                         std::chrono::milliseconds timeout)
@@ -100,104 +108,98 @@ class loopback_communicator {
   [[nodiscard]] int size() const noexcept { return tc_.size(); }
   [[nodiscard]] cudaStream_t stream() const noexcept { return stream_->s; }
 
+  //! The context of the span forms: this rank's stream.
+  [[nodiscard]] cuda_exec default_exec() const noexcept { return cuda_exec(stream()); }
+
+  using spans::all_gather;
+  using spans::all_gather_v;
+  using spans::all_to_all_v;
+  using spans::reduce_scatter_v;
+
   template <reducible T>
   [[nodiscard]] status all_reduce(std::span<T> buf, reduce_op op) {
-    using D = device_type_t<T>;
-    auto s = reducing(schedule_builder::all_reduce(rank(), size(), buf.size()));
-    D* tmp = nullptr;
-    const auto n = buf.size();
-    auto st = run(
-        collective::all_reduce, s, call_info_of<T>(static_cast<int>(op)), buf.data(), buf.data(),
-        [&](const std::vector<detail::tw_slot>& slots, status& err) {
-          if (n == 0) return;
-          keep(err, cuda_check(cudaMallocAsync(&tmp, n * sizeof(D), stream()), "cudaMallocAsync"));
-          if (!err) return;
-          kernels::reduce_sources<D> in{};
-          for (std::size_t p = 0; p < slots.size(); ++p)
-            in.src[p] = static_cast<const D*>(slots[p].send);
-          keep(err, cuda_check(
-                        kernels::launch_reduce_sources<D>(in, size(), static_cast<std::int64_t>(n),
-                                                          tmp, op == reduce_op::max, stream()),
-                        "reduce_sources_kernel"));
-        });
-    // After every peer has read this buffer: write the result into it.
-    if (tmp) {
-      if (st)
-        keep(st, cuda_check(cudaMemcpyAsync(buf.data(), tmp, n * sizeof(D),
-                                            cudaMemcpyDeviceToDevice, stream()),
-                            "cudaMemcpyAsync"));
-      keep(st, cuda_check(cudaFreeAsync(tmp, stream()), "cudaFreeAsync"));
-    }
-    return st;
+    return all_reduce_on(buf, op, stream());
+  }
+  template <transferable T>
+  [[nodiscard]] status broadcast(std::span<T> buf, int root) {
+    return broadcast_on(buf, root, stream());
+  }
+
+  // --- row views on the context's stream (counts in rows) -------------------------------------
+
+  template <reducible T>
+  [[nodiscard]] status all_reduce(cuda_exec& x, row_view<T, device_space> buf, reduce_op op) {
+    return all_reduce_on(flat(buf), op, x.stream());
+  }
+  template <transferable T>
+  [[nodiscard]] status broadcast(cuda_exec& x, row_view<T, device_space> buf, int root) {
+    return broadcast_on(flat(buf), root, x.stream());
+  }
+  [[nodiscard]] status barrier(cuda_exec& x) { return barrier_on(x.stream()); }
+
+  template <transferable T>
+  [[nodiscard]] status all_gather(cuda_exec& x, row_view<const T, device_space> send,
+                                  row_view<T, device_space> recv) {
+    auto s = rows_schedule("all_gather", send, recv, [&](int w) {
+      return schedule_builder::all_gather(rank(), size(), detail::uz(send.rows()),
+                                          detail::uz(recv.rows()), w);
+    });
+    return run(collective::all_gather, s, call_info_of<T>(), send.data(), recv.data(), x.stream(),
+               pull<T>(recv.data(), x.stream()));
   }
 
   template <transferable T>
-  [[nodiscard]] status all_gather(std::span<const std::type_identity_t<T>> send,
-                                  std::span<T> recv) {
-    auto s = schedule_builder::all_gather(rank(), size(), send.size(), recv.size());
-    return run(collective::all_gather, s, call_info_of<T>(), send.data(), recv.data(),
-               pull<T>(recv.data()));
+  [[nodiscard]] status all_gather_v(cuda_exec& x, row_view<const T, device_space> send,
+                                    row_view<T, device_space> recv, std::span<const int> counts) {
+    auto s = rows_schedule("all_gather_v", send, recv, [&](int w) {
+      return schedule_builder::all_gather_v(rank(), size(), counts, detail::uz(send.rows()),
+                                            detail::uz(recv.rows()), w);
+    });
+    return run(collective::all_gather_v, s, call_info_of<T>(), send.data(), recv.data(), x.stream(),
+               pull<T>(recv.data(), x.stream()));
   }
 
   template <transferable T>
-  [[nodiscard]] status all_gather_v(std::span<const std::type_identity_t<T>> send,
-                                    std::span<T> recv, std::span<const int> counts) {
-    auto s = schedule_builder::all_gather_v(rank(), size(), counts, send.size(), recv.size());
-    return run(collective::all_gather_v, s, call_info_of<T>(), send.data(), recv.data(),
-               pull<T>(recv.data()));
-  }
-
-  template <transferable T>
-  [[nodiscard]] status all_to_all_v(std::span<const std::type_identity_t<T>> send,
-                                    std::span<const int> send_counts, std::span<T> recv,
+  [[nodiscard]] status all_to_all_v(cuda_exec& x, row_view<const T, device_space> send,
+                                    std::span<const int> send_counts,
+                                    row_view<T, device_space> recv,
                                     std::span<const int> recv_counts) {
-    auto s = schedule_builder::all_to_all_v(rank(), size(), send_counts, recv_counts, send.size(),
-                                            recv.size());
-    return run(collective::all_to_all_v, s, call_info_of<T>(), send.data(), recv.data(),
-               pull<T>(recv.data()));
+    auto s = rows_schedule("all_to_all_v", send, recv, [&](int w) {
+      return schedule_builder::all_to_all_v(rank(), size(), send_counts, recv_counts,
+                                            detail::uz(send.rows()), detail::uz(recv.rows()), w);
+    });
+    return run(collective::all_to_all_v, s, call_info_of<T>(), send.data(), recv.data(), x.stream(),
+               pull<T>(recv.data(), x.stream()));
   }
 
   template <reducible T>
-  [[nodiscard]] status reduce_scatter_v(std::span<const std::type_identity_t<T>> send,
-                                        std::span<const int> counts, std::span<T> recv,
+  [[nodiscard]] status reduce_scatter_v(cuda_exec& x, row_view<const T, device_space> send,
+                                        std::span<const int> counts, row_view<T, device_space> recv,
                                         reduce_op op) {
     using D = device_type_t<T>;
-    auto s = reducing(
-        schedule_builder::reduce_scatter_v(rank(), size(), counts, send.size(), recv.size()));
-    return run(collective::reduce_scatter_v, s, call_info_of<T>(static_cast<int>(op)), send.data(),
-               recv.data(), [&](const std::vector<detail::tw_slot>& slots, status& err) {
-                 const int me = rank();
-                 kernels::reduce_sources<D> in{};
-                 for (std::size_t p = 0; p < slots.size(); ++p)  // peer p's chunk for me
-                   in.src[p] =
-                       static_cast<const D*>(slots[p].send) + slots[p].sched.send_offset(me);
-                 const auto n = slots[static_cast<std::size_t>(me)].sched.result_count();
-                 keep(err, cuda_check(kernels::launch_reduce_sources<D>(
-                                          in, size(), n, reinterpret_cast<D*>(recv.data()),
-                                          op == reduce_op::max, stream()),
-                                      "reduce_sources_kernel"));
-               });
-  }
-
-  template <transferable T>
-  [[nodiscard]] status broadcast(std::span<T> buf, int root) {
-    auto s = schedule_builder::broadcast(rank(), size(), buf.size(), root);
+    const cudaStream_t cs = x.stream();
+    auto s = reducing(rows_schedule("reduce_scatter_v", send, recv, [&](int w) {
+      return schedule_builder::reduce_scatter_v(rank(), size(), counts, detail::uz(send.rows()),
+                                                detail::uz(recv.rows()), w);
+    }));
+    T* out = recv.data();
     return run(
-        collective::broadcast, s, call_info_of<T>(), buf.data(), buf.data(),
-        [&](const std::vector<detail::tw_slot>& slots, status& err) {
-          if (rank() == root || buf.empty()) return;
-          keep(err, cuda_check(
-                        cudaMemcpyAsync(buf.data(), slots[static_cast<std::size_t>(root)].send,
-                                        buf.size() * sizeof(T), cudaMemcpyDeviceToDevice, stream()),
-                        "cudaMemcpyAsync"));
+        collective::reduce_scatter_v, s, call_info_of<T>(static_cast<int>(op)), send.data(), out,
+        cs, [&](const std::vector<detail::tw_slot>& slots, status& err) {
+          const int me = rank();
+          kernels::reduce_sources<D> in{};
+          for (std::size_t p = 0; p < slots.size(); ++p)  // peer p's chunk for me
+            in.src[p] = static_cast<const D*>(slots[p].send) + slots[p].sched.send_offset(me);
+          const auto n = slots[static_cast<std::size_t>(me)].sched.result_count();
+          keep(err,
+               cuda_check(kernels::launch_reduce_sources<D>(
+                              in, size(), n, reinterpret_cast<D*>(out), op == reduce_op::max, cs),
+                          "reduce_sources_kernel"));
         });
   }
 
   //! Orders every rank's stream after every other's work so far (the host does not wait).
-  [[nodiscard]] status barrier() {
-    return run(collective::barrier, schedule_builder::barrier(rank(), size()), call_info{}, nullptr,
-               nullptr, [](const std::vector<detail::tw_slot>&, status&) {});
-  }
+  [[nodiscard]] status barrier() { return barrier_on(stream()); }
 
   //! Ranks of a color form a new loopback communicator on the same streams.
   [[nodiscard]] expected<loopback_communicator> split(int color, int key) {
@@ -227,6 +229,69 @@ class loopback_communicator {
   static status cuda_check(cudaError_t rc, const char* what) {
     return detail::cuda_check(rc, what);
   }
+
+  template <class T>
+  static std::span<T> flat(const row_view<T, device_space>& v) noexcept {
+    return {v.data(), static_cast<std::size_t>(v.contiguous() ? v.extent() : 0)};
+  }
+  template <class U, class T, class Build>
+  static expected<collective_schedule> rows_schedule(const char* op,
+                                                     const row_view<U, device_space>& send,
+                                                     const row_view<T, device_space>& recv,
+                                                     Build&& build) {
+    if (auto ok = detail::check_row_views(op, send, recv); !ok)
+      return unexpected<error>(ok.error());
+    return build(detail::row_width(send, recv));
+  }
+
+  template <class T>
+  status all_reduce_on(std::span<T> buf, reduce_op op, cudaStream_t cs) {
+    using D = device_type_t<T>;
+    auto s = reducing(schedule_builder::all_reduce(rank(), size(), buf.size()));
+    D* tmp = nullptr;
+    const auto n = buf.size();
+    auto st =
+        run(collective::all_reduce, s, call_info_of<T>(static_cast<int>(op)), buf.data(),
+            buf.data(), cs, [&](const std::vector<detail::tw_slot>& slots, status& err) {
+              if (n == 0) return;
+              keep(err, cuda_check(cudaMallocAsync(&tmp, n * sizeof(D), cs), "cudaMallocAsync"));
+              if (!err) return;
+              kernels::reduce_sources<D> in{};
+              for (std::size_t p = 0; p < slots.size(); ++p)
+                in.src[p] = static_cast<const D*>(slots[p].send);
+              keep(err, cuda_check(kernels::launch_reduce_sources<D>(in, size(),
+                                                                     static_cast<std::int64_t>(n),
+                                                                     tmp, op == reduce_op::max, cs),
+                                   "reduce_sources_kernel"));
+            });
+    // After every peer has read this buffer: write the result into it.
+    if (tmp) {
+      if (st)
+        keep(st, cuda_check(
+                     cudaMemcpyAsync(buf.data(), tmp, n * sizeof(D), cudaMemcpyDeviceToDevice, cs),
+                     "cudaMemcpyAsync"));
+      keep(st, cuda_check(cudaFreeAsync(tmp, cs), "cudaFreeAsync"));
+    }
+    return st;
+  }
+
+  template <class T>
+  status broadcast_on(std::span<T> buf, int root, cudaStream_t cs) {
+    auto s = schedule_builder::broadcast(rank(), size(), buf.size(), root);
+    return run(collective::broadcast, s, call_info_of<T>(), buf.data(), buf.data(), cs,
+               [&](const std::vector<detail::tw_slot>& slots, status& err) {
+                 if (rank() == root || buf.empty()) return;
+                 keep(err, cuda_check(cudaMemcpyAsync(
+                                          buf.data(), slots[static_cast<std::size_t>(root)].send,
+                                          buf.size() * sizeof(T), cudaMemcpyDeviceToDevice, cs),
+                                      "cudaMemcpyAsync"));
+               });
+  }
+
+  status barrier_on(cudaStream_t cs) {
+    return run(collective::barrier, schedule_builder::barrier(rank(), size()), call_info{}, nullptr,
+               nullptr, cs, [](const std::vector<detail::tw_slot>&, status&) {});
+  }
   // The first error wins.
   static void keep(status& into, const status& s) {
     if (into && !s) static_cast<void>(into = s);
@@ -244,8 +309,8 @@ class loopback_communicator {
   // The data phase of the gathers and all_to_all_v: copy what peer p sends me, from p's send
   // offset for me to my receive offset for p, on my stream.
   template <class T>
-  auto pull(T* recv) {
-    return [this, recv](const std::vector<detail::tw_slot>& slots, status& err) {
+  auto pull(T* recv, cudaStream_t cs) {
+    return [this, recv, cs](const std::vector<detail::tw_slot>& slots, status& err) {
       const auto& mine = slots[static_cast<std::size_t>(rank())].sched;
       for (int i = 0; i < mine.num_steps(); ++i) {
         const schedule_step st = mine.step(i);
@@ -254,7 +319,7 @@ class loopback_communicator {
         const T* src = static_cast<const T*>(peer.send) + peer.sched.send_offset(rank());
         keep(err, cuda_check(cudaMemcpyAsync(recv + st.recv_offset, src,
                                              static_cast<std::size_t>(st.recv_count) * sizeof(T),
-                                             cudaMemcpyDeviceToDevice, stream()),
+                                             cudaMemcpyDeviceToDevice, cs),
                              "cudaMemcpyAsync"));
       }
     };
@@ -264,9 +329,9 @@ class loopback_communicator {
   // record "done", and after the rendezvous make my stream wait for their "done".
   template <class F>
   status run(collective op, expected<collective_schedule> s, const call_info& info,
-             const void* send, void* recv, F&& data) {
+             const void* send, void* recv, cudaStream_t cs, F&& data) {
     if (s) {
-      if (auto ok = cuda_check(cudaEventRecord(ev_->ready, stream()), "cudaEventRecord"); !ok)
+      if (auto ok = cuda_check(cudaEventRecord(ev_->ready, cs), "cudaEventRecord"); !ok)
         static_cast<void>(s = unexpected<error>(ok.error()));  // take part: peers fail at once
     }
     std::vector<std::shared_ptr<detail::loopback_events>> peers;
@@ -276,16 +341,14 @@ class loopback_communicator {
           for (const auto& sl : slots)
             peers.push_back(*static_cast<const std::shared_ptr<detail::loopback_events>*>(sl.ext));
           for (const auto& p : peers)
-            keep(err,
-                 cuda_check(cudaStreamWaitEvent(stream(), p->ready, 0), "cudaStreamWaitEvent"));
+            keep(err, cuda_check(cudaStreamWaitEvent(cs, p->ready, 0), "cudaStreamWaitEvent"));
           data(slots, err);
-          keep(err, cuda_check(cudaEventRecord(ev_->done, stream()), "cudaEventRecord"));
+          keep(err, cuda_check(cudaEventRecord(ev_->done, cs), "cudaEventRecord"));
         });
     if (!st) return st;
     for (std::size_t p = 0; p < peers.size(); ++p)
       if (static_cast<int>(p) != rank())
-        keep(err,
-             cuda_check(cudaStreamWaitEvent(stream(), peers[p]->done, 0), "cudaStreamWaitEvent"));
+        keep(err, cuda_check(cudaStreamWaitEvent(cs, peers[p]->done, 0), "cudaStreamWaitEvent"));
     return err;
   }
 
@@ -296,6 +359,7 @@ class loopback_communicator {
 };
 
 static_assert(splittable_communicator<loopback_communicator>);
+static_assert(communicator_for<loopback_communicator, cuda_exec>);
 
 //! Runs fn(loopback_communicator&) for n ranks, each on its own host thread and its own stream
 //! of GPU `opt.device`, and returns each rank's status (as run_thread_world). Each rank's stream

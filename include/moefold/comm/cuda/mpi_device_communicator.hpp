@@ -10,6 +10,10 @@
 //! timeout, comm/mpi/mpi_communicator.hpp), and the outputs are copied back. The call returns when
 //! the outputs are in place (it synchronizes the stream; MPI collectives block the host anyway).
 //! Host and managed buffers go to MPI as they are.
+//!
+//! Its memory space is device_space: the row-view collectives take device row views and a
+//! cuda_exec, whose stream orders the copies (no pointer probing: the type says where the rows
+//! are). The span forms probe each pointer (cudaPointerGetAttributes) and order on stream().
 #pragma once
 
 #include <cuda_runtime.h>
@@ -25,12 +29,14 @@
 #include <utility>
 #include <vector>
 
+#include "../../core/cuda/cuda_check.hpp"
+#include "../../core/cuda/cuda_exec.hpp"
 #include "../../core/expected.hpp"
+#include "../../core/row_view.hpp"
 #include "../communicator.hpp"
 #include "../dtype.hpp"
 #include "../mpi/mpi_communicator.hpp"
 #include "cuda_types.hpp"
-#include "nccl_communicator.hpp"  // detail::cuda_check
 
 namespace moefold {
 
@@ -61,6 +67,8 @@ inline bool is_device_memory(const void* p) noexcept {
 //! One rank's MPI communicator for device (or host) buffers. Move-only.
 class mpi_device_communicator {
  public:
+  using memory_space = device_space;
+
   //! Wraps `comm` as mpi_communicator::wrap does; device work is ordered on `stream`.
   [[nodiscard]] static expected<mpi_device_communicator> wrap(MPI_Comm comm, mpi_options opt = {},
                                                               cudaStream_t stream = nullptr) {
@@ -80,7 +88,7 @@ class mpi_device_communicator {
 
   template <reducible T>
   [[nodiscard]] status all_reduce(std::span<T> buf, reduce_op op) {
-    return staged<T>(buf, buf, false, [&](std::span<const T>, std::span<T> out) {
+    return staged<T>(buf, buf, false, stream_, false, [&](std::span<const T>, std::span<T> out) {
       return host_.all_reduce<T>(out, op);
     });
   }
@@ -88,45 +96,119 @@ class mpi_device_communicator {
   template <transferable T>
   [[nodiscard]] status all_gather(std::span<const std::type_identity_t<T>> send,
                                   std::span<T> recv) {
-    return staged<T>(send, recv, true, [&](std::span<const T> in, std::span<T> out) {
-      return host_.all_gather<T>(in, out);
-    });
+    return staged<T>(
+        send, recv, true, stream_, false,
+        [&](std::span<const T> in, std::span<T> out) { return host_.all_gather<T>(in, out); });
   }
 
   template <transferable T>
   [[nodiscard]] status all_gather_v(std::span<const std::type_identity_t<T>> send,
                                     std::span<T> recv, std::span<const int> counts) {
-    return staged<T>(send, recv, true, [&](std::span<const T> in, std::span<T> out) {
-      return host_.all_gather_v<T>(in, out, counts);
-    });
+    return staged<T>(send, recv, true, stream_, false,
+                     [&](std::span<const T> in, std::span<T> out) {
+                       return host_.all_gather_v<T>(in, out, counts);
+                     });
   }
 
   template <transferable T>
   [[nodiscard]] status all_to_all_v(std::span<const std::type_identity_t<T>> send,
                                     std::span<const int> send_counts, std::span<T> recv,
                                     std::span<const int> recv_counts) {
-    return staged<T>(send, recv, true, [&](std::span<const T> in, std::span<T> out) {
-      return host_.all_to_all_v<T>(in, send_counts, out, recv_counts);
-    });
+    return staged<T>(send, recv, true, stream_, false,
+                     [&](std::span<const T> in, std::span<T> out) {
+                       return host_.all_to_all_v<T>(in, send_counts, out, recv_counts);
+                     });
   }
 
   template <reducible T>
   [[nodiscard]] status reduce_scatter_v(std::span<const std::type_identity_t<T>> send,
                                         std::span<const int> counts, std::span<T> recv,
                                         reduce_op op) {
-    return staged<T>(send, recv, false, [&](std::span<const T> in, std::span<T> out) {
-      return host_.reduce_scatter_v<T>(in, counts, out, op);
-    });
+    return staged<T>(send, recv, false, stream_, false,
+                     [&](std::span<const T> in, std::span<T> out) {
+                       return host_.reduce_scatter_v<T>(in, counts, out, op);
+                     });
   }
 
   template <transferable T>
   [[nodiscard]] status broadcast(std::span<T> buf, int root) {
-    return staged<T>(buf, buf, true, [&](std::span<const T>, std::span<T> out) {
+    return staged<T>(buf, buf, true, stream_, false, [&](std::span<const T>, std::span<T> out) {
       return host_.broadcast<T>(out, root);
     });
   }
 
   [[nodiscard]] status barrier() { return host_.barrier(); }
+
+  // --- row views in device memory, ordered on the context's stream ----------------------------
+
+  template <reducible T>
+  [[nodiscard]] status all_reduce(cuda_exec& x, row_view<T, device_space> buf, reduce_op op) {
+    auto b = flat(buf);
+    return staged<T>(b, b, false, x.stream(), true, [&](std::span<const T>, std::span<T> out) {
+      return host_.all_reduce<T>(out, op);
+    });
+  }
+
+  template <transferable T>
+  [[nodiscard]] status all_gather(cuda_exec& x, row_view<const T, device_space> send,
+                                  row_view<T, device_space> recv) {
+    const int w = detail::row_width(send, recv);
+    return staged<T>(flat(send), flat(recv), true, x.stream(), true,
+                     [&](std::span<const T> in, std::span<T> out) {
+                       host_exec h;
+                       return host_.all_gather(h, rows_of(in, send.rows(), w),
+                                               rows_of(out, recv.rows(), w));
+                     });
+  }
+
+  template <transferable T>
+  [[nodiscard]] status all_gather_v(cuda_exec& x, row_view<const T, device_space> send,
+                                    row_view<T, device_space> recv, std::span<const int> counts) {
+    const int w = detail::row_width(send, recv);
+    return staged<T>(flat(send), flat(recv), true, x.stream(), true,
+                     [&](std::span<const T> in, std::span<T> out) {
+                       host_exec h;
+                       return host_.all_gather_v(h, rows_of(in, send.rows(), w),
+                                                 rows_of(out, recv.rows(), w), counts);
+                     });
+  }
+
+  template <transferable T>
+  [[nodiscard]] status all_to_all_v(cuda_exec& x, row_view<const T, device_space> send,
+                                    std::span<const int> send_counts,
+                                    row_view<T, device_space> recv,
+                                    std::span<const int> recv_counts) {
+    const int w = detail::row_width(send, recv);
+    return staged<T>(flat(send), flat(recv), true, x.stream(), true,
+                     [&](std::span<const T> in, std::span<T> out) {
+                       host_exec h;
+                       return host_.all_to_all_v(h, rows_of(in, send.rows(), w), send_counts,
+                                                 rows_of(out, recv.rows(), w), recv_counts);
+                     });
+  }
+
+  template <reducible T>
+  [[nodiscard]] status reduce_scatter_v(cuda_exec& x, row_view<const T, device_space> send,
+                                        std::span<const int> counts, row_view<T, device_space> recv,
+                                        reduce_op op) {
+    const int w = detail::row_width(send, recv);
+    return staged<T>(flat(send), flat(recv), false, x.stream(), true,
+                     [&](std::span<const T> in, std::span<T> out) {
+                       host_exec h;
+                       return host_.reduce_scatter_v(h, rows_of(in, send.rows(), w), counts,
+                                                     rows_of(out, recv.rows(), w), op);
+                     });
+  }
+
+  template <transferable T>
+  [[nodiscard]] status broadcast(cuda_exec& x, row_view<T, device_space> buf, int root) {
+    auto b = flat(buf);
+    return staged<T>(b, b, true, x.stream(), true, [&](std::span<const T>, std::span<T> out) {
+      return host_.broadcast<T>(out, root);
+    });
+  }
+
+  [[nodiscard]] status barrier(cuda_exec&) { return host_.barrier(); }
 
   [[nodiscard]] expected<mpi_device_communicator> split(int color, int key) {
     auto sub = host_.split(color, key);
@@ -135,12 +217,27 @@ class mpi_device_communicator {
   }
 
  private:
+  // A contiguous device view as a span of its elements (the pointers go to MPI or cudaMemcpy).
+  template <class T>
+  static std::span<T> flat(const row_view<T, device_space>& v) noexcept {
+    return {v.data(), static_cast<std::size_t>(v.contiguous() ? v.extent() : 0)};
+  }
+  // Host rows over a staged (or CUDA-aware device) span; the row count is the view's.
+  template <class T>
+  static row_view<T> rows_of(std::span<T> s, int rows, int width) noexcept {
+    return row_view<T>(s.data(), width > 0 ? rows : 0, width);
+  }
+
   // Runs f on buffers MPI can use: the caller's when they are host memory (or device memory and
-  // `movable` on a CUDA-aware MPI), host copies otherwise. `out` may alias `in` (in place).
+  // `movable` on a CUDA-aware MPI), host copies otherwise; device work ordered on `stream_in`.
+  // `out` may alias `in` (in place). `device`: the buffers are known to be device memory (row
+  // views in device_space); otherwise each pointer is probed.
   template <class T, class F>
-  status staged(std::span<const T> in, std::span<T> out, bool movable, F&& f) {
-    const bool dev_in = detail::is_device_memory(in.data());
-    const bool dev_out = detail::is_device_memory(out.data());
+  status staged(std::span<const T> in, std::span<T> out, bool movable, cudaStream_t stream_in,
+                bool device, F&& f) {
+    const cudaStream_t stream_ = stream_in;
+    const bool dev_in = device || detail::is_device_memory(in.data());
+    const bool dev_out = device || detail::is_device_memory(out.data());
     if ((!dev_in && !dev_out) || (movable && cuda_aware_)) {
       if (dev_in || dev_out)  // MPI reads device memory now: the stream's producers first
         if (auto ok = detail::cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
@@ -152,10 +249,10 @@ class mpi_device_communicator {
         static_cast<const void*>(in.data()) == static_cast<const void*>(out.data());
     std::vector<T> h_in, h_out(out.size());
     if (dev_out && in_place) {
-      if (auto ok = to_host(h_out.data(), out.data(), out.size()); !ok) return ok;
+      if (auto ok = to_host(h_out.data(), out.data(), out.size(), stream_); !ok) return ok;
     } else if (dev_in) {
       h_in.resize(in.size());
-      if (auto ok = to_host(h_in.data(), in.data(), in.size()); !ok) return ok;
+      if (auto ok = to_host(h_in.data(), in.data(), in.size(), stream_); !ok) return ok;
     }
     if (auto ok = detail::cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); !ok)
       return ok;
@@ -175,10 +272,9 @@ class mpi_device_communicator {
   }
 
   template <class T>
-  status to_host(T* dst, const T* src, std::size_t n) {
-    return detail::cuda_check(
-        cudaMemcpyAsync(dst, src, n * sizeof(T), cudaMemcpyDeviceToHost, stream_),
-        "cudaMemcpyAsync");
+  static status to_host(T* dst, const T* src, std::size_t n, cudaStream_t s) {
+    return detail::cuda_check(cudaMemcpyAsync(dst, src, n * sizeof(T), cudaMemcpyDeviceToHost, s),
+                              "cudaMemcpyAsync");
   }
 
   mpi_communicator host_;
@@ -187,5 +283,6 @@ class mpi_device_communicator {
 };
 
 static_assert(splittable_communicator<mpi_device_communicator>);
+static_assert(communicator_for<mpi_device_communicator, cuda_exec>);
 
 }  // namespace moefold

@@ -43,10 +43,14 @@
 #include <utility>
 #include <vector>
 
+#include "../../core/cuda/cuda_check.hpp"
+#include "../../core/cuda/cuda_exec.hpp"
 #include "../../core/expected.hpp"
+#include "../../core/row_view.hpp"
 #include "../communicator.hpp"
 #include "../dtype.hpp"
 #include "../schedule.hpp"
+#include "../span_collectives.hpp"
 #include "cuda_types.hpp"
 
 namespace moefold {
@@ -55,7 +59,8 @@ namespace moefold {
 struct nccl_options {
   //! How long creation, split or synchronize() may wait for the peers.
   std::chrono::milliseconds timeout{60000};
-  //! The stream the concept's collectives enqueue on (the stream overloads take their own).
+  //! The stream the span forms without a stream enqueue on, fixed at creation (the row-view forms
+  //! take a cuda_exec, the stream overloads a stream).
   cudaStream_t stream = nullptr;
   //! A debugging aid for counts that disagree, which NCCL cannot detect (it hangs until the
   //! timeout, or moves garbage). Before every collective (and split) the ranks all-gather their
@@ -71,15 +76,6 @@ struct nccl_options {
 };
 
 namespace detail {
-
-inline status cuda_check(cudaError_t rc, const char* call) {
-  if (rc == cudaSuccess) return {};
-  error e{errc::backend_error,
-          std::string(call) + " failed: " + cudaGetErrorString(rc) + " (cudaError " +
-              std::to_string(static_cast<int>(rc)) + ")",
-          static_cast<int>(rc)};
-  return unexpected<error>(e);
-}
 
 inline status nccl_check(ncclResult_t rc, const char* call, ncclComm_t comm = nullptr) {
   if (rc == ncclSuccess || rc == ncclInProgress) return {};
@@ -237,8 +233,12 @@ struct nccl_unique_id {
 //! a cuBLAS handle and a device buffer for 16-bit sums (ones, then the [P, n] staging area,
 //! grown to the largest request), a device buffer for verify_counts' headers, and one CUDA event
 //! that orders every use of those buffers after the previous one, whatever stream each ran on.
-class nccl_communicator {
+class nccl_communicator : public span_collectives<nccl_communicator, device_space> {
+  using spans = span_collectives<nccl_communicator, device_space>;
+
  public:
+  using memory_space = device_space;
+
   //! Adopts a communicator the caller made and keeps owning (moefold never destroys it).
   [[nodiscard]] static expected<nccl_communicator> adopt(ncclComm_t comm, nccl_options opt = {}) {
     if (!comm)
@@ -321,34 +321,18 @@ class nccl_communicator {
   [[nodiscard]] bool broken() const noexcept { return broken_; }
   [[nodiscard]] cudaStream_t stream() const noexcept { return opt_.stream; }
   [[nodiscard]] const nccl_options& options() const noexcept { return opt_; }
-  void set_stream(cudaStream_t s) noexcept { opt_.stream = s; }
+  //! The context of the span forms without a stream: cuda_exec{options().stream}.
+  [[nodiscard]] cuda_exec default_exec() const noexcept { return cuda_exec(opt_.stream); }
 
-  // --- the concept's collectives, on stream() -------------------------------------------------
+  // --- the concept's collectives, on options().stream (fixed at creation) ----------------------
+  using spans::all_gather;
+  using spans::all_gather_v;
+  using spans::all_to_all_v;
+  using spans::reduce_scatter_v;
+
   template <reducible T>
   [[nodiscard]] status all_reduce(std::span<T> buf, reduce_op op) {
     return all_reduce(buf, op, opt_.stream);
-  }
-  template <transferable T>
-  [[nodiscard]] status all_gather(std::span<const std::type_identity_t<T>> send,
-                                  std::span<T> recv) {
-    return all_gather<T>(send, recv, opt_.stream);
-  }
-  template <transferable T>
-  [[nodiscard]] status all_gather_v(std::span<const std::type_identity_t<T>> send,
-                                    std::span<T> recv, std::span<const int> counts) {
-    return all_gather_v<T>(send, recv, counts, opt_.stream);
-  }
-  template <transferable T>
-  [[nodiscard]] status all_to_all_v(std::span<const std::type_identity_t<T>> send,
-                                    std::span<const int> send_counts, std::span<T> recv,
-                                    std::span<const int> recv_counts) {
-    return all_to_all_v<T>(send, send_counts, recv, recv_counts, opt_.stream);
-  }
-  template <reducible T>
-  [[nodiscard]] status reduce_scatter_v(std::span<const std::type_identity_t<T>> send,
-                                        std::span<const int> counts, std::span<T> recv,
-                                        reduce_op op) {
-    return reduce_scatter_v<T>(send, counts, recv, op, opt_.stream);
   }
   template <transferable T>
   [[nodiscard]] status broadcast(std::span<T> buf, int root) {
@@ -356,7 +340,106 @@ class nccl_communicator {
   }
   [[nodiscard]] status barrier() { return barrier(opt_.stream); }
 
-  // --- the same on an explicit stream ---------------------------------------------------------
+  // --- row views on the context's stream (counts in rows; elements in 64-bit) -----------------
+
+  template <reducible T>
+  [[nodiscard]] status all_reduce(cuda_exec& x, row_view<T, device_space> buf, reduce_op op) {
+    return all_reduce(flat(buf), op, x.stream());
+  }
+  template <transferable T>
+  [[nodiscard]] status broadcast(cuda_exec& x, row_view<T, device_space> buf, int root) {
+    return broadcast(flat(buf), root, x.stream());
+  }
+  [[nodiscard]] status barrier(cuda_exec& x) { return barrier(x.stream()); }
+
+  template <transferable T>
+  [[nodiscard]] status all_gather(cuda_exec& x, row_view<const T, device_space> send,
+                                  row_view<T, device_space> recv) {
+    const auto sch = rows_schedule("all_gather", send, recv, [&](int w) {
+      return schedule_builder::all_gather(rank_, size_, detail::uz(send.rows()),
+                                          detail::uz(recv.rows()), w);
+    });
+    const cudaStream_t s = x.stream();
+    if (auto ok = begin(collective::all_gather, sch, call_info_of<T>(), s); !ok) return ok;
+    return enqueue(ncclAllGather(send.data(), recv.data(),
+                                 detail::uz(sch->send_extent()) * detail::nccl_scale<T>(),
+                                 detail::nccl_type<T>(), comm_, s),
+                   "ncclAllGather");
+  }
+
+  template <transferable T>
+  [[nodiscard]] status all_gather_v(cuda_exec& x, row_view<const T, device_space> send,
+                                    row_view<T, device_space> recv, std::span<const int> counts) {
+    const auto sch = rows_schedule("all_gather_v", send, recv, [&](int w) {
+      return schedule_builder::all_gather_v(rank_, size_, counts, detail::uz(send.rows()),
+                                            detail::uz(recv.rows()), w);
+    });
+    const cudaStream_t s = x.stream();
+    if (auto ok = begin(collective::all_gather_v, sch, call_info_of<T>(), s); !ok) return ok;
+    constexpr auto k = detail::nccl_scale<T>();
+    detail::nccl_group g;
+    for (int p = 0; p < size_; ++p) {
+      const auto n = static_cast<std::size_t>(sch->recv_count(p));
+      if (n == 0) continue;  // every rank skips the same roots: counts agree
+      T* dst = recv.data() + sch->recv_offset(p);
+      const void* src = p == rank_ ? static_cast<const void*>(send.data()) : dst;
+      if (auto ok = detail::nccl_check(
+              ncclBroadcast(src, dst, n * k, detail::nccl_type<T>(), p, comm_, s), "ncclBroadcast",
+              comm_);
+          !ok)
+        return fail(ok);
+    }
+    return enqueue(g.end(), "ncclGroupEnd (all_gather_v)");
+  }
+
+  template <transferable T>
+  [[nodiscard]] status all_to_all_v(cuda_exec& x, row_view<const T, device_space> send,
+                                    std::span<const int> send_counts,
+                                    row_view<T, device_space> recv,
+                                    std::span<const int> recv_counts) {
+    const auto sch = rows_schedule("all_to_all_v", send, recv, [&](int w) {
+      return schedule_builder::all_to_all_v(rank_, size_, send_counts, recv_counts,
+                                            detail::uz(send.rows()), detail::uz(recv.rows()), w);
+    });
+    const cudaStream_t s = x.stream();
+    if (auto ok = begin(collective::all_to_all_v, sch, call_info_of<T>(), s); !ok) return ok;
+    return exchange_steps<T>(*sch, send.data(), recv.data(), s, "ncclGroupEnd (all_to_all_v)");
+  }
+
+  //! bf16/fp16 sums: every rank's chunk for this rank lands in a [P, n] staging buffer (grouped
+  //! ncclSend/ncclRecv, the schedule's staging layout) and cuBLAS reduces it in fp32, one
+  //! rounding per element; everything else is one ncclReduce per root.
+  template <reducible T>
+  [[nodiscard]] status reduce_scatter_v(cuda_exec& x, row_view<const T, device_space> send,
+                                        std::span<const int> counts, row_view<T, device_space> recv,
+                                        reduce_op op) {
+    const auto sch = rows_schedule("reduce_scatter_v", send, recv, [&](int w) {
+      return schedule_builder::reduce_scatter_v(rank_, size_, counts, detail::uz(send.rows()),
+                                                detail::uz(recv.rows()), w);
+    });
+    const cudaStream_t s = x.stream();
+    if (auto ok =
+            begin(collective::reduce_scatter_v, sch, call_info_of<T>(static_cast<int>(op)), s);
+        !ok)
+      return ok;
+    if constexpr (detail::is_16bit_float<T>) {
+      if (op == reduce_op::sum) return reduce_scatter_v_sum16<T>(*sch, send.data(), recv.data(), s);
+    }
+    detail::nccl_group g;
+    for (int p = 0; p < size_; ++p) {
+      const auto n = static_cast<std::size_t>(sch->send_count(p));
+      if (n == 0) continue;
+      if (auto ok = detail::nccl_check(
+              ncclReduce(send.data() + sch->send_offset(p), recv.data(), n, detail::nccl_type<T>(),
+                         op == reduce_op::sum ? ncclSum : ncclMax, p, comm_, s),
+              "ncclReduce", comm_);
+          !ok)
+        return fail(ok);
+    }
+    return enqueue(g.end(), "ncclGroupEnd (reduce_scatter_v)");
+  }
+
+  // --- spans on an explicit stream --------------------------------------------------------------
 
   //! In place. bf16/fp16 sums: every rank gathers all P copies (ncclAllGather into [P, n]
   //! staging) and reduces them with cuBLAS in fp32, one rounding per element; everything else is
@@ -377,73 +460,32 @@ class nccl_communicator {
   template <transferable T>
   [[nodiscard]] status all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
                                   cudaStream_t s) {
-    const auto sch = schedule_builder::all_gather(rank_, size_, send.size(), recv.size());
-    if (auto ok = begin(collective::all_gather, sch, call_info_of<T>(), s); !ok) return ok;
-    return enqueue(ncclAllGather(send.data(), recv.data(), send.size() * detail::nccl_scale<T>(),
-                                 detail::nccl_type<T>(), comm_, s),
-                   "ncclAllGather");
+    cuda_exec x(s);
+    return all_gather(x, column(send), column(recv));
   }
 
   template <transferable T>
   [[nodiscard]] status all_gather_v(std::span<const std::type_identity_t<T>> send,
                                     std::span<T> recv, std::span<const int> counts,
                                     cudaStream_t s) {
-    const auto sch = schedule_builder::all_gather_v(rank_, size_, counts, send.size(), recv.size());
-    if (auto ok = begin(collective::all_gather_v, sch, call_info_of<T>(), s); !ok) return ok;
-    constexpr auto k = detail::nccl_scale<T>();
-    detail::nccl_group g;
-    for (int p = 0; p < size_; ++p) {
-      const auto n = static_cast<std::size_t>(sch->recv_count(p));
-      if (n == 0) continue;  // every rank skips the same roots: counts agree
-      T* dst = recv.data() + sch->recv_offset(p);
-      const void* src = p == rank_ ? static_cast<const void*>(send.data()) : dst;
-      if (auto ok = detail::nccl_check(
-              ncclBroadcast(src, dst, n * k, detail::nccl_type<T>(), p, comm_, s), "ncclBroadcast",
-              comm_);
-          !ok)
-        return fail(ok);
-    }
-    return enqueue(g.end(), "ncclGroupEnd (all_gather_v)");
+    cuda_exec x(s);
+    return all_gather_v(x, column(send), column(recv), counts);
   }
 
   template <transferable T>
   [[nodiscard]] status all_to_all_v(std::span<const std::type_identity_t<T>> send,
                                     std::span<const int> send_counts, std::span<T> recv,
                                     std::span<const int> recv_counts, cudaStream_t s) {
-    const auto sch = schedule_builder::all_to_all_v(rank_, size_, send_counts, recv_counts,
-                                                    send.size(), recv.size());
-    if (auto ok = begin(collective::all_to_all_v, sch, call_info_of<T>(), s); !ok) return ok;
-    return exchange_steps<T>(*sch, send.data(), recv.data(), s, "ncclGroupEnd (all_to_all_v)");
+    cuda_exec x(s);
+    return all_to_all_v(x, column(send), send_counts, column(recv), recv_counts);
   }
 
-  //! bf16/fp16 sums: every rank's chunk for this rank lands in a [P, n] staging buffer (grouped
-  //! ncclSend/ncclRecv, the schedule's staging layout) and cuBLAS reduces it in fp32, one
-  //! rounding per element; everything else is one ncclReduce per root.
   template <reducible T>
   [[nodiscard]] status reduce_scatter_v(std::span<const std::type_identity_t<T>> send,
                                         std::span<const int> counts, std::span<T> recv,
                                         reduce_op op, cudaStream_t s) {
-    const auto sch =
-        schedule_builder::reduce_scatter_v(rank_, size_, counts, send.size(), recv.size());
-    if (auto ok =
-            begin(collective::reduce_scatter_v, sch, call_info_of<T>(static_cast<int>(op)), s);
-        !ok)
-      return ok;
-    if constexpr (detail::is_16bit_float<T>) {
-      if (op == reduce_op::sum) return reduce_scatter_v_sum16<T>(*sch, send.data(), recv.data(), s);
-    }
-    detail::nccl_group g;
-    for (int p = 0; p < size_; ++p) {
-      const auto n = static_cast<std::size_t>(sch->send_count(p));
-      if (n == 0) continue;
-      if (auto ok = detail::nccl_check(
-              ncclReduce(send.data() + sch->send_offset(p), recv.data(), n, detail::nccl_type<T>(),
-                         op == reduce_op::sum ? ncclSum : ncclMax, p, comm_, s),
-              "ncclReduce", comm_);
-          !ok)
-        return fail(ok);
-    }
-    return enqueue(g.end(), "ncclGroupEnd (reduce_scatter_v)");
+    cuda_exec x(s);
+    return reduce_scatter_v(x, column(send), counts, column(recv), op);
   }
 
   template <transferable T>
@@ -547,6 +589,20 @@ class nccl_communicator {
   };
 
   nccl_communicator() = default;
+
+  template <class T>
+  static std::span<T> flat(const row_view<T, device_space>& v) noexcept {
+    return {v.data(), static_cast<std::size_t>(v.contiguous() ? v.extent() : 0)};
+  }
+  template <class U, class T, class Build>
+  static expected<collective_schedule> rows_schedule(const char* op,
+                                                     const row_view<U, device_space>& send,
+                                                     const row_view<T, device_space>& recv,
+                                                     Build&& build) {
+    if (auto ok = detail::check_row_views(op, send, recv); !ok)
+      return unexpected<error>(ok.error());
+    return build(detail::row_width(send, recv));
+  }
 
   status query() {
     if (auto ok = detail::nccl_check(ncclCommUserRank(comm_, &rank_), "ncclCommUserRank", comm_);
@@ -879,5 +935,6 @@ class nccl_communicator {
 };
 
 static_assert(splittable_communicator<nccl_communicator>);
+static_assert(communicator_for<nccl_communicator, cuda_exec>);
 
 }  // namespace moefold

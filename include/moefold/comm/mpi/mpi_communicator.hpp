@@ -21,8 +21,10 @@
 //!   of its next collective: its peers then get errc::comm_peer_failed at once instead of waiting
 //!   for the timeout.
 //!
-//! Counts and offsets must fit MPI's int (checked). Reductions of bf16/fp16 run in fp32;
-//! reduce_scatter_v reduces locally in rank order (the same bits as the thread world).
+//! Row-view collectives count rows (in a row datatype), so only rows must fit MPI's int: rows
+//! below 2^31 always do. The span forms count elements, which must fit MPI's int (checked).
+//! Reductions of bf16/fp16 run in fp32; reduce_scatter_v reduces locally in rank order (the same
+//! bits as the thread world).
 #pragma once
 
 #include <mpi.h>
@@ -41,9 +43,13 @@
 #include <vector>
 
 #include "../../core/expected.hpp"
+#include "../../core/host_exec.hpp"
+#include "../../core/row_view.hpp"
+#include "../../core/size.hpp"
 #include "../communicator.hpp"
 #include "../dtype.hpp"
 #include "../schedule.hpp"
+#include "../span_collectives.hpp"
 
 namespace moefold {
 
@@ -93,11 +99,38 @@ constexpr int mpi_scale() {
   return dtype_of<T> == dtype::other ? static_cast<int>(sizeof(T)) : 1;
 }
 
+//! The MPI datatype of one row of a schedule (width elements of `base`, scaled): the base type
+//! itself for rows of one element, else a committed contiguous type, freed with this object
+//! (MPI lets a pending operation finish with a freed datatype).
+struct mpi_row_type {
+  MPI_Datatype type = MPI_DATATYPE_NULL;
+  bool derived = false;
+  mpi_row_type(const collective_schedule& s, MPI_Datatype base, int scale) {
+    const int units = s.width() * scale;  // fits int: checked before the exchange (fits_mpi)
+    if (units == 1) {
+      type = base;
+      return;
+    }
+    MPI_Type_contiguous(units > 0 ? units : 1, base, &type);
+    MPI_Type_commit(&type);
+    derived = true;
+  }
+  mpi_row_type(const mpi_row_type&) = delete;
+  mpi_row_type& operator=(const mpi_row_type&) = delete;
+  ~mpi_row_type() {
+    if (derived) MPI_Type_free(&type);
+  }
+};
+
 }  // namespace detail
 
 //! One rank's MPI communicator. Move-only; owns its duplicate of the user's communicator.
-class mpi_communicator {
+class mpi_communicator : public span_collectives<mpi_communicator, host_space> {
+  using spans = span_collectives<mpi_communicator, host_space>;
+
  public:
+  using memory_space = host_space;
+
   //! Wraps `comm` (collective over it: MPI_Comm_dup). MPI must be initialized.
   [[nodiscard]] static expected<mpi_communicator> wrap(MPI_Comm comm, mpi_options opt = {}) {
     int init = 0, fin = 0;
@@ -174,57 +207,81 @@ class mpi_communicator {
     });
   }
 
+  using spans::all_gather;
+  using spans::all_gather_v;
+  using spans::all_to_all_v;
+  using spans::reduce_scatter_v;
+
+  //! The context of the span forms.
+  [[nodiscard]] host_exec default_exec() const noexcept { return {}; }
+
+  // --- row views (counts in rows). MPI counts them in a row datatype of `width` elements, so
+  // only rows, never elements, must fit MPI's int. --------------------------------------------
+
+  template <reducible T>
+  [[nodiscard]] status all_reduce(host_exec&, row_view<T> buf, reduce_op op) {
+    return all_reduce(std::span<T>(buf.data(), detail::uz(buf.contiguous() ? buf.extent() : 0)),
+                      op);
+  }
+
   template <transferable T>
-  [[nodiscard]] status all_gather(std::span<const std::type_identity_t<T>> send,
-                                  std::span<T> recv) {
-    auto s = schedule_builder::all_gather(rank_, size_, send.size(), recv.size());
+  [[nodiscard]] status all_gather(host_exec&, row_view<const T> send, row_view<T> recv) {
+    auto s = rows_schedule("all_gather", send, recv, [&](int w) {
+      return schedule_builder::all_gather(rank_, size_, detail::uz(send.rows()),
+                                          detail::uz(recv.rows()), w);
+    });
     return run(collective::all_gather, s, call_info_of<T>(), [&]() -> status {
-      if (auto ok = fits_int(s->recv_extent() * detail::mpi_scale<T>(), "all_gather size"); !ok)
-        return ok;
-      const int n = static_cast<int>(send.size()) * detail::mpi_scale<T>();
+      const detail::mpi_row_type rt(*s, detail::mpi_type<T>(), detail::mpi_scale<T>());
+      const int n = send.rows();
       return wait_op(
           [&](MPI_Request* r) {
-            return MPI_Iallgather(send.data(), n, detail::mpi_type<T>(), recv.data(), n,
-                                  detail::mpi_type<T>(), comm_, r);
+            return MPI_Iallgather(send.data(), n, rt.type, recv.data(), n, rt.type, comm_, r);
           },
           "MPI_Iallgather");
     });
   }
 
   template <transferable T>
-  [[nodiscard]] status all_gather_v(std::span<const std::type_identity_t<T>> send,
-                                    std::span<T> recv, std::span<const int> counts) {
-    auto s = schedule_builder::all_gather_v(rank_, size_, counts, send.size(), recv.size());
+  [[nodiscard]] status all_gather_v(host_exec&, row_view<const T> send, row_view<T> recv,
+                                    std::span<const int> counts) {
+    auto s = rows_schedule("all_gather_v", send, recv, [&](int w) {
+      return schedule_builder::all_gather_v(rank_, size_, counts, detail::uz(send.rows()),
+                                            detail::uz(recv.rows()), w);
+    });
     return run(collective::all_gather_v, s, call_info_of<T>(), [&]() -> status {
+      const detail::mpi_row_type rt(*s, detail::mpi_type<T>(), detail::mpi_scale<T>());
       const int *rc = nullptr, *rd = nullptr;
-      if (auto ok = to_int(s->recv_counts(), s->recv_offsets(), detail::mpi_scale<T>(), rc, rd);
-          !ok)
-        return ok;
+      if (auto ok = to_rows(*s, s->recv_counts(), s->recv_offsets(), rc, rd); !ok) return ok;
       const int n = rc[rank_];
       return wait_op(
           [&](MPI_Request* r) {
-            return MPI_Iallgatherv(send.data(), n, detail::mpi_type<T>(), recv.data(), rc, rd,
-                                   detail::mpi_type<T>(), comm_, r);
+            return MPI_Iallgatherv(send.data(), n, rt.type, recv.data(), rc, rd, rt.type, comm_, r);
           },
           "MPI_Iallgatherv");
     });
   }
 
   template <transferable T>
-  [[nodiscard]] status all_to_all_v(std::span<const std::type_identity_t<T>> send,
-                                    std::span<const int> send_counts, std::span<T> recv,
+  [[nodiscard]] status all_to_all_v(host_exec&, row_view<const T> send,
+                                    std::span<const int> send_counts, row_view<T> recv,
                                     std::span<const int> recv_counts) {
-    auto s = schedule_builder::all_to_all_v(rank_, size_, send_counts, recv_counts, send.size(),
-                                            recv.size());
+    auto s = rows_schedule("all_to_all_v", send, recv, [&](int w) {
+      return schedule_builder::all_to_all_v(rank_, size_, send_counts, recv_counts,
+                                            detail::uz(send.rows()), detail::uz(recv.rows()), w);
+    });
     return run(collective::all_to_all_v, s, call_info_of<T>(),
                [&]() -> status { return alltoallv<T>(*s, send.data(), recv.data()); });
   }
 
   template <reducible T>
-  [[nodiscard]] status reduce_scatter_v(std::span<const std::type_identity_t<T>> send,
-                                        std::span<const int> counts, std::span<T> recv,
+  [[nodiscard]] status reduce_scatter_v(host_exec&, row_view<const T> send,
+                                        std::span<const int> counts, row_view<T> recv,
                                         reduce_op op) {
-    auto s = schedule_builder::reduce_scatter_v(rank_, size_, counts, send.size(), recv.size());
+    auto s = rows_schedule("reduce_scatter_v", send, recv, [&](int w) {
+      return schedule_builder::reduce_scatter_v(rank_, size_, counts, detail::uz(send.rows()),
+                                                detail::uz(recv.rows()), w);
+    });
+    T* out = recv.data();
     return run(
         collective::reduce_scatter_v, s, call_info_of<T>(static_cast<int>(op)), [&]() -> status {
           // Chunk p of every rank lands in staging slot p; then a rank-order reduction.
@@ -238,11 +295,19 @@ class mpi_communicator {
               acc =
                   op == reduce_op::sum ? static_cast<decltype(acc)>(acc + x) : (acc < x ? x : acc);
             }
-            recv[i] = detail::narrow<T>(acc);
+            out[i] = detail::narrow<T>(acc);
           }
           return {};
         });
   }
+
+  template <transferable T>
+  [[nodiscard]] status broadcast(host_exec&, row_view<T> buf, int root) {
+    return broadcast(std::span<T>(buf.data(), detail::uz(buf.contiguous() ? buf.extent() : 0)),
+                     root);
+  }
+
+  [[nodiscard]] status barrier(host_exec&) { return barrier(); }
 
   template <transferable T>
   [[nodiscard]] status broadcast(std::span<T> buf, int root) {
@@ -381,16 +446,40 @@ class mpi_communicator {
 
   template <class T>
   status alltoallv(const collective_schedule& s, const void* send, void* recv) {
+    const detail::mpi_row_type rt(s, detail::mpi_type<T>(), detail::mpi_scale<T>());
     const int *sc = nullptr, *sd = nullptr, *rc = nullptr, *rd = nullptr;
-    constexpr int k = detail::mpi_scale<T>();
-    if (auto ok = to_int(s.send_counts(), s.send_offsets(), k, sc, sd); !ok) return ok;
-    if (auto ok = to_int(s.recv_counts(), s.recv_offsets(), k, rc, rd); !ok) return ok;
+    if (auto ok = to_rows(s, s.send_counts(), s.send_offsets(), sc, sd); !ok) return ok;
+    if (auto ok = to_rows(s, s.recv_counts(), s.recv_offsets(), rc, rd); !ok) return ok;
     return wait_op(
         [&](MPI_Request* r) {
-          return MPI_Ialltoallv(send, sc, sd, detail::mpi_type<T>(), recv, rc, rd,
-                                detail::mpi_type<T>(), comm_, r);
+          return MPI_Ialltoallv(send, sc, sd, rt.type, recv, rc, rd, rt.type, comm_, r);
         },
         "MPI_Ialltoallv");
+  }
+
+  // The schedule's element counts and offsets in rows (the unit of its row datatype), as MPI
+  // ints; rows are below 2^31 by the schedule's rule. Kept in int_graveyard_ like to_int's.
+  status to_rows(const collective_schedule& s, std::span<const std::int64_t> c,
+                 std::span<const std::int64_t> o, const int*& ci, const int*& oi) {
+    const std::int64_t w = s.width() > 0 ? s.width() : 1;
+    std::vector<int> v(2 * c.size());
+    for (std::size_t p = 0; p < c.size(); ++p) {
+      if (auto ok = fits_int((o[p] + c[p]) / w, "offset + count in rows"); !ok) return ok;
+      v[p] = static_cast<int>(c[p] / w);
+      v[c.size() + p] = static_cast<int>(o[p] / w);
+    }
+    int_graveyard_.push_back(std::move(v));
+    ci = int_graveyard_.back().data();
+    oi = ci + c.size();
+    return {};
+  }
+
+  template <class U, class T, class Build>
+  static expected<collective_schedule> rows_schedule(const char* op, const row_view<U>& send,
+                                                     const row_view<T>& recv, Build&& build) {
+    if (auto ok = detail::check_row_views(op, send, recv); !ok)
+      return unexpected<error>(ok.error());
+    return build(detail::row_width(send, recv));
   }
 
   // Polls one request until it completes or the deadline passes. Yields between polls: with more
@@ -487,6 +576,10 @@ class mpi_communicator {
     // Collectives without data (barrier, split) carry no element type: elem_bytes is 0.
     const std::int64_t k =
         info.type == dtype::other ? std::max<std::int64_t>(info.elem_bytes, 1) : 1;
+    const bool in_rows = s.op() == collective::all_to_all_v || s.op() == collective::all_gather_v ||
+                         s.op() == collective::reduce_scatter_v || s.op() == collective::all_gather;
+    if (in_rows)  // counted in rows of a row datatype: only the row's MPI size must fit int
+      return fits_int(static_cast<std::int64_t>(s.width()) * k, "row of width times element size");
     std::int64_t most = s.result_count();
     for (int p = 0; p < s.size(); ++p)
       most =
@@ -553,5 +646,6 @@ class mpi_communicator {
 };
 
 static_assert(splittable_communicator<mpi_communicator>);
+static_assert(communicator_for<mpi_communicator, host_exec>);
 
 }  // namespace moefold

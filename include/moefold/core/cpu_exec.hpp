@@ -1,0 +1,104 @@
+//! @file cpu_exec.hpp
+//! @brief cpu_exec{seed}: the CPU executor, the execution context that runs the GPU code path on
+//! the CPU. Its memory space is cpu_device_space: host memory that host code reaches only through
+//! the executor's copies, which it counts (a test can state how many host<->device transfers a
+//! step makes). The kernel bodies (kernels/*.hpp) run on it; `seed` orders its blocks.
+//!
+//! Memory it allocates is poisoned (every byte 0xFF: NaN for floats, -1 for ints), so reading an
+//! element nothing wrote shows in a result instead of passing as a zero.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <new>
+#include <type_traits>
+
+#include "exec.hpp"
+
+namespace moefold {
+
+//! Transfers a context made: calls and bytes per direction.
+struct copy_counts {
+  long long to_device = 0, to_host = 0, on_device = 0;                    //!< calls
+  long long bytes_to_device = 0, bytes_to_host = 0, bytes_on_device = 0;  //!< bytes moved
+
+  friend bool operator==(const copy_counts&, const copy_counts&) = default;
+};
+
+class cpu_exec {
+ public:
+  using memory_space = cpu_device_space;
+  static constexpr const char* name = "cpu_exec";
+  //! The byte allocations are filled with.
+  static constexpr unsigned char poison = 0xFF;
+
+  constexpr cpu_exec() noexcept = default;
+  constexpr explicit cpu_exec(std::uint64_t seed) noexcept : seed_(seed) {}
+
+  [[nodiscard]] constexpr std::uint64_t seed() const noexcept { return seed_; }
+  //! The copies made so far.
+  [[nodiscard]] const copy_counts& copies() const noexcept { return counts_; }
+  void reset_copies() noexcept { counts_ = {}; }
+
+  //! Host to device.
+  template <class U, class T>
+  requires std::is_same_v<std::remove_const_t<U>, T>
+  [[nodiscard]] status copy(row_view<U, host_space> src, row_view<T, memory_space> dst) {
+    return copy_impl(src, dst, counts_.to_device, counts_.bytes_to_device);
+  }
+  //! Device to host.
+  template <class U, class T>
+  requires std::is_same_v<std::remove_const_t<U>, T>
+  [[nodiscard]] status copy(row_view<U, memory_space> src, row_view<T, host_space> dst) {
+    return copy_impl(src, dst, counts_.to_host, counts_.bytes_to_host);
+  }
+  //! Device to device.
+  template <class U, class T>
+  requires std::is_same_v<std::remove_const_t<U>, T>
+  [[nodiscard]] status copy(row_view<U, memory_space> src, row_view<T, memory_space> dst) {
+    return copy_impl(src, dst, counts_.on_device, counts_.bytes_on_device);
+  }
+  //! Every element of dst = v (a device operation: not a transfer).
+  template <class T>
+  [[nodiscard]] status fill(row_view<T, memory_space> dst, const T& v) {
+    for (int r = 0; r < dst.rows(); ++r) {
+      T* d = dst.row_data(r);
+      for (int c = 0; c < dst.width(); ++c) d[c] = v;
+    }
+    return {};
+  }
+
+  //! Device memory of the executor (256-byte aligned, poisoned).
+  [[nodiscard]] expected<void*> allocate_bytes(std::size_t bytes) const {
+    void* p = ::operator new (bytes == 0 ? 1 : bytes, std::align_val_t{256}, std::nothrow);
+    if (!p)
+      return make_error(errc::backend_error, "cpu_exec: allocating " +
+                                                 detail::to_decimal(static_cast<long long>(bytes)) +
+                                                 " bytes failed");
+    std::memset(p, poison, bytes);
+    return p;
+  }
+  void deallocate_bytes(void* p, std::size_t) const noexcept {
+    ::operator delete (p, std::align_val_t{256});
+  }
+  [[nodiscard]] status synchronize() const { return {}; }
+
+ private:
+  template <class U, class S1, class T, class S2>
+  status copy_impl(const row_view<U, S1>& src, const row_view<T, S2>& dst, long long& calls,
+                   long long& bytes) {
+    if (auto st = detail::check_copy(src, dst, name); !st) return st;
+    detail::host_copy_rows(src, dst);
+    ++calls;
+    bytes += static_cast<long long>(src.rows()) * src.width() * static_cast<long long>(sizeof(T));
+    return {};
+  }
+
+  std::uint64_t seed_ = 0;
+  copy_counts counts_{};
+};
+
+static_assert(execution_context<cpu_exec>);
+
+}  // namespace moefold

@@ -1,0 +1,84 @@
+//! @file cuda_exec.hpp
+//! @brief cuda_exec{stream}: the execution context of CUDA device memory. Every operation is
+//! enqueued on its stream and returns without waiting (synchronize() waits). The stream is the
+//! context's, passed with every call: communicators and dispatchers hold none.
+//!
+//! Copies from or to pageable host memory may make the host wait for the stream (the CUDA
+//! runtime's rule); pinned host memory keeps them asynchronous.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <type_traits>
+
+#include "../exec.hpp"
+#include "cuda_check.hpp"
+
+namespace moefold {
+
+class cuda_exec {
+ public:
+  using memory_space = device_space;
+  static constexpr const char* name = "cuda_exec";
+
+  constexpr cuda_exec() noexcept = default;
+  constexpr explicit cuda_exec(cudaStream_t stream) noexcept : stream_(stream) {}
+
+  [[nodiscard]] constexpr cudaStream_t stream() const noexcept { return stream_; }
+
+  //! Host to device.
+  template <class U, class T>
+  requires std::is_same_v<std::remove_const_t<U>, T>
+  [[nodiscard]] status copy(row_view<U, host_space> src, row_view<T, memory_space> dst) const {
+    return copy_2d(src, dst, cudaMemcpyHostToDevice);
+  }
+  //! Device to host.
+  template <class U, class T>
+  requires std::is_same_v<std::remove_const_t<U>, T>
+  [[nodiscard]] status copy(row_view<U, memory_space> src, row_view<T, host_space> dst) const {
+    return copy_2d(src, dst, cudaMemcpyDeviceToHost);
+  }
+  //! Device to device.
+  template <class U, class T>
+  requires std::is_same_v<std::remove_const_t<U>, T>
+  [[nodiscard]] status copy(row_view<U, memory_space> src, row_view<T, memory_space> dst) const {
+    return copy_2d(src, dst, cudaMemcpyDeviceToDevice);
+  }
+
+  //! Stream-ordered device memory (cudaMallocAsync on the stream).
+  [[nodiscard]] expected<void*> allocate_bytes(std::size_t bytes) const {
+    void* p = nullptr;
+    if (auto st = detail::cuda_check(cudaMallocAsync(&p, bytes == 0 ? 1 : bytes, stream_),
+                                     "cudaMallocAsync");
+        !st)
+      return unexpected<error>(st.error());
+    return p;
+  }
+  void deallocate_bytes(void* p, std::size_t) const noexcept {
+    if (p) static_cast<void>(cudaFreeAsync(p, stream_));
+  }
+  [[nodiscard]] status synchronize() const {
+    return detail::cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+  }
+
+ private:
+  template <class U, class S1, class T, class S2>
+  status copy_2d(const row_view<U, S1>& src, const row_view<T, S2>& dst,
+                 cudaMemcpyKind kind) const {
+    if (auto st = detail::check_copy(src, dst, name); !st) return st;
+    if (src.empty()) return {};
+    const std::size_t w = static_cast<std::size_t>(src.width()) * sizeof(T);
+    return detail::cuda_check(
+        cudaMemcpy2DAsync(dst.data(), static_cast<std::size_t>(dst.stride()) * sizeof(T),
+                          src.data(), static_cast<std::size_t>(src.stride()) * sizeof(T), w,
+                          static_cast<std::size_t>(src.rows()), kind, stream_),
+        "cudaMemcpy2DAsync");
+  }
+
+  cudaStream_t stream_ = nullptr;
+};
+
+static_assert(execution_context<cuda_exec>);
+
+}  // namespace moefold

@@ -1,0 +1,67 @@
+//! @file exec.hpp
+//! @brief The execution-context concept. Every operation of the dispatcher and its kernels takes
+//! a context, which says where the buffers live (its memory space) and how work runs on them:
+//!
+//! | context            | header               | memory space       | runs |
+//! |--------------------|----------------------|--------------------|------------------------------|
+//! | `host_exec`        | core/host_exec.hpp   | `host_space`       | host loops, now | |
+//! `cpu_exec{seed}`   | core/cpu_exec.hpp    | `cpu_device_space` | the CUDA kernel bodies, CPU  |
+//! | `cuda_exec{stream}`| core/cuda/cuda_exec.hpp | `device_space`  | enqueued on the stream |
+//!
+//! Each context copies between its own space and host memory (`copy(src, dst)`, views of equal
+//! rows and width) and allocates in its space (core/exec_buffer.hpp). A stream travels inside
+//! cuda_exec, through every call, never as mutable state of a communicator.
+#pragma once
+
+#include <concepts>
+#include <cstddef>
+
+#include "expected.hpp"
+#include "memory_space.hpp"
+#include "row_view.hpp"
+
+namespace moefold {
+
+//! An execution context: a memory space, a name for messages, copies between its space and the
+//! host, allocation in its space, and synchronize() (host: returns at once).
+template <class X>
+concept execution_context = memory_space<typename X::memory_space> &&
+    requires(X& x, row_view<const float, typename X::memory_space> src,
+             row_view<float, typename X::memory_space> dst, row_view<const float> hsrc,
+             row_view<float> hdst, std::size_t bytes, void* p) {
+  { X::name } -> std::convertible_to<const char*>;
+  { x.copy(src, dst) } -> std::same_as<status>;
+  { x.copy(hsrc, dst) } -> std::same_as<status>;
+  { x.copy(src, hdst) } -> std::same_as<status>;
+  { x.allocate_bytes(bytes) } -> std::same_as<expected<void*>>;
+  x.deallocate_bytes(p, bytes);
+  { x.synchronize() } -> std::same_as<status>;
+};
+
+namespace detail {
+
+//! The shape check every context's copy makes: same rows and width.
+template <class U, class S1, class T, class S2>
+[[nodiscard]] status check_copy(const row_view<U, S1>& src, const row_view<T, S2>& dst,
+                                const char* ctx) {
+  if (src.rows() != dst.rows() || src.width() != dst.width())
+    return make_error(errc::shape_mismatch,
+                      std::string(ctx) + "::copy: source [" + to_decimal(src.rows()) + ", " +
+                          to_decimal(src.width()) + "] and destination [" + to_decimal(dst.rows()) +
+                          ", " + to_decimal(dst.width()) + "] differ (from " + S1::name + " to " +
+                          S2::name + " memory)");
+  return {};
+}
+
+//! Row-by-row host copy (memmove semantics are not needed: views passed to copy do not overlap).
+template <class U, class S1, class T, class S2>
+void host_copy_rows(const row_view<U, S1>& src, const row_view<T, S2>& dst) noexcept {
+  for (int r = 0; r < src.rows(); ++r) {
+    const U* s = src.row_data(r);
+    T* d = dst.row_data(r);
+    for (int c = 0; c < src.width(); ++c) d[c] = s[c];
+  }
+}
+
+}  // namespace detail
+}  // namespace moefold

@@ -1,0 +1,50 @@
+//! @file host_exec.hpp
+//! @brief host_exec: the execution context of host memory. Operations run as host loops and are
+//! complete when they return.
+#pragma once
+
+#include <cstddef>
+#include <cstdlib>
+#include <new>
+#include <type_traits>
+
+#include "exec.hpp"
+
+namespace moefold {
+
+struct host_exec {
+  using memory_space = host_space;
+  static constexpr const char* name = "host_exec";
+
+  //! dst = src (same rows and width).
+  template <class U, class T>
+  requires std::is_same_v<std::remove_const_t<U>, T>
+  [[nodiscard]] status copy(row_view<U, host_space> src, row_view<T, host_space> dst) const {
+    if (auto st = detail::check_copy(src, dst, name); !st) return st;
+    detail::host_copy_rows(src, dst);
+    return {};
+  }
+  //! Every element of dst = v.
+  template <class T>
+  [[nodiscard]] status fill(row_view<T, host_space> dst, const T& v) const {
+    for (int r = 0; r < dst.rows(); ++r)
+      for (int c = 0; c < dst.width(); ++c) dst(r, c) = v;
+    return {};
+  }
+  [[nodiscard]] expected<void*> allocate_bytes(std::size_t bytes) const {
+    void* p = ::operator new (bytes == 0 ? 1 : bytes, std::align_val_t{256}, std::nothrow);
+    if (!p)
+      return make_error(errc::backend_error, "host_exec: allocating " +
+                                                 detail::to_decimal(static_cast<long long>(bytes)) +
+                                                 " bytes failed");
+    return p;
+  }
+  void deallocate_bytes(void* p, std::size_t) const noexcept {
+    ::operator delete (p, std::align_val_t{256});
+  }
+  [[nodiscard]] status synchronize() const { return {}; }
+};
+
+static_assert(execution_context<host_exec>);
+
+}  // namespace moefold
