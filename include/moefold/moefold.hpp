@@ -5,7 +5,6 @@
 #pragma once
 
 #include "comm/communicator.hpp"
-#include "comm/dtype.hpp"
 #include "comm/group_communicator.hpp"
 #include "comm/schedule.hpp"
 #include "comm/span_collectives.hpp"
@@ -13,6 +12,7 @@
 #include "core/checked_int.hpp"
 #include "core/config.hpp"
 #include "core/cpu_exec.hpp"
+#include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "core/exec.hpp"
 #include "core/exec_buffer.hpp"
@@ -27,9 +27,11 @@
 #include "dispatch/chunk_sort.hpp"
 #include "dispatch/dispatch_args.hpp"
 #include "dispatch/dispatch_handle.hpp"
+#include "dispatch/dispatcher_common.hpp"
 #include "dispatch/drop_policy.hpp"
 #include "dispatch/drop_policy_full_sequence.hpp"
 #include "dispatch/drop_policy_local.hpp"
+#include "dispatch/expert_batch.hpp"
 #include "dispatch/permute.hpp"
 #include "dispatch/splits.hpp"
 #include "experts/activation.hpp"

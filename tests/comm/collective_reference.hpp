@@ -3,7 +3,7 @@
 // tests. Also the deterministic inputs those tests use.
 #pragma once
 
-#include <moefold/comm/dtype.hpp>
+#include <moefold/core/dtype.hpp>
 
 #include <cstdint>
 #include <cstring>

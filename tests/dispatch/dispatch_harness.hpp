@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <vector>
 
 namespace moefold::test {
@@ -26,7 +27,22 @@ struct problem {
   bool empty_rank = false;  // rank 0 of each stage holds no tokens
   int capacity = -1;        // >= 0: pairs beyond it per (rank, expert) in token order are dropped
   bool pad = false;         // dispatch in pad mode with that capacity
+  std::optional<int> max_recv_rows{};  // the dispatcher's receive bound (unset: the worst case)
 };
+
+// E 256, k 8 over EP 64 on 64 ranks (DeepSeek-V3's routing at small H and F): 256 tokens per
+// rank, so each EP rank receives about 2,048 rows; the receive bound is twice that, far below the
+// worst case of 131,072.
+inline problem ep64_problem(int hidden) {
+  problem p{.fold = {.world = 64, .ep = 64, .etp = 1}};
+  p.experts = 256;
+  p.topk = 8;
+  p.hidden = hidden;
+  p.ffn = hidden;
+  p.tokens = 256;
+  p.max_recv_rows = 4096;
+  return p;
+}
 
 // Deterministic data keyed by (rank, token): every rank and the reference generate the same.
 struct data {
@@ -256,7 +272,8 @@ auto make_dispatcher(const problem& p, const dynamic_folded_mesh& fold) {
                            .topk = p.topk,
                            .num_experts = p.experts,
                            .ep = fold.ep(),
-                           .etp = fold.etp()});
+                           .etp = fold.etp(),
+                           .max_recv_rows = p.max_recv_rows});
 }
 
 //! One rank's part of the layer: dispatch, experts, combine, backward, EDP gradient reduction.

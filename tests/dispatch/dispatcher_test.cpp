@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <mutex>
 #include <stdexcept>
@@ -277,9 +278,9 @@ TEST_CASE(
 TEST_CASE_TEMPLATE(
     "pad mode: every expert gets exactly C rows per source, results equal no padding", Path, a2a,
     ag) {
-  // Invariants 4 and 6 of dispatch-semantics.md 11 at the dispatcher: with the same kept pairs,
-  // padding to the capacity changes the row counts (C per source and expert, C*ETP*EP per local
-  // expert, static: no counts exchanged on the All-to-All path) and nothing else.
+  // Invariants 4 and 6 of docs/dispatch-semantics.md 11 at the dispatcher: with the same kept
+  // pairs, padding to the capacity changes the row counts (C per source and expert, C*ETP*EP per
+  // local expert, static: no counts exchanged on the All-to-All path) and nothing else.
   const fold_config folds[] = {
       {.world = 1},
       {.world = 4, .ep = 4, .etp = 1},
@@ -447,12 +448,12 @@ std::vector<identity_result> run_identity(const problem& p) {
 TEST_CASE_TEMPLATE(
     "identity experts: out = x * sum p, dx = g * sum p, dp = <g, x>, bitwise equal across maps",
     Path, a2a, ag) {
-  // Invariants 1 and 2 of dispatch-semantics.md 11. The expected values are formed here in slot
-  // order, the All-to-All path's fixed summation order. With ETP a power of two, dividing by ETP
-  // and summing ETP equal parts is exact, so its results are bitwise equal to them and therefore
-  // across mappings: world 8, every fold below computes the same 8 x N tokens. The AllGather path
-  // sums per owning EP rank first and then over the group (its ReduceScatter), a fixed order that
-  // depends on EP: equal to rounding there (and bitwise run to run, tested above).
+  // Invariants 1 and 2 of docs/dispatch-semantics.md 11. The expected values are formed here in
+  // slot order, the All-to-All path's fixed summation order. With ETP a power of two, dividing by
+  // ETP and summing ETP equal parts is exact, so its results are bitwise equal to them and
+  // therefore across mappings: world 8, every fold below computes the same 8 x N tokens. The
+  // AllGather path sums per owning EP rank first and then over the group (its ReduceScatter), a
+  // fixed order that depends on EP: equal to rounding there (and bitwise run to run, tested above).
   constexpr bool slot_order = std::is_same_v<Path, a2a>;
   const fold_config folds[] = {
       {.world = 8, .ep = 1, .etp = 1},
@@ -560,4 +561,107 @@ TEST_CASE_TEMPLATE("pad mode: a rank over capacity, or naming a bad expert, fail
       }
     }
   }
+}
+
+TEST_CASE(
+    "DeepSeek-V3 and Qwen3-235B shapes: workspace queried without allocating, rows grow "
+    "with the receive bound, not with EP") {
+  struct model {
+    const char* name;
+    int E, k, H, N, EP;
+  };
+  using a2a_bf16 = all_to_all_dispatcher<bfloat16, thread_communicator>;
+  for (const model m : {model{"DeepSeek-V3", 256, 8, 7168, 4096, 64},
+                        model{"Qwen3-235B-A22B", 128, 8, 4096, 4096, 32}}) {
+    CAPTURE(m.name);
+    const std::uint64_t row = static_cast<std::uint64_t>(m.H) * sizeof(bfloat16);
+    const std::uint64_t S = static_cast<std::uint64_t>(m.N) * m.k;  // rows a rank sends
+    const std::uint64_t overhead = std::uint64_t{1} << 22;          // counts, plan, probabilities
+    // Unbounded: constructible (64-bit elements), and the worst case grows with EP.
+    const dispatch_shape worst{
+        .max_tokens = m.N, .hidden = m.H, .topk = m.k, .num_experts = m.E, .ep = m.EP};
+    auto dw = a2a_bf16::make(worst);
+    REQUIRE(dw.has_value());
+    const auto w = dw->workspace_sizes();
+    CHECK(w.saved >= S * m.EP * row);              // the experts' batch: every routed pair
+    CHECK(w.scratch >= (2 * S * m.EP + S) * row);  // two receive buffers, one send buffer
+    // A trainer's bound of twice the mean load: the rows follow it, whatever EP is.
+    const int R = static_cast<int>(2 * S);
+    std::vector<dispatch_workspace_bytes> sizes;
+    for (int ep : {8, m.EP}) {
+      dispatch_shape s = worst;
+      s.ep = ep;
+      s.max_recv_rows = R;
+      auto d = a2a_bf16::make(s);
+      REQUIRE(d.has_value());
+      const auto b = d->workspace_sizes();
+      CHECK(b.saved >= R * row);
+      CHECK(b.saved <= R * row + overhead);
+      CHECK(b.scratch >= (2 * std::uint64_t{static_cast<unsigned>(R)} + S) * row);
+      CHECK(b.scratch <= (2 * std::uint64_t{static_cast<unsigned>(R)} + S) * row + overhead);
+      CHECK(d->workspace_bytes() == b.total());
+      sizes.push_back(b);
+    }
+    const auto diff = [](std::size_t a, std::size_t b) { return a > b ? a - b : b - a; };
+    CHECK(diff(sizes[0].total(), sizes[1].total()) < overhead);  // EP 8 vs EP 64: counts only
+  }
+  // Without a bound, a worst case of 2^31 rows or more is refused, naming the fix.
+  auto huge = all_to_all_dispatcher<float, thread_communicator>::make(
+      {.max_tokens = 1 << 16, .hidden = 1, .topk = 8, .num_experts = 4096, .ep = 4096});
+  REQUIRE(!huge);
+  CHECK(huge.error().code == errc::overflow);
+  CHECK(huge.error().message.find("max_recv_rows") != std::string::npos);
+}
+
+TEST_CASE(
+    "a step that would exceed the receive bound fails on every rank alike, before any row "
+    "moves") {
+  for (bool pad : {false, true})
+    for (int path = 0; path < 2; ++path) {
+      CAPTURE(pad);
+      CAPTURE(path);
+      problem p{.fold = {.world = 4, .tp = 2, .ep = 4, .etp = 1}};
+      p.experts = 4;
+      p.topk = 2;
+      p.tokens = 8;
+      p.capacity = pad ? 2 : -1;
+      p.pad = pad;
+      p.max_recv_rows = 3;  // each EP rank receives about 16 rows (pad: C * E * ETP = 8)
+      std::vector<std::string> why(4);
+      std::vector<int> code(4, 0), world_ok(4, 0);
+      const auto st = run_thread_world(4, [&](thread_communicator& comm) -> status {
+        auto r = path == 0 ? run_rank<a2a>(p, comm) : run_rank<ag>(p, comm);
+        const auto me = static_cast<std::size_t>(comm.rank());
+        if (!r) {
+          why[me] = r.error().message;
+          code[me] = static_cast<int>(r.error().code);
+        }
+        world_ok[me] = comm.barrier().has_value();  // every rank still in step
+        return {};
+      });
+      for (const auto& s : st) CHECK(s.has_value());
+      for (std::size_t r = 0; r < 4; ++r) {
+        CAPTURE(r);
+        CHECK(code[r] == static_cast<int>(errc::receive_bound_exceeded));
+        CHECK(why[r] == why[0]);  // the same words on every rank
+        CHECK(world_ok[r] == 1);
+      }
+      CHECK(why[0].find("max_recv_rows") != std::string::npos);
+      // With a bound that holds, the same step runs and equals the reference.
+      p.max_recv_rows = pad ? 8 : 4 * 8 * 2;
+      const auto res = path == 0 ? run<a2a>(p) : run<ag>(p);
+      for (std::size_t r = 0; r < res.size(); ++r) {
+        const auto want = expected_for_rank(p, static_cast<int>(r));
+        CHECK(rel_err(res[r].out, want.out) <= 1e-12);
+        CHECK(rel_err(res[r].dx, want.dx) <= 1e-12);
+        CHECK(rel_err(res[r].dw1, want.dw1) <= 1e-12);
+      }
+    }
+}
+
+TEST_CASE("E 256, k 8 over EP 64 on a 64-rank world with a receive bound equals the reference") {
+  const problem p = ep64_problem(8);
+  coverage cov;
+  check_problem<a2a>(p, cov);
+  CHECK(cov.configs == 1);
 }

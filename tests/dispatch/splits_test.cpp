@@ -1,5 +1,5 @@
-// Split consistency over a whole simulated tp-ep group (dispatch-semantics.md invariant 9), with
-// the chunk counts checked against a direct count of which rows go where.
+// Split consistency over a whole simulated tp-ep group (docs/dispatch-semantics.md invariant 9),
+// with the chunk counts checked against a direct count of which rows go where.
 #include <moefold/dispatch/splits.hpp>
 
 #include <doctest/doctest.h>

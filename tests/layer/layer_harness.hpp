@@ -63,6 +63,7 @@ expected<layer_result> run_layer_rank(const problem& p, const Policy& policy, Co
   using layer_t = moe_layer<T, Comm, Policy, Dispatcher, reference_mlp<T>>;
   auto layer = layer_t::make({.hidden = p.hidden,
                               .max_tokens = p.tokens,
+                              .max_recv_rows = p.max_recv_rows,
                               .ep = fold.ep(),
                               .etp = fold.etp(),
                               .router = {.num_experts = p.experts, .topk = p.topk},

@@ -240,7 +240,8 @@ void check(const problem& p, variant v) {
       idx.resize(static_cast<std::size_t>(K));
       top.push_back(idx);
     }
-    // dlogits of the losses, by the formulas of dispatch-semantics.md 2.5 and the softmax chain.
+    // dlogits of the losses, by the formulas of docs/dispatch-semantics.md 2.5 and the softmax
+    // chain.
     std::vector<double> dscore(static_cast<std::size_t>(W * N * E), 0.0);
     if (losses) {
       // Per sequence, per tp-cp group: S = N/B * |tp_cp| tokens per sequence.

@@ -148,3 +148,39 @@ TEST_CASE("the MoE layer equals the reference on a sweep of 100+ folded mappings
   CHECK(dropping >= 20);
   CHECK(pp_not_last >= 5);
 }
+
+TEST_CASE("a DeepSeek-V3 layer: its dispatcher workspace per part, queried without making it") {
+  using a2a_bf16 = all_to_all_dispatcher<bfloat16, thread_communicator>;
+  using layer_t =
+      moe_layer<bfloat16, thread_communicator, dropless, a2a_bf16, reference_mlp<bfloat16>>;
+  const int R = 2 * 4096 * 8;
+  const moe_layer_options o{.hidden = 7168,
+                            .max_tokens = 4096,
+                            .max_recv_rows = R,
+                            .ep = 64,
+                            .router = {.num_experts = 256, .topk = 8}};
+  auto w = layer_t::workspace_sizes(o);
+  REQUIRE(w.has_value());
+  auto d = a2a_bf16::make(layer_t::dispatch_shape_of(o));
+  REQUIRE(d.has_value());
+  CHECK(w->saved == d->workspace_sizes().saved);
+  CHECK(w->scratch == d->workspace_sizes().scratch);
+  CHECK(w->saved >= std::size_t{R} * 7168 * 2);  // the experts' batch, kept for the backward
+  // A bound that leaves the worst case at 2^31 rows or more unset is refused.
+  moe_layer_options big = o;
+  big.max_recv_rows.reset();
+  big.max_tokens = 1 << 23;  // 2^23 * 8 * 64 = 2^32 rows
+  auto refused = layer_t::workspace_sizes(big);
+  REQUIRE(!refused);
+  CHECK(refused.error().code == errc::overflow);
+}
+
+TEST_CASE(
+    "E 256, k 8 over EP 64: the layer on a 64-rank world with a receive bound equals the "
+    "fp64 reference") {
+  const problem p = ep64_problem(16);
+  CHECK(check_layer<dropless, all_to_all_path<thread_communicator>>(p, dropless{},
+                                                                    drop_mode::none) == 0);
+  CHECK(check_layer<sub_sequence, all_to_all_path<thread_communicator>>(
+            p, sub_sequence{.capacity_factor = 1.0}, drop_mode::per_rank) > 0);
+}

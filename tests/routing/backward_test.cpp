@@ -1,5 +1,5 @@
 // Backward of the router, the drop mask, the aux losses, the z-loss and the gating linear,
-// against central finite differences in fp64 (dispatch-semantics.md section 7, invariant 13).
+// against central finite differences in fp64 (docs/dispatch-semantics.md section 7, invariant 13).
 #include <moefold/comm/thread_world.hpp>
 #include <moefold/dispatch/drop_policy_local.hpp>
 #include <moefold/routing/gating.hpp>

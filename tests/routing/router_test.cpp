@@ -1,4 +1,4 @@
-// The top-k router's forward on the host: the router-math invariants of dispatch-semantics.md
+// The top-k router's forward on the host: the router-math invariants of docs/dispatch-semantics.md
 // section 11 (item 11), the tie rule, group limits, float vs double, and every kind of bad input.
 // The values themselves are checked against Megatron-Core's own code in megatron_reference_test.
 #include <moefold/routing/gating.hpp>

@@ -38,7 +38,7 @@ enum class reduce_op { sum, max };
 }
 
 //! Host-buffer collectives. Counts are in elements, one per peer (size() of them). Element types
-//! at least float, double, int, std::int64_t and moefold::bfloat16 / float16 (comm/dtype.hpp).
+//! at least float, double, int, std::int64_t and moefold::bfloat16 / float16 (core/dtype.hpp).
 //!
 //! - all_reduce(buf, op): in place, every rank ends with the element-wise reduction.
 //! - all_gather(s, r): r.size() >= size() * s.size(); rank i's s lands at r[i * s.size()].

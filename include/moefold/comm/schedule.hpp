@@ -16,10 +16,10 @@
 #include <string>
 #include <vector>
 
+#include "../core/dtype.hpp"
 #include "../core/expected.hpp"
 #include "../core/size.hpp"
 #include "communicator.hpp"
-#include "dtype.hpp"
 
 namespace moefold {
 

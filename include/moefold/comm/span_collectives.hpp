@@ -11,10 +11,11 @@
 #include <span>
 #include <type_traits>
 
+#include "../core/dtype.hpp"
 #include "../core/expected.hpp"
 #include "../core/row_view.hpp"
 #include "communicator.hpp"
-#include "dtype.hpp"
+#include "schedule.hpp"
 
 namespace moefold {
 
@@ -89,6 +90,24 @@ template <class U, class T, class S>
 template <class U, class T, class S>
 [[nodiscard]] int row_width(const row_view<U, S>& send, const row_view<T, S>& recv) noexcept {
   return send.width() > recv.width() ? send.width() : recv.width();
+}
+
+//! The schedule of a row-view collective, `build(width)`, or the rank's rejected arguments (which
+//! the backend posts, so its peers fail at once).
+template <class U, class T, class S, class Build>
+[[nodiscard]] expected<collective_schedule> rows_schedule(const char* op,
+                                                          const row_view<U, S>& send,
+                                                          const row_view<T, S>& recv,
+                                                          Build&& build) {
+  if (auto ok = check_row_views(op, send, recv); !ok) return unexpected<error>(ok.error());
+  return build(row_width(send, recv));
+}
+
+//! A contiguous view as the span of its elements (empty when strided), for the backends'
+//! element-wise forms (all_reduce, broadcast) and engines that take a pointer and a count.
+template <class T, class S>
+[[nodiscard]] std::span<T> flat(const row_view<T, S>& v) noexcept {
+  return {v.data(), static_cast<std::size_t>(v.contiguous() ? v.extent() : 0)};
 }
 
 }  // namespace detail

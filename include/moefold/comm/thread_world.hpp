@@ -29,12 +29,12 @@
 #include <vector>
 
 #include "../core/cpu_exec.hpp"
+#include "../core/dtype.hpp"
 #include "../core/expected.hpp"
 #include "../core/host_exec.hpp"
 #include "../core/row_view.hpp"
 #include "../core/size.hpp"
 #include "communicator.hpp"
-#include "dtype.hpp"
 #include "group_communicator.hpp"
 #include "schedule.hpp"
 #include "span_collectives.hpp"
@@ -202,13 +202,13 @@ class basic_thread_communicator : public span_collectives<basic_thread_communica
 
   template <reducible T>
   [[nodiscard]] status all_reduce(exec_type&, row_view<T, Space> buf, reduce_op op) {
-    return all_reduce(flat(buf), op);
+    return all_reduce(detail::flat(buf), op);
   }
 
   template <transferable T>
   [[nodiscard]] status all_gather(exec_type&, row_view<const T, Space> send,
                                   row_view<T, Space> recv) {
-    auto s = rows_schedule("all_gather", send, recv, [&](int w) {
+    auto s = detail::rows_schedule("all_gather", send, recv, [&](int w) {
       return schedule_builder::all_gather(rank_, size(), detail::uz(send.rows()),
                                           detail::uz(recv.rows()), w);
     });
@@ -219,7 +219,7 @@ class basic_thread_communicator : public span_collectives<basic_thread_communica
   template <transferable T>
   [[nodiscard]] status all_gather_v(exec_type&, row_view<const T, Space> send,
                                     row_view<T, Space> recv, std::span<const int> counts) {
-    auto s = rows_schedule("all_gather_v", send, recv, [&](int w) {
+    auto s = detail::rows_schedule("all_gather_v", send, recv, [&](int w) {
       return schedule_builder::all_gather_v(rank_, size(), counts, detail::uz(send.rows()),
                                             detail::uz(recv.rows()), w);
     });
@@ -231,7 +231,7 @@ class basic_thread_communicator : public span_collectives<basic_thread_communica
   [[nodiscard]] status all_to_all_v(exec_type&, row_view<const T, Space> send,
                                     std::span<const int> send_counts, row_view<T, Space> recv,
                                     std::span<const int> recv_counts) {
-    auto s = rows_schedule("all_to_all_v", send, recv, [&](int w) {
+    auto s = detail::rows_schedule("all_to_all_v", send, recv, [&](int w) {
       return schedule_builder::all_to_all_v(rank_, size(), send_counts, recv_counts,
                                             detail::uz(send.rows()), detail::uz(recv.rows()), w);
     });
@@ -243,7 +243,7 @@ class basic_thread_communicator : public span_collectives<basic_thread_communica
   [[nodiscard]] status reduce_scatter_v(exec_type&, row_view<const T, Space> send,
                                         std::span<const int> counts, row_view<T, Space> recv,
                                         reduce_op op) {
-    auto s = rows_schedule("reduce_scatter_v", send, recv, [&](int w) {
+    auto s = detail::rows_schedule("reduce_scatter_v", send, recv, [&](int w) {
       return schedule_builder::reduce_scatter_v(rank_, size(), counts, detail::uz(send.rows()),
                                                 detail::uz(recv.rows()), w);
     });
@@ -267,7 +267,7 @@ class basic_thread_communicator : public span_collectives<basic_thread_communica
 
   template <transferable T>
   [[nodiscard]] status broadcast(exec_type&, row_view<T, Space> buf, int root) {
-    return broadcast(flat(buf), root);
+    return broadcast(detail::flat(buf), root);
   }
 
   [[nodiscard]] status barrier(exec_type&) { return barrier(); }
@@ -314,21 +314,6 @@ class basic_thread_communicator : public span_collectives<basic_thread_communica
  private:
   template <moefold::memory_space>
   friend class basic_thread_communicator;
-
-  // A contiguous view as the span of its elements (the thread world reads every space alike).
-  template <class T>
-  static std::span<T> flat(const row_view<T, Space>& v) noexcept {
-    return {v.data(), static_cast<std::size_t>(v.contiguous() ? v.extent() : 0)};
-  }
-  // The schedule of a row-view collective, or the rank's rejected arguments.
-  template <class U, class T, class Build>
-  static expected<collective_schedule> rows_schedule(const char* op, const row_view<U, Space>& send,
-                                                     const row_view<T, Space>& recv,
-                                                     Build&& build) {
-    if (auto ok = detail::check_row_views(op, send, recv); !ok)
-      return unexpected<error>(ok.error());
-    return build(detail::row_width(send, recv));
-  }
 
   template <class A>
   static A combine(A a, A b, reduce_op op) {

@@ -29,6 +29,7 @@ enum class errc {
   non_finite_input,             //!< NaN or infinity where a finite number is required
   not_supported,                //!< a valid request this build or backend cannot serve
   workspace_too_small,          //!< the caller's workspace is smaller than workspace_bytes()
+  receive_bound_exceeded,       //!< a rank would receive more rows than dispatch_shape's bound
   comm_mismatch,                //!< peers called different collectives, or counts disagree
   comm_timeout,                 //!< a peer did not arrive within the timeout
   comm_peer_failed,             //!< a peer threw, returned early or aborted
@@ -58,6 +59,7 @@ enum class errc {
     case errc::non_finite_input: return "non_finite_input";
     case errc::not_supported: return "not_supported";
     case errc::workspace_too_small: return "workspace_too_small";
+    case errc::receive_bound_exceeded: return "receive_bound_exceeded";
     case errc::comm_mismatch: return "comm_mismatch";
     case errc::comm_timeout: return "comm_timeout";
     case errc::comm_peer_failed: return "comm_peer_failed";

@@ -15,6 +15,9 @@
 
 #include <concepts>
 #include <cstddef>
+#include <cstring>
+#include <new>
+#include <string>
 
 #include "expected.hpp"
 #include "memory_space.hpp"
@@ -51,6 +54,22 @@ template <class U, class S1, class T, class S2>
                           ", " + to_decimal(dst.width()) + "] differ (from " + S1::name + " to " +
                           S2::name + " memory)");
   return {};
+}
+
+//! 256-byte aligned host memory for a context's allocate_bytes (each byte set to `fill` when
+//! fill >= 0: the CPU executor poisons its memory).
+[[nodiscard]] inline expected<void*> aligned_host_bytes(std::size_t bytes, const char* ctx,
+                                                        int fill = -1) {
+  void* p = ::operator new (bytes == 0 ? 1 : bytes, std::align_val_t{256}, std::nothrow);
+  if (!p)
+    return make_error(errc::backend_error, std::string(ctx) + ": allocating " +
+                                               to_decimal(static_cast<long long>(bytes)) +
+                                               " bytes failed");
+  if (fill >= 0) std::memset(p, fill, bytes);
+  return p;
+}
+inline void free_aligned_host_bytes(void* p) noexcept {
+  ::operator delete (p, std::align_val_t{256});
 }
 
 //! Row-by-row host copy (memmove semantics are not needed: views passed to copy do not overlap).

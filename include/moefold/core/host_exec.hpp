@@ -32,16 +32,9 @@ struct host_exec {
     return {};
   }
   [[nodiscard]] expected<void*> allocate_bytes(std::size_t bytes) const {
-    void* p = ::operator new (bytes == 0 ? 1 : bytes, std::align_val_t{256}, std::nothrow);
-    if (!p)
-      return make_error(errc::backend_error, "host_exec: allocating " +
-                                                 detail::to_decimal(static_cast<long long>(bytes)) +
-                                                 " bytes failed");
-    return p;
+    return detail::aligned_host_bytes(bytes, name);
   }
-  void deallocate_bytes(void* p, std::size_t) const noexcept {
-    ::operator delete (p, std::align_val_t{256});
-  }
+  void deallocate_bytes(void* p, std::size_t) const noexcept { detail::free_aligned_host_bytes(p); }
   [[nodiscard]] status synchronize() const { return {}; }
 };
 

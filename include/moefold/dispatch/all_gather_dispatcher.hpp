@@ -2,8 +2,8 @@
 //! @brief The AllGather token dispatcher (host path): every rank of the tp-ep group gathers all
 //! tokens of the group, computes the rows of its own local experts, and a ReduceScatter sums the
 //! experts' contributions (over EP) and the row-parallel partials (over ETP) back to each token's
-//! rank (dispatch-semantics.md 5.1). Simpler than the All-to-All path and a test oracle for it:
-//! same results, more bytes (O(N * ETP * EP * H) per rank, independent of k).
+//! rank (docs/dispatch-semantics.md 5.1). Simpler than the All-to-All path and a test oracle for
+//! it: same results, more bytes (O(N * ETP * EP * H) per rank, independent of k).
 #pragma once
 
 #include <cstddef>
@@ -14,9 +14,11 @@
 #include "../core/expected.hpp"
 #include "../core/host_exec.hpp"
 #include "../core/row_view.hpp"
+#include "../core/size.hpp"
 #include "../core/workspace.hpp"
 #include "dispatch_args.hpp"
 #include "dispatch_handle.hpp"
+#include "dispatcher_common.hpp"
 #include "permute.hpp"
 
 namespace moefold {
@@ -25,7 +27,11 @@ namespace moefold {
 //! context Exec: Comm's memory space must be Exec's (communicator_for).
 template <class T, class Comm, class Exec = host_exec>
 requires communicator_for<Comm, Exec, T> && communicator_for<Comm, Exec, int>
-class all_gather_dispatcher {
+class all_gather_dispatcher
+    : public dispatcher_common<all_gather_dispatcher<T, Comm, Exec>, T, Comm, Exec> {
+  using common = dispatcher_common<all_gather_dispatcher<T, Comm, Exec>, T, Comm, Exec>;
+  using common::rows_of;
+
   // As in all_to_all_dispatcher: the device contexts get the row operations next.
   static_assert(host_accessible_v<typename Exec::memory_space>,
                 "all_gather_dispatcher: the device path (cpu_exec, cuda_exec) is not built yet");
@@ -34,7 +40,11 @@ class all_gather_dispatcher {
   using value_type = T;
   using exec_type = Exec;
   using space = typename Exec::memory_space;
-  using handle_type = dispatch_handle<all_gather_dispatcher>;
+  using handle_type = typename common::handle_type;
+  using common::combine;
+  using common::combine_backward;
+  using common::dispatch;
+  using common::dispatch_backward;
   //! What the handle keeps: the token count of every tp-ep rank (in tp-ep rank order).
   struct state {
     std::span<int> tokens;  //!< [EP*ETP]
@@ -53,29 +63,37 @@ class all_gather_dispatcher {
 
   [[nodiscard]] const dispatch_shape& shape() const noexcept { return s_; }
 
-  //! Bytes of workspace one round trip (and its backward) needs; in pad mode pass the capacity.
-  [[nodiscard]] std::size_t workspace_bytes(int capacity = -1) const {
-    workspace_carver c;
-    (void)carve(c, capacity);
-    return c.required();
+  //! Bytes of workspace one round trip (and its backward) needs, per part (dispatch_workspace);
+  //! in pad mode pass the capacity. The gathered tokens (scratch) are O(max_tokens * EP * ETP *
+  //! H), inherent to this path; the experts' batch (saved) follows the receive bound. A query:
+  //! nothing is allocated.
+  [[nodiscard]] dispatch_workspace_bytes workspace_sizes(int capacity = -1) const {
+    workspace_carver saved, scratch;
+    buffers b;
+    carve_saved(saved, capacity, b);
+    carve_scratch(scratch, b);
+    return {saved.required(), scratch.required()};
   }
 
   //! Forward dispatch: gather the group's tokens, keep the rows of this rank's experts.
   [[nodiscard]] expected<handle_type> dispatch(Exec& x, const dispatch_input<T>& in,
                                                const dispatch_groups<Comm>& g,
-                                               std::span<std::byte> workspace) {
+                                               const dispatch_workspace& ws) {
     using detail::to_decimal;
     if (auto st = detail::check_dispatch_groups(s_, g); !st) return unexpected<error>(st.error());
     if (auto st = detail::check_dispatch_input(s_, in); !st) return unexpected<error>(st.error());
-    workspace_carver c(workspace);
-    buffers b = carve(c, in.capacity);
-    if (!c.fits())
+    workspace_carver cs(ws.saved), cx(ws.scratch);
+    buffers b;
+    carve_saved(cs, in.capacity, b);
+    carve_scratch(cx, b);
+    if (!cs.fits() || !cx.fits())
       return make_error(errc::workspace_too_small,
-                        "dispatch: the workspace has " + to_decimal(workspace.size()) +
-                            " bytes, workspace_bytes(" + to_decimal(in.capacity) +
-                            ") = " + to_decimal(c.required()));
+                        "dispatch: the workspace has " + to_decimal(ws.saved.size()) +
+                            " saved and " + to_decimal(ws.scratch.size()) +
+                            " scratch bytes, workspace_sizes(" + to_decimal(in.capacity) + ") = {" +
+                            to_decimal(cs.required()) + ", " + to_decimal(cx.required()) + "}");
     bufs_ = b;
-    const auto H = uz(s_.hidden), K = uz(s_.topk);
+    const auto H = detail::uz(s_.hidden), K = detail::uz(s_.topk);
     handle_type h;
     h.issue(this, ++serial_, s_.hidden, in.num_tokens);
     h.st_.tokens = b.tokens;
@@ -103,7 +121,7 @@ class all_gather_dispatcher {
       total += v;
     }
     h.st_.gathered = static_cast<int>(total);
-    const auto G = uz(total);
+    const auto G = detail::uz(total);
     const int peers = g.tp_ep.size() - 1;
     h.volume_.count_gather = {
         peers, static_cast<long long>(peers) * static_cast<long long>(sizeof(header))};
@@ -129,14 +147,14 @@ class all_gather_dispatcher {
     std::size_t t0 = 0;
     for (std::size_t q = 0; q < b.tokens.size(); ++q) {
       for (auto& c : b.expert_counts) c = 0;
-      const auto tq = uz(b.tokens[q]);
+      const auto tq = detail::uz(b.tokens[q]);
       for (std::size_t i = t0 * K; i < (t0 + tq) * K; ++i) {
         if (eg[i] < -1 || eg[i] >= s_.num_experts)
           return make_error(errc::invalid_argument,
                             "dispatch: tp-ep rank " + to_decimal(static_cast<long long>(q)) +
                                 " names expert " + to_decimal(eg[i]) + ", outside [0, " +
                                 to_decimal(s_.num_experts) + ") (use -1 for a dropped pair)");
-        if (in.capacity >= 0 && eg[i] >= 0 && ++b.expert_counts[uz(eg[i])] > in.capacity)
+        if (in.capacity >= 0 && eg[i] >= 0 && ++b.expert_counts[detail::uz(eg[i])] > in.capacity)
           return make_error(errc::invalid_argument,
                             "dispatch: tp-ep rank " + to_decimal(static_cast<long long>(q)) +
                                 " routes more than the capacity " + to_decimal(in.capacity) +
@@ -144,8 +162,24 @@ class all_gather_dispatcher {
       }
       t0 += tq;
     }
-    // 3. Keep this rank's experts: a local routing record over the gathered tokens.
+    // The receive bound, checked by every rank on every EP rank's rows (all see the same record).
     const int L = s_.num_experts / s_.ep, first = g.ep.rank() * L;
+    if (in.capacity < 0) {
+      for (auto& c : b.expert_counts) c = 0;
+      for (std::size_t i = 0; i < G * K; ++i)
+        if (eg[i] >= 0) ++b.expert_counts[detail::uz(eg[i])];
+      for (int q = 0; q < s_.ep; ++q) {
+        long long rows = 0;
+        for (int l = 0; l < L; ++l) rows += b.expert_counts[detail::uz(q * L + l)];
+        if (rows > recv_rows(in.capacity))
+          return make_error(errc::receive_bound_exceeded,
+                            "dispatch: EP rank " + to_decimal(q) + " would receive " +
+                                to_decimal(rows) + " rows, more than the receive bound " +
+                                to_decimal(recv_rows(in.capacity)) +
+                                " (dispatch_shape::max_recv_rows; raise it, or drop tokens)");
+      }
+    }
+    // 3. Keep this rank's experts: a local routing record over the gathered tokens.
     auto local = b.local_experts.first(G * K);
     for (std::size_t i = 0; i < G * K; ++i)
       local[i] = (eg[i] >= first && eg[i] < first + L) ? eg[i] - first : -1;
@@ -161,9 +195,10 @@ class all_gather_dispatcher {
     if (!plan) return unexpected<error>(plan.error());
     h.plan_ = *plan;
     for (int l = 0; l < L; ++l)  // rows per local expert, padding included
-      b.per_expert[uz(l)] = h.plan_.offsets()[uz(l) + 1] - h.plan_.offsets()[uz(l)];
+      b.per_expert[detail::uz(l)] =
+          h.plan_.offsets()[detail::uz(l) + 1] - h.plan_.offsets()[detail::uz(l)];
     h.per_expert_ = b.per_expert;
-    const auto M = uz(h.plan_.num_rows());
+    const auto M = detail::uz(h.plan_.num_rows());
     h.x_ = b.batch_x.first(M * H);
     h.p_ = b.batch_probs.first(M);
     if (auto st = permute<T>(h.plan_, std::span<const T>(xg), s_.hidden, h.x_); !st)
@@ -177,8 +212,8 @@ class all_gather_dispatcher {
   [[nodiscard]] status combine(Exec& x, handle_type& h, std::span<const T> y,
                                const dispatch_groups<Comm>& g, std::span<T> out) {
     if (auto st = check_handle(h, g); !st) return st;
-    const auto H = uz(s_.hidden), G = uz(h.st_.gathered);
-    if (y.size() != uz(h.num_rows()) * H || out.size() != uz(h.num_tokens()) * H)
+    const auto H = detail::uz(s_.hidden), G = detail::uz(h.st_.gathered);
+    if (y.size() != detail::uz(h.num_rows()) * H || out.size() != detail::uz(h.num_tokens()) * H)
       return make_error(errc::shape_mismatch, "combine: y must be [M, H] and out [N, H]");
     auto u = bufs_.rows_b.first(G * H);  // zeros for tokens without a local expert
     if (auto st = unpermute<T>(h.plan_, y, s_.hidden, {}, u); !st) return st;
@@ -196,8 +231,8 @@ class all_gather_dispatcher {
   [[nodiscard]] status combine_backward(Exec& x, const handle_type& h, std::span<const T> dout,
                                         const dispatch_groups<Comm>& g, std::span<T> dy) {
     if (auto st = check_handle(h, g); !st) return st;
-    const auto H = uz(s_.hidden), G = uz(h.st_.gathered);
-    if (dout.size() != uz(h.num_tokens()) * H || dy.size() != uz(h.num_rows()) * H)
+    const auto H = detail::uz(s_.hidden), G = detail::uz(h.st_.gathered);
+    if (dout.size() != detail::uz(h.num_tokens()) * H || dy.size() != detail::uz(h.num_rows()) * H)
       return make_error(errc::shape_mismatch, "combine_backward: dout [N, H], dy [M, H]");
     auto gu = bufs_.rows_b.first(G * H);  // ReduceScatter backward = AllGather
     if (auto st = g.tp_ep.all_gather_v(x, rows_of(dout, s_.hidden), rows_of(gu, s_.hidden),
@@ -213,9 +248,11 @@ class all_gather_dispatcher {
                                          const dispatch_groups<Comm>& g, std::span<T> dx,
                                          std::span<T> dprobs) {
     if (auto st = check_handle(h, g); !st) return st;
-    const auto H = uz(s_.hidden), K = uz(s_.topk), G = uz(h.st_.gathered);
-    if (dx_rows.size() != uz(h.num_rows()) * H || dprob_rows.size() != uz(h.num_rows()) ||
-        dx.size() != uz(h.num_tokens()) * H || dprobs.size() != uz(h.num_tokens()) * K)
+    const auto H = detail::uz(s_.hidden), K = detail::uz(s_.topk), G = detail::uz(h.st_.gathered);
+    if (dx_rows.size() != detail::uz(h.num_rows()) * H ||
+        dprob_rows.size() != detail::uz(h.num_rows()) ||
+        dx.size() != detail::uz(h.num_tokens()) * H ||
+        dprobs.size() != detail::uz(h.num_tokens()) * K)
       return make_error(errc::shape_mismatch,
                         "dispatch_backward: dx_rows [M, H], dprob_rows "
                         "[M], dx [N, H], dprobs [N*k]");
@@ -231,37 +268,11 @@ class all_gather_dispatcher {
     auto gp = bufs_.probs_a.first(G * K);
     for (std::size_t s = 0; s < G * K; ++s) {
       const int r = h.plan_.slot_row()[s];
-      gp[s] = r < 0 ? T(0) : dprob_rows[uz(r)];
+      gp[s] = r < 0 ? T(0) : dprob_rows[detail::uz(r)];
     }
     return g.tp_ep.reduce_scatter_v(x, rows_of(std::span<const T>(gp), s_.topk),
                                     std::span<const int>(h.st_.tokens), rows_of(dprobs, s_.topk),
                                     reduce_op::sum);
-  }
-
-  // The same on a default-constructed context (host_exec: nothing to carry).
-  [[nodiscard]] expected<handle_type> dispatch(
-      const dispatch_input<T>& in, const dispatch_groups<Comm>& g,
-      std::span<std::byte> workspace) requires std::default_initializable<Exec> {
-    Exec x{};
-    return dispatch(x, in, g, workspace);
-  }
-  [[nodiscard]] status combine(handle_type& h, std::span<const T> y, const dispatch_groups<Comm>& g,
-                               std::span<T> out) requires std::default_initializable<Exec> {
-    Exec x{};
-    return combine(x, h, y, g, out);
-  }
-  [[nodiscard]] status combine_backward(const handle_type& h, std::span<const T> dout,
-                                        const dispatch_groups<Comm>& g,
-                                        std::span<T> dy) requires std::default_initializable<Exec> {
-    Exec x{};
-    return combine_backward(x, h, dout, g, dy);
-  }
-  [[nodiscard]] status dispatch_backward(
-      const handle_type& h, std::span<const T> dx_rows, std::span<const T> dprob_rows,
-      const dispatch_groups<Comm>& g, std::span<T> dx,
-      std::span<T> dprobs) requires std::default_initializable<Exec> {
-    Exec x{};
-    return dispatch_backward(x, h, dx_rows, dprob_rows, g, dx, dprobs);
   }
 
  private:
@@ -271,39 +282,42 @@ class all_gather_dispatcher {
     std::span<T> rows_a, rows_b, probs_a, batch_x, batch_probs;
   };
 
-  static constexpr std::size_t uz(long long v) noexcept { return static_cast<std::size_t>(v); }
+  // Rows of the experts' batch at most: the receive bound (by default every routed pair of the
+  // group), or C per (rank, local expert) in pad mode.
+  long long recv_rows(int capacity) const noexcept {
+    const long long P = static_cast<long long>(s_.ep) * s_.etp, L = s_.num_experts / s_.ep;
+    if (capacity >= 0) return static_cast<long long>(capacity) * L * P;
+    return s_.max_recv_rows ? *s_.max_recv_rows : detail::worst_recv_rows(s_);
+  }
 
-  buffers carve(workspace_carver& c, int capacity) const {
-    buffers b;
-    const auto P = uz(s_.ep) * uz(s_.etp), H = uz(s_.hidden), K = uz(s_.topk);
-    const auto G = uz(s_.max_tokens) * P, L = uz(s_.num_experts / s_.ep);
-    // Rows of the experts' batch: the routed pairs of the group, or C per (rank, local expert).
-    const auto M = capacity >= 0 ? uz(capacity) * L * P : G * K;
+  // Saved (kept by the handle until the backward): the plan, the token counts, the batch.
+  void carve_saved(workspace_carver& c, int capacity, buffers& b) const {
+    const auto P = detail::uz(s_.ep) * detail::uz(s_.etp), H = detail::uz(s_.hidden);
+    const auto G = detail::uz(s_.max_tokens) * P, L = detail::uz(s_.num_experts / s_.ep);
+    const auto M = detail::uz(recv_rows(capacity));
     const permute_args pa{.num_tokens = static_cast<int>(G),
                           .topk = s_.topk,
                           .num_experts = static_cast<int>(L),
                           .capacity = capacity,
                           .num_sources = capacity >= 0 ? static_cast<int>(P) : 1};
     b.plan = c.take<std::byte>(permute_plan::workspace_bytes(pa));
-    b.header = c.take<int>(2 * P);
     b.tokens = c.take<int>(P);
     b.per_expert = c.take<int>(L);
-    b.expert_counts = c.take<int>(uz(s_.num_experts));
+    b.batch_x = c.take<T>(M * H);
+    b.batch_probs = c.take<T>(M);
+  }
+  // Scratch (dead after each call): the gathered tokens, routing and probabilities.
+  void carve_scratch(workspace_carver& c, buffers& b) const {
+    const auto P = detail::uz(s_.ep) * detail::uz(s_.etp), H = detail::uz(s_.hidden),
+               K = detail::uz(s_.topk);
+    const auto G = detail::uz(s_.max_tokens) * P;
+    b.header = c.take<int>(2 * P);
+    b.expert_counts = c.take<int>(detail::uz(s_.num_experts));
     b.experts = c.take<int>(G * K);
     b.local_experts = c.take<int>(G * K);
     b.rows_a = c.take<T>(G * H);
     b.rows_b = c.take<T>(G * H);
     b.probs_a = c.take<T>(G * K);
-    b.batch_x = c.take<T>(M * H);
-    b.batch_probs = c.take<T>(M);
-    return b;
-  }
-
-  // [v.size() / width, width] in this dispatcher's space.
-  template <class U>
-  static row_view<U, space> rows_of(std::span<U> v, int width) noexcept {
-    return row_view<U, space>(v.data(), width > 0 ? static_cast<int>(v.size() / uz(width)) : 0,
-                              width);
   }
 
   status check_handle(const handle_type& h, const dispatch_groups<Comm>& g) const {

@@ -2,7 +2,7 @@
 //! @brief The All-to-All token dispatcher (host path): tokens laid out by the attention mesh go to
 //! their experts under the MoE mesh and come back, forward and backward, for any fold.
 //!
-//! Forward (dispatch-semantics.md 5.2.2), per rank:
+//! Forward (docs/dispatch-semantics.md 5.2.2), per rank:
 //!   permute -> All-to-All-V over EP -> AllGather-V over ETP -> chunk sort (t, j, l) -> (l, t, j)
 //!   -> [experts] -> chunk unsort -> ReduceScatter-V over ETP -> All-to-All-V back -> un-permute.
 //! The backward runs the mirror image and reuses the forward's plan, splits and chunk order, which
@@ -18,11 +18,13 @@
 #include "../core/expected.hpp"
 #include "../core/host_exec.hpp"
 #include "../core/row_view.hpp"
+#include "../core/size.hpp"
 #include "../core/workspace.hpp"
-#include "../experts/expert_fn.hpp"
 #include "chunk_sort.hpp"
 #include "dispatch_args.hpp"
 #include "dispatch_handle.hpp"
+#include "dispatcher_common.hpp"
+#include "expert_batch.hpp"
 #include "permute.hpp"
 #include "splits.hpp"
 
@@ -32,7 +34,11 @@ namespace moefold {
 //! execution context Exec: Comm's memory space must be Exec's (communicator_for).
 template <class T, class Comm, class Exec = host_exec>
 requires communicator_for<Comm, Exec, T> && communicator_for<Comm, Exec, int>
-class all_to_all_dispatcher {
+class all_to_all_dispatcher
+    : public dispatcher_common<all_to_all_dispatcher<T, Comm, Exec>, T, Comm, Exec> {
+  using common = dispatcher_common<all_to_all_dispatcher<T, Comm, Exec>, T, Comm, Exec>;
+  using common::rows_of;
+
   // The dispatcher's bookkeeping and row movement are host loops today; the device contexts get
   // them as context operations (permute, gather, copy chunks), then this file serves both.
   static_assert(host_accessible_v<typename Exec::memory_space>,
@@ -42,11 +48,15 @@ class all_to_all_dispatcher {
   using value_type = T;
   using exec_type = Exec;
   using space = typename Exec::memory_space;
-  using handle_type = dispatch_handle<all_to_all_dispatcher>;
+  using handle_type = typename common::handle_type;
+  using common::combine;
+  using common::combine_backward;
+  using common::dispatch;
+  using common::dispatch_backward;
   //! What the handle keeps for combine and the backward: splits and the chunk order.
   struct state {
-    std::span<int> input_splits, output_splits, output_splits_tp, per_expert, chunk_counts, order,
-        sorted_sizes;
+    std::span<int> input_splits, output_splits, output_splits_tp, per_expert, chunk_counts, order;
+    std::span<int> chunk_src, chunk_dst;  //!< [ETP*EP*L] chunk offsets (rows) before/after the sort
   };
 
   //! Checks the shape (detail::check_dispatch_shape).
@@ -59,30 +69,38 @@ class all_to_all_dispatcher {
 
   [[nodiscard]] const dispatch_shape& shape() const noexcept { return s_; }
 
-  //! Bytes of workspace one dispatch/combine round trip (and its backward) needs; in pad mode
-  //! (dispatch_input::capacity >= 0) pass the capacity: the rows then follow from it.
-  [[nodiscard]] std::size_t workspace_bytes(int capacity = -1) const {
-    workspace_carver c;
-    (void)carve(c, capacity);
-    return c.required();
+  //! Bytes of workspace one dispatch/combine round trip (and its backward) needs, per part
+  //! (dispatch_workspace): rows grow with the receive bound (dispatch_shape::max_recv_rows), not
+  //! with EP. In pad mode (dispatch_input::capacity >= 0) pass the capacity: the rows then follow
+  //! from it. A query: nothing is allocated.
+  [[nodiscard]] dispatch_workspace_bytes workspace_sizes(int capacity = -1) const {
+    workspace_carver saved, scratch;
+    buffers b;
+    carve_saved(saved, capacity, b);
+    carve_scratch(scratch, capacity, b);
+    return {saved.required(), scratch.required()};
   }
 
-  //! Forward dispatch: after it, handle.batch() is what the local experts compute.
+  //! Forward dispatch: after it, handle.batch() is what the local experts compute. `ws.saved`
+  //! stays with the handle until the backward; `ws.scratch` may be shared with other layers.
   [[nodiscard]] expected<handle_type> dispatch(Exec& x, const dispatch_input<T>& in,
                                                const dispatch_groups<Comm>& g,
-                                               std::span<std::byte> workspace) {
+                                               const dispatch_workspace& ws) {
     using detail::to_decimal;
     if (auto st = detail::check_dispatch_groups(s_, g); !st) return unexpected<error>(st.error());
     if (auto st = detail::check_dispatch_input(s_, in); !st) return unexpected<error>(st.error());
-    workspace_carver c(workspace);
-    buffers b = carve(c, in.capacity);
-    if (!c.fits())
+    workspace_carver cs(ws.saved), cx(ws.scratch);
+    buffers b;
+    carve_saved(cs, in.capacity, b);
+    carve_scratch(cx, in.capacity, b);
+    if (!cs.fits() || !cx.fits())
       return make_error(errc::workspace_too_small,
-                        "dispatch: the workspace has " + to_decimal(workspace.size()) +
-                            " bytes, workspace_bytes(" + to_decimal(in.capacity) +
-                            ") = " + to_decimal(c.required()));
+                        "dispatch: the workspace has " + to_decimal(ws.saved.size()) +
+                            " saved and " + to_decimal(ws.scratch.size()) +
+                            " scratch bytes, workspace_sizes(" + to_decimal(in.capacity) + ") = {" +
+                            to_decimal(cs.required()) + ", " + to_decimal(cx.required()) + "}");
     bufs_ = b;
-    const auto H = uz(s_.hidden);
+    const auto H = detail::uz(s_.hidden);
     handle_type h;
     h.issue(this, ++serial_, s_.hidden, in.num_tokens);
     // 1. Plan the permutation (validates the routing record) and exchange the counts; in pad mode
@@ -112,7 +130,8 @@ class all_to_all_dispatcher {
     h.st_.per_expert = b.per_expert;
     h.st_.chunk_counts = b.chunk_counts;
     h.st_.order = b.order;
-    h.st_.sorted_sizes = b.sorted_sizes;
+    h.st_.chunk_src = b.chunk_src;
+    h.st_.chunk_dst = b.chunk_dst;
     const split_args sa{.ep = s_.ep,
                         .etp = s_.etp,
                         .num_experts = s_.num_experts,
@@ -128,38 +147,42 @@ class all_to_all_dispatcher {
       uniform_splits(in.capacity, sv);
     else if (auto st = compute_splits(sa, sv); !st)
       return unexpected<error>(st.error());
+    // Every rank knows every rank's counts: all check the bound on the most loaded EP rank and
+    // fail alike, before any row moves (pad mode was checked against it up front).
+    if (!pad)
+      if (const receive_peak peak = peak_receive(sa); peak.rows > recv_rows(in.capacity))
+        return make_error(errc::receive_bound_exceeded,
+                          "dispatch: EP rank " + to_decimal(peak.ep_rank) + " would receive " +
+                              to_decimal(peak.rows) + " rows, more than the receive bound " +
+                              to_decimal(recv_rows(in.capacity)) +
+                              " (dispatch_shape::max_recv_rows; raise it, or drop tokens)");
     expert_major_chunk_order(s_.etp, s_.ep, local_experts(), h.st_.order);
+    chunk_offsets(h.st_.chunk_counts, h.st_.order, h.st_.chunk_src, h.st_.chunk_dst);
     h.per_expert_ = h.st_.per_expert;
-    sorted_chunk_sizes(h.st_.chunk_counts, h.st_.order, h.st_.sorted_sizes);
     const int m_send = h.plan_.num_rows();
     const int m_a2a = sum(h.st_.output_splits);
     const int m_all = sum(h.st_.output_splits_tp);
-    if (m_all > bound_rows(in.capacity))
-      return make_error(errc::invalid_size,
-                        "dispatch: this rank receives " + to_decimal(m_all) +
-                            " rows, more than the bound max_tokens * topk * ep * etp = " +
-                            to_decimal(bound_rows(in.capacity)) + " (a peer exceeded max_tokens)");
     // 3. Permute rows and probabilities.            x [N,H] -> xp [m_send, H], pp [m_send]
-    auto xp = b.rows_a.first(uz(m_send) * H);
-    auto pp = b.probs_a.first(uz(m_send));
+    auto xp = b.rows_a.first(detail::uz(m_send) * H);
+    auto pp = b.probs_a.first(detail::uz(m_send));
     if (auto st = permute<T>(h.plan_, in.x, s_.hidden, xp); !st)
       return unexpected<error>(st.error());
     if (auto st = permute_probs<T>(h.plan_, in.probs, pp); !st)
       return unexpected<error>(st.error());
     // 4. All-to-All-V over EP.                       -> [m_a2a, H] ordered (j, l, token)
-    auto xr = b.rows_b.first(uz(m_a2a) * H);
-    auto pr = b.probs_b.first(uz(m_a2a));
+    auto xr = b.rows_b.first(detail::uz(m_a2a) * H);
+    auto pr = b.probs_b.first(detail::uz(m_a2a));
     if (auto st = a2a(x, g.ep, xp, h.st_.input_splits, xr, h.st_.output_splits, s_.hidden); !st)
       return unexpected<error>(st.error());
     if (auto st = a2a(x, g.ep, pp, h.st_.input_splits, pr, h.st_.output_splits, 1); !st)
       return unexpected<error>(st.error());
     h.volume_.dispatch_a2a =
-        volume(m_send - h.st_.input_splits[uz(g.ep.rank())], sizeof(T), s_.hidden + 1);
+        volume(m_send - h.st_.input_splits[detail::uz(g.ep.rank())], sizeof(T), s_.hidden + 1);
     // 5. AllGather-V over ETP.                        -> [m_all, H] ordered (t, j, l, token)
     std::span<T> xg = xr, pg = pr;
     if (s_.etp > 1) {
-      xg = b.rows_a.first(uz(m_all) * H);
-      pg = b.probs_a.first(uz(m_all));
+      xg = b.rows_a.first(detail::uz(m_all) * H);
+      pg = b.probs_a.first(detail::uz(m_all));
       if (auto st = agv(x, g.etp, xr, xg, h.st_.output_splits_tp, s_.hidden); !st)
         return unexpected<error>(st.error());
       if (auto st = agv(x, g.etp, pr, pg, h.st_.output_splits_tp, 1); !st)
@@ -168,11 +191,14 @@ class all_to_all_dispatcher {
           volume(static_cast<long long>(m_a2a) * (s_.etp - 1), sizeof(T), s_.hidden + 1);
     }
     // 6. Chunk sort (t, j, l) -> (l, t, j): rows grouped by local expert.
-    h.x_ = b.batch_x.first(uz(m_all) * H);
-    h.p_ = b.batch_probs.first(uz(m_all));
-    if (auto st = sort_chunks<T>(h.st_.chunk_counts, h.st_.order, xg, s_.hidden, h.x_); !st)
+    h.x_ = b.batch_x.first(detail::uz(m_all) * H);
+    h.p_ = b.batch_probs.first(detail::uz(m_all));
+    if (auto st = copy_chunks<T>(h.st_.chunk_counts, h.st_.chunk_src, h.st_.chunk_dst, xg,
+                                 s_.hidden, h.x_);
+        !st)
       return unexpected<error>(st.error());
-    if (auto st = sort_chunks<T>(h.st_.chunk_counts, h.st_.order, pg, 1, h.p_); !st)
+    if (auto st = copy_chunks<T>(h.st_.chunk_counts, h.st_.chunk_src, h.st_.chunk_dst, pg, 1, h.p_);
+        !st)
       return unexpected<error>(st.error());
     return h;
   }
@@ -182,27 +208,29 @@ class all_to_all_dispatcher {
   [[nodiscard]] status combine(Exec& x, handle_type& h, std::span<const T> y,
                                const dispatch_groups<Comm>& g, std::span<T> out) {
     if (auto st = check_handle(h, g); !st) return st;
-    const auto H = uz(s_.hidden);
-    if (y.size() != uz(h.num_rows()) * H || out.size() != uz(h.num_tokens()) * H)
+    const auto H = detail::uz(s_.hidden);
+    if (y.size() != detail::uz(h.num_rows()) * H || out.size() != detail::uz(h.num_tokens()) * H)
       return make_error(errc::shape_mismatch, "combine: y must be [M, H] and out [N, H]");
     const int m_a2a = sum(h.st_.output_splits), m_send = h.plan_.num_rows(), m_all = h.num_rows();
     // Unsort (l, t, j) -> (t, j, l).
-    auto yu = bufs_.rows_a.first(uz(m_all) * H);
-    if (auto st = unsort_chunks<T>(h.st_.chunk_counts, h.st_.order, y, s_.hidden, yu); !st)
+    auto yu = bufs_.rows_a.first(detail::uz(m_all) * H);
+    if (auto st =
+            copy_chunks<T>(h.st_.chunk_counts, h.st_.chunk_dst, h.st_.chunk_src, y, s_.hidden, yu);
+        !st)
       return st;
     // ReduceScatter-V over ETP: sums the row-parallel partials, returns each peer its rows.
     std::span<T> yr = yu;
     if (s_.etp > 1) {
-      yr = bufs_.rows_b.first(uz(m_a2a) * H);
+      yr = bufs_.rows_b.first(detail::uz(m_a2a) * H);
       if (auto st = rsv(x, g.etp, yu, yr, h.st_.output_splits_tp, s_.hidden); !st) return st;
       h.volume_.combine_rsv = volume(m_all - m_a2a, sizeof(T), s_.hidden);
     }
     // All-to-All-V back over EP.
-    auto yc = bufs_.rows_c.first(uz(m_send) * H);
+    auto yc = bufs_.rows_c.first(detail::uz(m_send) * H);
     if (auto st = a2a(x, g.ep, yr, h.st_.output_splits, yc, h.st_.input_splits, s_.hidden); !st)
       return st;
     h.volume_.combine_a2a =
-        volume(m_a2a - h.st_.output_splits[uz(g.ep.rank())], sizeof(T), s_.hidden);
+        volume(m_a2a - h.st_.output_splits[detail::uz(g.ep.rank())], sizeof(T), s_.hidden);
     // Un-permute: out[t] = sum over its pairs, in slot order.
     return unpermute<T>(h.plan_, std::span<const T>(yc), s_.hidden, {}, out);
   }
@@ -211,21 +239,22 @@ class all_to_all_dispatcher {
   [[nodiscard]] status combine_backward(Exec& x, const handle_type& h, std::span<const T> dout,
                                         const dispatch_groups<Comm>& g, std::span<T> dy) {
     if (auto st = check_handle(h, g); !st) return st;
-    const auto H = uz(s_.hidden);
-    if (dout.size() != uz(h.num_tokens()) * H || dy.size() != uz(h.num_rows()) * H)
+    const auto H = detail::uz(s_.hidden);
+    if (dout.size() != detail::uz(h.num_tokens()) * H || dy.size() != detail::uz(h.num_rows()) * H)
       return make_error(errc::shape_mismatch, "combine_backward: dout [N, H], dy [M, H]");
     const int m_a2a = sum(h.st_.output_splits), m_send = h.plan_.num_rows(), m_all = h.num_rows();
-    auto gc = bufs_.rows_c.first(uz(m_send) * H);  // un-permute backward = permute
+    auto gc = bufs_.rows_c.first(detail::uz(m_send) * H);  // un-permute backward = permute
     if (auto st = permute<T>(h.plan_, dout, s_.hidden, gc); !st) return st;
-    auto gr = bufs_.rows_b.first(uz(m_a2a) * H);  // All-to-All backward: swap the splits
+    auto gr = bufs_.rows_b.first(detail::uz(m_a2a) * H);  // All-to-All backward: swap the splits
     if (auto st = a2a(x, g.ep, gc, h.st_.input_splits, gr, h.st_.output_splits, s_.hidden); !st)
       return st;
     std::span<T> gu = gr;  // ReduceScatter backward = AllGather
     if (s_.etp > 1) {
-      gu = bufs_.rows_a.first(uz(m_all) * H);
+      gu = bufs_.rows_a.first(detail::uz(m_all) * H);
       if (auto st = agv(x, g.etp, gr, gu, h.st_.output_splits_tp, s_.hidden); !st) return st;
     }
-    return sort_chunks<T>(h.st_.chunk_counts, h.st_.order, std::span<const T>(gu), s_.hidden, dy);
+    return copy_chunks<T>(h.st_.chunk_counts, h.st_.chunk_src, h.st_.chunk_dst,
+                          std::span<const T>(gu), s_.hidden, dy);
   }
 
   //! Backward of dispatch: the experts' input and probability gradients (batch order, ETP
@@ -235,28 +264,34 @@ class all_to_all_dispatcher {
                                          const dispatch_groups<Comm>& g, std::span<T> dx,
                                          std::span<T> dprobs) {
     if (auto st = check_handle(h, g); !st) return st;
-    const auto H = uz(s_.hidden), K = uz(s_.topk);
-    if (dx_rows.size() != uz(h.num_rows()) * H || dprob_rows.size() != uz(h.num_rows()) ||
-        dx.size() != uz(h.num_tokens()) * H || dprobs.size() != uz(h.num_tokens()) * K)
+    const auto H = detail::uz(s_.hidden), K = detail::uz(s_.topk);
+    if (dx_rows.size() != detail::uz(h.num_rows()) * H ||
+        dprob_rows.size() != detail::uz(h.num_rows()) ||
+        dx.size() != detail::uz(h.num_tokens()) * H ||
+        dprobs.size() != detail::uz(h.num_tokens()) * K)
       return make_error(errc::shape_mismatch,
                         "dispatch_backward: dx_rows [M, H], dprob_rows "
                         "[M], dx [N, H], dprobs [N*k]");
     const int m_a2a = sum(h.st_.output_splits), m_send = h.plan_.num_rows(), m_all = h.num_rows();
-    auto gx = bufs_.rows_a.first(uz(m_all) * H);  // sort backward = unsort
-    auto gp = bufs_.probs_a.first(uz(m_all));
-    if (auto st = unsort_chunks<T>(h.st_.chunk_counts, h.st_.order, dx_rows, s_.hidden, gx); !st)
+    auto gx = bufs_.rows_a.first(detail::uz(m_all) * H);  // sort backward = unsort
+    auto gp = bufs_.probs_a.first(detail::uz(m_all));
+    if (auto st = copy_chunks<T>(h.st_.chunk_counts, h.st_.chunk_dst, h.st_.chunk_src, dx_rows,
+                                 s_.hidden, gx);
+        !st)
       return st;
-    if (auto st = unsort_chunks<T>(h.st_.chunk_counts, h.st_.order, dprob_rows, 1, gp); !st)
+    if (auto st =
+            copy_chunks<T>(h.st_.chunk_counts, h.st_.chunk_dst, h.st_.chunk_src, dprob_rows, 1, gp);
+        !st)
       return st;
     std::span<T> rx = gx, rp = gp;  // AllGather backward = ReduceScatter (a sum over ETP)
     if (s_.etp > 1) {
-      rx = bufs_.rows_b.first(uz(m_a2a) * H);
-      rp = bufs_.probs_b.first(uz(m_a2a));
+      rx = bufs_.rows_b.first(detail::uz(m_a2a) * H);
+      rp = bufs_.probs_b.first(detail::uz(m_a2a));
       if (auto st = rsv(x, g.etp, gx, rx, h.st_.output_splits_tp, s_.hidden); !st) return st;
       if (auto st = rsv(x, g.etp, gp, rp, h.st_.output_splits_tp, 1); !st) return st;
     }
-    auto sx = bufs_.rows_c.first(uz(m_send) * H);  // All-to-All backward: swap the splits
-    auto sp = bufs_.probs_c.first(uz(m_send));
+    auto sx = bufs_.rows_c.first(detail::uz(m_send) * H);  // All-to-All backward: swap the splits
+    auto sp = bufs_.probs_c.first(detail::uz(m_send));
     if (auto st = a2a(x, g.ep, rx, h.st_.output_splits, sx, h.st_.input_splits, s_.hidden); !st)
       return st;
     if (auto st = a2a(x, g.ep, rp, h.st_.output_splits, sp, h.st_.input_splits, 1); !st) return st;
@@ -264,60 +299,38 @@ class all_to_all_dispatcher {
     if (auto st = unpermute<T>(h.plan_, std::span<const T>(sx), s_.hidden, {}, dx); !st) return st;
     for (std::size_t s = 0; s < dprobs.size(); ++s) {
       const int r = h.plan_.slot_row()[s];
-      dprobs[s] = r < 0 ? T(0) : sp[uz(r)];
+      dprobs[s] = r < 0 ? T(0) : sp[detail::uz(r)];
     }
     return {};
-  }
-
-  // The same on a default-constructed context (host_exec: nothing to carry).
-  [[nodiscard]] expected<handle_type> dispatch(
-      const dispatch_input<T>& in, const dispatch_groups<Comm>& g,
-      std::span<std::byte> workspace) requires std::default_initializable<Exec> {
-    Exec x{};
-    return dispatch(x, in, g, workspace);
-  }
-  [[nodiscard]] status combine(handle_type& h, std::span<const T> y, const dispatch_groups<Comm>& g,
-                               std::span<T> out) requires std::default_initializable<Exec> {
-    Exec x{};
-    return combine(x, h, y, g, out);
-  }
-  [[nodiscard]] status combine_backward(const handle_type& h, std::span<const T> dout,
-                                        const dispatch_groups<Comm>& g,
-                                        std::span<T> dy) requires std::default_initializable<Exec> {
-    Exec x{};
-    return combine_backward(x, h, dout, g, dy);
-  }
-  [[nodiscard]] status dispatch_backward(
-      const handle_type& h, std::span<const T> dx_rows, std::span<const T> dprob_rows,
-      const dispatch_groups<Comm>& g, std::span<T> dx,
-      std::span<T> dprobs) requires std::default_initializable<Exec> {
-    Exec x{};
-    return dispatch_backward(x, h, dx_rows, dprob_rows, g, dx, dprobs);
   }
 
  private:
   struct buffers {
     std::span<std::byte> plan;
     std::span<int> gathered, input_splits, output_splits, output_splits_tp, per_expert,
-        chunk_counts, order, sorted_sizes;
+        chunk_counts, order, chunk_src, chunk_dst;
     // Scratch rows and probs reused by every step, and the expert batch, which must survive
     // until the backward (the experts read it again there).
     std::span<T> rows_a, rows_b, rows_c, probs_a, probs_b, probs_c, batch_x, batch_probs;
   };
 
-  static constexpr std::size_t uz(long long v) noexcept { return static_cast<std::size_t>(v); }
   static int sum(std::span<const int> v) noexcept {
     int s = 0;
     for (int x : v) s += x;
     return s;
   }
   int local_experts() const noexcept { return s_.num_experts / s_.ep; }
-  // Rows a buffer of one step holds at most: what the rank receives after the AllGather-V, at
-  // most every routed pair of the tp-ep group (max_tokens * k * EP * ETP); in pad mode exactly
-  // C*L rows from each of the EP * ETP sources, C*E*ETP (which also covers the C*E it sends).
-  long long bound_rows(int capacity) const noexcept {
+  // Rows this rank receives at most (after the AllGather-V): the receive bound, by default every
+  // routed pair of the tp-ep group; in pad mode exactly C*L rows from each of the EP * ETP
+  // sources, C*E*ETP.
+  long long recv_rows(int capacity) const noexcept {
     if (capacity >= 0) return static_cast<long long>(capacity) * s_.num_experts * s_.etp;
-    return static_cast<long long>(s_.max_tokens) * s_.topk * s_.ep * s_.etp;
+    return s_.max_recv_rows ? *s_.max_recv_rows : detail::worst_recv_rows(s_);
+  }
+  // Rows this rank sends at most: its routed pairs, or C per expert in pad mode.
+  long long send_rows(int capacity) const noexcept {
+    if (capacity >= 0) return static_cast<long long>(capacity) * s_.num_experts;
+    return static_cast<long long>(s_.max_tokens) * s_.topk;
   }
   // Pad mode: C rows per (source, expert) everywhere; what compute_splits gives for those counts.
   void uniform_splits(int capacity, const split_view& v) const noexcept {
@@ -332,34 +345,41 @@ class all_to_all_dispatcher {
     return {rows, rows * static_cast<long long>(elem) * per_row};
   }
 
-  // One layout, used both to size and to carve (never two functions that can drift).
-  buffers carve(workspace_carver& c, int capacity) const {
-    buffers b;
-    const auto E = uz(s_.num_experts), EP = uz(s_.ep), ETP = uz(s_.etp), L = uz(local_experts()),
-               H = uz(s_.hidden);
-    const auto rows = uz(bound_rows(capacity));
+  // One layout per part, used both to size and to carve (never two functions that can drift).
+  // Saved (kept by the handle until the backward): the plan, the splits, the experts' batch.
+  void carve_saved(workspace_carver& c, int capacity, buffers& b) const {
+    const auto EP = detail::uz(s_.ep), ETP = detail::uz(s_.etp), L = detail::uz(local_experts()),
+               H = detail::uz(s_.hidden);
+    const auto R = detail::uz(recv_rows(capacity));
     const permute_args pa{.num_tokens = s_.max_tokens,
                           .topk = s_.topk,
                           .num_experts = s_.num_experts,
                           .capacity = capacity};
     b.plan = c.take<std::byte>(permute_plan::workspace_bytes(pa));
-    b.gathered = c.take<int>(EP * ETP * E);
     b.input_splits = c.take<int>(EP);
     b.output_splits = c.take<int>(EP);
     b.output_splits_tp = c.take<int>(ETP);
     b.per_expert = c.take<int>(L);
     b.chunk_counts = c.take<int>(ETP * EP * L);
     b.order = c.take<int>(ETP * EP * L);
-    b.sorted_sizes = c.take<int>(ETP * EP * L);
-    b.rows_a = c.take<T>(rows * H);
-    b.rows_b = c.take<T>(rows * H);
-    b.rows_c = c.take<T>(rows * H);
-    b.probs_a = c.take<T>(rows);
-    b.probs_b = c.take<T>(rows);
-    b.probs_c = c.take<T>(rows);
-    b.batch_x = c.take<T>(rows * H);
-    b.batch_probs = c.take<T>(rows);
-    return b;
+    b.chunk_src = c.take<int>(ETP * EP * L);
+    b.chunk_dst = c.take<int>(ETP * EP * L);
+    b.batch_x = c.take<T>(R * H);
+    b.batch_probs = c.take<T>(R);
+  }
+  // Scratch (dead after each call): the gathered counts and the rows in flight. Buffers a and b
+  // hold received rows (at most the receive bound), c the rows this rank sends.
+  void carve_scratch(workspace_carver& c, int capacity, buffers& b) const {
+    const auto E = detail::uz(s_.num_experts), EP = detail::uz(s_.ep), ETP = detail::uz(s_.etp),
+               H = detail::uz(s_.hidden);
+    const auto R = detail::uz(recv_rows(capacity)), S = detail::uz(send_rows(capacity));
+    b.gathered = c.take<int>(EP * ETP * E);
+    b.rows_a = c.take<T>(R * H);
+    b.rows_b = c.take<T>(R * H);
+    b.rows_c = c.take<T>(S * H);
+    b.probs_a = c.take<T>(R);
+    b.probs_b = c.take<T>(R);
+    b.probs_c = c.take<T>(S);
   }
 
   status check_handle(const handle_type& h, const dispatch_groups<Comm>& g) const {
@@ -369,11 +389,6 @@ class all_to_all_dispatcher {
 
   // The collectives on row views: counts in rows of `width` elements (the communicator does the
   // 64-bit element arithmetic).
-  template <class U>
-  static row_view<U, space> rows_of(std::span<U> v, int width) noexcept {
-    return row_view<U, space>(v.data(), width > 0 ? static_cast<int>(v.size() / uz(width)) : 0,
-                              width);
-  }
   static status a2a(Exec& x, Comm& c, std::span<const T> send, std::span<const int> send_rows,
                     std::span<T> recv, std::span<const int> recv_rows, int width) {
     return c.all_to_all_v(x, rows_of(send, width), send_rows, rows_of(recv, width), recv_rows);

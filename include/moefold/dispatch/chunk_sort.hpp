@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <span>
+#include <vector>
 
 #include "../core/expected.hpp"
 
@@ -52,47 +53,75 @@ inline void sorted_chunk_sizes(std::span<const int> sizes, std::span<const int> 
     sorted_sizes[c] = sizes[static_cast<std::size_t>(order[c])];
 }
 
+//! Where every chunk starts, in rows, before (src) and after (dst) the sort: src_offsets[c] is
+//! the prefix sum of sizes at c, dst_offsets[c] the position of chunk c in the sorted order.
+//! Computed once per dispatch; the sort and its inverse are then copy_chunks with the two arrays
+//! swapped, O(rows).   sizes, order, src_offsets, dst_offsets [C]
+inline void chunk_offsets(std::span<const int> sizes, std::span<const int> order,
+                          std::span<int> src_offsets, std::span<int> dst_offsets) noexcept {
+  int run = 0;
+  for (std::size_t c = 0; c < sizes.size(); ++c) {
+    src_offsets[c] = run;
+    run += sizes[c];
+  }
+  run = 0;
+  for (int c : order) {
+    dst_offsets[static_cast<std::size_t>(c)] = run;
+    run += sizes[static_cast<std::size_t>(c)];
+  }
+}
+
+//! out rows [to[c], to[c] + sizes[c]) = x rows [from[c], from[c] + sizes[c]) for every chunk c
+//! (rows of `width` elements; the chunks tile both buffers).  x, out [sum(sizes), width]
+template <class T>
+[[nodiscard]] status copy_chunks(std::span<const int> sizes, std::span<const int> from,
+                                 std::span<const int> to, std::span<const T> x, int width,
+                                 std::span<T> out) {
+  std::size_t rows = 0;
+  for (int v : sizes) rows += static_cast<std::size_t>(v);
+  const auto w = static_cast<std::size_t>(width);
+  if (width < 0 || from.size() != sizes.size() || to.size() != sizes.size() ||
+      x.size() != rows * w || out.size() != rows * w)
+    return make_error(errc::shape_mismatch,
+                      "copy_chunks: buffers must hold sum(sizes) rows and offsets one per chunk");
+  for (std::size_t c = 0; c < sizes.size(); ++c) {
+    const std::size_t n = static_cast<std::size_t>(sizes[c]) * w;
+    const std::size_t src = static_cast<std::size_t>(from[c]) * w,
+                      dst = static_cast<std::size_t>(to[c]) * w;
+    for (std::size_t i = 0; i < n; ++i) out[dst + i] = x[src + i];
+  }
+  return {};
+}
+
+namespace detail {
+// The offsets of a checked order, in a small stack-or-heap buffer (the public sort_chunks and
+// unsort_chunks: tests and callers with a one-off order; the dispatcher keeps its own arrays).
+template <class T, class F>
+status with_chunk_offsets(std::span<const int> sizes, std::span<const int> order, F&& f) {
+  if (auto s = check_chunk_order(sizes, order); !s) return s;
+  std::vector<int> src(sizes.size()), dst(sizes.size());
+  chunk_offsets(sizes, order, src, dst);
+  return f(std::span<const int>(src), std::span<const int>(dst));
+}
+}  // namespace detail
+
 //! out = concat(chunk order[0], chunk order[1], ...) of x split by `sizes` (rows of `width`
 //! elements).  x [sum(sizes), width] -> out [sum(sizes), width]
 template <class T>
 [[nodiscard]] status sort_chunks(std::span<const int> sizes, std::span<const int> order,
                                  std::span<const T> x, int width, std::span<T> out) {
-  if (auto s = check_chunk_order(sizes, order); !s) return s;
-  std::size_t rows = 0;
-  for (int v : sizes) rows += static_cast<std::size_t>(v);
-  const auto w = static_cast<std::size_t>(width);
-  if (width < 0 || x.size() != rows * w || out.size() != rows * w)
-    return make_error(errc::shape_mismatch, "chunk sort: buffers do not hold sum(sizes) rows");
-  std::size_t dst = 0;
-  for (int c : order) {
-    std::size_t src = 0;
-    for (int d = 0; d < c; ++d) src += static_cast<std::size_t>(sizes[static_cast<std::size_t>(d)]);
-    const std::size_t n = static_cast<std::size_t>(sizes[static_cast<std::size_t>(c)]) * w;
-    for (std::size_t i = 0; i < n; ++i) out[dst + i] = x[src * w + i];
-    dst += n;
-  }
-  return {};
+  return detail::with_chunk_offsets<T>(sizes, order, [&](auto src, auto dst) {
+    return copy_chunks<T>(sizes, src, dst, x, width, out);
+  });
 }
 
 //! The inverse of sort_chunks with the same `sizes` (of the unsorted input) and `order`.
 template <class T>
 [[nodiscard]] status unsort_chunks(std::span<const int> sizes, std::span<const int> order,
                                    std::span<const T> sorted, int width, std::span<T> out) {
-  if (auto s = check_chunk_order(sizes, order); !s) return s;
-  std::size_t rows = 0;
-  for (int v : sizes) rows += static_cast<std::size_t>(v);
-  const auto w = static_cast<std::size_t>(width);
-  if (width < 0 || sorted.size() != rows * w || out.size() != rows * w)
-    return make_error(errc::shape_mismatch, "chunk unsort: buffers do not hold sum(sizes) rows");
-  std::size_t src = 0;
-  for (int c : order) {
-    std::size_t dst = 0;
-    for (int d = 0; d < c; ++d) dst += static_cast<std::size_t>(sizes[static_cast<std::size_t>(d)]);
-    const std::size_t n = static_cast<std::size_t>(sizes[static_cast<std::size_t>(c)]) * w;
-    for (std::size_t i = 0; i < n; ++i) out[dst * w + i] = sorted[src + i];
-    src += n;
-  }
-  return {};
+  return detail::with_chunk_offsets<T>(sizes, order, [&](auto src, auto dst) {
+    return copy_chunks<T>(sizes, dst, src, sorted, width, out);
+  });
 }
 
 }  // namespace moefold

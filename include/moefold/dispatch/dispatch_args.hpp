@@ -3,22 +3,46 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <optional>
 #include <span>
 
 #include "../comm/communicator.hpp"
 #include "../core/expected.hpp"
+#include "../core/size.hpp"
 
 namespace moefold {
 
-//! What a dispatcher is sized for. max_tokens bounds N on every rank of the tp-ep group (the
-//! workspace holds the worst case: every token of the group routed to this rank's experts).
+//! What a dispatcher is sized for. max_tokens bounds N on every rank of the tp-ep group;
+//! max_recv_rows bounds the rows this rank's experts receive in one step (after the AllGather
+//! over ETP), as DeepEP's num_worst_tokens: unset, it is the worst case max_tokens * topk * EP *
+//! ETP (every routed pair of the tp-ep group lands on this rank's experts), which grows with EP.
+//! A trainer sets it from its capacity or its measured maximum; a step that would exceed it fails
+//! with errc::receive_bound_exceeded on every rank of the group before any row moves.
 struct dispatch_shape {
-  int max_tokens = 0;   //!< upper bound of N on each rank
-  int hidden = 0;       //!< H
-  int topk = 1;         //!< k
-  int num_experts = 1;  //!< E (global); E % EP == 0
-  int ep = 1;           //!< EP
-  int etp = 1;          //!< ETP
+  int max_tokens = 0;                  //!< upper bound of N on each rank
+  int hidden = 0;                      //!< H
+  int topk = 1;                        //!< k
+  int num_experts = 1;                 //!< E (global); E % EP == 0
+  int ep = 1;                          //!< EP
+  int etp = 1;                         //!< ETP
+  std::optional<int> max_recv_rows{};  //!< receive bound (rows); unset: the worst case
+};
+
+//! The two parts of a dispatcher's workspace. `saved`: what the handle keeps from dispatch to
+//! the backward (plan, splits, the experts' batch), one per MoE layer of a model. `scratch`:
+//! rows and counts used inside one call and dead after it, so one scratch buffer can serve every
+//! layer of a model (calls of different layers never overlap).
+struct dispatch_workspace {
+  std::span<std::byte> saved{};
+  std::span<std::byte> scratch{};
+};
+
+//! Bytes of each part (`total()` when one buffer holds both).
+struct dispatch_workspace_bytes {
+  std::size_t saved = 0;
+  std::size_t scratch = 0;
+  [[nodiscard]] constexpr std::size_t total() const noexcept { return saved + scratch; }
 };
 
 //! One rank's inputs to dispatch.
@@ -28,7 +52,7 @@ struct dispatch_input {
   std::span<const T> x{};         //!< [N, H] tokens
   std::span<const int> expert{};  //!< [N*k] expert of each pair, -1 = dropped
   std::span<const T> probs{};     //!< [N*k] router probability of each pair
-  //! Pad mode when >= 0 (static shapes, dispatch-semantics.md 5.2.1): every expert receives
+  //! Pad mode when >= 0 (static shapes, docs/dispatch-semantics.md 5.2.1): every expert receives
   //! exactly `capacity` rows from this rank, its kept pairs in token order and then zero rows of
   //! probability 0, so no counts need exchanging. Every rank of the tp-ep group must pass the same
   //! value (drop_result::pad_rows); a mismatch is reported by the communicator's count check
@@ -47,7 +71,21 @@ struct dispatch_groups {
 
 namespace detail {
 
-//! Sizes >= 1 (max_tokens >= 0), E divisible by EP, k <= E, worst-case buffers within int.
+//! One buffer as the two parts, saved first. A buffer smaller than their total leaves scratch
+//! empty, which the dispatcher reports as errc::workspace_too_small.
+[[nodiscard]] inline dispatch_workspace split_workspace(
+    std::span<std::byte> w, const dispatch_workspace_bytes& b) noexcept {
+  if (w.size() < b.total()) return {w, {}};
+  return {w.first(b.saved), w.subspan(b.saved)};
+}
+
+//! The worst-case receive rows of a shape (every routed pair of the tp-ep group), in 64 bits.
+[[nodiscard]] constexpr std::int64_t worst_recv_rows(const dispatch_shape& s) noexcept {
+  return static_cast<std::int64_t>(s.max_tokens) * s.topk * s.ep * s.etp;
+}
+
+//! Sizes >= 1 (max_tokens >= 0), E divisible by EP, k <= E, row counts below 2^31 (elements and
+//! bytes are 64-bit: a DeepSeek-V3 layer, H 7168, k 8, 4,096 tokens, EP 64, fits).
 [[nodiscard]] inline status check_dispatch_shape(const dispatch_shape& s) {
   if (s.max_tokens < 0 || s.hidden < 1 || s.topk < 1 || s.num_experts < 1 || s.ep < 1 || s.etp < 1)
     return make_error(errc::invalid_size, "dispatcher: sizes must be >= 1 (max_tokens >= 0)");
@@ -60,10 +98,18 @@ namespace detail {
     return make_error(errc::invalid_argument,
                       "dispatcher: topk = " + to_decimal(s.topk) +
                           " exceeds num_experts = " + to_decimal(s.num_experts));
-  const long long bound = static_cast<long long>(s.max_tokens) * s.topk * s.ep * s.etp;
-  if (bound * s.hidden > 2147483647LL)
+  if (s.max_recv_rows && (*s.max_recv_rows < 0))
+    return make_error(errc::invalid_size, "dispatcher: max_recv_rows must be >= 0 (got " +
+                                              to_decimal(*s.max_recv_rows) + ")");
+  if (static_cast<std::int64_t>(s.max_tokens) * s.topk > max_rows)
     return make_error(errc::overflow,
-                      "dispatcher: max_tokens * topk * ep * etp * hidden exceeds 2^31-1");
+                      "dispatcher: max_tokens * topk = " +
+                          to_decimal(static_cast<long long>(s.max_tokens) * s.topk) +
+                          " rows reach 2^31");
+  if (!s.max_recv_rows && worst_recv_rows(s) > max_rows)
+    return make_error(errc::overflow, "dispatcher: the worst case max_tokens * topk * ep * etp = " +
+                                          to_decimal(worst_recv_rows(s)) +
+                                          " rows reaches 2^31; set dispatch_shape::max_recv_rows");
   return {};
 }
 
@@ -102,11 +148,17 @@ template <class T>
                       "dispatch: capacity = " + to_decimal(in.capacity) +
                           " (pad mode takes a capacity >= 0, -1 turns it off)");
   // Pad mode: a rank's experts compute C rows from each of the EP * ETP sources per local
-  // expert, C * E * ETP rows in all.
+  // expert, C * E * ETP rows in all (what the workspace of workspace_bytes(C) holds).
   const long long pad_bound = static_cast<long long>(in.capacity) * s.num_experts * s.etp;
-  if (in.capacity > 0 && pad_bound * s.hidden > 2147483647LL)
-    return make_error(errc::overflow,
-                      "dispatch: capacity * num_experts * etp * hidden exceeds 2^31-1");
+  if (in.capacity > 0 && pad_bound > max_rows)
+    return make_error(errc::overflow, "dispatch: capacity * num_experts * etp = " +
+                                          to_decimal(pad_bound) + " rows reach 2^31");
+  if (in.capacity >= 0 && s.max_recv_rows && pad_bound > *s.max_recv_rows)
+    return make_error(
+        errc::receive_bound_exceeded,
+        "dispatch: pad mode with capacity " + to_decimal(in.capacity) +
+            " receives capacity * num_experts * etp = " + to_decimal(pad_bound) +
+            " rows on every rank, more than max_recv_rows = " + to_decimal(*s.max_recv_rows));
   return {};
 }
 

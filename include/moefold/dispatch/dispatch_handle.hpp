@@ -7,7 +7,7 @@
 #include <span>
 
 #include "../core/expected.hpp"
-#include "../experts/expert_fn.hpp"
+#include "expert_batch.hpp"
 #include "permute.hpp"
 
 namespace moefold {

@@ -1,7 +1,7 @@
 //! @file drop_policy.hpp
 //! @brief The drop-policy concept and what every policy shares: expert capacity, the keep rule
 //! (drop_by probs or position, optional padding to capacity), and the report of what was dropped.
-//! Semantics: reference/dispatch-semantics.md section 3.
+//! Semantics: docs/dispatch-semantics.md section 3.
 #pragma once
 
 #include <algorithm>
@@ -48,9 +48,10 @@ struct drop_result {
   std::vector<T> final_probs{};           // [N, E]
   std::vector<std::uint8_t> kept{};       // [N, k]: pair (t, indices[t, i]) survived
   //! Pad mode: the rows per expert the dispatcher pads this rank's column to (its kept pairs,
-  //! then zero rows of probability 0, which contribute nothing: dispatch-semantics.md 3.3), giving
-  //! static shapes; -1 without padding. Sub-sequence: C. Full-sequence: the group's C, because a
-  //! rank may hold up to all C kept rows of a column (static shapes cost |TP x CP| x the rows).
+  //! then zero rows of probability 0, which contribute nothing: docs/dispatch-semantics.md 3.3),
+  //! giving static shapes; -1 without padding. Sub-sequence: C. Full-sequence: the group's C,
+  //! because a rank may hold up to all C kept rows of a column (static shapes cost |TP x CP| x the
+  //! rows).
   int pad_rows = -1;
   drop_report report;
 

@@ -3,7 +3,7 @@
 //! sequences held by the TP x CP group. Each rank gathers the (detached) top-k routing of the
 //! group, takes the same deterministic decision in true sequence order, and keeps its own rows.
 //! The result does not depend on TP or CP. Megatron-Core no longer ships this mode (it went with
-//! the alltoall_seq dispatcher); the semantics are reference/dispatch-semantics.md section 3.4.
+//! the alltoall_seq dispatcher); the semantics are docs/dispatch-semantics.md section 3.4.
 #pragma once
 
 #include <algorithm>

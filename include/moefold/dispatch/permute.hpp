@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "../core/expected.hpp"
+#include "../core/size.hpp"
 #include "../core/workspace.hpp"
 
 namespace moefold {
@@ -61,9 +62,9 @@ class permute_plan {
                         "permute: num_sources must be >= 1, and several sources need pad mode "
                         "(capacity >= 0)");
     const long long sources = a.num_sources;
-    if (slots > 2147483647LL ||
+    if (slots > max_rows ||
         (a.capacity >= 0 &&
-         static_cast<long long>(a.capacity) * a.num_experts * sources > 2147483647LL))
+         static_cast<long long>(a.capacity) * a.num_experts * sources > max_rows))
       return make_error(errc::overflow, "permute: N*k or capacity*E*sources exceeds 2^31-1");
     if (a.num_sources > 1) {
       long long total = 0;

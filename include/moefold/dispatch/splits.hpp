@@ -11,6 +11,7 @@
 #include <span>
 
 #include "../core/expected.hpp"
+#include "../core/size.hpp"
 
 namespace moefold {
 
@@ -34,7 +35,7 @@ struct split_view {
   std::span<int> chunk_counts;             //!< [ETP*EP*L] rows of chunk (t, j, l), (t, j, l) order
 };
 
-//! Computes this rank's splits (dispatch-semantics.md 5.2.1).
+//! Computes this rank's splits (docs/dispatch-semantics.md 5.2.1).
 [[nodiscard]] inline status compute_splits(const split_args& a, const split_view& out) {
   using detail::to_decimal;
   if (a.ep < 1 || a.etp < 1 || a.num_experts < 1)
@@ -68,7 +69,7 @@ struct split_view {
     total += c;
   }
   // Every split below is a partial sum of the counts, so this bounds them all.
-  if (total > 2147483647LL)
+  if (total > max_rows)
     return make_error(errc::overflow, "splits: the gathered counts add up to more than 2^31-1");
   // count(t, j, e): rows that tp-ep rank (ep j, etp t) routes to global expert e.
   auto count = [&](int t, int j, int e) {
@@ -102,6 +103,28 @@ struct split_view {
     out.output_splits_tp[static_cast<std::size_t>(t)] = static_cast<int>(tp);
   }
   return {};
+}
+
+//! The rows the most loaded EP rank of the group receives in one step (after the AllGather over
+//! ETP: every ETP peer of an EP rank receives the same rows), and the first EP rank with that
+//! load. Every rank computes it from the same gathered counts, so every rank reaches the same
+//! verdict on a receive bound before any row moves. Arguments as checked by compute_splits.
+struct receive_peak {
+  int ep_rank = 0;
+  long long rows = 0;
+};
+[[nodiscard]] inline receive_peak peak_receive(const split_args& a) noexcept {
+  const int L = a.num_experts / a.ep;
+  const auto E = static_cast<std::size_t>(a.num_experts);
+  receive_peak peak;
+  for (int q = 0; q < a.ep; ++q) {
+    long long rows = 0;
+    for (std::size_t src = 0; src < static_cast<std::size_t>(a.ep) * a.etp; ++src)
+      for (int l = 0; l < L; ++l)
+        rows += a.gathered_counts[src * E + static_cast<std::size_t>(q * L + l)];
+    if (rows > peak.rows || q == 0) peak = {q, rows};
+  }
+  return peak;
 }
 
 }  // namespace moefold

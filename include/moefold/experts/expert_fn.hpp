@@ -8,19 +8,9 @@
 #include <span>
 
 #include "../core/expected.hpp"
+#include "../dispatch/expert_batch.hpp"
 
 namespace moefold {
-
-//! Rows grouped by local expert: rows [offset_l, offset_l + counts[l]) belong to local expert l,
-//! offsets being the running sum of counts. M = sum(counts).
-template <class T>
-struct expert_batch {
-  int hidden = 0;                 //!< H
-  std::span<const int> counts{};  //!< [L] rows per local expert (zeros allowed)
-  std::span<const T> x{};         //!< [M, H] input rows
-  std::span<const T> probs{};     //!< [M] router probability of each row, applied after the
-                                  //!< activation and before fc2 (dispatch-semantics.md 4.6)
-};
 
 //! What an expert functor provides. `forward` writes y [M, H]; under expert tensor parallelism
 //! it is this shard's partial sum, which the dispatcher's ReduceScatter completes. `backward`

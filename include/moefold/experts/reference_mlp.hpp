@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "../core/expected.hpp"
+#include "../core/size.hpp"
 #include "activation.hpp"
 #include "expert_fn.hpp"
 
@@ -109,7 +110,7 @@ class reference_mlp {
     std::vector<T> a(static_cast<std::size_t>(f1_)), h(static_cast<std::size_t>(fs_));
     for_each_row(b, [&](int l, std::size_t r) {
       fc1_row(l, b, r, a);
-      for (int c = 0; c < fs_; ++c) h[uz(c)] = act_out(a, c) * b.probs[r];
+      for (int c = 0; c < fs_; ++c) h[detail::uz(c)] = act_out(a, c) * b.probs[r];
       fc2_row(l, h, y, r);
     });
     return {};
@@ -124,7 +125,7 @@ class reference_mlp {
     if (auto st = check_expert_batch<T>(b, s_.num_local_experts, s_.hidden, outs_h, outs); !st)
       return st;
     const int H = s_.hidden;
-    std::vector<T> a(uz(f1_)), da(uz(f1_));
+    std::vector<T> a(detail::uz(f1_)), da(detail::uz(f1_));
     for_each_row(b, [&](int l, std::size_t r) {
       fc1_row(l, b, r, a);
       const auto w1 = cslice(fc1_, l, H * f1_);
@@ -138,44 +139,43 @@ class reference_mlp {
         T s = T(0);
         const T out = act_out(a, c);
         for (int h = 0; h < H; ++h) {
-          const T g = dy[r * uz(H) + uz(h)];
+          const T g = dy[r * detail::uz(H) + detail::uz(h)];
           s += g * w2[idx(c, h, H)];
           g2[idx(c, h, H)] += out * p * g;
         }
         dp += out * s;
         const T d = p * s;  // gradient at act_out
         if (is_gated(s_.act)) {
-          const T gate = a[uz(c)], up = a[uz(fs_ + c)];
-          da[uz(c)] = d * up * activate_derivative(s_.act, gate);
-          da[uz(fs_ + c)] = d * activate(s_.act, gate);
+          const T gate = a[detail::uz(c)], up = a[detail::uz(fs_ + c)];
+          da[detail::uz(c)] = d * up * activate_derivative(s_.act, gate);
+          da[detail::uz(fs_ + c)] = d * activate(s_.act, gate);
         } else {
-          da[uz(c)] = d * activate_derivative(s_.act, a[uz(c)]);
+          da[detail::uz(c)] = d * activate_derivative(s_.act, a[detail::uz(c)]);
         }
       }
       dprobs[r] = dp;
       for (int h = 0; h < H; ++h) {
-        const T xv = b.x[r * uz(H) + uz(h)];
+        const T xv = b.x[r * detail::uz(H) + detail::uz(h)];
         T s = T(0);
         for (int c = 0; c < f1_; ++c) {
-          s += da[uz(c)] * w1[idx(h, c, f1_)];
-          g1[idx(h, c, f1_)] += xv * da[uz(c)];
+          s += da[detail::uz(c)] * w1[idx(h, c, f1_)];
+          g1[idx(h, c, f1_)] += xv * da[detail::uz(c)];
         }
-        dx[r * uz(H) + uz(h)] = s;
+        dx[r * detail::uz(H) + detail::uz(h)] = s;
       }
     });
     return {};
   }
 
  private:
-  static constexpr std::size_t uz(int v) noexcept { return static_cast<std::size_t>(v); }
   static constexpr std::size_t idx(int r, int c, int cols) noexcept {
-    return uz(r) * uz(cols) + uz(c);
+    return detail::uz(r) * detail::uz(cols) + detail::uz(c);
   }
   static std::span<T> slice(std::vector<T>& v, int l, int n) noexcept {
-    return std::span<T>(v).subspan(uz(l) * uz(n), uz(n));
+    return std::span<T>(v).subspan(detail::uz(l) * detail::uz(n), detail::uz(n));
   }
   static std::span<const T> cslice(const std::vector<T>& v, int l, int n) noexcept {
-    return std::span<const T>(v).subspan(uz(l) * uz(n), uz(n));
+    return std::span<const T>(v).subspan(detail::uz(l) * detail::uz(n), detail::uz(n));
   }
   // Calls f(local expert, row) for every row, experts in order.
   template <class F>
@@ -189,22 +189,22 @@ class reference_mlp {
     const auto w1 = cslice(fc1_, l, s_.hidden * f1_);
     for (auto& v : a) v = T(0);
     for (int h = 0; h < s_.hidden; ++h) {
-      const T xv = b.x[r * uz(s_.hidden) + uz(h)];
-      for (int c = 0; c < f1_; ++c) a[uz(c)] += xv * w1[idx(h, c, f1_)];
+      const T xv = b.x[r * detail::uz(s_.hidden) + detail::uz(h)];
+      for (int c = 0; c < f1_; ++c) a[detail::uz(c)] += xv * w1[idx(h, c, f1_)];
     }
   }
   // The activation output of column c (gated: act(gate) * up).
   T act_out(const std::vector<T>& a, int c) const {
-    return is_gated(s_.act) ? activate(s_.act, a[uz(c)]) * a[uz(fs_ + c)]
-                            : activate(s_.act, a[uz(c)]);
+    return is_gated(s_.act) ? activate(s_.act, a[detail::uz(c)]) * a[detail::uz(fs_ + c)]
+                            : activate(s_.act, a[detail::uz(c)]);
   }
   // y[r] = h . fc2(l)   [H]
   void fc2_row(int l, const std::vector<T>& h, std::span<T> y, std::size_t r) const {
     const auto w2 = cslice(fc2_, l, fs_ * s_.hidden);
     for (int o = 0; o < s_.hidden; ++o) {
       T s = T(0);
-      for (int c = 0; c < fs_; ++c) s += h[uz(c)] * w2[idx(c, o, s_.hidden)];
-      y[r * uz(s_.hidden) + uz(o)] = s;
+      for (int c = 0; c < fs_; ++c) s += h[detail::uz(c)] * w2[idx(c, o, s_.hidden)];
+      y[r * detail::uz(s_.hidden) + detail::uz(o)] = s;
     }
   }
 

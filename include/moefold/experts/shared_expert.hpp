@@ -16,6 +16,7 @@
 
 #include "../comm/communicator.hpp"
 #include "../core/expected.hpp"
+#include "../core/size.hpp"
 #include "../core/workspace.hpp"
 #include "reference_mlp.hpp"
 
@@ -78,33 +79,33 @@ class shared_expert {
       return make_error(errc::workspace_too_small,
                         "shared_expert: workspace smaller than "
                         "workspace_bytes()");
-    const auto H = uz(s_.hidden);
+    const auto H = detail::uz(s_.hidden);
     if (auto st = tp.template all_gather<int>(std::span<const int>(&n, 1), bufs_.tokens); !st)
       return st;
     long long total = 0;
     for (int v : bufs_.tokens) total += v;
     n_ = n;
     gathered_ = static_cast<int>(total);
-    const auto G = uz(gathered_);
+    const auto G = detail::uz(gathered_);
     auto xg = bufs_.x_gathered.first(G * H);
     if (auto st = tp.template all_gather_v<T>(x, xg, elements(s_.hidden)); !st) return st;
     for (auto& v : bufs_.ones.first(G)) v = T(1);
     auto yp = bufs_.y_partial.first(G * H);
     if (auto st = mlp_.forward(batch(), yp); !st) return st;
-    auto y = bufs_.y.first(uz(n) * H);  // the ungated output, kept for the gate's gradient
+    auto y = bufs_.y.first(detail::uz(n) * H);  // the ungated output, kept for the gate's gradient
     if (auto st = tp.template reduce_scatter_v<T>(std::span<const T>(yp), elements(s_.hidden), y,
                                                   reduce_op::sum);
         !st)
       return st;
-    for (std::size_t t = 0; t < uz(n); ++t) {
+    for (std::size_t t = 0; t < detail::uz(n); ++t) {
       const T g = s_.gate ? sigmoid(t, x) : T(1);
       bufs_.gates[t] = g;
       for (std::size_t h = 0; h < H; ++h) out[t * H + h] = g * y[t * H + h];
     }
     // This rank's rows inside the gathered input (kept for the gate's backward).
     long long before = 0;
-    for (int r = 0; r < tp.rank(); ++r) before += bufs_.tokens[uz(r)];
-    mine_ = uz(before);
+    for (int r = 0; r < tp.rank(); ++r) before += bufs_.tokens[detail::uz(r)];
+    mine_ = detail::uz(before);
     return {};
   }
 
@@ -112,7 +113,7 @@ class shared_expert {
   //! weight gradients (this TP shard's) and the gate's.
   [[nodiscard]] status backward(std::span<const T> dout, Comm& tp, std::span<T> dx) {
     if (auto st = check(n_, dout.size(), dx.size(), tp); !st) return st;
-    const auto H = uz(s_.hidden), N = uz(n_), G = uz(gathered_);
+    const auto H = detail::uz(s_.hidden), N = detail::uz(n_), G = detail::uz(gathered_);
     auto dy = bufs_.y_partial.first(N * H);  // gradient at the ungated output
     for (std::size_t t = 0; t < N; ++t) {
       const T g = bufs_.gates[t];
@@ -152,11 +153,10 @@ class shared_expert {
     std::span<int> tokens, counts;
     std::span<T> x_gathered, y_partial, y, gates, gate_dpre, ones, dy_gathered, dx_gathered, dprobs;
   };
-  static constexpr std::size_t uz(long long v) noexcept { return static_cast<std::size_t>(v); }
 
   buffers carve(workspace_carver& c) const {
     buffers b;
-    const auto P = uz(s_.tp), N = uz(s_.max_tokens), H = uz(s_.hidden);
+    const auto P = detail::uz(s_.tp), N = detail::uz(s_.max_tokens), H = detail::uz(s_.hidden);
     b.tokens = c.take<int>(P);
     b.counts = c.take<int>(P);
     b.x_gathered = c.take<T>(P * N * H);
@@ -171,7 +171,7 @@ class shared_expert {
     return b;
   }
   expert_batch<T> batch() const {
-    const auto G = uz(gathered_), H = uz(s_.hidden);
+    const auto G = detail::uz(gathered_), H = detail::uz(s_.hidden);
     count_ = gathered_;
     const expert_batch<T> b{.hidden = s_.hidden,
                             .counts = std::span<const int>(&count_, 1),
@@ -185,7 +185,8 @@ class shared_expert {
   }
   T sigmoid(std::size_t t, std::span<const T> x) const {
     T z = T(0);
-    for (std::size_t h = 0; h < uz(s_.hidden); ++h) z += x[t * uz(s_.hidden) + h] * gate_w_[h];
+    for (std::size_t h = 0; h < detail::uz(s_.hidden); ++h)
+      z += x[t * detail::uz(s_.hidden) + h] * gate_w_[h];
     return T(1) / (T(1) + std::exp(-z));
   }
   status check(int n, std::size_t in, std::size_t out, const Comm& tp) const {
@@ -197,7 +198,7 @@ class shared_expert {
     if (n < 0 || n > s_.max_tokens)
       return make_error(errc::invalid_size,
                         "shared_expert: N = " + to_decimal(n) + " outside [0, max_tokens]");
-    const auto want = uz(n) * uz(s_.hidden);
+    const auto want = detail::uz(n) * detail::uz(s_.hidden);
     if (in != want || out != want)
       return make_error(errc::shape_mismatch, "shared_expert: buffers must be [N, H]");
     return {};

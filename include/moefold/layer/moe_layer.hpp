@@ -26,6 +26,7 @@
 
 #include "../comm/communicator.hpp"
 #include "../core/expected.hpp"
+#include "../core/size.hpp"
 #include "../dispatch/dispatch_args.hpp"
 #include "../dispatch/drop_policy.hpp"
 #include "../experts/expert_fn.hpp"
@@ -52,6 +53,7 @@ struct moe_shared_expert_options {
 struct moe_layer_options {
   int hidden = 0;                         //!< H
   int max_tokens = 0;                     //!< upper bound of N on every rank
+  std::optional<int> max_recv_rows{};     //!< dispatch_shape::max_recv_rows (unset: worst case)
   int ep = 1;                             //!< EP of the fold
   int etp = 1;                            //!< ETP of the fold
   topk_router_options router{};           //!< E, k, score function, expert bias, ...
@@ -100,13 +102,7 @@ class moe_layer {
     using detail::to_decimal;
     auto router = topk_router<T>::make(o.router);
     if (!router) return unexpected<error>(router.error());
-    const dispatch_shape shape{.max_tokens = o.max_tokens,
-                               .hidden = o.hidden,
-                               .topk = o.router.topk,
-                               .num_experts = o.router.num_experts,
-                               .ep = o.ep,
-                               .etp = o.etp};
-    auto disp = Dispatcher::make(shape);
+    auto disp = Dispatcher::make(dispatch_shape_of(o));
     if (!disp) return unexpected<error>(disp.error());
     if (experts.hidden() != o.hidden || experts.num_local_experts() * o.ep != o.router.num_experts)
       return make_error(
@@ -146,11 +142,13 @@ class moe_layer {
       return make_error(errc::invalid_size, "moe_layer: shared_expert.ffn must be >= 0");
     }
     moe_layer l(o, std::move(*router), std::move(policy), std::move(*disp), std::move(experts));
-    const auto E = static_cast<std::size_t>(o.router.num_experts), H = uz(o.hidden);
-    const auto N = uz(o.max_tokens), K = uz(o.router.topk);
+    const auto E = static_cast<std::size_t>(o.router.num_experts), H = detail::uz(o.hidden);
+    const auto N = detail::uz(o.max_tokens);
     l.w_.assign(E * H, T(0));
     l.dw_.assign(E * H, T(0));
-    l.ws_.resize(l.disp_.workspace_bytes());
+    const dispatch_workspace_bytes wsb = l.disp_.workspace_sizes();
+    l.saved_ws_.resize(wsb.saved);
+    l.scratch_ws_.resize(wsb.scratch);
     if (o.router.expert_bias) l.bias_ = expert_bias_state::zeros(o.router.num_experts);
     if (shared) {
       l.shared_ = std::move(shared);
@@ -161,8 +159,34 @@ class moe_layer {
     // router and policy reference code allocate their own records).
     l.x_.reserve(N * H);
     l.logits_.reserve(N * E);
-    l.y_.reserve(N * K * uz(o.ep) * uz(o.etp) * H);
+    // The experts' output rows: at most the receive bound (pad mode may grow them).
+    l.y_.reserve(detail::uz(o.max_recv_rows.value_or(detail::worst_recv_rows(l.disp_.shape()))) *
+                 H);
     return l;
+  }
+
+  //! The dispatcher shape of a layer.
+  [[nodiscard]] static dispatch_shape dispatch_shape_of(const moe_layer_options& o) noexcept {
+    const dispatch_shape shape{.max_tokens = o.max_tokens,
+                               .hidden = o.hidden,
+                               .topk = o.router.topk,
+                               .num_experts = o.router.num_experts,
+                               .ep = o.ep,
+                               .etp = o.etp,
+                               .max_recv_rows = o.max_recv_rows};
+    return shape;
+  }
+  //! The dispatcher workspace a layer of these options holds, per part (saved for the backward;
+  //! scratch, which layers of a model could share), without making the layer or allocating.
+  [[nodiscard]] static expected<dispatch_workspace_bytes> workspace_sizes(
+      const moe_layer_options& o, int capacity = -1) {
+    auto d = Dispatcher::make(dispatch_shape_of(o));
+    if (!d) return unexpected<error>(d.error());
+    return d->workspace_sizes(capacity);
+  }
+  //! What this layer's dispatcher workspace holds now, per part (pad mode grows it).
+  [[nodiscard]] dispatch_workspace_bytes workspace_sizes() const noexcept {
+    return {saved_ws_.size(), scratch_ws_.size()};
   }
 
   //! The router weight [E, H] (logits = x W^T) and its gradient.
@@ -196,8 +220,9 @@ class moe_layer {
                                                     const moe_layer_groups<Comm>& g,
                                                     std::span<T> out) {
     const int E = o_.router.num_experts;
-    const auto H = uz(o_.hidden);
-    if (n < 0 || n > o_.max_tokens || x.size() != uz(n) * H || out.size() != uz(n) * H)
+    const auto H = detail::uz(o_.hidden);
+    if (n < 0 || n > o_.max_tokens || x.size() != detail::uz(n) * H ||
+        out.size() != detail::uz(n) * H)
       return make_error(errc::shape_mismatch,
                         "moe_layer: x and out must be [N, H] with N <= "
                         "max_tokens");
@@ -212,7 +237,7 @@ class moe_layer {
     handle_.reset();  // a failed forward leaves nothing for backward to use
     n_ = n;
     x_.assign(x.begin(), x.end());
-    logits_.resize(uz(n) * uz(E));
+    logits_.resize(detail::uz(n) * detail::uz(E));
     moe_forward_stats stats;
     const gating_shape gs{.num_tokens = n, .hidden = o_.hidden, .num_experts = E};
     if (auto st = gating_forward<T, T, T>(gs, x, std::span<const T>(w_), {}, logits_); !st)
@@ -272,17 +297,21 @@ class moe_layer {
     // once the capacity is known to be sane.
     if (auto st = detail::check_dispatch_input(disp_.shape(), din); !st)
       return unexpected<error>(st.error());
-    if (const auto need = disp_.workspace_bytes(drop_.pad_rows); ws_.size() < need)
-      ws_.resize(need);
-    auto h = disp_.dispatch(din, g.dispatch, ws_);
+    if (const auto need = disp_.workspace_sizes(drop_.pad_rows);
+        saved_ws_.size() < need.saved || scratch_ws_.size() < need.scratch) {
+      if (saved_ws_.size() < need.saved) saved_ws_.resize(need.saved);
+      if (scratch_ws_.size() < need.scratch) scratch_ws_.resize(need.scratch);
+    }
+    const dispatch_workspace dws{.saved = saved_ws_, .scratch = scratch_ws_};
+    auto h = disp_.dispatch(din, g.dispatch, dws);
     if (!h) return unexpected<error>(h.error());
     handle_.emplace(std::move(*h));
-    y_.resize(uz(handle_->num_rows()) * H);
+    y_.resize(detail::uz(handle_->num_rows()) * H);
     if (auto st = experts_.forward(handle_->batch(), y_); !st) return unexpected<error>(st.error());
     if (auto st = disp_.combine(*handle_, y_, g.dispatch, out); !st)
       return unexpected<error>(st.error());
     if (shared_) {  // out += shared(x), the sum Megatron-Core forms in combine_postprocess
-      shared_out_.resize(uz(n) * H);
+      shared_out_.resize(detail::uz(n) * H);
       if (auto st = shared_->forward(n, x, *g.tp, shared_out_, shared_ws_); !st)
         return unexpected<error>(st.error());
       for (std::size_t i = 0; i < shared_out_.size(); ++i) out[i] += shared_out_[i];
@@ -297,7 +326,8 @@ class moe_layer {
                                 const moe_layer_groups<Comm>& g, std::span<T> dx) {
     if (!handle_) return make_error(errc::invalid_argument, "moe_layer: backward before forward");
     const int E = o_.router.num_experts;
-    const auto H = uz(o_.hidden), M = uz(handle_->num_rows()), N = uz(n_), K = uz(o_.router.topk);
+    const auto H = detail::uz(o_.hidden), M = detail::uz(handle_->num_rows()), N = detail::uz(n_),
+               K = detail::uz(o_.router.topk);
     if (dout.size() != N * H || dx.size() != N * H)
       return make_error(errc::shape_mismatch, "moe_layer: dout and dx must be [N, H]");
     if (shared_ && g.tp == nullptr)
@@ -320,9 +350,9 @@ class moe_layer {
       return st;
     // Router's path: dropped pairs have no gradient (their probabilities were not renormalised),
     // then the router Jacobian, the auxiliary losses, the gating GEMM.
-    dlogits.assign(N * uz(E), T(0));
+    dlogits.assign(N * detail::uz(E), T(0));
     dx_router.assign(N * H, T(0));
-    dw.assign(uz(E) * H, T(0));
+    dw.assign(detail::uz(E) * H, T(0));
     if (auto st = router_.backward(logits_, routing_, dprobs, dlogits); !st) return st;
     const gating_shape gbs{.num_tokens = n_, .hidden = o_.hidden, .num_experts = E};
     for (std::size_t i = 0; i < aux_terms_.size(); ++i)
@@ -387,7 +417,6 @@ class moe_layer {
   }
 
  private:
-  static constexpr std::size_t uz(long long v) noexcept { return static_cast<std::size_t>(v); }
   moe_layer(const moe_layer_options& o, topk_router<T> r, Policy p, Dispatcher d, Experts e)
       : o_(o),
         router_(std::move(r)),
@@ -402,7 +431,7 @@ class moe_layer {
   Experts experts_;
   std::optional<shared_expert<T, Comm>> shared_;
   std::vector<T> w_, dw_;
-  std::vector<std::byte> ws_, shared_ws_;
+  std::vector<std::byte> saved_ws_, scratch_ws_, shared_ws_;
   expert_bias_state bias_{};
   global_aux_state global_{};
   bool training_ = true;

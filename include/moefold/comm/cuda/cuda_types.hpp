@@ -9,7 +9,7 @@
 
 #include <type_traits>
 
-#include "../dtype.hpp"
+#include "../../core/dtype.hpp"
 
 namespace moefold {
 

@@ -30,10 +30,10 @@
 
 #include "../../core/cuda/cuda_check.hpp"
 #include "../../core/cuda/cuda_exec.hpp"
+#include "../../core/dtype.hpp"
 #include "../../core/expected.hpp"
 #include "../../core/row_view.hpp"
 #include "../communicator.hpp"
-#include "../dtype.hpp"
 #include "../schedule.hpp"
 #include "../span_collectives.hpp"
 #include "../thread_world.hpp"
@@ -129,18 +129,18 @@ class loopback_communicator : public span_collectives<loopback_communicator, dev
 
   template <reducible T>
   [[nodiscard]] status all_reduce(cuda_exec& x, row_view<T, device_space> buf, reduce_op op) {
-    return all_reduce_on(flat(buf), op, x.stream());
+    return all_reduce_on(detail::flat(buf), op, x.stream());
   }
   template <transferable T>
   [[nodiscard]] status broadcast(cuda_exec& x, row_view<T, device_space> buf, int root) {
-    return broadcast_on(flat(buf), root, x.stream());
+    return broadcast_on(detail::flat(buf), root, x.stream());
   }
   [[nodiscard]] status barrier(cuda_exec& x) { return barrier_on(x.stream()); }
 
   template <transferable T>
   [[nodiscard]] status all_gather(cuda_exec& x, row_view<const T, device_space> send,
                                   row_view<T, device_space> recv) {
-    auto s = rows_schedule("all_gather", send, recv, [&](int w) {
+    auto s = detail::rows_schedule("all_gather", send, recv, [&](int w) {
       return schedule_builder::all_gather(rank(), size(), detail::uz(send.rows()),
                                           detail::uz(recv.rows()), w);
     });
@@ -151,7 +151,7 @@ class loopback_communicator : public span_collectives<loopback_communicator, dev
   template <transferable T>
   [[nodiscard]] status all_gather_v(cuda_exec& x, row_view<const T, device_space> send,
                                     row_view<T, device_space> recv, std::span<const int> counts) {
-    auto s = rows_schedule("all_gather_v", send, recv, [&](int w) {
+    auto s = detail::rows_schedule("all_gather_v", send, recv, [&](int w) {
       return schedule_builder::all_gather_v(rank(), size(), counts, detail::uz(send.rows()),
                                             detail::uz(recv.rows()), w);
     });
@@ -164,7 +164,7 @@ class loopback_communicator : public span_collectives<loopback_communicator, dev
                                     std::span<const int> send_counts,
                                     row_view<T, device_space> recv,
                                     std::span<const int> recv_counts) {
-    auto s = rows_schedule("all_to_all_v", send, recv, [&](int w) {
+    auto s = detail::rows_schedule("all_to_all_v", send, recv, [&](int w) {
       return schedule_builder::all_to_all_v(rank(), size(), send_counts, recv_counts,
                                             detail::uz(send.rows()), detail::uz(recv.rows()), w);
     });
@@ -178,7 +178,7 @@ class loopback_communicator : public span_collectives<loopback_communicator, dev
                                         reduce_op op) {
     using D = device_type_t<T>;
     const cudaStream_t cs = x.stream();
-    auto s = reducing(rows_schedule("reduce_scatter_v", send, recv, [&](int w) {
+    auto s = reducing(detail::rows_schedule("reduce_scatter_v", send, recv, [&](int w) {
       return schedule_builder::reduce_scatter_v(rank(), size(), counts, detail::uz(send.rows()),
                                                 detail::uz(recv.rows()), w);
     }));
@@ -228,20 +228,6 @@ class loopback_communicator : public span_collectives<loopback_communicator, dev
  private:
   static status cuda_check(cudaError_t rc, const char* what) {
     return detail::cuda_check(rc, what);
-  }
-
-  template <class T>
-  static std::span<T> flat(const row_view<T, device_space>& v) noexcept {
-    return {v.data(), static_cast<std::size_t>(v.contiguous() ? v.extent() : 0)};
-  }
-  template <class U, class T, class Build>
-  static expected<collective_schedule> rows_schedule(const char* op,
-                                                     const row_view<U, device_space>& send,
-                                                     const row_view<T, device_space>& recv,
-                                                     Build&& build) {
-    if (auto ok = detail::check_row_views(op, send, recv); !ok)
-      return unexpected<error>(ok.error());
-    return build(detail::row_width(send, recv));
   }
 
   template <class T>

@@ -31,11 +31,12 @@
 
 #include "../../core/cuda/cuda_check.hpp"
 #include "../../core/cuda/cuda_exec.hpp"
+#include "../../core/dtype.hpp"
 #include "../../core/expected.hpp"
 #include "../../core/row_view.hpp"
 #include "../communicator.hpp"
-#include "../dtype.hpp"
 #include "../mpi/mpi_communicator.hpp"
+#include "../span_collectives.hpp"
 #include "cuda_types.hpp"
 
 namespace moefold {
@@ -143,7 +144,7 @@ class mpi_device_communicator {
 
   template <reducible T>
   [[nodiscard]] status all_reduce(cuda_exec& x, row_view<T, device_space> buf, reduce_op op) {
-    auto b = flat(buf);
+    auto b = detail::flat(buf);
     return staged<T>(b, b, false, x.stream(), true, [&](std::span<const T>, std::span<T> out) {
       return host_.all_reduce<T>(out, op);
     });
@@ -153,7 +154,7 @@ class mpi_device_communicator {
   [[nodiscard]] status all_gather(cuda_exec& x, row_view<const T, device_space> send,
                                   row_view<T, device_space> recv) {
     const int w = detail::row_width(send, recv);
-    return staged<T>(flat(send), flat(recv), true, x.stream(), true,
+    return staged<T>(detail::flat(send), detail::flat(recv), true, x.stream(), true,
                      [&](std::span<const T> in, std::span<T> out) {
                        host_exec h;
                        return host_.all_gather(h, rows_of(in, send.rows(), w),
@@ -165,7 +166,7 @@ class mpi_device_communicator {
   [[nodiscard]] status all_gather_v(cuda_exec& x, row_view<const T, device_space> send,
                                     row_view<T, device_space> recv, std::span<const int> counts) {
     const int w = detail::row_width(send, recv);
-    return staged<T>(flat(send), flat(recv), true, x.stream(), true,
+    return staged<T>(detail::flat(send), detail::flat(recv), true, x.stream(), true,
                      [&](std::span<const T> in, std::span<T> out) {
                        host_exec h;
                        return host_.all_gather_v(h, rows_of(in, send.rows(), w),
@@ -179,7 +180,7 @@ class mpi_device_communicator {
                                     row_view<T, device_space> recv,
                                     std::span<const int> recv_counts) {
     const int w = detail::row_width(send, recv);
-    return staged<T>(flat(send), flat(recv), true, x.stream(), true,
+    return staged<T>(detail::flat(send), detail::flat(recv), true, x.stream(), true,
                      [&](std::span<const T> in, std::span<T> out) {
                        host_exec h;
                        return host_.all_to_all_v(h, rows_of(in, send.rows(), w), send_counts,
@@ -192,7 +193,7 @@ class mpi_device_communicator {
                                         std::span<const int> counts, row_view<T, device_space> recv,
                                         reduce_op op) {
     const int w = detail::row_width(send, recv);
-    return staged<T>(flat(send), flat(recv), false, x.stream(), true,
+    return staged<T>(detail::flat(send), detail::flat(recv), false, x.stream(), true,
                      [&](std::span<const T> in, std::span<T> out) {
                        host_exec h;
                        return host_.reduce_scatter_v(h, rows_of(in, send.rows(), w), counts,
@@ -202,7 +203,7 @@ class mpi_device_communicator {
 
   template <transferable T>
   [[nodiscard]] status broadcast(cuda_exec& x, row_view<T, device_space> buf, int root) {
-    auto b = flat(buf);
+    auto b = detail::flat(buf);
     return staged<T>(b, b, true, x.stream(), true, [&](std::span<const T>, std::span<T> out) {
       return host_.broadcast<T>(out, root);
     });
@@ -217,11 +218,6 @@ class mpi_device_communicator {
   }
 
  private:
-  // A contiguous device view as a span of its elements (the pointers go to MPI or cudaMemcpy).
-  template <class T>
-  static std::span<T> flat(const row_view<T, device_space>& v) noexcept {
-    return {v.data(), static_cast<std::size_t>(v.contiguous() ? v.extent() : 0)};
-  }
   // Host rows over a staged (or CUDA-aware device) span; the row count is the view's.
   template <class T>
   static row_view<T> rows_of(std::span<T> s, int rows, int width) noexcept {

@@ -8,7 +8,7 @@
 //!   enqueue are polled against the timeout, and a stuck or failed peer becomes an error
 //!   (ncclCommGetAsyncError; at the timeout ncclCommAbort), not a hang.
 //! - Buffers are device memory; counts are host values (the dispatcher copies its splits to the
-//!   host once per layer, dispatch-semantics.md section 5.2.3). The collectives satisfy the
+//!   host once per layer, docs/dispatch-semantics.md section 5.2.3). The collectives satisfy the
 //!   communicator concept and enqueue on the communicator's stream; overloads take a stream.
 //! - V-collectives execute the schedules of comm/schedule.hpp: all_to_all_v as grouped
 //!   ncclSend/ncclRecv, all_gather_v as grouped ncclBroadcast (one per root), reduce_scatter_v as
@@ -45,10 +45,10 @@
 
 #include "../../core/cuda/cuda_check.hpp"
 #include "../../core/cuda/cuda_exec.hpp"
+#include "../../core/dtype.hpp"
 #include "../../core/expected.hpp"
 #include "../../core/row_view.hpp"
 #include "../communicator.hpp"
-#include "../dtype.hpp"
 #include "../schedule.hpp"
 #include "../span_collectives.hpp"
 #include "cuda_types.hpp"
@@ -344,18 +344,18 @@ class nccl_communicator : public span_collectives<nccl_communicator, device_spac
 
   template <reducible T>
   [[nodiscard]] status all_reduce(cuda_exec& x, row_view<T, device_space> buf, reduce_op op) {
-    return all_reduce(flat(buf), op, x.stream());
+    return all_reduce(detail::flat(buf), op, x.stream());
   }
   template <transferable T>
   [[nodiscard]] status broadcast(cuda_exec& x, row_view<T, device_space> buf, int root) {
-    return broadcast(flat(buf), root, x.stream());
+    return broadcast(detail::flat(buf), root, x.stream());
   }
   [[nodiscard]] status barrier(cuda_exec& x) { return barrier(x.stream()); }
 
   template <transferable T>
   [[nodiscard]] status all_gather(cuda_exec& x, row_view<const T, device_space> send,
                                   row_view<T, device_space> recv) {
-    const auto sch = rows_schedule("all_gather", send, recv, [&](int w) {
+    const auto sch = detail::rows_schedule("all_gather", send, recv, [&](int w) {
       return schedule_builder::all_gather(rank_, size_, detail::uz(send.rows()),
                                           detail::uz(recv.rows()), w);
     });
@@ -370,7 +370,7 @@ class nccl_communicator : public span_collectives<nccl_communicator, device_spac
   template <transferable T>
   [[nodiscard]] status all_gather_v(cuda_exec& x, row_view<const T, device_space> send,
                                     row_view<T, device_space> recv, std::span<const int> counts) {
-    const auto sch = rows_schedule("all_gather_v", send, recv, [&](int w) {
+    const auto sch = detail::rows_schedule("all_gather_v", send, recv, [&](int w) {
       return schedule_builder::all_gather_v(rank_, size_, counts, detail::uz(send.rows()),
                                             detail::uz(recv.rows()), w);
     });
@@ -397,7 +397,7 @@ class nccl_communicator : public span_collectives<nccl_communicator, device_spac
                                     std::span<const int> send_counts,
                                     row_view<T, device_space> recv,
                                     std::span<const int> recv_counts) {
-    const auto sch = rows_schedule("all_to_all_v", send, recv, [&](int w) {
+    const auto sch = detail::rows_schedule("all_to_all_v", send, recv, [&](int w) {
       return schedule_builder::all_to_all_v(rank_, size_, send_counts, recv_counts,
                                             detail::uz(send.rows()), detail::uz(recv.rows()), w);
     });
@@ -413,7 +413,7 @@ class nccl_communicator : public span_collectives<nccl_communicator, device_spac
   [[nodiscard]] status reduce_scatter_v(cuda_exec& x, row_view<const T, device_space> send,
                                         std::span<const int> counts, row_view<T, device_space> recv,
                                         reduce_op op) {
-    const auto sch = rows_schedule("reduce_scatter_v", send, recv, [&](int w) {
+    const auto sch = detail::rows_schedule("reduce_scatter_v", send, recv, [&](int w) {
       return schedule_builder::reduce_scatter_v(rank_, size_, counts, detail::uz(send.rows()),
                                                 detail::uz(recv.rows()), w);
     });
@@ -589,20 +589,6 @@ class nccl_communicator : public span_collectives<nccl_communicator, device_spac
   };
 
   nccl_communicator() = default;
-
-  template <class T>
-  static std::span<T> flat(const row_view<T, device_space>& v) noexcept {
-    return {v.data(), static_cast<std::size_t>(v.contiguous() ? v.extent() : 0)};
-  }
-  template <class U, class T, class Build>
-  static expected<collective_schedule> rows_schedule(const char* op,
-                                                     const row_view<U, device_space>& send,
-                                                     const row_view<T, device_space>& recv,
-                                                     Build&& build) {
-    if (auto ok = detail::check_row_views(op, send, recv); !ok)
-      return unexpected<error>(ok.error());
-    return build(detail::row_width(send, recv));
-  }
 
   status query() {
     if (auto ok = detail::nccl_check(ncclCommUserRank(comm_, &rank_), "ncclCommUserRank", comm_);

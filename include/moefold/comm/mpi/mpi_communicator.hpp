@@ -42,12 +42,12 @@
 #include <utility>
 #include <vector>
 
+#include "../../core/dtype.hpp"
 #include "../../core/expected.hpp"
 #include "../../core/host_exec.hpp"
 #include "../../core/row_view.hpp"
 #include "../../core/size.hpp"
 #include "../communicator.hpp"
-#include "../dtype.hpp"
 #include "../schedule.hpp"
 #include "../span_collectives.hpp"
 
@@ -220,13 +220,12 @@ class mpi_communicator : public span_collectives<mpi_communicator, host_space> {
 
   template <reducible T>
   [[nodiscard]] status all_reduce(host_exec&, row_view<T> buf, reduce_op op) {
-    return all_reduce(std::span<T>(buf.data(), detail::uz(buf.contiguous() ? buf.extent() : 0)),
-                      op);
+    return all_reduce(detail::flat(buf), op);
   }
 
   template <transferable T>
   [[nodiscard]] status all_gather(host_exec&, row_view<const T> send, row_view<T> recv) {
-    auto s = rows_schedule("all_gather", send, recv, [&](int w) {
+    auto s = detail::rows_schedule("all_gather", send, recv, [&](int w) {
       return schedule_builder::all_gather(rank_, size_, detail::uz(send.rows()),
                                           detail::uz(recv.rows()), w);
     });
@@ -244,7 +243,7 @@ class mpi_communicator : public span_collectives<mpi_communicator, host_space> {
   template <transferable T>
   [[nodiscard]] status all_gather_v(host_exec&, row_view<const T> send, row_view<T> recv,
                                     std::span<const int> counts) {
-    auto s = rows_schedule("all_gather_v", send, recv, [&](int w) {
+    auto s = detail::rows_schedule("all_gather_v", send, recv, [&](int w) {
       return schedule_builder::all_gather_v(rank_, size_, counts, detail::uz(send.rows()),
                                             detail::uz(recv.rows()), w);
     });
@@ -265,7 +264,7 @@ class mpi_communicator : public span_collectives<mpi_communicator, host_space> {
   [[nodiscard]] status all_to_all_v(host_exec&, row_view<const T> send,
                                     std::span<const int> send_counts, row_view<T> recv,
                                     std::span<const int> recv_counts) {
-    auto s = rows_schedule("all_to_all_v", send, recv, [&](int w) {
+    auto s = detail::rows_schedule("all_to_all_v", send, recv, [&](int w) {
       return schedule_builder::all_to_all_v(rank_, size_, send_counts, recv_counts,
                                             detail::uz(send.rows()), detail::uz(recv.rows()), w);
     });
@@ -277,7 +276,7 @@ class mpi_communicator : public span_collectives<mpi_communicator, host_space> {
   [[nodiscard]] status reduce_scatter_v(host_exec&, row_view<const T> send,
                                         std::span<const int> counts, row_view<T> recv,
                                         reduce_op op) {
-    auto s = rows_schedule("reduce_scatter_v", send, recv, [&](int w) {
+    auto s = detail::rows_schedule("reduce_scatter_v", send, recv, [&](int w) {
       return schedule_builder::reduce_scatter_v(rank_, size_, counts, detail::uz(send.rows()),
                                                 detail::uz(recv.rows()), w);
     });
@@ -303,8 +302,7 @@ class mpi_communicator : public span_collectives<mpi_communicator, host_space> {
 
   template <transferable T>
   [[nodiscard]] status broadcast(host_exec&, row_view<T> buf, int root) {
-    return broadcast(std::span<T>(buf.data(), detail::uz(buf.contiguous() ? buf.extent() : 0)),
-                     root);
+    return broadcast(detail::flat(buf), root);
   }
 
   [[nodiscard]] status barrier(host_exec&) { return barrier(); }
@@ -472,14 +470,6 @@ class mpi_communicator : public span_collectives<mpi_communicator, host_space> {
     ci = int_graveyard_.back().data();
     oi = ci + c.size();
     return {};
-  }
-
-  template <class U, class T, class Build>
-  static expected<collective_schedule> rows_schedule(const char* op, const row_view<U>& send,
-                                                     const row_view<T>& recv, Build&& build) {
-    if (auto ok = detail::check_row_views(op, send, recv); !ok)
-      return unexpected<error>(ok.error());
-    return build(detail::row_width(send, recv));
   }
 
   // Polls one request until it completes or the deadline passes. Yields between polls: with more

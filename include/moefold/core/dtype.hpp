@@ -1,5 +1,6 @@
 //! @file dtype.hpp
-//! @brief Element types the communicators move and reduce: an id that travels in the collective
+//! @brief Element types (core vocabulary: the communicators move and reduce them, the layer
+//! computes in them): an id that travels in the collective
 //! headers (so that a rank sending floats to a rank expecting ints is an error, not garbage), the
 //! 16-bit floating-point storage types of the host side, and the accumulator of each type.
 #pragma once

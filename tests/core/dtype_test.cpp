@@ -1,6 +1,6 @@
 // The host 16-bit float types: conversions against the compiler's own _Float16 and against the
 // bit patterns of bfloat16 (upper half of a float, round to nearest even).
-#include <moefold/comm/dtype.hpp>
+#include <moefold/core/dtype.hpp>
 
 #include <doctest/doctest.h>
 
