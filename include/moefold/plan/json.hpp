@@ -16,6 +16,8 @@
 
 namespace moefold::plan {
 
+struct json_member;
+
 //! One JSON value. Objects keep their members in file order.
 struct json_value {
   enum class kind : std::uint8_t { null, boolean, number, string, array, object };
@@ -24,16 +26,25 @@ struct json_value {
   double number = 0.0;
   bool integral = false;  //!< the number was written without fraction or exponent
   std::string text;       //!< the string (type string) or the number as written (type number)
-  std::vector<json_value> items;                            //!< array elements
-  std::vector<std::pair<std::string, json_value>> members;  //!< object members
+  std::vector<json_value> items;     //!< array elements
+  std::vector<json_member> members;  //!< object members
 
   //! The member named `key`, or nullptr.
-  [[nodiscard]] const json_value* find(std::string_view key) const noexcept {
-    for (const auto& m : members)
-      if (m.first == key) return &m.second;
-    return nullptr;
-  }
+  [[nodiscard]] const json_value* find(std::string_view key) const noexcept;
 };
+
+//! One member of an object: its key and value (a struct, not a std::pair, so that json_value may
+//! hold a vector of them while still incomplete).
+struct json_member {
+  std::string first;
+  json_value second;
+};
+
+inline const json_value* json_value::find(std::string_view key) const noexcept {
+  for (const auto& m : members)
+    if (m.first == key) return &m.second;
+  return nullptr;
+}
 
 [[nodiscard]] inline std::string_view to_string(json_value::kind k) noexcept {
   switch (k) {
@@ -132,7 +143,7 @@ class json_parser {
       skip_ws();
       json_value item;
       if (auto ok = value(item, depth + 1); !ok) return ok;
-      v.members.emplace_back(std::move(key), std::move(item));
+      v.members.push_back({std::move(key), std::move(item)});
       skip_ws();
       if (i_ < s_.size() && s_[i_] == ',') {
         ++i_;
