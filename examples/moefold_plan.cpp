@@ -10,6 +10,7 @@
 #include <moefold/plan/plan.hpp>
 
 #include "cli_args.hpp"
+#include "plan_files.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -145,14 +146,14 @@ std::string read_file(const std::string& path, const char* what) {
 
 mp::model_config load_model(const std::string& name) {
   if (auto p = mp::model_preset(name)) return *p;
-  auto m = mp::model_from_json(read_file(name, "model"));
+  auto m = moefold::examples::model_from_json(read_file(name, "model"));
   if (!m) throw usage_error{"model file '" + name + "': " + m.error().message};
   return *m;
 }
 
 mp::cluster_config load_cluster(const std::string& name) {
   if (auto p = mp::cluster_preset(name)) return *p;
-  auto c = mp::cluster_from_json(read_file(name, "cluster"));
+  auto c = moefold::examples::cluster_from_json(read_file(name, "cluster"));
   if (!c) throw usage_error{"cluster file '" + name + "': " + c.error().message};
   return *c;
 }
