@@ -109,16 +109,24 @@ int parse_args(int argc, char** argv, options& o) {
   return -1;
 }
 
+//! The largest model or cluster file read: the files are a few hundred bytes, and a bound keeps
+//! a path such as /dev/zero from being read without end.
+constexpr std::size_t max_file_bytes = 1 << 20;
+
 std::string read_file(const std::string& path, const char* what) {
   std::ifstream f(path, std::ios::binary);
   if (!f)
     throw usage_error{std::string("unknown ") + what + " '" + path +
                       "': not a preset name and not a readable file (see --help)"};
-  std::ostringstream ss;
-  ss << f.rdbuf();
+  std::string text(max_file_bytes + 1, '\0');
+  f.read(text.data(), static_cast<std::streamsize>(text.size()));
   if (f.bad() || (!f.eof() && f.fail()))
     throw usage_error{std::string("cannot read ") + what + " file '" + path + "'"};
-  return ss.str();
+  text.resize(static_cast<std::size_t>(f.gcount()));
+  if (text.size() > max_file_bytes)
+    throw usage_error{std::string(what) + " file '" + path + "' is larger than the limit of " +
+                      std::to_string(max_file_bytes) + " bytes"};
+  return text;
 }
 
 mp::model_config load_model(const std::string& name) {

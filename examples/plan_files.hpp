@@ -26,6 +26,14 @@ using ordered_json = nlohmann::ordered_json;
 //! Deepest nesting of arrays and objects a file may have.
 inline constexpr int max_json_depth = 64;
 
+namespace detail {
+// A member name as it appears in a message: JSON-quoted, so that control characters and invalid
+// UTF-8 cannot split or garble the one error line.
+inline std::string quoted(const std::string& key) {
+  return ordered_json(key).dump(-1, ' ', false, ordered_json::error_handler_t::replace);
+}
+}  // namespace detail
+
 //! The document in `text`, members in file order.
 [[nodiscard]] inline expected<ordered_json> parse_json_document(std::string_view text) {
   std::vector<std::set<std::string>> open;  // the member names of each open object
@@ -40,8 +48,8 @@ inline constexpr int max_json_depth = 64;
     if (event == ev::object_end && !open.empty()) open.pop_back();
     if (event == ev::key && !open.empty() &&
         !open.back().insert(parsed.get<std::string>()).second && problem.empty())
-      problem = "duplicate member name \"" + parsed.get<std::string>() +
-                "\" (rule: each member at most once per object)";
+      problem = "duplicate member name " + detail::quoted(parsed.get<std::string>()) +
+                " (rule: each member at most once per object)";
     return true;
   };
   try {
@@ -92,6 +100,14 @@ inline status json_double(const ordered_json& v, const std::string& what, double
   return {};
 }
 
+// A name goes into error messages and output lines: a string without control characters.
+inline bool is_label(const ordered_json& v) {
+  if (!v.is_string()) return false;
+  for (unsigned char ch : v.get_ref<const std::string&>())
+    if (ch < 0x20 || ch == 0x7f) return false;
+  return true;
+}
+
 inline status json_object(const ordered_json& v, const std::string& what) {
   if (!v.is_object())
     return make_error(errc::invalid_argument,
@@ -137,7 +153,7 @@ inline status json_object(const ordered_json& v, const std::string& what) {
                             {"v_head_dim", &m.v_head_dim},
                             {"mtp_layers", &m.mtp_layers}};
   for (const auto& [key, v] : doc->items()) {
-    const std::string where = "model member \"" + key + "\"";
+    const std::string where = "model member " + detail::quoted(key);
     bool known = false;
     for (const auto& f : ints)
       if (key == f.key) {
@@ -146,7 +162,9 @@ inline status json_object(const ordered_json& v, const std::string& what) {
       }
     if (known) continue;
     if (key == "name") {
-      if (!v.is_string()) return make_error(errc::invalid_argument, where + " must be a string");
+      if (!detail::is_label(v))
+        return make_error(errc::invalid_argument,
+                          where + " must be a string without control characters");
       m.name = v.get<std::string>();
     } else if (key == "dtype") {
       if (!v.is_string() || (v != "bf16" && v != "fp8"))
@@ -198,7 +216,7 @@ inline status json_object(const ordered_json& v, const std::string& what) {
                             {"intra_latency_s", &c.intra_latency_s},
                             {"inter_latency_s", &c.inter_latency_s}};
   for (const auto& [key, v] : doc->items()) {
-    const std::string where = "cluster member \"" + key + "\"";
+    const std::string where = "cluster member " + detail::quoted(key);
     bool known = false;
     for (const auto& f : dbls)
       if (key == f.key) {
@@ -208,7 +226,9 @@ inline status json_object(const ordered_json& v, const std::string& what) {
       }
     if (known) continue;
     if (key == "name") {
-      if (!v.is_string()) return make_error(errc::invalid_argument, where + " must be a string");
+      if (!detail::is_label(v))
+        return make_error(errc::invalid_argument,
+                          where + " must be a string without control characters");
       c.name = v.get<std::string>();
     } else if (key == "gpus_per_node") {
       if (auto ok = detail::json_int(v, where, c.gpus_per_node); !ok)

@@ -74,7 +74,9 @@ for name, exe, args, limit in [
          ["--world", "2147483647", "--tp", "2147483647", "--pp", "2"], "1048576"),
         ("moefold-plan --gpus 2147483647", plan,
          ["--model", "mixtral-8x7b", "--cluster", "h100-sxm", "--gpus", "2147483647"], "65536"),
-        ("train_moe_cpu --world 100000", train, ["--world", "100000"], "1024")]:
+        ("train_moe_cpu --world 100000", train, ["--world", "100000"], "1024"),
+        ("moefold-plan --model /dev/zero", plan,
+         ["--model", "/dev/zero", "--cluster", "h100-sxm", "--gpus", "8"], "1048576 bytes")]:
     t = time.monotonic()
     r = run(exe, *args, timeout=30)
     dt = time.monotonic() - t
