@@ -22,21 +22,23 @@
 
 namespace {
 
-using moefold::examples::parse_int;
 using moefold::examples::usage_error;
 
 constexpr const char* usage_text =
     "usage: moefold-mesh --world N [--tp N] [--cp N] [--pp N] [--ep N] [--etp N] [--order STR]\n"
     "                    [--dist-opt-instances N] [--hierarchical-cp A,B,...] [--rank-offset N]\n"
-    "                    [--gpus-per-node N] [--format text|json|svg]\n"
-    "\n"
+    "                    [--gpus-per-node N] [--format text|json|svg]\n";
+constexpr const char* notes_text =
     "Sizes not given are 1, except --etp, which defaults to --tp (as Megatron-Core's trainer\n"
     "does). dp = world / (tp*cp*pp) and edp = world / (etp*ep*pp) are derived. --order is a\n"
     "Megatron order string (default tp-cp-ep-dp-pp; leftmost varies fastest).\n";
 
+//! The largest job the tool describes: its output lists every rank of every group, so the size
+//! of the world bounds its time and memory (a 2^20-GPU job prints about a gigabyte).
+constexpr int max_world = 1 << 20;
+
 struct options {
   int world = 0;
-  bool world_given = false;
   int tp = 1, cp = 1, pp = 1, ep = 1;
   std::optional<int> etp;
   std::string order = "tp-cp-ep-dp-pp";
@@ -47,80 +49,46 @@ struct options {
   std::string format = "text";
 };
 
-options parse_args(int argc, char** argv) {
-  options o;
-  std::map<std::string, int> seen;
-  for (int i = 1; i < argc; ++i) {
-    std::string flag = argv[i];
-    std::string value;
-    bool inline_value = false;
-    if (auto eq = flag.find('='); flag.rfind("--", 0) == 0 && eq != std::string::npos) {
-      value = flag.substr(eq + 1);
-      flag = flag.substr(0, eq);
-      inline_value = true;
-    }
-    if (flag == "--help" || flag == "-h") throw usage_error{"help"};
-    static const std::vector<std::string> known = {"--world",
-                                                   "--tp",
-                                                   "--cp",
-                                                   "--pp",
-                                                   "--ep",
-                                                   "--etp",
-                                                   "--order",
-                                                   "--dist-opt-instances",
-                                                   "--hierarchical-cp",
-                                                   "--rank-offset",
-                                                   "--gpus-per-node",
-                                                   "--format"};
-    if (std::find(known.begin(), known.end(), flag) == known.end())
-      throw usage_error{"unknown flag '" + flag + "' (see --help)"};
-    if (seen[flag]++) throw usage_error{"flag " + flag + " given twice"};
-    if (!inline_value) {
-      if (i + 1 >= argc) throw usage_error{"flag " + flag + " needs a value"};
-      value = argv[++i];
-    }
-    if (flag == "--world") {
-      o.world = parse_int(flag, value);
-      o.world_given = true;
-    } else if (flag == "--tp")
-      o.tp = parse_int(flag, value);
-    else if (flag == "--cp")
-      o.cp = parse_int(flag, value);
-    else if (flag == "--pp")
-      o.pp = parse_int(flag, value);
-    else if (flag == "--ep")
-      o.ep = parse_int(flag, value);
-    else if (flag == "--etp")
-      o.etp = parse_int(flag, value);
-    else if (flag == "--order")
-      o.order = value;
-    else if (flag == "--dist-opt-instances")
-      o.dist_opt_instances = parse_int(flag, value);
-    else if (flag == "--rank-offset")
-      o.rank_offset = parse_int(flag, value);
-    else if (flag == "--gpus-per-node")
-      o.gpus_per_node = parse_int(flag, value);
-    else if (flag == "--format") {
-      if (value != "text" && value != "json" && value != "svg")
-        throw usage_error{"--format must be text, json or svg (got '" + value + "')"};
-      o.format = value;
-    } else if (flag == "--hierarchical-cp") {
-      std::size_t start = 0;
-      while (true) {
-        const std::size_t comma = value.find(',', start);
-        o.hierarchical_cp.push_back(parse_int(flag, value.substr(start, comma - start)));
-        if (comma == std::string::npos) break;
-        start = comma + 1;
-      }
-      if (o.hierarchical_cp.size() > static_cast<std::size_t>(moefold::max_hierarchical_cp_levels))
-        throw usage_error{"--hierarchical-cp: at most " +
-                          std::to_string(moefold::max_hierarchical_cp_levels) + " levels"};
-    }
+// The flags, on CLI11; returns -1 to go on or the status to exit with.
+int parse_args(int argc, char** argv, options& o) {
+  CLI::App app{"", "moefold-mesh"};
+  moefold::examples::configure(app, usage_text, notes_text);
+  app.add_option("--world", o.world, "GPUs in the job (1 to " + std::to_string(max_world) + ")")
+      ->default_str("")
+      ->required();
+  app.add_option("--tp", o.tp, "attention tensor-parallel size");
+  app.add_option("--cp", o.cp, "attention context-parallel size");
+  app.add_option("--pp", o.pp, "pipeline-parallel size (shared by both mappings)");
+  app.add_option("--ep", o.ep, "expert-parallel size");
+  int etp = 0;
+  app.add_option("--etp", etp, "expert tensor-parallel size")->default_str("--tp");
+  app.add_option("--order", o.order, "Megatron-Core order string, leftmost varies fastest");
+  app.add_option("--dist-opt-instances", o.dist_opt_instances,
+                 "distributed-optimizer instances (partial data parallelism)");
+  app.add_option("--hierarchical-cp", o.hierarchical_cp,
+                 "hierarchical context-parallel sizes, comma-separated")
+      ->delimiter(',')
+      ->default_str("none");
+  app.add_option("--rank-offset", o.rank_offset, "global rank of this job's rank 0");
+  app.add_option("--gpus-per-node", o.gpus_per_node, "GPUs per node (text and SVG layout)");
+  app.add_option("--format", o.format, "output format")
+      ->check(CLI::IsMember({"text", "json", "svg"}));
+  if (const int rc = moefold::examples::parse(app, argc, argv); rc >= 0) return rc;
+  if (app.count("--etp")) o.etp = etp;
+  try {
+    if (o.world > max_world)
+      throw usage_error{"--world " + std::to_string(o.world) + " exceeds the limit of " +
+                        std::to_string(max_world) + " GPUs (rule: the output lists every rank)"};
+    if (o.hierarchical_cp.size() > static_cast<std::size_t>(moefold::max_hierarchical_cp_levels))
+      throw usage_error{"--hierarchical-cp: at most " +
+                        std::to_string(moefold::max_hierarchical_cp_levels) + " levels"};
+    if (o.gpus_per_node < 1)
+      throw usage_error{"--gpus-per-node must be >= 1 (got " + std::to_string(o.gpus_per_node) +
+                        ")"};
+  } catch (const usage_error& e) {
+    return moefold::examples::report(e);
   }
-  if (!o.world_given) throw usage_error{"--world is required (see --help)"};
-  if (o.gpus_per_node < 1)
-    throw usage_error{"--gpus-per-node must be >= 1 (got " + std::to_string(o.gpus_per_node) + ")"};
-  return o;
+  return -1;
 }
 
 std::string group_text(const moefold::group_view& g) {
@@ -296,11 +264,7 @@ void print_svg(const options& o, const moefold::dynamic_folded_mesh& f,
 
 int main(int argc, char** argv) {
   options o;
-  try {
-    o = parse_args(argc, argv);
-  } catch (const usage_error& e) {
-    return moefold::examples::report(e, usage_text);
-  }
+  if (const int rc = parse_args(argc, argv, o); rc >= 0) return rc;
   auto fold = moefold::make_folded({.world = o.world,
                                     .tp = o.tp,
                                     .cp = o.cp,

@@ -10,6 +10,7 @@
 #include <moefold/plan/plan.hpp>
 
 #include "cli_args.hpp"
+#include "plan_files.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -25,20 +26,20 @@
 
 namespace {
 
-using moefold::examples::parse_int;
 using moefold::examples::usage_error;
 
 namespace mp = moefold::plan;
 
-std::string usage_text() {
+constexpr const char* usage_text =
+    "usage: moefold-plan --model NAME|FILE --cluster NAME|FILE --gpus N [--gbs N] [--seq N]\n"
+    "                    [--tp N --cp N --ep N --etp N --pp N --vpp N --mbs N] [--top N]\n"
+    "                    [--format text|json|svg]\n";
+
+std::string notes_text() {
   std::string models, clusters;
   for (auto n : mp::model_preset_names) models += " " + std::string(n);
   for (auto n : mp::cluster_preset_names) clusters += " " + std::string(n);
-  return "usage: moefold-plan --model NAME|FILE --cluster NAME|FILE --gpus N [--gbs N] [--seq N]\n"
-         "                    [--tp N --cp N --ep N --etp N --pp N --vpp N --mbs N] [--top N]\n"
-         "                    [--format text|json|svg]\n"
-         "\n"
-         "With all seven sizes given, evaluates that one mapping. Otherwise searches every legal\n"
+  return "With all seven sizes given, evaluates that one mapping. Otherwise searches every legal\n"
          "folded mapping (the sizes given are held fixed) and prints the best --top N (default "
          "5).\n"
          "dp = gpus / (tp*cp*pp) and edp = gpus / (etp*ep*pp) are derived; the order is\n"
@@ -50,109 +51,94 @@ std::string usage_text() {
          "cluster presets:" +
          clusters +
          "\n"
-         "A model or cluster may also be a JSON file (fields in docs/planner.md).\n";
+         "A model or cluster may also be a JSON file (fields in docs/planner.md; JSON Schema in\n"
+         "docs/planner-model.schema.json and docs/planner-cluster.schema.json).\n";
 }
 
 struct options {
   std::string model, cluster, format = "text";
   int gpus = 0;
-  bool gpus_given = false;
   std::optional<int> gbs, seq;
   mp::search_constraints fixed;
   int top = 5;
 };
 
-options parse_args(int argc, char** argv) {
-  options o;
-  std::map<std::string, int> seen;
-  static const std::vector<std::string> known = {
-      "--model", "--cluster", "--gpus", "--gbs", "--seq", "--tp",  "--cp",
-      "--ep",    "--etp",     "--pp",   "--vpp", "--mbs", "--top", "--format"};
-  for (int i = 1; i < argc; ++i) {
-    std::string flag = argv[i], value;
-    bool inline_value = false;
-    if (auto eq = flag.find('='); flag.rfind("--", 0) == 0 && eq != std::string::npos) {
-      value = flag.substr(eq + 1);
-      flag = flag.substr(0, eq);
-      inline_value = true;
-    }
-    if (flag == "--help" || flag == "-h") throw usage_error{"help"};
-    if (std::find(known.begin(), known.end(), flag) == known.end())
-      throw usage_error{"unknown flag '" + flag + "' (see --help)"};
-    if (seen[flag]++) throw usage_error{"flag " + flag + " given twice"};
-    if (!inline_value) {
-      if (i + 1 >= argc) throw usage_error{"flag " + flag + " needs a value"};
-      value = argv[++i];
-    }
-    auto size = [&](std::optional<int>& dst) {
-      const int v = parse_int(flag, value);
-      if (v < 1) throw usage_error{flag + " must be >= 1 (got " + std::to_string(v) + ")"};
-      dst = v;
-    };
-    if (flag == "--model") {
-      o.model = value;
-    } else if (flag == "--cluster") {
-      o.cluster = value;
-    } else if (flag == "--gpus") {
-      o.gpus = parse_int(flag, value);
-      o.gpus_given = true;
-    } else if (flag == "--gbs") {
-      size(o.gbs);
-    } else if (flag == "--seq") {
-      size(o.seq);
-    } else if (flag == "--tp") {
-      size(o.fixed.tp);
-    } else if (flag == "--cp") {
-      size(o.fixed.cp);
-    } else if (flag == "--ep") {
-      size(o.fixed.ep);
-    } else if (flag == "--etp") {
-      size(o.fixed.etp);
-    } else if (flag == "--pp") {
-      size(o.fixed.pp);
-    } else if (flag == "--vpp") {
-      size(o.fixed.vpp);
-    } else if (flag == "--mbs") {
-      size(o.fixed.mbs);
-    } else if (flag == "--top") {
-      o.top = parse_int(flag, value);
-      if (o.top < 1 || o.top > 1000)
-        throw usage_error{"--top must be between 1 and 1000 (got " + value + ")"};
-    } else if (flag == "--format") {
-      if (value != "text" && value != "json" && value != "svg")
-        throw usage_error{"--format must be text, json or svg (got '" + value + "')"};
-      o.format = value;
-    }
+// The flags, on CLI11; returns -1 to go on or the status to exit with.
+int parse_args(int argc, char** argv, options& o) {
+  CLI::App app{"", "moefold-plan"};
+  moefold::examples::configure(app, usage_text, notes_text());
+  app.add_option("--model", o.model, "model preset or model JSON file")->required();
+  app.add_option("--cluster", o.cluster, "cluster preset or cluster JSON file")->required();
+  app.add_option("--gpus", o.gpus,
+                 "GPUs in the job (1 to " + std::to_string(mp::max_planned_gpus) + ")")
+      ->default_str("")
+      ->required();
+  // Sizes: >= 1 when given; not given, the model's value (gbs, seq) or searched (the rest).
+  struct size_flag {
+    const char* flag;
+    const char* help;
+    const char* absent;
+    std::optional<int>* dst;
+  };
+  const size_flag sizes[] = {
+      {"--gbs", "global batch, sequences", "the model's", &o.gbs},
+      {"--seq", "sequence length", "the model's", &o.seq},
+      {"--tp", "attention tensor-parallel size", "searched", &o.fixed.tp},
+      {"--cp", "context-parallel size", "searched", &o.fixed.cp},
+      {"--ep", "expert-parallel size", "searched", &o.fixed.ep},
+      {"--etp", "expert tensor-parallel size", "searched", &o.fixed.etp},
+      {"--pp", "pipeline-parallel size", "searched", &o.fixed.pp},
+      {"--vpp", "virtual pipeline stages per rank", "searched", &o.fixed.vpp},
+      {"--mbs", "micro-batch, sequences", "searched", &o.fixed.mbs}};
+  int values[std::size(sizes)] = {};
+  for (std::size_t i = 0; i < std::size(sizes); ++i)
+    app.add_option(sizes[i].flag, values[i], sizes[i].help)
+        ->default_str(sizes[i].absent)
+        ->check(moefold::examples::at_least(1));
+  app.add_option("--top", o.top, "how many mappings a search prints")
+      ->check(CLI::Range(1, 1000).description("1..1000"));
+  app.add_option("--format", o.format, "output format")
+      ->check(CLI::IsMember({"text", "json", "svg"}));
+  if (const int rc = moefold::examples::parse(app, argc, argv); rc >= 0) return rc;
+  for (std::size_t i = 0; i < std::size(sizes); ++i)
+    if (app.count(sizes[i].flag)) *sizes[i].dst = values[i];
+  if (o.gpus < 1) {
+    std::cerr << "error: --gpus must be >= 1 (got " << o.gpus << ")\n";
+    return 2;
   }
-  if (o.model.empty()) throw usage_error{"--model is required (see --help)"};
-  if (o.cluster.empty()) throw usage_error{"--cluster is required (see --help)"};
-  if (!o.gpus_given) throw usage_error{"--gpus is required (see --help)"};
-  if (o.gpus < 1) throw usage_error{"--gpus must be >= 1 (got " + std::to_string(o.gpus) + ")"};
-  return o;
+  return -1;
 }
+
+//! The largest model or cluster file read: the files are a few hundred bytes, and a bound keeps
+//! a path such as /dev/zero from being read without end.
+constexpr std::size_t max_file_bytes = 1 << 20;
 
 std::string read_file(const std::string& path, const char* what) {
   std::ifstream f(path, std::ios::binary);
   if (!f)
     throw usage_error{std::string("unknown ") + what + " '" + path +
                       "': not a preset name and not a readable file (see --help)"};
-  std::ostringstream ss;
-  ss << f.rdbuf();
+  std::string text(max_file_bytes + 1, '\0');
+  f.read(text.data(), static_cast<std::streamsize>(text.size()));
   if (f.bad() || (!f.eof() && f.fail()))
     throw usage_error{std::string("cannot read ") + what + " file '" + path + "'"};
-  return ss.str();
+  text.resize(static_cast<std::size_t>(f.gcount()));
+  if (text.size() > max_file_bytes)
+    throw usage_error{std::string(what) + " file '" + path + "' is larger than the limit of " +
+                      std::to_string(max_file_bytes) + " bytes"};
+  return text;
 }
 
 mp::model_config load_model(const std::string& name) {
   if (auto p = mp::model_preset(name)) return *p;
-  auto m = mp::model_from_json(read_file(name, "model"));
+  auto m = moefold::examples::model_from_json(read_file(name, "model"));
   if (!m) throw usage_error{"model file '" + name + "': " + m.error().message};
   return *m;
 }
 
 mp::cluster_config load_cluster(const std::string& name) {
   if (auto p = mp::cluster_preset(name)) return *p;
-  auto c = mp::cluster_from_json(read_file(name, "cluster"));
+  auto c = moefold::examples::cluster_from_json(read_file(name, "cluster"));
   if (!c) throw usage_error{"cluster file '" + name + "': " + c.error().message};
   return *c;
 }
@@ -361,12 +347,12 @@ int main(int argc, char** argv) {
   options o;
   mp::model_config model;
   mp::cluster_config cluster;
+  if (const int rc = parse_args(argc, argv, o); rc >= 0) return rc;
   try {
-    o = parse_args(argc, argv);
     model = load_model(o.model);
     cluster = load_cluster(o.cluster);
   } catch (const usage_error& e) {
-    return moefold::examples::report(e, usage_text());
+    return moefold::examples::report(e);
   }
   if (o.gbs) model.gbs = *o.gbs;
   if (o.seq) model.seq = *o.seq;

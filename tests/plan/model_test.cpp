@@ -1,7 +1,7 @@
 // Models and clusters: parameter counts against hand arithmetic and the published sizes, the
-// Megatron-Core model-FLOPs formula against a hand-computed small case, presets, JSON files.
+// Megatron-Core model-FLOPs formula against a hand-computed small case, presets (JSON files:
+// plan_files_test.cpp).
 #include <moefold/plan/cluster.hpp>
-#include <moefold/plan/config_json.hpp>
 #include <moefold/plan/model.hpp>
 #include <moefold/plan/model_flops.hpp>
 #include <moefold/plan/model_presets.hpp>
@@ -78,82 +78,11 @@ TEST_CASE("Megatron-Core model FLOPs of a small MoE model, by hand") {
   CHECK(megatron_model_flops(m, 3) == doctest::Approx(3 * 4 * per_token).epsilon(1e-12));
 }
 
-TEST_CASE("model JSON: the preset's fields reproduce the preset") {
-  const char* text = R"({"name": "mixtral-8x7b", "layers": 32, "hidden": 4096, "heads": 32,
-    "kv_heads": 8, "ffn": 14336, "experts": 8, "topk": 2, "moe_ffn": 14336, "vocab": 32000,
-    "seq": 4096, "gbs": 256, "mbs": 1, "dtype": "bf16", "gated": true})";
-  auto m = model_from_json(text);
-  REQUIRE(m.has_value());
-  const auto p = model_preset("mixtral-8x7b").value();
-  CHECK(m->total_params() == p.total_params());
-  CHECK(megatron_model_flops(*m, 1) == megatron_model_flops(p, 1));
-  CHECK(model_from_json(R"({"layers": 2, "hidden": 8, "heads": 2, "vocab": 10, "ffn": 8})")
-            ->kv_heads == 2);
-}
-
-TEST_CASE("model JSON: every kind of bad file is a clear error") {
-  struct bad_case {
-    const char* text;
-    const char* says;
-  };
-  const bad_case cases[] = {
-      {"[1]", "must be a JSON object"},
-      {R"({"layers": 2, "hidden": 8, "heads": 2, "vocab": 10, "ffn": 8, "colour": 1})",
-       "unknown model member \"colour\""},
-      {R"({"layers": 2.5, "hidden": 8, "heads": 2, "vocab": 10})", "must be an integer"},
-      {R"({"layers": "2", "hidden": 8, "heads": 2, "vocab": 10})", "must be an integer"},
-      {R"({"layers": 1e3, "hidden": 8, "heads": 2, "vocab": 10})", "must be an integer"},
-      {R"({"layers": 4294967296, "hidden": 8, "heads": 2, "vocab": 10})", "does not fit"},
-      {R"({"hidden": 8, "heads": 2, "vocab": 10})", "lacks the required member \"layers\""},
-      {R"({"layers": 2, "hidden": 8, "heads": 3, "kv_heads": 2, "vocab": 10, "ffn": 8})",
-       "multiple of kv_heads"},
-      {R"({"layers": 0, "hidden": 8, "heads": 2, "vocab": 10, "ffn": 8})", "layers must be >= 1"},
-      {R"({"layers": 2000000000, "hidden": 8, "heads": 2, "vocab": 10, "ffn": 8})",
-       "layers must be <= 10000"},
-      {R"({"layers": 2, "hidden": 8, "heads": 2, "vocab": 10, "experts": 4, "topk": 5,
-          "moe_ffn": 8})",
-       "topk = 5 exceeds experts = 4"},
-      {R"({"layers": 2, "hidden": 8, "heads": 2, "vocab": 10, "ffn": 8, "dtype": "fp16"})",
-       "\"bf16\" or \"fp8\""},
-      {R"({"layers": 2, "hidden": 8, "heads": 2, "vocab": 10, "ffn": 8, "gated": 1})",
-       "true or false"},
-      {R"({"layers": 2, "hidden": 8, "heads": 2, "vocab": 10})", "ffn must be >= 1"},
-      {"{\"layers\": 2,", "malformed JSON at line 1"},
-  };
-  for (const auto& c : cases) {
-    INFO(c.text);
-    auto m = model_from_json(c.text);
-    REQUIRE_FALSE(m.has_value());
-    CHECK(m.error().message.find(c.says) != std::string::npos);
-  }
-}
-
-TEST_CASE("cluster presets and JSON files") {
+TEST_CASE("cluster presets") {
   for (auto n : cluster_preset_names) {
     auto c = cluster_preset(n).value();
     c.gpus = 8;
     CHECK(validate(c).has_value());
-  }
-  auto c = cluster_from_json(R"({"name": "mine", "gpus_per_node": 4, "peak_bf16_flops": 3e14,
-      "memory_gib": 40, "memory_bw": 1.5e12, "intra_bw": 3e11, "inter_bw": 2.5e10})");
-  REQUIRE(c.has_value());
-  CHECK(c->gpus_per_node == 4);
-  CHECK(c->peak_bf16_flops == 3e14);
-  CHECK(c->inter_latency_s == cluster_config{}.inter_latency_s);
-  const char* bad[] = {
-      R"({"gpus_per_node": 4, "memory_gib": 40, "memory_bw": 1.5e12, "intra_bw": 3e11,
-          "inter_bw": 2.5e10})",
-      R"({"peak_bf16_flops": 3e14, "memory_gib": -40, "memory_bw": 1.5e12, "intra_bw": 3e11,
-          "inter_bw": 2.5e10})",
-      R"({"peak_bf16_flops": 3e14, "memory_gib": 40, "memory_bw": 1.5e12, "intra_bw": 3e11,
-          "inter_bw": 2.5e10, "gpus_per_node": 0})",
-      R"({"peak_bf16_flops": 3e14, "memory_gib": 40, "memory_bw": 1.5e12, "intra_bw": 3e11,
-          "inter_bw": 2.5e10, "nvlink": 1})",
-      R"({"peak_bf16_flops": "fast", "memory_gib": 40, "memory_bw": 1.5e12, "intra_bw": 3e11,
-          "inter_bw": 2.5e10})"};
-  for (const char* t : bad) {
-    INFO(t);
-    CHECK_FALSE(cluster_from_json(t).has_value());
   }
   cluster_config zero = cluster_preset("h100-sxm").value();
   zero.gpus = 0;

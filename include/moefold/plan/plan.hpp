@@ -5,11 +5,9 @@
 
 #include "cluster.hpp"
 #include "collectives.hpp"
-#include "config_json.hpp"
 #include "efficiency.hpp"
 #include "evaluate.hpp"
 #include "explain.hpp"
-#include "json.hpp"
 #include "mapping.hpp"
 #include "memory.hpp"
 #include "model.hpp"
