@@ -21,6 +21,7 @@
 #pragma once
 
 #include <concepts>
+#include <initializer_list>
 #include <span>
 
 #include "../core/exec.hpp"
@@ -113,5 +114,15 @@ concept splittable_communicator = communicator<C> && requires(C& c) {
 
 //! The color of a rank that takes part in a split but joins no new communicator.
 inline constexpr int split_no_color = -1;
+
+//! all_reduce of each buffer in turn (a parameter list: the experts' fc1 and fc2 gradients, ...);
+//! stops at the first error. Every rank must pass the same list.
+template <class T, communicator C>
+[[nodiscard]] status all_reduce_each(C& c, std::initializer_list<std::span<T>> buffers,
+                                     reduce_op op) {
+  for (std::span<T> b : buffers)
+    if (auto st = c.template all_reduce<T>(b, op); !st) return st;
+  return {};
+}
 
 }  // namespace moefold

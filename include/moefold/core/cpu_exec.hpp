@@ -2,7 +2,9 @@
 //! @brief cpu_exec{seed}: the CPU executor, the execution context that runs the GPU code path on
 //! the CPU. Its memory space is cpu_device_space: host memory that host code reaches only through
 //! the executor's copies, which it counts (a test can state how many host<->device transfers a
-//! step makes). The kernel bodies (kernels/*.hpp) run on it; `seed` orders its blocks.
+//! step makes). The kernel bodies (kernels/*.hpp) run on it; `seed` orders its blocks. Its row
+//! operations (core/host_memory_ops.hpp) are device operations, not transfers; they run as host
+//! loops until the kernel bodies replace them.
 //!
 //! Memory it allocates is poisoned (every byte 0xFF: NaN for floats, -1 for ints), so reading an
 //! element nothing wrote shows in a result instead of passing as a zero.
@@ -15,6 +17,7 @@
 #include <type_traits>
 
 #include "exec.hpp"
+#include "host_memory_ops.hpp"
 
 namespace moefold {
 
@@ -26,7 +29,7 @@ struct copy_counts {
   friend bool operator==(const copy_counts&, const copy_counts&) = default;
 };
 
-class cpu_exec {
+class cpu_exec : public detail::host_memory_ops<cpu_exec, cpu_device_space> {
  public:
   using memory_space = cpu_device_space;
   static constexpr const char* name = "cpu_exec";
@@ -58,15 +61,6 @@ class cpu_exec {
   requires std::is_same_v<std::remove_const_t<U>, T>
   [[nodiscard]] status copy(row_view<U, memory_space> src, row_view<T, memory_space> dst) {
     return copy_impl(src, dst, counts_.on_device, counts_.bytes_on_device);
-  }
-  //! Every element of dst = v (a device operation: not a transfer).
-  template <class T>
-  [[nodiscard]] status fill(row_view<T, memory_space> dst, const T& v) {
-    for (int r = 0; r < dst.rows(); ++r) {
-      T* d = dst.row_data(r);
-      for (int c = 0; c < dst.width(); ++c) d[c] = v;
-    }
-    return {};
   }
 
   //! Device memory of the executor (256-byte aligned, poisoned).

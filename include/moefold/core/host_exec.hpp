@@ -1,6 +1,7 @@
 //! @file host_exec.hpp
 //! @brief host_exec: the execution context of host memory. Operations run as host loops and are
-//! complete when they return.
+//! complete when they return; the row operations (gather_rows, gather_sum_rows, copy_chunks,
+//! relabel, add, scale, fill) are those of core/host_memory_ops.hpp.
 #pragma once
 
 #include <cstddef>
@@ -9,10 +10,11 @@
 #include <type_traits>
 
 #include "exec.hpp"
+#include "host_memory_ops.hpp"
 
 namespace moefold {
 
-struct host_exec {
+struct host_exec : detail::host_memory_ops<host_exec, host_space> {
   using memory_space = host_space;
   static constexpr const char* name = "host_exec";
 
@@ -22,13 +24,6 @@ struct host_exec {
   [[nodiscard]] status copy(row_view<U, host_space> src, row_view<T, host_space> dst) const {
     if (auto st = detail::check_copy(src, dst, name); !st) return st;
     detail::host_copy_rows(src, dst);
-    return {};
-  }
-  //! Every element of dst = v.
-  template <class T>
-  [[nodiscard]] status fill(row_view<T, host_space> dst, const T& v) const {
-    for (int r = 0; r < dst.rows(); ++r)
-      for (int c = 0; c < dst.width(); ++c) dst(r, c) = v;
     return {};
   }
   [[nodiscard]] expected<void*> allocate_bytes(std::size_t bytes) const {

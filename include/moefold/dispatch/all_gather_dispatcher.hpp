@@ -19,6 +19,7 @@
 #include "dispatch_args.hpp"
 #include "dispatch_handle.hpp"
 #include "dispatcher_common.hpp"
+#include "gathered_record.hpp"
 #include "permute.hpp"
 
 namespace moefold {
@@ -32,7 +33,8 @@ class all_gather_dispatcher
   using common = dispatcher_common<all_gather_dispatcher<T, Comm, Exec>, T, Comm, Exec>;
   using common::rows_of;
 
-  // As in all_to_all_dispatcher: the device contexts get the row operations next.
+  // As in all_to_all_dispatcher: rows move through the context's operations; the bookkeeping
+  // still reads the workspace on the host.
   static_assert(host_accessible_v<typename Exec::memory_space>,
                 "all_gather_dispatcher: the device path (cpu_exec, cuda_exec) is not built yet");
 
@@ -105,21 +107,9 @@ class all_gather_dispatcher
                                      rows_of(std::span<int>(b.header), 2));
         !st)
       return unexpected<error>(st.error());
-    long long total = 0;
-    for (std::size_t q = 0; q < b.tokens.size(); ++q) {
-      const int v = b.header[2 * q], cap = b.header[2 * q + 1];
-      if (v < 0 || v > s_.max_tokens)
-        return make_error(errc::invalid_size, "dispatch: a peer has " + to_decimal(v) +
-                                                  " tokens, outside [0, max_tokens]");
-      if (cap != b.header[1])
-        return make_error(errc::comm_mismatch,
-                          "dispatch: pad mode capacities differ in the tp-ep group (rank 0: " +
-                              to_decimal(b.header[1]) + ", rank " +
-                              to_decimal(static_cast<long long>(q)) + ": " + to_decimal(cap) +
-                              "); every rank must pad to the same capacity");
-      b.tokens[q] = v;
-      total += v;
-    }
+    auto gathered = detail::check_gathered_header(b.header, s_.max_tokens, b.tokens);
+    if (!gathered) return unexpected<error>(gathered.error());
+    const long long total = *gathered;
     h.st_.gathered = static_cast<int>(total);
     const auto G = detail::uz(total);
     const int peers = g.tp_ep.size() - 1;
@@ -144,45 +134,28 @@ class all_gather_dispatcher
         sent, sent * static_cast<long long>(H * sizeof(T) + K * (sizeof(T) + sizeof(int)))};
     // 2. Every rank checks the whole gathered record (expert ids; in pad mode every (source,
     //    expert) against the capacity), so a bad rank fails all of them alike, never alone.
-    std::size_t t0 = 0;
-    for (std::size_t q = 0; q < b.tokens.size(); ++q) {
-      for (auto& c : b.expert_counts) c = 0;
-      const auto tq = detail::uz(b.tokens[q]);
-      for (std::size_t i = t0 * K; i < (t0 + tq) * K; ++i) {
-        if (eg[i] < -1 || eg[i] >= s_.num_experts)
-          return make_error(errc::invalid_argument,
-                            "dispatch: tp-ep rank " + to_decimal(static_cast<long long>(q)) +
-                                " names expert " + to_decimal(eg[i]) + ", outside [0, " +
-                                to_decimal(s_.num_experts) + ") (use -1 for a dropped pair)");
-        if (in.capacity >= 0 && eg[i] >= 0 && ++b.expert_counts[detail::uz(eg[i])] > in.capacity)
-          return make_error(errc::invalid_argument,
-                            "dispatch: tp-ep rank " + to_decimal(static_cast<long long>(q)) +
-                                " routes more than the capacity " + to_decimal(in.capacity) +
-                                " pairs to expert " + to_decimal(eg[i]) + " (drop before padding)");
-      }
-      t0 += tq;
-    }
-    // The receive bound, checked by every rank on every EP rank's rows (all see the same record).
+    if (auto st = detail::check_gathered_routing(eg, b.tokens, s_.topk, s_.num_experts, in.capacity,
+                                                 b.expert_counts);
+        !st)
+      return unexpected<error>(st.error());
+    // The receive bound, checked by every rank on every EP rank's rows (all see the same record;
+    // without a bound the worst case holds by construction).
     const int L = s_.num_experts / s_.ep, first = g.ep.rank() * L;
-    if (in.capacity < 0) {
-      for (auto& c : b.expert_counts) c = 0;
-      for (std::size_t i = 0; i < G * K; ++i)
-        if (eg[i] >= 0) ++b.expert_counts[detail::uz(eg[i])];
-      for (int q = 0; q < s_.ep; ++q) {
-        long long rows = 0;
-        for (int l = 0; l < L; ++l) rows += b.expert_counts[detail::uz(q * L + l)];
-        if (rows > recv_rows(in.capacity))
-          return make_error(errc::receive_bound_exceeded,
-                            "dispatch: EP rank " + to_decimal(q) + " would receive " +
-                                to_decimal(rows) + " rows, more than the receive bound " +
-                                to_decimal(recv_rows(in.capacity)) +
-                                " (dispatch_shape::max_recv_rows; raise it, or drop tokens)");
-      }
-    }
+    if (in.capacity < 0 && s_.max_recv_rows)
+      if (const receive_peak peak =
+              detail::gathered_peak_receive(eg, s_.num_experts, s_.ep, b.expert_counts);
+          peak.rows > recv_rows(in.capacity))
+        return make_error(errc::receive_bound_exceeded,
+                          "dispatch: EP rank " + to_decimal(peak.ep_rank) + " would receive " +
+                              to_decimal(peak.rows) + " rows, more than the receive bound " +
+                              to_decimal(recv_rows(in.capacity)) +
+                              " (dispatch_shape::max_recv_rows; raise it, or drop tokens)");
     // 3. Keep this rank's experts: a local routing record over the gathered tokens.
     auto local = b.local_experts.first(G * K);
-    for (std::size_t i = 0; i < G * K; ++i)
-      local[i] = (eg[i] >= first && eg[i] < first + L) ? eg[i] - first : -1;
+    if (auto st = x.relabel(rows_of(std::span<const int>(eg), s_.topk), first, L,
+                            rows_of(local, s_.topk));
+        !st)
+      return unexpected<error>(st.error());
     const bool pad = in.capacity >= 0;
     const permute_args pa{.num_tokens = static_cast<int>(total),
                           .topk = s_.topk,
@@ -194,16 +167,18 @@ class all_gather_dispatcher
     auto plan = permute_plan::make(pa, b.plan);
     if (!plan) return unexpected<error>(plan.error());
     h.plan_ = *plan;
-    for (int l = 0; l < L; ++l)  // rows per local expert, padding included
-      b.per_expert[detail::uz(l)] =
-          h.plan_.offsets()[detail::uz(l) + 1] - h.plan_.offsets()[detail::uz(l)];
+    rows_per_expert(h.plan_, b.per_expert);  // padding included
     h.per_expert_ = b.per_expert;
     const auto M = detail::uz(h.plan_.num_rows());
     h.x_ = b.batch_x.first(M * H);
     h.p_ = b.batch_probs.first(M);
-    if (auto st = permute<T>(h.plan_, std::span<const T>(xg), s_.hidden, h.x_); !st)
+    if (auto st = x.template gather_rows<T>(rows_of(std::span<const T>(xg), s_.hidden),
+                                            h.plan_.row_slots(), s_.topk, rows_of(h.x_, s_.hidden));
+        !st)
       return unexpected<error>(st.error());
-    if (auto st = permute_probs<T>(h.plan_, std::span<const T>(pg), h.p_); !st)
+    if (auto st = x.template gather_rows<T>(rows_of(std::span<const T>(pg), 1), h.plan_.row_slots(),
+                                            1, rows_of(h.p_, 1));
+        !st)
       return unexpected<error>(st.error());
     return h;
   }
@@ -216,7 +191,10 @@ class all_gather_dispatcher
     if (y.size() != detail::uz(h.num_rows()) * H || out.size() != detail::uz(h.num_tokens()) * H)
       return make_error(errc::shape_mismatch, "combine: y must be [M, H] and out [N, H]");
     auto u = bufs_.rows_b.first(G * H);  // zeros for tokens without a local expert
-    if (auto st = unpermute<T>(h.plan_, y, s_.hidden, {}, u); !st) return st;
+    if (auto st = x.template gather_sum_rows<T>(rows_of(y, s_.hidden), h.plan_.token_rows(), {},
+                                                rows_of(u, s_.hidden));
+        !st)
+      return st;
     if (auto st = g.tp_ep.reduce_scatter_v(x, rows_of(std::span<const T>(u), s_.hidden),
                                            std::span<const int>(h.st_.tokens),
                                            rows_of(out, s_.hidden), reduce_op::sum);
@@ -239,7 +217,9 @@ class all_gather_dispatcher
                                        std::span<const int>(h.st_.tokens));
         !st)
       return st;
-    return permute<T>(h.plan_, std::span<const T>(gu), s_.hidden, dy);  // un-permute backward
+    // Un-permute backward = permute.
+    return x.template gather_rows<T>(rows_of(std::span<const T>(gu), s_.hidden),
+                                     h.plan_.row_slots(), s_.topk, rows_of(dy, s_.hidden));
   }
 
   //! Backward of dispatch: dx_rows [M, H], dprob_rows [M] -> dx [N, H], dprobs [N*k].
@@ -259,17 +239,20 @@ class all_gather_dispatcher
     // Permute backward (a sum per gathered token), then the AllGather backward: a sum over the
     // group, which adds the experts of the other EP ranks and the partials of the ETP peers.
     auto gx = bufs_.rows_b.first(G * H);
-    if (auto st = unpermute<T>(h.plan_, dx_rows, s_.hidden, {}, gx); !st) return st;
+    if (auto st = x.template gather_sum_rows<T>(rows_of(dx_rows, s_.hidden), h.plan_.token_rows(),
+                                                {}, rows_of(gx, s_.hidden));
+        !st)
+      return st;
     if (auto st = g.tp_ep.reduce_scatter_v(x, rows_of(std::span<const T>(gx), s_.hidden),
                                            std::span<const int>(h.st_.tokens),
                                            rows_of(dx, s_.hidden), reduce_op::sum);
         !st)
       return st;
     auto gp = bufs_.probs_a.first(G * K);
-    for (std::size_t s = 0; s < G * K; ++s) {
-      const int r = h.plan_.slot_row()[s];
-      gp[s] = r < 0 ? T(0) : dprob_rows[detail::uz(r)];
-    }
+    if (auto st = x.template gather_rows<T>(rows_of(dprob_rows, 1), h.plan_.slot_rows(), 1,
+                                            rows_of(gp, 1));
+        !st)
+      return st;
     return g.tp_ep.reduce_scatter_v(x, rows_of(std::span<const T>(gp), s_.topk),
                                     std::span<const int>(h.st_.tokens), rows_of(dprobs, s_.topk),
                                     reduce_op::sum);

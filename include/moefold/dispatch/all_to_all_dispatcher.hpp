@@ -39,8 +39,9 @@ class all_to_all_dispatcher
   using common = dispatcher_common<all_to_all_dispatcher<T, Comm, Exec>, T, Comm, Exec>;
   using common::rows_of;
 
-  // The dispatcher's bookkeeping and row movement are host loops today; the device contexts get
-  // them as context operations (permute, gather, copy chunks), then this file serves both.
+  // Rows move only through the context's operations (gather_rows, gather_sum_rows, copy_chunks);
+  // the bookkeeping (plan builder, splits) still reads the workspace on the host, so the device
+  // contexts wait for the plan builders per context.
   static_assert(host_accessible_v<typename Exec::memory_space>,
                 "all_to_all_dispatcher: the device path (cpu_exec, cuda_exec) is not built yet");
 
@@ -144,12 +145,13 @@ class all_to_all_dispatcher
                         .tokens_per_local_expert = h.st_.per_expert,
                         .chunk_counts = h.st_.chunk_counts};
     if (pad)
-      uniform_splits(in.capacity, sv);
+      uniform_splits(in.capacity, s_.ep, s_.etp, local_experts(), sv);
     else if (auto st = compute_splits(sa, sv); !st)
       return unexpected<error>(st.error());
     // Every rank knows every rank's counts: all check the bound on the most loaded EP rank and
-    // fail alike, before any row moves (pad mode was checked against it up front).
-    if (!pad)
+    // fail alike, before any row moves (pad mode was checked against it up front; without a
+    // bound the worst case holds by construction: no rank routes more than max_tokens * k).
+    if (!pad && s_.max_recv_rows)
       if (const receive_peak peak = peak_receive(sa); peak.rows > recv_rows(in.capacity))
         return make_error(errc::receive_bound_exceeded,
                           "dispatch: EP rank " + to_decimal(peak.ep_rank) + " would receive " +
@@ -160,14 +162,18 @@ class all_to_all_dispatcher
     chunk_offsets(h.st_.chunk_counts, h.st_.order, h.st_.chunk_src, h.st_.chunk_dst);
     h.per_expert_ = h.st_.per_expert;
     const int m_send = h.plan_.num_rows();
-    const int m_a2a = sum(h.st_.output_splits);
-    const int m_all = sum(h.st_.output_splits_tp);
+    const int m_a2a = split_total(h.st_.output_splits);
+    const int m_all = split_total(h.st_.output_splits_tp);
     // 3. Permute rows and probabilities.            x [N,H] -> xp [m_send, H], pp [m_send]
     auto xp = b.rows_a.first(detail::uz(m_send) * H);
     auto pp = b.probs_a.first(detail::uz(m_send));
-    if (auto st = permute<T>(h.plan_, in.x, s_.hidden, xp); !st)
+    if (auto st = x.template gather_rows<T>(rows_of(in.x, s_.hidden), h.plan_.row_slots(), s_.topk,
+                                            rows_of(xp, s_.hidden));
+        !st)
       return unexpected<error>(st.error());
-    if (auto st = permute_probs<T>(h.plan_, in.probs, pp); !st)
+    if (auto st =
+            x.template gather_rows<T>(rows_of(in.probs, 1), h.plan_.row_slots(), 1, rows_of(pp, 1));
+        !st)
       return unexpected<error>(st.error());
     // 4. All-to-All-V over EP.                       -> [m_a2a, H] ordered (j, l, token)
     auto xr = b.rows_b.first(detail::uz(m_a2a) * H);
@@ -193,13 +199,8 @@ class all_to_all_dispatcher
     // 6. Chunk sort (t, j, l) -> (l, t, j): rows grouped by local expert.
     h.x_ = b.batch_x.first(detail::uz(m_all) * H);
     h.p_ = b.batch_probs.first(detail::uz(m_all));
-    if (auto st = copy_chunks<T>(h.st_.chunk_counts, h.st_.chunk_src, h.st_.chunk_dst, xg,
-                                 s_.hidden, h.x_);
-        !st)
-      return unexpected<error>(st.error());
-    if (auto st = copy_chunks<T>(h.st_.chunk_counts, h.st_.chunk_src, h.st_.chunk_dst, pg, 1, h.p_);
-        !st)
-      return unexpected<error>(st.error());
+    if (auto st = sort_chunks(x, h, xg, s_.hidden, h.x_); !st) return unexpected<error>(st.error());
+    if (auto st = sort_chunks(x, h, pg, 1, h.p_); !st) return unexpected<error>(st.error());
     return h;
   }
 
@@ -211,13 +212,11 @@ class all_to_all_dispatcher
     const auto H = detail::uz(s_.hidden);
     if (y.size() != detail::uz(h.num_rows()) * H || out.size() != detail::uz(h.num_tokens()) * H)
       return make_error(errc::shape_mismatch, "combine: y must be [M, H] and out [N, H]");
-    const int m_a2a = sum(h.st_.output_splits), m_send = h.plan_.num_rows(), m_all = h.num_rows();
+    const int m_a2a = split_total(h.st_.output_splits), m_send = h.plan_.num_rows(),
+              m_all = h.num_rows();
     // Unsort (l, t, j) -> (t, j, l).
     auto yu = bufs_.rows_a.first(detail::uz(m_all) * H);
-    if (auto st =
-            copy_chunks<T>(h.st_.chunk_counts, h.st_.chunk_dst, h.st_.chunk_src, y, s_.hidden, yu);
-        !st)
-      return st;
+    if (auto st = unsort_chunks(x, h, y, s_.hidden, yu); !st) return st;
     // ReduceScatter-V over ETP: sums the row-parallel partials, returns each peer its rows.
     std::span<T> yr = yu;
     if (s_.etp > 1) {
@@ -232,7 +231,8 @@ class all_to_all_dispatcher
     h.volume_.combine_a2a =
         volume(m_a2a - h.st_.output_splits[detail::uz(g.ep.rank())], sizeof(T), s_.hidden);
     // Un-permute: out[t] = sum over its pairs, in slot order.
-    return unpermute<T>(h.plan_, std::span<const T>(yc), s_.hidden, {}, out);
+    return x.template gather_sum_rows<T>(rows_of(std::span<const T>(yc), s_.hidden),
+                                         h.plan_.token_rows(), {}, rows_of(out, s_.hidden));
   }
 
   //! Backward of combine: dout [N, H] -> dy [M, H] (the experts' output gradient, batch order).
@@ -242,9 +242,13 @@ class all_to_all_dispatcher
     const auto H = detail::uz(s_.hidden);
     if (dout.size() != detail::uz(h.num_tokens()) * H || dy.size() != detail::uz(h.num_rows()) * H)
       return make_error(errc::shape_mismatch, "combine_backward: dout [N, H], dy [M, H]");
-    const int m_a2a = sum(h.st_.output_splits), m_send = h.plan_.num_rows(), m_all = h.num_rows();
+    const int m_a2a = split_total(h.st_.output_splits), m_send = h.plan_.num_rows(),
+              m_all = h.num_rows();
     auto gc = bufs_.rows_c.first(detail::uz(m_send) * H);  // un-permute backward = permute
-    if (auto st = permute<T>(h.plan_, dout, s_.hidden, gc); !st) return st;
+    if (auto st = x.template gather_rows<T>(rows_of(dout, s_.hidden), h.plan_.row_slots(), s_.topk,
+                                            rows_of(gc, s_.hidden));
+        !st)
+      return st;
     auto gr = bufs_.rows_b.first(detail::uz(m_a2a) * H);  // All-to-All backward: swap the splits
     if (auto st = a2a(x, g.ep, gc, h.st_.input_splits, gr, h.st_.output_splits, s_.hidden); !st)
       return st;
@@ -253,8 +257,7 @@ class all_to_all_dispatcher
       gu = bufs_.rows_a.first(detail::uz(m_all) * H);
       if (auto st = agv(x, g.etp, gr, gu, h.st_.output_splits_tp, s_.hidden); !st) return st;
     }
-    return copy_chunks<T>(h.st_.chunk_counts, h.st_.chunk_src, h.st_.chunk_dst,
-                          std::span<const T>(gu), s_.hidden, dy);
+    return sort_chunks(x, h, gu, s_.hidden, dy);
   }
 
   //! Backward of dispatch: the experts' input and probability gradients (batch order, ETP
@@ -272,17 +275,12 @@ class all_to_all_dispatcher
       return make_error(errc::shape_mismatch,
                         "dispatch_backward: dx_rows [M, H], dprob_rows "
                         "[M], dx [N, H], dprobs [N*k]");
-    const int m_a2a = sum(h.st_.output_splits), m_send = h.plan_.num_rows(), m_all = h.num_rows();
+    const int m_a2a = split_total(h.st_.output_splits), m_send = h.plan_.num_rows(),
+              m_all = h.num_rows();
     auto gx = bufs_.rows_a.first(detail::uz(m_all) * H);  // sort backward = unsort
     auto gp = bufs_.probs_a.first(detail::uz(m_all));
-    if (auto st = copy_chunks<T>(h.st_.chunk_counts, h.st_.chunk_dst, h.st_.chunk_src, dx_rows,
-                                 s_.hidden, gx);
-        !st)
-      return st;
-    if (auto st =
-            copy_chunks<T>(h.st_.chunk_counts, h.st_.chunk_dst, h.st_.chunk_src, dprob_rows, 1, gp);
-        !st)
-      return st;
+    if (auto st = unsort_chunks(x, h, dx_rows, s_.hidden, gx); !st) return st;
+    if (auto st = unsort_chunks(x, h, dprob_rows, 1, gp); !st) return st;
     std::span<T> rx = gx, rp = gp;  // AllGather backward = ReduceScatter (a sum over ETP)
     if (s_.etp > 1) {
       rx = bufs_.rows_b.first(detail::uz(m_a2a) * H);
@@ -296,12 +294,12 @@ class all_to_all_dispatcher
       return st;
     if (auto st = a2a(x, g.ep, rp, h.st_.output_splits, sp, h.st_.input_splits, 1); !st) return st;
     // Permute backward = un-permute without probs; the probs' permute backward is a gather.
-    if (auto st = unpermute<T>(h.plan_, std::span<const T>(sx), s_.hidden, {}, dx); !st) return st;
-    for (std::size_t s = 0; s < dprobs.size(); ++s) {
-      const int r = h.plan_.slot_row()[s];
-      dprobs[s] = r < 0 ? T(0) : sp[detail::uz(r)];
-    }
-    return {};
+    if (auto st = x.template gather_sum_rows<T>(rows_of(std::span<const T>(sx), s_.hidden),
+                                                h.plan_.token_rows(), {}, rows_of(dx, s_.hidden));
+        !st)
+      return st;
+    return x.template gather_rows<T>(rows_of(std::span<const T>(sp), 1), h.plan_.slot_rows(), 1,
+                                     rows_of(dprobs, 1));
   }
 
  private:
@@ -314,10 +312,19 @@ class all_to_all_dispatcher
     std::span<T> rows_a, rows_b, rows_c, probs_a, probs_b, probs_c, batch_x, batch_probs;
   };
 
-  static int sum(std::span<const int> v) noexcept {
-    int s = 0;
-    for (int x : v) s += x;
-    return s;
+  // Chunk sort (t, j, l) -> (l, t, j) and its inverse: one chunk copy with the offsets the
+  // forward planned, swapped for the inverse.   src, dst [rows, width]
+  static status sort_chunks(Exec& x, const handle_type& h, std::span<const T> src, int width,
+                            std::span<T> dst) {
+    return x.template copy_chunks<T>(rows_of(src, width), rows_of(h.st_.chunk_counts, 1),
+                                     rows_of(h.st_.chunk_src, 1), rows_of(h.st_.chunk_dst, 1),
+                                     rows_of(dst, width));
+  }
+  static status unsort_chunks(Exec& x, const handle_type& h, std::span<const T> src, int width,
+                              std::span<T> dst) {
+    return x.template copy_chunks<T>(rows_of(src, width), rows_of(h.st_.chunk_counts, 1),
+                                     rows_of(h.st_.chunk_dst, 1), rows_of(h.st_.chunk_src, 1),
+                                     rows_of(dst, width));
   }
   int local_experts() const noexcept { return s_.num_experts / s_.ep; }
   // Rows this rank receives at most (after the AllGather-V): the receive bound, by default every
@@ -331,15 +338,6 @@ class all_to_all_dispatcher
   long long send_rows(int capacity) const noexcept {
     if (capacity >= 0) return static_cast<long long>(capacity) * s_.num_experts;
     return static_cast<long long>(s_.max_tokens) * s_.topk;
-  }
-  // Pad mode: C rows per (source, expert) everywhere; what compute_splits gives for those counts.
-  void uniform_splits(int capacity, const split_view& v) const noexcept {
-    const int L = local_experts();
-    for (auto& x : v.input_splits) x = capacity * L;
-    for (auto& x : v.output_splits) x = capacity * L;
-    for (auto& x : v.output_splits_tp) x = capacity * L * s_.ep;
-    for (auto& x : v.tokens_per_local_expert) x = capacity * s_.ep * s_.etp;
-    for (auto& x : v.chunk_counts) x = capacity;
   }
   static comm_volume volume(long long rows, std::size_t elem, int per_row) noexcept {
     return {rows, rows * static_cast<long long>(elem) * per_row};

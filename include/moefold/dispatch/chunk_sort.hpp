@@ -9,6 +9,9 @@
 #include <vector>
 
 #include "../core/expected.hpp"
+#include "../core/host_exec.hpp"
+#include "../core/row_view.hpp"
+#include "../core/size.hpp"
 
 namespace moefold {
 
@@ -80,17 +83,15 @@ template <class T>
   std::size_t rows = 0;
   for (int v : sizes) rows += static_cast<std::size_t>(v);
   const auto w = static_cast<std::size_t>(width);
-  if (width < 0 || from.size() != sizes.size() || to.size() != sizes.size() ||
-      x.size() != rows * w || out.size() != rows * w)
+  if (width < 0 || rows > static_cast<std::size_t>(max_rows) || from.size() != sizes.size() ||
+      to.size() != sizes.size() || x.size() != rows * w || out.size() != rows * w)
     return make_error(errc::shape_mismatch,
                       "copy_chunks: buffers must hold sum(sizes) rows and offsets one per chunk");
-  for (std::size_t c = 0; c < sizes.size(); ++c) {
-    const std::size_t n = static_cast<std::size_t>(sizes[c]) * w;
-    const std::size_t src = static_cast<std::size_t>(from[c]) * w,
-                      dst = static_cast<std::size_t>(to[c]) * w;
-    for (std::size_t i = 0; i < n; ++i) out[dst + i] = x[src + i];
-  }
-  return {};
+  const auto chunks = static_cast<int>(sizes.size()), n = static_cast<int>(rows);
+  return host_exec{}.copy_chunks<T>(
+      row_view<const T>(x.data(), n, width), row_view<const int>(sizes.data(), chunks, 1),
+      row_view<const int>(from.data(), chunks, 1), row_view<const int>(to.data(), chunks, 1),
+      row_view<T>(out.data(), n, width));
 }
 
 namespace detail {

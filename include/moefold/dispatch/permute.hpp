@@ -1,18 +1,28 @@
 //! @file permute.hpp
-//! @brief Permutation primitives of the token dispatcher (host reference; the GPU path reuses the
-//! plan): rows grouped by expert, token order kept inside an expert, and the inverse, weighted by
-//! the router probabilities with a fixed summation order.
+//! @brief The permutation plan of the token dispatcher and the host functions that apply it: rows
+//! grouped by expert, token order kept inside an expert, and the inverse, weighted by the router
+//! probabilities with a fixed summation order.
+//!
+//! The plan is data (counts, offsets, row-of-slot, slot-of-row: plain arrays with
+//! MOEFOLD_HOST_DEVICE accessors and row views for the context operations); make() is its host
+//! builder, which validates the routing record once. Moving rows by a plan is a context operation
+//! (gather_rows, gather_sum_rows: core/host_memory_ops.hpp); permute() and unpermute() below are
+//! those operations on host_exec with the span shapes checked.
 //!
 //! A routing record is top-k form: `expert[t*k + j]` is the j-th expert of token t, or -1 when
 //! that pair was dropped (or never routed). A token names each expert at most once.
 #pragma once
 
 #include <cstddef>
+#include <numeric>
 #include <span>
 #include <string>
 #include <type_traits>
 
+#include "../core/config.hpp"
 #include "../core/expected.hpp"
+#include "../core/host_exec.hpp"
+#include "../core/row_view.hpp"
 #include "../core/size.hpp"
 #include "../core/workspace.hpp"
 
@@ -117,30 +127,53 @@ class permute_plan {
     return p;
   }
 
-  [[nodiscard]] int num_tokens() const noexcept { return n_; }
-  [[nodiscard]] int topk() const noexcept { return k_; }
-  [[nodiscard]] int num_experts() const noexcept { return static_cast<int>(real_.size()); }
+  [[nodiscard]] MOEFOLD_HOST_DEVICE int num_tokens() const noexcept { return n_; }
+  [[nodiscard]] MOEFOLD_HOST_DEVICE int topk() const noexcept { return k_; }
+  [[nodiscard]] MOEFOLD_HOST_DEVICE int num_experts() const noexcept { return e_; }
   //! Rows of the permuted buffer (routed pairs, or capacity * E * num_sources in pad mode).
-  [[nodiscard]] int num_rows() const noexcept { return static_cast<int>(row_slot_.size()); }
+  [[nodiscard]] MOEFOLD_HOST_DEVICE int num_rows() const noexcept { return m_; }
+  //! Routed pairs of expert e (excludes padding rows).
+  [[nodiscard]] MOEFOLD_HOST_DEVICE int count(int e) const noexcept { return real_[e]; }
+  //! First row of expert e, e in [0, E] (in pad mode expert e starts at e * capacity * sources).
+  [[nodiscard]] MOEFOLD_HOST_DEVICE int offset(int e) const noexcept { return offsets_[e]; }
+  //! The (token, slot) pair t*k+j of row r; -1 for a padding row.
+  [[nodiscard]] MOEFOLD_HOST_DEVICE int row_slot(int r) const noexcept { return row_slot_[r]; }
+  //! The row of pair s = t*k+j; -1 for a dropped pair.
+  [[nodiscard]] MOEFOLD_HOST_DEVICE int slot_row(int s) const noexcept { return slot_row_[s]; }
+
   //! Routed pairs per expert [E] (excludes padding rows).
-  [[nodiscard]] std::span<const int> counts() const noexcept { return real_; }
-  //! First row of each expert [E+1] (in pad mode expert e starts at e * capacity * num_sources).
-  [[nodiscard]] std::span<const int> offsets() const noexcept { return offsets_; }
-  //! The (token, slot) pair t*k+j of each row [M]; -1 for a padding row.
-  [[nodiscard]] std::span<const int> row_slot() const noexcept { return row_slot_; }
-  //! The row of each (token, slot) pair [N*k]; -1 for a dropped pair.
-  [[nodiscard]] std::span<const int> slot_row() const noexcept { return slot_row_; }
+  [[nodiscard]] std::span<const int> counts() const noexcept { return {real_, detail::uz(e_)}; }
+  //! First row of each expert [E+1].
+  [[nodiscard]] std::span<const int> offsets() const noexcept {
+    return {offsets_, detail::uz(e_) + 1};
+  }
+  //! The pair of each row [M]; -1 for a padding row.
+  [[nodiscard]] std::span<const int> row_slot() const noexcept {
+    return {row_slot_, detail::uz(m_)};
+  }
+  //! The row of each pair [N*k]; -1 for a dropped pair.
+  [[nodiscard]] std::span<const int> slot_row() const noexcept {
+    return {slot_row_, detail::uz(n_) * detail::uz(k_)};
+  }
+  //! row_slot as the index of a gather [M, 1]: with divisor k it names each row's token.
+  [[nodiscard]] row_view<const int> row_slots() const noexcept { return {row_slot_, m_, 1}; }
+  //! slot_row as the index of a gather-sum [N, k]: the rows of each token's pairs, slot order.
+  [[nodiscard]] row_view<const int> token_rows() const noexcept { return {slot_row_, n_, k_}; }
+  //! slot_row as the index of a gather [N*k, 1]: the row of each pair.
+  [[nodiscard]] row_view<const int> slot_rows() const noexcept { return {slot_row_, n_ * k_, 1}; }
 
  private:
   static permute_plan carve(workspace_carver& c, const permute_args& a, int rows) {
     permute_plan p;
     p.n_ = a.num_tokens;
     p.k_ = a.topk;
-    p.real_ = c.take<int>(static_cast<std::size_t>(a.num_experts));
-    p.offsets_ = c.take<int>(static_cast<std::size_t>(a.num_experts) + 1);
-    p.row_slot_ = c.take<int>(static_cast<std::size_t>(rows));
-    p.slot_row_ = c.take<int>(static_cast<std::size_t>(a.num_tokens) * a.topk);
-    p.cursor_ = c.take<int>(static_cast<std::size_t>(a.num_experts));
+    p.e_ = a.num_experts;
+    p.m_ = rows;
+    p.real_ = c.take<int>(static_cast<std::size_t>(a.num_experts)).data();
+    p.offsets_ = c.take<int>(static_cast<std::size_t>(a.num_experts) + 1).data();
+    p.row_slot_ = c.take<int>(static_cast<std::size_t>(rows)).data();
+    p.slot_row_ = c.take<int>(static_cast<std::size_t>(a.num_tokens) * a.topk).data();
+    p.cursor_ = c.take<int>(static_cast<std::size_t>(a.num_experts)).data();
     return p;
   }
 
@@ -168,45 +201,52 @@ class permute_plan {
   overflow build(const permute_args& a) {
     const int E = a.num_experts, S = a.num_sources > 1 ? a.num_sources : 1;
     const bool pad = a.capacity >= 0;
-    for (auto& v : real_) v = 0;
+    const std::span<int> real(real_, detail::uz(E)), cursor(cursor_, detail::uz(E)),
+        row_slot(row_slot_, detail::uz(m_));
+    for (auto& v : real) v = 0;
     for (int e : a.expert)
-      if (e >= 0) ++real_[static_cast<std::size_t>(e)];
+      if (e >= 0) ++real[static_cast<std::size_t>(e)];
     offsets_[0] = 0;
-    for (int e = 0; e < E; ++e)
-      offsets_[static_cast<std::size_t>(e) + 1] =
-          offsets_[static_cast<std::size_t>(e)] +
-          (pad ? a.capacity * S : real_[static_cast<std::size_t>(e)]);
-    for (auto& v : row_slot_) v = -1;
+    for (int e = 0; e < E; ++e) offsets_[e + 1] = offsets_[e] + (pad ? a.capacity * S : real_[e]);
+    for (auto& v : row_slot) v = -1;
     overflow first;
-    for (auto& v : cursor_) v = 0;  // rows taken by each expert inside the current source
+    for (auto& v : cursor) v = 0;  // rows taken by each expert inside the current source
     int source = 0, source_end = S > 1 ? a.source_tokens[0] : n_;
     for (int t = 0; t < n_; ++t) {
       while (S > 1 && t >= source_end) {  // the next non-empty source
-        for (auto& v : cursor_) v = 0;
+        for (auto& v : cursor) v = 0;
         ++source;
         source_end += a.source_tokens[static_cast<std::size_t>(source)];
       }
       for (int j = 0; j < k_; ++j) {
         const int s = t * k_ + j;
         const int e = a.expert[static_cast<std::size_t>(s)];
-        slot_row_[static_cast<std::size_t>(s)] = -1;
-        if (e < 0) continue;  // a dropped pair
-        const auto ue = static_cast<std::size_t>(e);
-        if (pad && cursor_[ue] >= a.capacity) {  // over capacity: make() rejects the plan
+        slot_row_[s] = -1;
+        if (e < 0) continue;                    // a dropped pair
+        if (pad && cursor_[e] >= a.capacity) {  // over capacity: make() rejects the plan
           if (first.expert < 0) first = {e, source};
           continue;
         }
-        const int row = offsets_[ue] + (pad ? source * a.capacity : 0) + cursor_[ue]++;
-        row_slot_[static_cast<std::size_t>(row)] = s;
-        slot_row_[static_cast<std::size_t>(s)] = row;
+        const int row = offsets_[e] + (pad ? source * a.capacity : 0) + cursor_[e]++;
+        row_slot_[row] = s;
+        slot_row_[s] = row;
       }
     }
     return first;
   }
 
-  int n_ = 0, k_ = 1;
-  std::span<int> real_, offsets_, row_slot_, slot_row_, cursor_;
+  // Plain data: sizes and arrays in the caller's workspace.
+  int n_ = 0, k_ = 1, e_ = 0, m_ = 0;
+  int *real_ = nullptr, *offsets_ = nullptr, *row_slot_ = nullptr, *slot_row_ = nullptr,
+      *cursor_ = nullptr;
 };
+
+//! Rows of each expert in the permuted buffer, padding included: offset(e+1) - offset(e).  [E]
+inline void rows_per_expert(const permute_plan& p, std::span<int> out) noexcept {
+  const auto o = p.offsets();
+  std::adjacent_difference(o.begin() + 1, o.end(), out.begin());
+  if (!out.empty()) out[0] = o[1] - o[0];
+}
 
 namespace detail {
 template <class T>
@@ -234,18 +274,9 @@ template <class T>
                              std::span<T> out) {
   if (auto s = detail::check_rows("permute: x", x.size(), p.num_tokens(), hidden); !s) return s;
   if (auto s = detail::check_rows("permute: out", out.size(), p.num_rows(), hidden); !s) return s;
-  for (int r = 0; r < p.num_rows(); ++r) {
-    const int slot = p.row_slot()[static_cast<std::size_t>(r)];
-    auto dst = detail::row(out, r, hidden);
-    if (slot < 0) {
-      for (auto& v : dst) v = T(0);
-    } else {
-      auto src = detail::row(x, slot / p.topk(), hidden);
-      for (int h = 0; h < hidden; ++h)
-        dst[static_cast<std::size_t>(h)] = src[static_cast<std::size_t>(h)];
-    }
-  }
-  return {};
+  return host_exec{}.gather_rows<T>(row_view<const T>(x.data(), p.num_tokens(), hidden),
+                                    p.row_slots(), p.topk(),
+                                    row_view<T>(out.data(), p.num_rows(), hidden));
 }
 
 //! The probability of each row: out[r] = probs[slot of r]; padding rows get 0.  [N*k] -> [M]
@@ -257,11 +288,8 @@ template <class P>
       !s)
     return s;
   if (auto s = detail::check_rows("permute_probs: out", out.size(), p.num_rows(), 1); !s) return s;
-  for (int r = 0; r < p.num_rows(); ++r) {
-    const int slot = p.row_slot()[static_cast<std::size_t>(r)];
-    out[static_cast<std::size_t>(r)] = slot < 0 ? P(0) : probs[static_cast<std::size_t>(slot)];
-  }
-  return {};
+  return host_exec{}.gather_rows<P>(row_view<const P>(probs.data(), p.num_tokens() * p.topk(), 1),
+                                    p.row_slots(), 1, row_view<P>(out.data(), p.num_rows(), 1));
 }
 
 //! out[t] = sum over the token's slots j = 0..k-1 (in this order) of w * y[row(t, j)], with
@@ -279,23 +307,10 @@ template <class T, class P = T, class Acc = T>
                                     static_cast<long long>(p.num_tokens()) * p.topk(), 1);
         !s)
       return s;
-  for (int t = 0; t < p.num_tokens(); ++t) {
-    auto dst = detail::row(out, t, hidden);
-    for (int h = 0; h < hidden; ++h) {
-      Acc acc = Acc(0);
-      for (int j = 0; j < p.topk(); ++j) {
-        const int slot = t * p.topk() + j;
-        const int r = p.slot_row()[static_cast<std::size_t>(slot)];
-        if (r < 0) continue;
-        const Acc v =
-            static_cast<Acc>(y[static_cast<std::size_t>(r) * static_cast<std::size_t>(hidden) +
-                               static_cast<std::size_t>(h)]);
-        acc += probs.empty() ? v : static_cast<Acc>(probs[static_cast<std::size_t>(slot)]) * v;
-      }
-      dst[static_cast<std::size_t>(h)] = static_cast<T>(acc);
-    }
-  }
-  return {};
+  const row_view<const P> w(probs.data(), probs.empty() ? 0 : p.num_tokens(), p.topk());
+  return host_exec{}.gather_sum_rows<T, P, Acc>(row_view<const T>(y.data(), p.num_rows(), hidden),
+                                                p.token_rows(), w,
+                                                row_view<T>(out.data(), p.num_tokens(), hidden));
 }
 
 //! Backward of unpermute with probs: dy[row(t,j)] = p[t,j] * dout[t] and

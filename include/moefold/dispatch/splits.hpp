@@ -7,7 +7,9 @@
 //! Inside the tp-ep group, the rank of (ep j, etp t) is j*ETP + t (etp fastest, Megatron's layout).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
+#include <numeric>
 #include <span>
 
 #include "../core/expected.hpp"
@@ -125,6 +127,24 @@ struct receive_peak {
     if (rows > peak.rows || q == 0) peak = {q, rows};
   }
   return peak;
+}
+
+//! Pad mode (every rank sends `capacity` rows to every expert): the splits compute_splits gives
+//! for those counts, without exchanging them. L = E / EP local experts.
+inline void uniform_splits(int capacity, int ep, int etp, int local_experts,
+                           const split_view& v) noexcept {
+  const int per_peer = capacity * local_experts;
+  std::fill(v.input_splits.begin(), v.input_splits.end(), per_peer);
+  std::fill(v.output_splits.begin(), v.output_splits.end(), per_peer);
+  std::fill(v.output_splits_tp.begin(), v.output_splits_tp.end(), per_peer * ep);
+  std::fill(v.tokens_per_local_expert.begin(), v.tokens_per_local_expert.end(),
+            capacity * ep * etp);
+  std::fill(v.chunk_counts.begin(), v.chunk_counts.end(), capacity);
+}
+
+//! The rows of a split (a sum of counts that compute_splits bounded below 2^31).
+[[nodiscard]] inline int split_total(std::span<const int> splits) noexcept {
+  return std::accumulate(splits.begin(), splits.end(), 0);
 }
 
 }  // namespace moefold

@@ -26,6 +26,7 @@
 
 #include "../comm/communicator.hpp"
 #include "../core/expected.hpp"
+#include "../core/row_view.hpp"
 #include "../core/size.hpp"
 #include "../dispatch/dispatch_args.hpp"
 #include "../dispatch/drop_policy.hpp"
@@ -97,6 +98,9 @@ requires expert_fn<Experts, T> && drop_policy<Policy, T, Comm> &&
     communicator_for<Comm, typename Dispatcher::exec_type, T>
 class moe_layer {
  public:
+  //! The execution context the layer's row operations run on (its dispatcher's).
+  using exec_type = typename Dispatcher::exec_type;
+
   [[nodiscard]] static expected<moe_layer> make(const moe_layer_options& o, Policy policy,
                                                 Experts experts) {
     using detail::to_decimal;
@@ -297,11 +301,9 @@ class moe_layer {
     // once the capacity is known to be sane.
     if (auto st = detail::check_dispatch_input(disp_.shape(), din); !st)
       return unexpected<error>(st.error());
-    if (const auto need = disp_.workspace_sizes(drop_.pad_rows);
-        saved_ws_.size() < need.saved || scratch_ws_.size() < need.scratch) {
-      if (saved_ws_.size() < need.saved) saved_ws_.resize(need.saved);
-      if (scratch_ws_.size() < need.scratch) scratch_ws_.resize(need.scratch);
-    }
+    const auto need = disp_.workspace_sizes(drop_.pad_rows);
+    if (saved_ws_.size() < need.saved) saved_ws_.resize(need.saved);
+    if (scratch_ws_.size() < need.scratch) scratch_ws_.resize(need.scratch);
     const dispatch_workspace dws{.saved = saved_ws_, .scratch = scratch_ws_};
     auto h = disp_.dispatch(din, g.dispatch, dws);
     if (!h) return unexpected<error>(h.error());
@@ -314,7 +316,8 @@ class moe_layer {
       shared_out_.resize(detail::uz(n) * H);
       if (auto st = shared_->forward(n, x, *g.tp, shared_out_, shared_ws_); !st)
         return unexpected<error>(st.error());
-      for (std::size_t i = 0; i < shared_out_.size(); ++i) out[i] += shared_out_[i];
+      if (auto st = exec_.template add<T>(rows(std::span<const T>(shared_out_)), rows(out)); !st)
+        return unexpected<error>(st.error());
     }
     return stats;
   }
@@ -355,12 +358,15 @@ class moe_layer {
     dw.assign(detail::uz(E) * H, T(0));
     if (auto st = router_.backward(logits_, routing_, dprobs, dlogits); !st) return st;
     const gating_shape gbs{.num_tokens = n_, .hidden = o_.hidden, .num_experts = E};
-    for (std::size_t i = 0; i < aux_terms_.size(); ++i)
-      if (aux_active_[i])
-        if (auto st = add_aux_loss_gradient<T>(o_.router.score, logits_, E, {}, aux_terms_[i],
-                                               loss_seed, dlogits);
-            !st)
-          return st;
+    // The three load-balancing terms (micro-batch, per sequence, global), each when active.
+    const auto add_term = [&](std::size_t i) -> status {
+      if (!aux_active_[i]) return {};
+      return add_aux_loss_gradient<T>(o_.router.score, logits_, E, {}, aux_terms_[i], loss_seed,
+                                      dlogits);
+    };
+    if (auto st = add_term(0); !st) return st;
+    if (auto st = add_term(1); !st) return st;
+    if (auto st = add_term(2); !st) return st;
     if (z_active_)
       if (auto st =
               add_group_z_loss_gradient(g.tp_cp, std::span<const T>(logits_), E, o_.z_loss_coeff,
@@ -371,12 +377,17 @@ class moe_layer {
             gating_backward<T, T, T>(gbs, x_, std::span<const T>(w_), dlogits, dx_router, dw, {});
         !st)
       return st;
-    for (std::size_t i = 0; i < dw.size(); ++i) dw_[i] += dw[i];
-    for (std::size_t i = 0; i < N * H; ++i) dx[i] = dx_experts[i] + dx_router[i];
+    if (auto st = exec_.template add<T>(rows(std::span<const T>(dw)), rows(std::span<T>(dw_))); !st)
+      return st;
+    // dx = dx_experts + dx_router (+ dx_shared).
+    if (auto st = exec_.copy(rows(std::span<const T>(dx_experts)), rows(dx)); !st) return st;
+    if (auto st = exec_.template add<T>(rows(std::span<const T>(dx_router)), rows(dx)); !st)
+      return st;
     if (shared_) {
       dx_shared.assign(N * H, T(0));
       if (auto st = shared_->backward(dout, *g.tp, dx_shared); !st) return st;
-      for (std::size_t i = 0; i < N * H; ++i) dx[i] += dx_shared[i];
+      if (auto st = exec_.template add<T>(rows(std::span<const T>(dx_shared)), rows(dx)); !st)
+        return st;
     }
     return {};
   }
@@ -393,11 +404,12 @@ class moe_layer {
                         "that communicator");
     if (auto st = tp_dp_cp.template all_reduce<T>(std::span<T>(dw_), reduce_op::sum); !st)
       return st;
-    for (auto s : expert_grads)
-      if (auto st = edp.template all_reduce<T>(s, reduce_op::sum); !st) return st;
+    if (auto st = all_reduce_each<T>(edp, expert_grads, reduce_op::sum); !st) return st;
     if (shared_) {
-      for (auto s : {shared_->mlp().grads_fc1(), shared_->mlp().grads_fc2()})
-        if (auto st = dp_cp->template all_reduce<T>(s, reduce_op::sum); !st) return st;
+      if (auto st = all_reduce_each<T>(
+              *dp_cp, {shared_->mlp().grads_fc1(), shared_->mlp().grads_fc2()}, reduce_op::sum);
+          !st)
+        return st;
       if (o_.shared_expert.gate)
         if (auto st = tp_dp_cp.template all_reduce<T>(shared_->gate_grad(), reduce_op::sum); !st)
           return st;
@@ -424,7 +436,15 @@ class moe_layer {
         disp_(std::move(d)),
         experts_(std::move(e)) {}
 
+  // A buffer of the layer ([N, H] or [E, H]) as a row view in its context's space.
+  template <class U>
+  row_view<U, typename exec_type::memory_space> rows(std::span<U> v) const {
+    const int width = o_.hidden;
+    return {v.data(), static_cast<int>(v.size() / detail::uz(width)), width};
+  }
+
   moe_layer_options o_;
+  exec_type exec_{};
   topk_router<T> router_;
   Policy policy_;
   Dispatcher disp_;

@@ -225,18 +225,18 @@ class mpi_device_communicator {
   }
 
   // Runs f on buffers MPI can use: the caller's when they are host memory (or device memory and
-  // `movable` on a CUDA-aware MPI), host copies otherwise; device work ordered on `stream_in`.
+  // `movable` on a CUDA-aware MPI), host copies otherwise; device work ordered on `stream` (the
+  // call's context's stream, or the communicator's own for the span forms).
   // `out` may alias `in` (in place). `device`: the buffers are known to be device memory (row
   // views in device_space); otherwise each pointer is probed.
   template <class T, class F>
-  status staged(std::span<const T> in, std::span<T> out, bool movable, cudaStream_t stream_in,
+  status staged(std::span<const T> in, std::span<T> out, bool movable, cudaStream_t stream,
                 bool device, F&& f) {
-    const cudaStream_t stream_ = stream_in;
     const bool dev_in = device || detail::is_device_memory(in.data());
     const bool dev_out = device || detail::is_device_memory(out.data());
     if ((!dev_in && !dev_out) || (movable && cuda_aware_)) {
       if (dev_in || dev_out)  // MPI reads device memory now: the stream's producers first
-        if (auto ok = detail::cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+        if (auto ok = detail::cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
             !ok)
           return ok;
       return f(in, out);
@@ -245,12 +245,12 @@ class mpi_device_communicator {
         static_cast<const void*>(in.data()) == static_cast<const void*>(out.data());
     std::vector<T> h_in, h_out(out.size());
     if (dev_out && in_place) {
-      if (auto ok = to_host(h_out.data(), out.data(), out.size(), stream_); !ok) return ok;
+      if (auto ok = to_host(h_out.data(), out.data(), out.size(), stream); !ok) return ok;
     } else if (dev_in) {
       h_in.resize(in.size());
-      if (auto ok = to_host(h_in.data(), in.data(), in.size(), stream_); !ok) return ok;
+      if (auto ok = to_host(h_in.data(), in.data(), in.size(), stream); !ok) return ok;
     }
-    if (auto ok = detail::cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); !ok)
+    if (auto ok = detail::cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize"); !ok)
       return ok;
     const std::span<const T> hin = in_place ? std::span<const T>(h_out)
                                    : dev_in ? std::span<const T>(h_in)
@@ -259,12 +259,12 @@ class mpi_device_communicator {
     if (auto ok = f(hin, std::span<T>(h_out)); !ok) return ok;
     if (auto ok =
             detail::cuda_check(cudaMemcpyAsync(out.data(), h_out.data(), out.size() * sizeof(T),
-                                               cudaMemcpyHostToDevice, stream_),
+                                               cudaMemcpyHostToDevice, stream),
                                "cudaMemcpyAsync");
         !ok)
       return ok;
     // h_out dies here: wait for the copy.
-    return detail::cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+    return detail::cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
   }
 
   template <class T>

@@ -419,22 +419,6 @@ class mpi_communicator : public span_collectives<mpi_communicator, host_space> {
     return fits_int(static_cast<std::int64_t>(std::min<std::size_t>(v, INT64_MAX)), what);
   }
 
-  // The schedule's counts and offsets as MPI ints, scaled (bytes for `other` types). They live
-  // in int_graveyard_: MPI may read them until the operation completes, even after a timeout.
-  status to_int(std::span<const std::int64_t> c, std::span<const std::int64_t> o, int scale,
-                const int*& ci, const int*& oi) {
-    std::vector<int> v(2 * c.size());
-    for (std::size_t p = 0; p < c.size(); ++p) {
-      if (auto ok = fits_int((o[p] + c[p]) * scale, "offset + count"); !ok) return ok;
-      v[p] = static_cast<int>(c[p] * scale);
-      v[c.size() + p] = static_cast<int>(o[p] * scale);
-    }
-    int_graveyard_.push_back(std::move(v));
-    ci = int_graveyard_.back().data();
-    oi = ci + c.size();
-    return {};
-  }
-
   template <class T>
   T* scratch(std::size_t n) {
     const std::size_t bytes = std::max<std::size_t>(n * sizeof(T), 1);
@@ -456,7 +440,8 @@ class mpi_communicator : public span_collectives<mpi_communicator, host_space> {
   }
 
   // The schedule's element counts and offsets in rows (the unit of its row datatype), as MPI
-  // ints; rows are below 2^31 by the schedule's rule. Kept in int_graveyard_ like to_int's.
+  // ints; rows are below 2^31 by the schedule's rule. They live in int_graveyard_: MPI may read
+  // them until the operation completes, even after a timeout.
   status to_rows(const collective_schedule& s, std::span<const std::int64_t> c,
                  std::span<const std::int64_t> o, const int*& ci, const int*& oi) {
     const std::int64_t w = s.width() > 0 ? s.width() : 1;

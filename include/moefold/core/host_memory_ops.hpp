@@ -1,0 +1,191 @@
+//! @file host_memory_ops.hpp
+//! @brief The row operations of the execution contexts whose memory is host memory (host_exec,
+//! and cpu_exec until it runs the kernel bodies of kernels/): index gathers, a weighted gather-sum
+//! in a fixed order, chunk copies, expert relabelling, elementwise add, scale and fill. The
+//! dispatcher and the layer move rows only through these members of their context, so that one
+//! dispatcher file serves host and GPU (cuda_exec implements the same members with kernels).
+//!
+//! Index arrays are row views of int in the context's space; -1 marks "no source" (a padding row,
+//! a dropped pair) and produces zero. Every operation checks shapes and index ranges and returns
+//! errc::shape_mismatch or errc::invalid_argument naming the operation; nothing is written then.
+#pragma once
+
+#include <string>
+#include <type_traits>
+
+#include "expected.hpp"
+#include "memory_space.hpp"
+#include "row_view.hpp"
+
+namespace moefold::detail {
+
+[[nodiscard]] inline status op_shape_error(const char* ctx, const char* op, const char* what) {
+  return make_error(errc::shape_mismatch, std::string(ctx) + "::" + op + ": " + what);
+}
+
+//! Every index in [-1, bound): otherwise an error naming the first bad one.
+template <class S>
+[[nodiscard]] status check_indices(row_view<const int, S> index, long long bound, const char* ctx,
+                                   const char* op) {
+  for (int r = 0; r < index.rows(); ++r) {
+    const int* p = index.row_data(r);
+    for (int c = 0; c < index.width(); ++c)
+      if (p[c] < -1 || p[c] >= bound)
+        return make_error(errc::invalid_argument, std::string(ctx) + "::" + op + ": index " +
+                                                      to_decimal(p[c]) + " at (" + to_decimal(r) +
+                                                      ", " + to_decimal(c) + ") outside [-1, " +
+                                                      to_decimal(bound) + ")");
+  }
+  return {};
+}
+
+//! The row operations over memory space S, for a context Derived whose memory host code can
+//! address (S is host memory or the CPU executor's host-backed device memory).
+template <class Derived, class S>
+struct host_memory_ops {
+  //! dst[r] = src[index[r] / divisor] (0 where index[r] == -1).
+  //! src [R, w], index [M, 1], dst [M, w]; divisor >= 1 (k turns a slot into its token).
+  template <class T>
+  [[nodiscard]] status gather_rows(std::type_identity_t<row_view<const T, S>> src,
+                                   row_view<const int, S> index, int divisor,
+                                   row_view<T, S> dst) const {
+    if (index.width() != 1 || index.rows() != dst.rows() || src.width() != dst.width() ||
+        divisor < 1)
+      return op_shape_error(Derived::name, "gather_rows",
+                            "need index [M, 1], src [R, w], dst [M, w] and divisor >= 1");
+    if (auto st = check_indices(index, static_cast<long long>(src.rows()) * divisor, Derived::name,
+                                "gather_rows");
+        !st)
+      return st;
+    for (int r = 0; r < dst.rows(); ++r) {
+      const int i = *index.row_data(r);
+      T* d = dst.row_data(r);
+      if (i < 0) {
+        for (int c = 0; c < dst.width(); ++c) d[c] = T(0);
+        continue;
+      }
+      const T* s = src.row_data(i / divisor);
+      for (int c = 0; c < dst.width(); ++c) d[c] = s[c];
+    }
+    return {};
+  }
+
+  //! dst[t] = sum over j = 0..k-1, in this order, of weight[t, j] * src[index[t, j]] (weight 1
+  //! when `weights` is empty; index -1 contributes nothing; a row with no source is 0), summed in
+  //! Acc. A gather per output row: no atomics, the same sum every run.
+  //! src [M, w], index [N, k], weights [N, k] or empty, dst [N, w]
+  template <class T, class P = T, class Acc = T>
+  [[nodiscard]] status gather_sum_rows(std::type_identity_t<row_view<const T, S>> src,
+                                       row_view<const int, S> index,
+                                       std::type_identity_t<row_view<const P, S>> weights,
+                                       row_view<T, S> dst) const {
+    const bool weighted = weights.rows() > 0;
+    if (index.rows() != dst.rows() || src.width() != dst.width() ||
+        (weighted && (weights.rows() != index.rows() || weights.width() != index.width())))
+      return op_shape_error(Derived::name, "gather_sum_rows",
+                            "need src [M, w], index [N, k], weights [N, k] or empty, dst [N, w]");
+    if (auto st = check_indices(index, src.rows(), Derived::name, "gather_sum_rows"); !st)
+      return st;
+    for (int t = 0; t < dst.rows(); ++t) {
+      const int* idx = index.row_data(t);
+      const P* wt = weighted ? weights.row_data(t) : nullptr;
+      T* d = dst.row_data(t);
+      for (int c = 0; c < dst.width(); ++c) {
+        Acc acc = Acc(0);
+        for (int j = 0; j < index.width(); ++j) {
+          if (idx[j] < 0) continue;
+          const Acc v = static_cast<Acc>(src.row_data(idx[j])[c]);
+          acc += weighted ? static_cast<Acc>(wt[j]) * v : v;
+        }
+        d[c] = static_cast<T>(acc);
+      }
+    }
+    return {};
+  }
+
+  //! dst rows [to[c], to[c] + sizes[c]) = src rows [from[c], from[c] + sizes[c]) for every chunk
+  //! c: one chunk copy does a chunk sort or, with from and to swapped, its inverse, in O(rows).
+  //! Checked: sizes >= 0 adding up to the rows of both buffers, every chunk inside both; that the
+  //! chunks do not overlap is the planner's (chunk_offsets).
+  //! src, dst [sum(sizes), w]; sizes, from, to [C, 1]
+  template <class T>
+  [[nodiscard]] status copy_chunks(std::type_identity_t<row_view<const T, S>> src,
+                                   row_view<const int, S> sizes, row_view<const int, S> from,
+                                   row_view<const int, S> to, row_view<T, S> dst) const {
+    long long rows = 0;
+    bool ok = sizes.width() == 1 && from.width() == 1 && to.width() == 1 &&
+              from.rows() == sizes.rows() && to.rows() == sizes.rows() &&
+              src.width() == dst.width() && src.rows() == dst.rows();
+    for (int c = 0; ok && c < sizes.rows(); ++c) {
+      const int n = *sizes.row_data(c), f = *from.row_data(c), t = *to.row_data(c);
+      ok = n >= 0 && f >= 0 && t >= 0 && static_cast<long long>(f) + n <= src.rows() &&
+           static_cast<long long>(t) + n <= dst.rows();
+      rows += n;
+    }
+    if (!ok || rows != dst.rows())
+      return op_shape_error(Derived::name, "copy_chunks",
+                            "chunk sizes >= 0 must tile src and dst [sum(sizes), w], with one "
+                            "source and one destination offset per chunk inside them");
+    for (int c = 0; c < sizes.rows(); ++c) {
+      const int n = *sizes.row_data(c), f = *from.row_data(c), t = *to.row_data(c);
+      for (int r = 0; r < n; ++r) {
+        const T* s = src.row_data(f + r);
+        T* d = dst.row_data(t + r);
+        for (int e = 0; e < dst.width(); ++e) d[e] = s[e];
+      }
+    }
+    return {};
+  }
+
+  //! dst = ids - first where first <= ids < first + count, else -1 (global expert ids to this
+  //! rank's local ones; -1 stays -1).   ids, dst [n, k]
+  [[nodiscard]] status relabel(row_view<const int, S> ids, int first, int count,
+                               row_view<int, S> dst) const {
+    if (ids.rows() != dst.rows() || ids.width() != dst.width() || count < 0)
+      return op_shape_error(Derived::name, "relabel",
+                            "ids and dst must have one shape, count >= 0");
+    for (int r = 0; r < dst.rows(); ++r) {
+      const int* s = ids.row_data(r);
+      int* d = dst.row_data(r);
+      for (int c = 0; c < dst.width(); ++c)
+        d[c] = (s[c] >= first && s[c] - first < count) ? s[c] - first : -1;
+    }
+    return {};
+  }
+
+  //! dst += src, element by element.   src, dst [n, w]
+  template <class T>
+  [[nodiscard]] status add(std::type_identity_t<row_view<const T, S>> src,
+                           row_view<T, S> dst) const {
+    if (src.rows() != dst.rows() || src.width() != dst.width())
+      return op_shape_error(Derived::name, "add", "src and dst must have one shape");
+    for (int r = 0; r < dst.rows(); ++r) {
+      const T* s = src.row_data(r);
+      T* d = dst.row_data(r);
+      for (int c = 0; c < dst.width(); ++c) d[c] += s[c];
+    }
+    return {};
+  }
+
+  //! dst *= s, element by element.
+  template <class T>
+  [[nodiscard]] status scale(row_view<T, S> dst, std::type_identity_t<T> s) const {
+    for (int r = 0; r < dst.rows(); ++r) {
+      T* d = dst.row_data(r);
+      for (int c = 0; c < dst.width(); ++c) d[c] *= s;
+    }
+    return {};
+  }
+
+  //! Every element of dst = v.
+  template <class T>
+  [[nodiscard]] status fill(row_view<T, S> dst, std::type_identity_t<T> v) const {
+    for (int r = 0; r < dst.rows(); ++r) {
+      T* d = dst.row_data(r);
+      for (int c = 0; c < dst.width(); ++c) d[c] = v;
+    }
+    return {};
+  }
+};
+
+}  // namespace moefold::detail
