@@ -135,8 +135,8 @@ struct schedule_builder {
   //! peer order. send_size / recv_size: the buffers' sizes in elements.
   [[nodiscard]] static expected<collective_schedule> all_to_all_v(
       int rank, int size, std::span<const int> send_counts, std::span<const int> recv_counts,
-      std::size_t send_size, std::size_t recv_size, int width = 1) {
-    auto s = start(collective::all_to_all_v, rank, size, width);
+      std::size_t send_size, std::size_t recv_size, int width = 1, collective_schedule reuse = {}) {
+    auto s = start(collective::all_to_all_v, rank, size, width, std::move(reuse));
     if (!s) return s;
     if (auto ok = prefix(*s, send_counts, "send_counts", s->send_count_, s->send_offset_,
                          s->send_extent_);
@@ -152,12 +152,10 @@ struct schedule_builder {
 
   //! all_gather_v: rank i contributes counts[i] elements (the first counts[rank] of the send
   //! buffer); everyone receives all of them in rank order.
-  [[nodiscard]] static expected<collective_schedule> all_gather_v(int rank, int size,
-                                                                  std::span<const int> counts,
-                                                                  std::size_t send_size,
-                                                                  std::size_t recv_size,
-                                                                  int width = 1) {
-    auto s = start(collective::all_gather_v, rank, size, width);
+  [[nodiscard]] static expected<collective_schedule> all_gather_v(
+      int rank, int size, std::span<const int> counts, std::size_t send_size, std::size_t recv_size,
+      int width = 1, collective_schedule reuse = {}) {
+    auto s = start(collective::all_gather_v, rank, size, width, std::move(reuse));
     if (!s) return s;
     if (auto ok = prefix(*s, counts, "counts", s->recv_count_, s->recv_offset_, s->recv_extent_);
         !ok)
@@ -173,12 +171,10 @@ struct schedule_builder {
   //! reduce_scatter_v: the send buffer holds sum(counts) elements, chunk i (counts[i] elements at
   //! the prefix sum) going to rank i; rank i's result is the reduction of the chunks i of all
   //! ranks. The receive area is a staging area of size * counts[rank] elements.
-  [[nodiscard]] static expected<collective_schedule> reduce_scatter_v(int rank, int size,
-                                                                      std::span<const int> counts,
-                                                                      std::size_t send_size,
-                                                                      std::size_t recv_size,
-                                                                      int width = 1) {
-    auto s = start(collective::reduce_scatter_v, rank, size, width);
+  [[nodiscard]] static expected<collective_schedule> reduce_scatter_v(
+      int rank, int size, std::span<const int> counts, std::size_t send_size, std::size_t recv_size,
+      int width = 1, collective_schedule reuse = {}) {
+    auto s = start(collective::reduce_scatter_v, rank, size, width, std::move(reuse));
     if (!s) return s;
     if (auto ok = prefix(*s, counts, "counts", s->send_count_, s->send_offset_, s->send_extent_);
         !ok)
@@ -196,13 +192,14 @@ struct schedule_builder {
   [[nodiscard]] static expected<collective_schedule> all_gather(int rank, int size,
                                                                 std::size_t count,
                                                                 std::size_t recv_size,
-                                                                int width = 1) {
+                                                                int width = 1,
+                                                                collective_schedule reuse = {}) {
     if (width < 0) return make_error(errc::invalid_size, "all_gather: row width must be >= 0");
     if (size > 0 && count > static_cast<std::size_t>(max_rows) / static_cast<std::size_t>(size))
       return make_error(errc::overflow, "all_gather: " + std::to_string(count) + " rows times " +
                                             detail::num(size) + " ranks reach 2^31 rows");
     const auto w = static_cast<std::size_t>(width);
-    auto s = uniform(collective::all_gather, rank, size, count * w);
+    auto s = uniform(collective::all_gather, rank, size, count * w, std::move(reuse));
     if (!s) return s;
     s->width_ = width;
     const auto n = static_cast<std::int64_t>(count * w);
@@ -215,8 +212,9 @@ struct schedule_builder {
   //! all_reduce of count elements in place: every rank exchanges its count elements with every
   //! rank (what the engine really does is its business; the counts are what peers check).
   [[nodiscard]] static expected<collective_schedule> all_reduce(int rank, int size,
-                                                                std::size_t count) {
-    auto s = uniform(collective::all_reduce, rank, size, count);
+                                                                std::size_t count,
+                                                                collective_schedule reuse = {}) {
+    auto s = uniform(collective::all_reduce, rank, size, count, std::move(reuse));
     if (!s) return s;
     s->send_extent_ = s->recv_extent_ = s->result_ = static_cast<std::int64_t>(count);
     return s;
@@ -224,8 +222,9 @@ struct schedule_builder {
 
   //! broadcast of count elements from root.
   [[nodiscard]] static expected<collective_schedule> broadcast(int rank, int size,
-                                                               std::size_t count, int root) {
-    auto s = uniform(collective::broadcast, rank, size, 0);
+                                                               std::size_t count, int root,
+                                                               collective_schedule reuse = {}) {
+    auto s = uniform(collective::broadcast, rank, size, 0, std::move(reuse));
     if (!s) return s;
     if (root < 0 || root >= size)
       return make_error(errc::rank_out_of_range, "broadcast root " + detail::num(root) +
@@ -242,17 +241,21 @@ struct schedule_builder {
   }
 
   //! barrier: no data.
-  [[nodiscard]] static expected<collective_schedule> barrier(int rank, int size) {
-    return uniform(collective::barrier, rank, size, 0);
+  [[nodiscard]] static expected<collective_schedule> barrier(int rank, int size,
+                                                             collective_schedule reuse = {}) {
+    return uniform(collective::barrier, rank, size, 0, std::move(reuse));
   }
 
   //! split: no data (color and key travel in the header's root and count fields).
   [[nodiscard]] static expected<collective_schedule> split(int rank, int size) {
-    return uniform(collective::split, rank, size, 0);
+    return uniform(collective::split, rank, size, 0, {});
   }
 
  private:
-  static expected<collective_schedule> start(collective op, int rank, int size, int width = 1) {
+  // `reuse`: a schedule whose arrays are recycled (a communicator passes back its last one, so
+  // that a steady stream of collectives allocates nothing once the arrays have grown).
+  static expected<collective_schedule> start(collective op, int rank, int size, int width,
+                                             collective_schedule&& reuse) {
     if (width < 0)
       return make_error(
           errc::invalid_size,
@@ -265,17 +268,19 @@ struct schedule_builder {
       return make_error(errc::rank_out_of_range,
                         std::string(to_string(op)) + ": rank " + detail::num(rank) +
                             " is outside a communicator of size " + detail::num(size));
-    collective_schedule s;
+    collective_schedule s = std::move(reuse);
     s.op_ = op;
+    s.root_ = -1;
+    s.send_extent_ = s.recv_extent_ = s.result_ = 0;
     s.rank_ = rank;
     s.size_ = size;
     s.width_ = width;
     return s;
   }
 
-  static expected<collective_schedule> uniform(collective op, int rank, int size,
-                                               std::size_t count) {
-    auto s = start(op, rank, size);
+  static expected<collective_schedule> uniform(collective op, int rank, int size, std::size_t count,
+                                               collective_schedule&& reuse) {
+    auto s = start(op, rank, size, 1, std::move(reuse));
     if (!s) return s;
     const auto n = static_cast<std::int64_t>(count);
     if (n < 0 || (size > 1 && n > INT64_MAX / size))
@@ -298,10 +303,10 @@ struct schedule_builder {
   static status prefix(const collective_schedule& s, std::span<const int> counts, const char* what,
                        std::vector<std::int64_t>& count, std::vector<std::int64_t>& offset,
                        std::int64_t& total) {
-    const std::string op = to_string(s.op_);
+    const char* op = to_string(s.op_);  // messages are formatted only on an error
     if (counts.size() != static_cast<std::size_t>(s.size_))
       return make_error(errc::shape_mismatch,
-                        op + ": " + what + " has " + std::to_string(counts.size()) +
+                        std::string(op) + ": " + what + " has " + std::to_string(counts.size()) +
                             " entries; it needs one per rank (" + detail::num(s.size_) + ")");
     count.resize(counts.size());
     offset.resize(counts.size());
@@ -309,7 +314,8 @@ struct schedule_builder {
     std::int64_t run = 0;  // rows
     for (std::size_t p = 0; p < counts.size(); ++p) {
       if (counts[p] < 0)
-        return make_error(errc::invalid_size, op + ": " + what + "[" + std::to_string(p) +
+        return make_error(errc::invalid_size, std::string(op) + ": " + what + "[" +
+                                                  std::to_string(p) +
                                                   "] = " + detail::num(counts[p]) + " is negative");
       count[p] = counts[p] * w;
       offset[p] = run * w;
@@ -318,8 +324,8 @@ struct schedule_builder {
     // Elements are 64-bit, but rows stay below 2^31 (views, and MPI's row datatypes, count rows
     // in int).
     if (run > max_rows)
-      return make_error(errc::overflow, op + ": " + what + " add up to " + detail::num(run) +
-                                            " rows, 2^31 or more");
+      return make_error(errc::overflow, std::string(op) + ": " + what + " add up to " +
+                                            detail::num(run) + " rows, 2^31 or more");
     total = run * w;
     return {};
   }
@@ -327,19 +333,22 @@ struct schedule_builder {
   // Buffer sizes in rows against the extents (elements / width).
   static expected<collective_schedule> fits(collective_schedule s, std::size_t send_size,
                                             std::size_t recv_size) {
-    const std::string op = to_string(s.op_);
     const std::int64_t w = s.width_ > 0 ? s.width_ : 1;
-    const std::string unit =
-        s.width_ == 1 ? " elements" : " rows (of " + detail::num(s.width_) + " elements)";
-    if (static_cast<std::uint64_t>(s.send_extent_ / w) > send_size)
-      return make_error(errc::shape_mismatch,
-                        op + ": the send buffer holds " + std::to_string(send_size) + unit +
-                            " but the counts need " + detail::num(s.send_extent_ / w));
     const std::int64_t need = s.op_ == collective::reduce_scatter_v ? s.result_ : s.recv_extent_;
-    if (static_cast<std::uint64_t>(need / w) > recv_size)
+    const bool send_ok = static_cast<std::uint64_t>(s.send_extent_ / w) <= send_size;
+    const bool recv_ok = static_cast<std::uint64_t>(need / w) <= recv_size;
+    if (!send_ok || !recv_ok) {  // messages are formatted only on an error
+      const std::string op = to_string(s.op_);
+      const std::string unit =
+          s.width_ == 1 ? " elements" : " rows (of " + detail::num(s.width_) + " elements)";
+      if (!send_ok)
+        return make_error(errc::shape_mismatch,
+                          op + ": the send buffer holds " + std::to_string(send_size) + unit +
+                              " but the counts need " + detail::num(s.send_extent_ / w));
       return make_error(errc::shape_mismatch, op + ": the receive buffer holds " +
                                                   std::to_string(recv_size) + unit +
                                                   " but the counts need " + detail::num(need / w));
+    }
     return s;
   }
 };
@@ -411,6 +420,15 @@ template <class T>
   const auto op_name = [](std::uint8_t op) {
     return std::string(to_string(static_cast<collective>(op)));
   };
+  // Agreement is the common case, on every collective of every step: nothing is formatted (or
+  // allocated) unless a field disagrees.
+  const bool agree =
+      theirs.failed == header_ok && theirs.op == mine.op && theirs.seq == mine.seq &&
+      theirs.type == mine.type && theirs.elem_bytes == mine.elem_bytes &&
+      theirs.reduce == mine.reduce &&
+      (mine.op == static_cast<std::uint8_t>(collective::split) || theirs.root == mine.root) &&
+      theirs.send_count == mine.recv_count && mine.send_count == theirs.recv_count;
+  if (agree) return {};
   const std::string a = "rank " + num(me), b = "rank " + num(peer);
   const std::string where = op_name(mine.op) + " (call #" + std::to_string(mine.seq) + ")";
   if (theirs.failed == header_rejected_arguments)

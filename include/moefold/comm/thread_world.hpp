@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -164,12 +165,15 @@ class basic_thread_communicator : public span_collectives<basic_thread_communica
 
   template <reducible T>
   [[nodiscard]] status all_reduce(std::span<T> buf, reduce_op op) {
-    auto s = schedule_builder::all_reduce(rank_, size(), buf.size());
-    std::vector<T> out;
+    auto s = schedule_builder::all_reduce(rank_, size(), buf.size(), std::move(spare_));
+    // The sums go to this rank's scratch (kept between calls) and into buf after the exit
+    // barrier: until then peers read buf.
+    if (reduce_scratch_.size() < buf.size() * sizeof(T))
+      reduce_scratch_.resize(buf.size() * sizeof(T));
+    const std::span<T> out(reinterpret_cast<T*>(reduce_scratch_.data()), buf.size());
     auto st =
-        run(collective::all_reduce, s, call_info_of<T>(static_cast<int>(op)), buf.data(),
+        run(collective::all_reduce, std::move(s), call_info_of<T>(static_cast<int>(op)), buf.data(),
             buf.data(), [&](const std::vector<detail::tw_slot>& slots) {
-              out.resize(buf.size());
               for (std::size_t i = 0; i < buf.size(); ++i) {
                 auto acc = detail::widen(static_cast<const T*>(slots[0].send)[i]);
                 for (std::size_t p = 1; p < slots.size(); ++p)
@@ -177,15 +181,14 @@ class basic_thread_communicator : public span_collectives<basic_thread_communica
                 out[i] = detail::narrow<T>(acc);
               }
             });
-    // Written after the exit barrier: until then peers read this buffer.
     if (st) std::copy(out.begin(), out.end(), buf.begin());
     return st;
   }
 
   template <transferable T>
   [[nodiscard]] status broadcast(std::span<T> buf, int root) {
-    auto s = schedule_builder::broadcast(rank_, size(), buf.size(), root);
-    return run(collective::broadcast, s, call_info_of<T>(), buf.data(), buf.data(),
+    auto s = schedule_builder::broadcast(rank_, size(), buf.size(), root, std::move(spare_));
+    return run(collective::broadcast, std::move(s), call_info_of<T>(), buf.data(), buf.data(),
                [&](const std::vector<detail::tw_slot>& slots) {
                  if (rank_ != root)
                    std::memcpy(buf.data(), slots[static_cast<std::size_t>(root)].send,
@@ -194,8 +197,8 @@ class basic_thread_communicator : public span_collectives<basic_thread_communica
   }
 
   [[nodiscard]] status barrier() {
-    return run(collective::barrier, schedule_builder::barrier(rank_, size()), call_info{}, nullptr,
-               nullptr, [](const std::vector<detail::tw_slot>&) {});
+    return run(collective::barrier, schedule_builder::barrier(rank_, size(), std::move(spare_)),
+               call_info{}, nullptr, nullptr, [](const std::vector<detail::tw_slot>&) {});
   }
 
   // --- row views (counts in rows), on this communicator's memory space ----------------------
@@ -210,9 +213,9 @@ class basic_thread_communicator : public span_collectives<basic_thread_communica
                                   row_view<T, Space> recv) {
     auto s = detail::rows_schedule("all_gather", send, recv, [&](int w) {
       return schedule_builder::all_gather(rank_, size(), detail::uz(send.rows()),
-                                          detail::uz(recv.rows()), w);
+                                          detail::uz(recv.rows()), w, std::move(spare_));
     });
-    return run(collective::all_gather, s, call_info_of<T>(), send.data(), recv.data(),
+    return run(collective::all_gather, std::move(s), call_info_of<T>(), send.data(), recv.data(),
                pull<T>(recv.data()));
   }
 
@@ -221,9 +224,9 @@ class basic_thread_communicator : public span_collectives<basic_thread_communica
                                     row_view<T, Space> recv, std::span<const int> counts) {
     auto s = detail::rows_schedule("all_gather_v", send, recv, [&](int w) {
       return schedule_builder::all_gather_v(rank_, size(), counts, detail::uz(send.rows()),
-                                            detail::uz(recv.rows()), w);
+                                            detail::uz(recv.rows()), w, std::move(spare_));
     });
-    return run(collective::all_gather_v, s, call_info_of<T>(), send.data(), recv.data(),
+    return run(collective::all_gather_v, std::move(s), call_info_of<T>(), send.data(), recv.data(),
                pull<T>(recv.data()));
   }
 
@@ -233,9 +236,10 @@ class basic_thread_communicator : public span_collectives<basic_thread_communica
                                     std::span<const int> recv_counts) {
     auto s = detail::rows_schedule("all_to_all_v", send, recv, [&](int w) {
       return schedule_builder::all_to_all_v(rank_, size(), send_counts, recv_counts,
-                                            detail::uz(send.rows()), detail::uz(recv.rows()), w);
+                                            detail::uz(send.rows()), detail::uz(recv.rows()), w,
+                                            std::move(spare_));
     });
-    return run(collective::all_to_all_v, s, call_info_of<T>(), send.data(), recv.data(),
+    return run(collective::all_to_all_v, std::move(s), call_info_of<T>(), send.data(), recv.data(),
                pull<T>(recv.data()));
   }
 
@@ -245,11 +249,11 @@ class basic_thread_communicator : public span_collectives<basic_thread_communica
                                         reduce_op op) {
     auto s = detail::rows_schedule("reduce_scatter_v", send, recv, [&](int w) {
       return schedule_builder::reduce_scatter_v(rank_, size(), counts, detail::uz(send.rows()),
-                                                detail::uz(recv.rows()), w);
+                                                detail::uz(recv.rows()), w, std::move(spare_));
     });
     T* out = recv.data();
-    return run(collective::reduce_scatter_v, s, call_info_of<T>(static_cast<int>(op)), send.data(),
-               out, [&](const std::vector<detail::tw_slot>& slots) {
+    return run(collective::reduce_scatter_v, std::move(s), call_info_of<T>(static_cast<int>(op)),
+               send.data(), out, [&](const std::vector<detail::tw_slot>& slots) {
                  const auto me = rank_;
                  const std::int64_t n = slots[static_cast<std::size_t>(me)].sched.result_count();
                  // Peer p's chunk for me starts at p's own send offset for me.
@@ -351,6 +355,15 @@ class basic_thread_communicator : public span_collectives<basic_thread_communica
         0, 0);
   }
 
+  // The collectives' form: the schedule's arrays are kept for the next call (spare_).
+  template <class F>
+  status run(collective op, expected<collective_schedule>&& s, const call_info& info,
+             const void* send, void* recv, F&& data) {
+    const expected<collective_schedule>& cs = s;
+    auto st = run(op, cs, info, send, recv, std::forward<F>(data));
+    if (s) spare_ = std::move(*s);
+    return st;
+  }
   template <class F>
   status run(collective op, const expected<collective_schedule>& s, const call_info& info,
              const void* send, void* recv, F&& data, int color = 0, int key = 0) {
@@ -380,15 +393,24 @@ class basic_thread_communicator : public span_collectives<basic_thread_communica
   status wait_all(std::unique_lock<std::mutex>& lk, std::uint64_t target, const char* what) {
     auto& job = *st_->job;
     const auto deadline = std::chrono::steady_clock::now() + job.timeout;
+    // The members that have not posted call `target` yet (listed only for an error: a wait that
+    // succeeds allocates nothing).
+    const auto is_missing = [&](int p) {
+      return st_->slots[static_cast<std::size_t>(p)].posted < target;
+    };
+    const auto missing = [&] {
+      std::vector<int> m;
+      for (int p = 0; p < st_->size(); ++p)
+        if (is_missing(p)) m.push_back(p);
+      return m;
+    };
     for (;;) {
-      std::vector<int> missing;
-      for (int p = 0; p < st_->size(); ++p) {
-        const auto& sl = st_->slots[static_cast<std::size_t>(p)];
-        if (sl.posted < target) missing.push_back(p);
-      }
-      if (missing.empty()) return {};
+      bool any = false;
+      for (int p = 0; p < st_->size(); ++p) any = any || is_missing(p);
+      if (!any) return {};
       if (st_->broken) return broken_error(target - 1);
-      for (int p : missing) {
+      for (int p = 0; p < st_->size(); ++p) {
+        if (!is_missing(p)) continue;
         const int w = st_->world_rank[static_cast<std::size_t>(p)];
         const int d = job.departed[static_cast<std::size_t>(w)];
         if (d != 0) {
@@ -405,17 +427,16 @@ class basic_thread_communicator : public span_collectives<basic_thread_communica
       if (job.cv.wait_until(lk, deadline) == std::cv_status::timeout &&
           std::chrono::steady_clock::now() >= deadline) {
         // Re-check once: the last peer may have arrived with the timeout.
-        bool all = true;
-        for (int p : missing) all = all && st_->slots[static_cast<std::size_t>(p)].posted >= target;
-        if (all) continue;
+        const std::vector<int> late = missing();
+        if (late.empty()) continue;
         if (st_->broken) return broken_error(target - 1);
-        auto e = make_error(errc::comm_timeout, "rank(s) " + detail::rank_list(missing) +
+        auto e = make_error(errc::comm_timeout, "rank(s) " + detail::rank_list(late) +
                                                     " did not arrive at " + what + " (call #" +
                                                     std::to_string(target - 1) + ") within " +
                                                     std::to_string(job.timeout.count()) + " ms");
         if (!st_->broken) {
           mark_broken(e.error(), target - 1);
-          for (int p : missing) st_->late[static_cast<std::size_t>(p)] = 1;
+          for (int p : late) st_->late[static_cast<std::size_t>(p)] = 1;
         }
         return e;
       }
@@ -551,7 +572,9 @@ class basic_thread_communicator : public span_collectives<basic_thread_communica
 
   std::shared_ptr<detail::tw_state> st_;
   int rank_ = 0;
-  std::uint64_t seq_ = 0;  // collectives called so far on this communicator
+  std::uint64_t seq_ = 0;                  // collectives called so far on this communicator
+  std::vector<std::byte> reduce_scratch_;  // all_reduce's results before the exit barrier
+  collective_schedule spare_;              // the last schedule, whose arrays the next reuses
   const void* ext_ = nullptr;
 };
 
