@@ -138,8 +138,18 @@ void print_svg(const options& o, const moefold::dynamic_folded_mesh& f,
   const int panel_w = cols * cw;
   const int width = left + 2 * panel_w + gap + 20;
   const int height = top + nodes * rows_per_node * ch + 30;
-  const auto attn_groups = groups(moefold::group_kind::tp_cp);
-  const auto ep_groups = groups(moefold::group_kind::ep);
+  // The colour of each rank: its group's index, found in one pass over the groups (one
+  // group_list::find per rank would take time quadratic in the world).
+  auto group_of = [&](moefold::group_kind kind) {
+    const auto l = groups(kind);
+    std::vector<int> of(static_cast<std::size_t>(world));
+    for (int g = 0; g < l.count(); ++g)
+      for (int k = 0; k < l.group_size(); ++k)
+        of[static_cast<std::size_t>(l(g, k) - o.rank_offset)] = g;
+    return of;
+  };
+  const std::vector<int> attn_group = group_of(moefold::group_kind::tp_cp);
+  const std::vector<int> ep_group = group_of(moefold::group_kind::ep);
   auto color = [](int i) {
     const int hue = (i * 47) % 360;
     return "hsl(" + std::to_string(hue) + ",70%," + std::to_string(i % 2 ? 78 : 68) + "%)";
@@ -168,12 +178,12 @@ void print_svg(const options& o, const moefold::dynamic_folded_mesh& f,
       int group = 0;
       if (panel == 0) {
         const auto c = f.attention_coord_of(r);
-        group = attn_groups.find(global).group;
+        group = attn_group[static_cast<std::size_t>(r)];
         label2 = "t" + std::to_string(c.tp) + "c" + std::to_string(c.cp) + "d" +
                  std::to_string(c.dp) + "p" + std::to_string(c.pp);
       } else {
         const auto c = f.moe_coord_of(r);
-        group = ep_groups.find(global).group;
+        group = ep_group[static_cast<std::size_t>(r)];
         label2 = "e" + std::to_string(c.ep) + "t" + std::to_string(c.etp) + "d" +
                  std::to_string(c.edp) + "p" + std::to_string(c.pp);
       }

@@ -83,6 +83,15 @@ for name, exe, args, limit in [
     check(f"{name} is refused in {dt:.2f} s, stating the limit {limit}",
           one_error(r) and limit in r.stderr and dt < 5, (r.returncode, r.stderr))
 
+# Output that lists every rank takes time linear in the world: the SVG of 65,536 GPUs (each cell
+# coloured by its group, found once per rank, not searched for) within seconds.
+t = time.monotonic()
+r = subprocess.run([mesh, "--world", "65536", "--format", "svg"], stdout=subprocess.DEVNULL,
+                   stderr=subprocess.PIPE, text=True, timeout=120)
+dt = time.monotonic() - t
+check(f"moefold-mesh --world 65536 --format svg in {dt:.2f} s", r.returncode == 0 and dt < 10,
+      (r.returncode, r.stderr))
+
 failed = cases.count(False)
 print(f"[doctest] test cases: {len(cases)} | {len(cases) - failed} passed | {failed} failed | 0 skipped")
 sys.exit(1 if failed else 0)
