@@ -5,6 +5,7 @@
 #include "cli_args.hpp"
 
 #include <cmath>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <utility>
@@ -38,6 +39,13 @@ inline constexpr const char* usage_text =
 
 //! The most simulated ranks (threads) the example starts.
 inline constexpr int max_world = 1024;
+//! The most values the example holds in one weight or activation set: experts x hidden x ffn
+//! (the experts' weights, the teacher's and the student's), hidden x shared-ffn (the shared
+//! expert) and tokens x hidden (a step's tokens): at the limits, a step takes seconds and under
+//! a GiB.
+inline constexpr long long max_values = 1 << 20;
+//! The most SGD steps (a few seconds each at the largest sizes).
+inline constexpr int max_steps = 100000;
 
 //! The flags, on CLI11, and the checks between them.
 inline parse_outcome parse(int argc, const char* const* argv, options& o) {
@@ -104,6 +112,28 @@ inline parse_outcome parse(int argc, const char* const* argv, options& o) {
     if (o.world < 1 || o.world > max_world)
       throw usage_error{"--world must be between 1 and " + std::to_string(max_world) +
                         " (one thread per simulated rank; got " + std::to_string(o.world) + ")"};
+    if (o.topk < 1 || o.topk > o.experts)
+      throw usage_error{"--topk must be between 1 and --experts (" + std::to_string(o.experts) +
+                        "; got " + std::to_string(o.topk) + ")"};
+    if (o.steps > max_steps)
+      throw usage_error{"--steps " + std::to_string(o.steps) + " exceeds the limit of " +
+                        std::to_string(max_steps)};
+    // A product of sizes, each >= 0, at most max_values (compared in floating point: the
+    // product of three ints can exceed any integer type).
+    const auto bound = [](const char* what, std::initializer_list<int> sizes) {
+      double values = 1;
+      std::string shown;
+      for (int n : sizes) {
+        values *= n;
+        shown += (shown.empty() ? "" : " x ") + std::to_string(n);
+      }
+      if (values > static_cast<double>(max_values))
+        throw usage_error{std::string(what) + " = " + shown + " values exceeds the limit of " +
+                          std::to_string(max_values) + " (rule: the example holds them in memory)"};
+    };
+    bound("--experts x --hidden x --ffn", {o.experts, o.hidden, o.ffn});
+    bound("--hidden x --shared-ffn", {o.hidden, o.shared_ffn});
+    bound("--tokens x --hidden", {o.tokens, o.hidden});
     if (o.tokens % o.world != 0)
       throw usage_error{"--tokens (" + std::to_string(o.tokens) +
                         ") must be divisible by --world (" + std::to_string(o.world) + ")"};
