@@ -94,9 +94,26 @@ class usage_formatter : public CLI::Formatter {
   std::string usage_;
 };
 
-//! A CLI11 check: an integer >= lo (the message states the range).
+//! A CLI11 check: an integer in [lo, hi] (the message says which of the two rules failed;
+//! CLI11's own Range calls a value that is no integer, such as 1e3, out of range).
+inline CLI::Validator int_in(int lo, int hi, std::string description) {
+  return CLI::Validator(
+      [lo, hi](std::string& text) -> std::string {
+        long long v = 0;
+        if (!CLI::detail::lexical_cast(text, v)) return "'" + text + "' is not an integer";
+        if (v < lo && hi == std::numeric_limits<int>::max())
+          return "must be >= " + std::to_string(lo) + " (got " + text + ")";
+        if (v < lo || v > hi)
+          return "must be between " + std::to_string(lo) + " and " + std::to_string(hi) + " (got " +
+                 text + ")";
+        return {};
+      },
+      std::move(description));
+}
+
+//! A CLI11 check: an integer >= lo.
 inline CLI::Validator at_least(int lo) {
-  return CLI::Range(lo, std::numeric_limits<int>::max()).description("INT>=" + std::to_string(lo));
+  return int_in(lo, std::numeric_limits<int>::max(), "INT>=" + std::to_string(lo));
 }
 
 //! Sets up `app` as every tool does; call it before adding the options.

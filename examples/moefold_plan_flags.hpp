@@ -82,7 +82,7 @@ inline parse_outcome parse(int argc, const char* const* argv, options& o) {
         ->default_str(sizes[i].absent)
         ->check(at_least(1));
   app.add_option("--top", o.top, "how many mappings a search prints")
-      ->check(CLI::Range(1, 1000).description("1..1000"));
+      ->check(int_in(1, 1000, "1..1000"));
   app.add_option("--format", o.format, "output format")
       ->check(CLI::IsMember({"text", "json", "svg"}));
   return examples::parse(app, argc, argv, [&] {

@@ -224,10 +224,12 @@ inline status read_value(const ordered_json& v, const std::string& where, bool* 
 inline status read_members(const ordered_json& doc, const std::string& what,
                            std::span<const member> members, std::span<const char* const> required) {
   if (auto ok = json_object(doc, "a " + what + " file"); !ok) return ok;
-  for (const auto& [key, v] : doc.items()) {
+  for (const auto& item : doc.items()) {
+    const std::string& key = item.key();
+    const ordered_json& v = item.value();
     const std::string where = what + " member " + quoted(key);
-    const auto m = std::find_if(members.begin(), members.end(),
-                                [&key = key](const member& x) { return key == x.key; });
+    const auto m =
+        std::find_if(members.begin(), members.end(), [&](const member& x) { return key == x.key; });
     if (m == members.end()) {
       std::string known;
       for (const auto& x : members) known += (known.empty() ? "" : ", ") + std::string(x.key);
