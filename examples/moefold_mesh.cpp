@@ -9,6 +9,7 @@
 #include <moefold/moefold.hpp>
 
 #include "cli_args.hpp"
+#include "moefold_mesh_flags.hpp"
 
 #include <algorithm>
 #include <cstdio>
@@ -22,74 +23,7 @@
 
 namespace {
 
-using moefold::examples::usage_error;
-
-constexpr const char* usage_text =
-    "usage: moefold-mesh --world N [--tp N] [--cp N] [--pp N] [--ep N] [--etp N] [--order STR]\n"
-    "                    [--dist-opt-instances N] [--hierarchical-cp A,B,...] [--rank-offset N]\n"
-    "                    [--gpus-per-node N] [--format text|json|svg]\n";
-constexpr const char* notes_text =
-    "Sizes not given are 1, except --etp, which defaults to --tp (as Megatron-Core's trainer\n"
-    "does). dp = world / (tp*cp*pp) and edp = world / (etp*ep*pp) are derived. --order is a\n"
-    "Megatron order string (default tp-cp-ep-dp-pp; leftmost varies fastest).\n";
-
-//! The largest job the tool describes: its output lists every rank of every group, so the size
-//! of the world bounds its time and memory (a 2^20-GPU job prints about a gigabyte).
-constexpr int max_world = 1 << 20;
-
-struct options {
-  int world = 0;
-  int tp = 1, cp = 1, pp = 1, ep = 1;
-  std::optional<int> etp;
-  std::string order = "tp-cp-ep-dp-pp";
-  int dist_opt_instances = 1;
-  std::vector<int> hierarchical_cp;
-  int rank_offset = 0;
-  int gpus_per_node = 8;
-  std::string format = "text";
-};
-
-// The flags, on CLI11; returns -1 to go on or the status to exit with.
-int parse_args(int argc, char** argv, options& o) {
-  CLI::App app{"", "moefold-mesh"};
-  moefold::examples::configure(app, usage_text, notes_text);
-  app.add_option("--world", o.world, "GPUs in the job (1 to " + std::to_string(max_world) + ")")
-      ->default_str("")
-      ->required();
-  app.add_option("--tp", o.tp, "attention tensor-parallel size");
-  app.add_option("--cp", o.cp, "attention context-parallel size");
-  app.add_option("--pp", o.pp, "pipeline-parallel size (shared by both mappings)");
-  app.add_option("--ep", o.ep, "expert-parallel size");
-  int etp = 0;
-  app.add_option("--etp", etp, "expert tensor-parallel size")->default_str("--tp");
-  app.add_option("--order", o.order, "Megatron-Core order string, leftmost varies fastest");
-  app.add_option("--dist-opt-instances", o.dist_opt_instances,
-                 "distributed-optimizer instances (partial data parallelism)");
-  app.add_option("--hierarchical-cp", o.hierarchical_cp,
-                 "hierarchical context-parallel sizes, comma-separated")
-      ->delimiter(',')
-      ->default_str("none");
-  app.add_option("--rank-offset", o.rank_offset, "global rank of this job's rank 0");
-  app.add_option("--gpus-per-node", o.gpus_per_node, "GPUs per node (text and SVG layout)");
-  app.add_option("--format", o.format, "output format")
-      ->check(CLI::IsMember({"text", "json", "svg"}));
-  if (const int rc = moefold::examples::parse(app, argc, argv); rc >= 0) return rc;
-  if (app.count("--etp")) o.etp = etp;
-  try {
-    if (o.world > max_world)
-      throw usage_error{"--world " + std::to_string(o.world) + " exceeds the limit of " +
-                        std::to_string(max_world) + " GPUs (rule: the output lists every rank)"};
-    if (o.hierarchical_cp.size() > static_cast<std::size_t>(moefold::max_hierarchical_cp_levels))
-      throw usage_error{"--hierarchical-cp: at most " +
-                        std::to_string(moefold::max_hierarchical_cp_levels) + " levels"};
-    if (o.gpus_per_node < 1)
-      throw usage_error{"--gpus-per-node must be >= 1 (got " + std::to_string(o.gpus_per_node) +
-                        ")"};
-  } catch (const usage_error& e) {
-    return moefold::examples::report(e);
-  }
-  return -1;
-}
+using moefold::examples::mesh_cli::options;
 
 std::string group_text(const moefold::group_view& g) {
   std::string s = "[";
@@ -204,8 +138,18 @@ void print_svg(const options& o, const moefold::dynamic_folded_mesh& f,
   const int panel_w = cols * cw;
   const int width = left + 2 * panel_w + gap + 20;
   const int height = top + nodes * rows_per_node * ch + 30;
-  const auto attn_groups = groups(moefold::group_kind::tp_cp);
-  const auto ep_groups = groups(moefold::group_kind::ep);
+  // The colour of each rank: its group's index, found in one pass over the groups (one
+  // group_list::find per rank would take time quadratic in the world).
+  auto group_of = [&](moefold::group_kind kind) {
+    const auto l = groups(kind);
+    std::vector<int> of(static_cast<std::size_t>(world));
+    for (int g = 0; g < l.count(); ++g)
+      for (int k = 0; k < l.group_size(); ++k)
+        of[static_cast<std::size_t>(l(g, k) - o.rank_offset)] = g;
+    return of;
+  };
+  const std::vector<int> attn_group = group_of(moefold::group_kind::tp_cp);
+  const std::vector<int> ep_group = group_of(moefold::group_kind::ep);
   auto color = [](int i) {
     const int hue = (i * 47) % 360;
     return "hsl(" + std::to_string(hue) + ",70%," + std::to_string(i % 2 ? 78 : 68) + "%)";
@@ -234,12 +178,12 @@ void print_svg(const options& o, const moefold::dynamic_folded_mesh& f,
       int group = 0;
       if (panel == 0) {
         const auto c = f.attention_coord_of(r);
-        group = attn_groups.find(global).group;
+        group = attn_group[static_cast<std::size_t>(r)];
         label2 = "t" + std::to_string(c.tp) + "c" + std::to_string(c.cp) + "d" +
                  std::to_string(c.dp) + "p" + std::to_string(c.pp);
       } else {
         const auto c = f.moe_coord_of(r);
-        group = ep_groups.find(global).group;
+        group = ep_group[static_cast<std::size_t>(r)];
         label2 = "e" + std::to_string(c.ep) + "t" + std::to_string(c.etp) + "d" +
                  std::to_string(c.edp) + "p" + std::to_string(c.pp);
       }
@@ -264,7 +208,9 @@ void print_svg(const options& o, const moefold::dynamic_folded_mesh& f,
 
 int main(int argc, char** argv) {
   options o;
-  if (const int rc = parse_args(argc, argv, o); rc >= 0) return rc;
+  if (const int rc = moefold::examples::report(moefold::examples::mesh_cli::parse(argc, argv, o));
+      rc >= 0)
+    return rc;
   auto fold = moefold::make_folded({.world = o.world,
                                     .tp = o.tp,
                                     .cp = o.cp,
@@ -272,20 +218,17 @@ int main(int argc, char** argv) {
                                     .ep = o.ep,
                                     .etp = o.etp,
                                     .order = o.order});
-  if (!fold) {
-    std::cerr << "error: " << fold.error().message << " [" << to_string(fold.error().code) << "]\n";
-    return 2;
-  }
+  if (!fold)
+    return moefold::examples::fail(fold.error().message + " [" +
+                                   std::string(to_string(fold.error().code)) + "]");
   moefold::group_options opt{.dist_opt_instances = o.dist_opt_instances,
                              .rank_offset = o.rank_offset};
   for (int h : o.hierarchical_cp)
     opt.hierarchical_cp.sizes[static_cast<std::size_t>(opt.hierarchical_cp.levels++)] = h;
   auto groups = moefold::megatron_groups::make(*fold, opt);
-  if (!groups) {
-    std::cerr << "error: " << groups.error().message << " [" << to_string(groups.error().code)
-              << "]\n";
-    return 2;
-  }
+  if (!groups)
+    return moefold::examples::fail(groups.error().message + " [" +
+                                   std::string(to_string(groups.error().code)) + "]");
   if (o.format == "json")
     print_json(o, *fold, *groups);
   else if (o.format == "svg")

@@ -10,6 +10,7 @@
 #include <moefold/plan/plan.hpp>
 
 #include "cli_args.hpp"
+#include "moefold_plan_flags.hpp"
 #include "plan_files.hpp"
 
 #include <algorithm>
@@ -30,84 +31,7 @@ using moefold::examples::usage_error;
 
 namespace mp = moefold::plan;
 
-constexpr const char* usage_text =
-    "usage: moefold-plan --model NAME|FILE --cluster NAME|FILE --gpus N [--gbs N] [--seq N]\n"
-    "                    [--tp N --cp N --ep N --etp N --pp N --vpp N --mbs N] [--top N]\n"
-    "                    [--format text|json|svg]\n";
-
-std::string notes_text() {
-  std::string models, clusters;
-  for (auto n : mp::model_preset_names) models += " " + std::string(n);
-  for (auto n : mp::cluster_preset_names) clusters += " " + std::string(n);
-  return "With all seven sizes given, evaluates that one mapping. Otherwise searches every legal\n"
-         "folded mapping (the sizes given are held fixed) and prints the best --top N (default "
-         "5).\n"
-         "dp = gpus / (tp*cp*pp) and edp = gpus / (etp*ep*pp) are derived; the order is\n"
-         "Megatron-Core's default tp-cp-ep-dp-pp. mfu is a fraction of the cluster's bf16 peak.\n"
-         "\n"
-         "model presets:  " +
-         models +
-         "\n"
-         "cluster presets:" +
-         clusters +
-         "\n"
-         "A model or cluster may also be a JSON file (fields in docs/planner.md; JSON Schema in\n"
-         "docs/planner-model.schema.json and docs/planner-cluster.schema.json).\n";
-}
-
-struct options {
-  std::string model, cluster, format = "text";
-  int gpus = 0;
-  std::optional<int> gbs, seq;
-  mp::search_constraints fixed;
-  int top = 5;
-};
-
-// The flags, on CLI11; returns -1 to go on or the status to exit with.
-int parse_args(int argc, char** argv, options& o) {
-  CLI::App app{"", "moefold-plan"};
-  moefold::examples::configure(app, usage_text, notes_text());
-  app.add_option("--model", o.model, "model preset or model JSON file")->required();
-  app.add_option("--cluster", o.cluster, "cluster preset or cluster JSON file")->required();
-  app.add_option("--gpus", o.gpus,
-                 "GPUs in the job (1 to " + std::to_string(mp::max_planned_gpus) + ")")
-      ->default_str("")
-      ->required();
-  // Sizes: >= 1 when given; not given, the model's value (gbs, seq) or searched (the rest).
-  struct size_flag {
-    const char* flag;
-    const char* help;
-    const char* absent;
-    std::optional<int>* dst;
-  };
-  const size_flag sizes[] = {
-      {"--gbs", "global batch, sequences", "the model's", &o.gbs},
-      {"--seq", "sequence length", "the model's", &o.seq},
-      {"--tp", "attention tensor-parallel size", "searched", &o.fixed.tp},
-      {"--cp", "context-parallel size", "searched", &o.fixed.cp},
-      {"--ep", "expert-parallel size", "searched", &o.fixed.ep},
-      {"--etp", "expert tensor-parallel size", "searched", &o.fixed.etp},
-      {"--pp", "pipeline-parallel size", "searched", &o.fixed.pp},
-      {"--vpp", "virtual pipeline stages per rank", "searched", &o.fixed.vpp},
-      {"--mbs", "micro-batch, sequences", "searched", &o.fixed.mbs}};
-  int values[std::size(sizes)] = {};
-  for (std::size_t i = 0; i < std::size(sizes); ++i)
-    app.add_option(sizes[i].flag, values[i], sizes[i].help)
-        ->default_str(sizes[i].absent)
-        ->check(moefold::examples::at_least(1));
-  app.add_option("--top", o.top, "how many mappings a search prints")
-      ->check(CLI::Range(1, 1000).description("1..1000"));
-  app.add_option("--format", o.format, "output format")
-      ->check(CLI::IsMember({"text", "json", "svg"}));
-  if (const int rc = moefold::examples::parse(app, argc, argv); rc >= 0) return rc;
-  for (std::size_t i = 0; i < std::size(sizes); ++i)
-    if (app.count(sizes[i].flag)) *sizes[i].dst = values[i];
-  if (o.gpus < 1) {
-    std::cerr << "error: --gpus must be >= 1 (got " << o.gpus << ")\n";
-    return 2;
-  }
-  return -1;
-}
+using moefold::examples::plan_cli::options;
 
 //! The largest model or cluster file read: the files are a few hundred bytes, and a bound keeps
 //! a path such as /dev/zero from being read without end.
@@ -347,7 +271,9 @@ int main(int argc, char** argv) {
   options o;
   mp::model_config model;
   mp::cluster_config cluster;
-  if (const int rc = parse_args(argc, argv, o); rc >= 0) return rc;
+  if (const int rc = moefold::examples::report(moefold::examples::plan_cli::parse(argc, argv, o));
+      rc >= 0)
+    return rc;
   try {
     model = load_model(o.model);
     cluster = load_cluster(o.cluster);
@@ -357,14 +283,8 @@ int main(int argc, char** argv) {
   if (o.gbs) model.gbs = *o.gbs;
   if (o.seq) model.seq = *o.seq;
   cluster.gpus = o.gpus;
-  if (auto ok = mp::validate(model); !ok) {
-    std::cerr << "error: " << ok.error().message << "\n";
-    return 2;
-  }
-  if (auto ok = mp::validate(cluster); !ok) {
-    std::cerr << "error: " << ok.error().message << "\n";
-    return 2;
-  }
+  if (auto ok = mp::validate(model); !ok) return moefold::examples::fail(ok.error().message);
+  if (auto ok = mp::validate(cluster); !ok) return moefold::examples::fail(ok.error().message);
   const auto& f = o.fixed;
   if (f.tp && f.cp && f.ep && f.etp && f.pp && f.vpp && f.mbs) {
     auto r = mp::evaluate(model, cluster,
@@ -375,10 +295,9 @@ int main(int argc, char** argv) {
                            .pp = *f.pp,
                            .vpp = *f.vpp,
                            .mbs = *f.mbs});
-    if (!r) {
-      std::cerr << "error: " << r.error().message << " [" << to_string(r.error().code) << "]\n";
-      return 2;
-    }
+    if (!r)
+      return moefold::examples::fail(r.error().message + " [" +
+                                     std::string(to_string(r.error().code)) + "]");
     if (o.format == "json")
       std::cout << to_json(*r) << "\n";
     else if (o.format == "svg")
@@ -400,10 +319,9 @@ int main(int argc, char** argv) {
   };
   const std::size_t keep = std::max<std::size_t>(static_cast<std::size_t>(o.top) + 1, 200);
   auto s = mp::search(model, cluster, o.fixed, keep, progress);
-  if (!s) {
-    std::cerr << "error: " << s.error().message << " [" << to_string(s.error().code) << "]\n";
-    return 2;
-  }
+  if (!s)
+    return moefold::examples::fail(s.error().message + " [" +
+                                   std::string(to_string(s.error().code)) + "]");
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const std::size_t top = static_cast<std::size_t>(o.top);

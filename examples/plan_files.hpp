@@ -12,11 +12,17 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <iterator>
 #include <set>
+#include <span>
 #include <string>
 #include <string_view>
+#include <variant>
 #include <vector>
 
 namespace moefold::examples {
@@ -32,29 +38,94 @@ namespace detail {
 inline std::string quoted(const std::string& key) {
   return ordered_json(key).dump(-1, ' ', false, ordered_json::error_handler_t::replace);
 }
+
+// An iterator over the text that records how far the JSON reader has read, so that what the
+// parse callback finds (a member name given twice, nesting too deep) has a line and a column too.
+// nlohmann/json reads its input one character at a time and not ahead, except one character after
+// a number, which the callback never sees last.
+class tracked_iterator {
+ public:
+  using iterator_category = std::forward_iterator_tag;
+  using value_type = char;
+  using difference_type = std::ptrdiff_t;
+  using pointer = const char*;
+  using reference = const char&;
+
+  tracked_iterator() = default;
+  tracked_iterator(const char* p, const char** read) : p_(p), read_(read) {}
+  reference operator*() const { return *p_; }
+  tracked_iterator& operator++() {
+    *read_ = ++p_;
+    return *this;
+  }
+  tracked_iterator operator++(int) {
+    tracked_iterator old = *this;
+    ++*this;
+    return old;
+  }
+  friend bool operator==(const tracked_iterator& a, const tracked_iterator& b) {
+    return a.p_ == b.p_;
+  }
+
+ private:
+  const char* p_ = nullptr;
+  const char** read_ = nullptr;
+};
+
+// "at line L, column C" of the byte at `offset`, counted as nlohmann/json counts in its own
+// messages (lines end at '\n'; columns count bytes from 1).
+inline std::string position_of(std::string_view text, std::size_t offset) {
+  const std::string_view before = text.substr(0, offset);
+  std::size_t line = 1;
+  for (char ch : before) line += ch == '\n' ? 1 : 0;
+  const std::size_t nl = before.rfind('\n');
+  const std::size_t column = nl == std::string_view::npos ? offset + 1 : offset - nl;
+  return "at line " + std::to_string(line) + ", column " + std::to_string(column);
+}
+
+// Where the member name that the reader has just read begins: `end` is one past its closing
+// quote; its opening quote is the last quote before that with an even run of backslashes before
+// it (a quote inside the name is escaped by an odd run).
+inline std::size_t name_start(std::string_view text, std::size_t end) {
+  if (end < 2) return 0;
+  for (std::size_t i = end - 1; i-- > 0;) {
+    if (text[i] != '"') continue;
+    std::size_t slashes = 0;
+    while (slashes < i && text[i - 1 - slashes] == '\\') ++slashes;
+    if (slashes % 2 == 0) return i;
+  }
+  return 0;
+}
+
 }  // namespace detail
 
 //! The document in `text`, members in file order.
 [[nodiscard]] inline expected<ordered_json> parse_json_document(std::string_view text) {
   std::vector<std::set<std::string>> open;  // the member names of each open object
   std::string problem;
+  const char* read = text.data();  // one past the last character the reader has read
   const ordered_json::parser_callback_t check = [&](int depth, ordered_json::parse_event_t event,
                                                     ordered_json& parsed) {
     using ev = ordered_json::parse_event_t;
+    const auto at = [&](std::size_t offset) { return detail::position_of(text, offset) + ": "; };
+    const auto done = static_cast<std::size_t>(read - text.data());
     if ((event == ev::object_start || event == ev::array_start) && depth >= max_json_depth &&
         problem.empty())
-      problem = "nesting deeper than " + std::to_string(max_json_depth) + " levels";
+      problem = at(done - 1) + "nesting deeper than " + std::to_string(max_json_depth) + " levels";
     if (event == ev::object_start) open.emplace_back();
     if (event == ev::object_end && !open.empty()) open.pop_back();
     if (event == ev::key && !open.empty() &&
         !open.back().insert(parsed.get<std::string>()).second && problem.empty())
-      problem = "duplicate member name " + detail::quoted(parsed.get<std::string>()) +
+      problem = at(detail::name_start(text, done)) + "duplicate member name " +
+                detail::quoted(parsed.get<std::string>()) +
                 " (rule: each member at most once per object)";
     return true;
   };
   try {
-    auto doc = ordered_json::parse(text.begin(), text.end(), check);
-    if (!problem.empty()) return make_error(errc::invalid_argument, "malformed JSON: " + problem);
+    auto doc =
+        ordered_json::parse(detail::tracked_iterator(text.data(), &read),
+                            detail::tracked_iterator(text.data() + text.size(), &read), check);
+    if (!problem.empty()) return make_error(errc::invalid_argument, "malformed JSON " + problem);
     return doc;
   } catch (const ordered_json::parse_error& e) {
     // "[json.exception.parse_error.101] parse error at line 1, column 5: syntax error ..."
@@ -115,6 +186,65 @@ inline status json_object(const ordered_json& v, const std::string& what) {
   return {};
 }
 
+// One member a file may have: its name and the field it fills, whose type gives the rule its
+// value follows (an integer that fits in int, a finite number, a name, a dtype, a boolean).
+struct member {
+  const char* key;
+  std::variant<int*, double*, std::string*, plan::precision*, bool*> field;
+};
+
+inline status read_value(const ordered_json& v, const std::string& where, int* dst) {
+  return json_int(v, where, *dst);
+}
+inline status read_value(const ordered_json& v, const std::string& where, double* dst) {
+  return json_double(v, where, *dst);
+}
+inline status read_value(const ordered_json& v, const std::string& where, std::string* dst) {
+  if (!is_label(v))
+    return make_error(errc::invalid_argument,
+                      where + " must be a string without control characters");
+  *dst = v.get<std::string>();
+  return {};
+}
+inline status read_value(const ordered_json& v, const std::string& where, plan::precision* dst) {
+  if (!v.is_string() || (v != "bf16" && v != "fp8"))
+    return make_error(errc::invalid_argument, where + " must be \"bf16\" or \"fp8\"");
+  *dst = v == "fp8" ? plan::precision::fp8 : plan::precision::bf16;
+  return {};
+}
+inline status read_value(const ordered_json& v, const std::string& where, bool* dst) {
+  if (!v.is_boolean()) return make_error(errc::invalid_argument, where + " must be true or false");
+  *dst = v.get<bool>();
+  return {};
+}
+
+// Reads a `what` file ("model", "cluster") into the fields of `members`, members in file order:
+// the document must be an object, every member known (the message lists the known ones in the
+// order of `members`) and valid, and the `required` ones present.
+inline status read_members(const ordered_json& doc, const std::string& what,
+                           std::span<const member> members, std::span<const char* const> required) {
+  if (auto ok = json_object(doc, "a " + what + " file"); !ok) return ok;
+  for (const auto& item : doc.items()) {
+    const std::string& key = item.key();
+    const ordered_json& v = item.value();
+    const std::string where = what + " member " + quoted(key);
+    const auto m =
+        std::find_if(members.begin(), members.end(), [&](const member& x) { return key == x.key; });
+    if (m == members.end()) {
+      std::string known;
+      for (const auto& x : members) known += (known.empty() ? "" : ", ") + std::string(x.key);
+      return make_error(errc::invalid_argument, "unknown " + where + " (known: " + known + ")");
+    }
+    if (auto ok = std::visit([&](auto* dst) { return read_value(v, where, dst); }, m->field); !ok)
+      return ok;
+  }
+  for (const char* req : required)
+    if (!doc.contains(req))
+      return make_error(errc::invalid_argument,
+                        "the " + what + " file lacks the required member \"" + req + "\"");
+  return {};
+}
+
 }  // namespace detail
 
 //! A model from JSON: {"name": "..", "layers": 32, "hidden": 4096, ...}. Members are the fields
@@ -123,70 +253,35 @@ inline status json_object(const ordered_json& v, const std::string& what) {
 [[nodiscard]] inline expected<plan::model_config> model_from_json(std::string_view text) {
   auto doc = parse_json_document(text);
   if (!doc) return unexpected<error>(doc.error());
-  if (auto ok = detail::json_object(*doc, "a model file"); !ok)
-    return unexpected<error>(ok.error());
   plan::model_config m;
   m.kv_heads = -1;
-  struct int_field {
-    const char* key;
-    int* dst;
-  };
-  const int_field ints[] = {{"layers", &m.layers},
-                            {"hidden", &m.hidden},
-                            {"heads", &m.heads},
-                            {"kv_heads", &m.kv_heads},
-                            {"head_dim", &m.head_dim},
-                            {"ffn", &m.ffn},
-                            {"experts", &m.experts},
-                            {"topk", &m.topk},
-                            {"moe_ffn", &m.moe_ffn},
-                            {"shared_ffn", &m.shared_ffn},
-                            {"moe_layer_freq", &m.moe_layer_freq},
-                            {"first_dense_layers", &m.first_dense_layers},
-                            {"vocab", &m.vocab},
-                            {"seq", &m.seq},
-                            {"gbs", &m.gbs},
-                            {"mbs", &m.mbs},
-                            {"q_lora_rank", &m.q_lora_rank},
-                            {"kv_lora_rank", &m.kv_lora_rank},
-                            {"qk_rope_dim", &m.qk_rope_dim},
-                            {"v_head_dim", &m.v_head_dim},
-                            {"mtp_layers", &m.mtp_layers}};
-  for (const auto& [key, v] : doc->items()) {
-    const std::string where = "model member " + detail::quoted(key);
-    bool known = false;
-    for (const auto& f : ints)
-      if (key == f.key) {
-        if (auto ok = detail::json_int(v, where, *f.dst); !ok) return unexpected<error>(ok.error());
-        known = true;
-      }
-    if (known) continue;
-    if (key == "name") {
-      if (!detail::is_label(v))
-        return make_error(errc::invalid_argument,
-                          where + " must be a string without control characters");
-      m.name = v.get<std::string>();
-    } else if (key == "dtype") {
-      if (!v.is_string() || (v != "bf16" && v != "fp8"))
-        return make_error(errc::invalid_argument, where + " must be \"bf16\" or \"fp8\"");
-      m.dtype = v == "fp8" ? plan::precision::fp8 : plan::precision::bf16;
-    } else if (key == "gated") {
-      if (!v.is_boolean())
-        return make_error(errc::invalid_argument, where + " must be true or false");
-      m.gated = v.get<bool>();
-    } else {
-      return make_error(errc::invalid_argument,
-                        "unknown " + where +
-                            " (known: name, layers, hidden, heads, kv_heads, head_dim, ffn, "
-                            "experts, topk, moe_ffn, shared_ffn, moe_layer_freq, "
-                            "first_dense_layers, vocab, seq, gbs, mbs, dtype, gated, q_lora_rank, "
-                            "kv_lora_rank, qk_rope_dim, v_head_dim, mtp_layers)");
-    }
-  }
-  for (const char* req : {"layers", "hidden", "heads", "vocab"})
-    if (!doc->contains(req))
-      return make_error(errc::invalid_argument,
-                        std::string("the model file lacks the required member \"") + req + "\"");
+  const detail::member members[] = {{"name", &m.name},
+                                    {"layers", &m.layers},
+                                    {"hidden", &m.hidden},
+                                    {"heads", &m.heads},
+                                    {"kv_heads", &m.kv_heads},
+                                    {"head_dim", &m.head_dim},
+                                    {"ffn", &m.ffn},
+                                    {"experts", &m.experts},
+                                    {"topk", &m.topk},
+                                    {"moe_ffn", &m.moe_ffn},
+                                    {"shared_ffn", &m.shared_ffn},
+                                    {"moe_layer_freq", &m.moe_layer_freq},
+                                    {"first_dense_layers", &m.first_dense_layers},
+                                    {"vocab", &m.vocab},
+                                    {"seq", &m.seq},
+                                    {"gbs", &m.gbs},
+                                    {"mbs", &m.mbs},
+                                    {"dtype", &m.dtype},
+                                    {"gated", &m.gated},
+                                    {"q_lora_rank", &m.q_lora_rank},
+                                    {"kv_lora_rank", &m.kv_lora_rank},
+                                    {"qk_rope_dim", &m.qk_rope_dim},
+                                    {"v_head_dim", &m.v_head_dim},
+                                    {"mtp_layers", &m.mtp_layers}};
+  const char* const required[] = {"layers", "hidden", "heads", "vocab"};
+  if (auto ok = detail::read_members(*doc, "model", members, required); !ok)
+    return unexpected<error>(ok.error());
   if (!doc->contains("kv_heads")) m.kv_heads = m.heads;
   if (auto ok = plan::validate(m); !ok) return unexpected<error>(ok.error());
   return m;
@@ -199,54 +294,23 @@ inline status json_object(const ordered_json& v, const std::string& what) {
 [[nodiscard]] inline expected<plan::cluster_config> cluster_from_json(std::string_view text) {
   auto doc = parse_json_document(text);
   if (!doc) return unexpected<error>(doc.error());
-  if (auto ok = detail::json_object(*doc, "a cluster file"); !ok)
-    return unexpected<error>(ok.error());
   plan::cluster_config c;
   c.gpus = 1;
-  struct dbl_field {
-    const char* key;
-    double* dst;
-  };
-  const dbl_field dbls[] = {{"peak_bf16_flops", &c.peak_bf16_flops},
-                            {"peak_fp8_flops", &c.peak_fp8_flops},
-                            {"memory_gib", &c.memory_gib},
-                            {"memory_bw", &c.memory_bw},
-                            {"intra_bw", &c.intra_bw},
-                            {"inter_bw", &c.inter_bw},
-                            {"intra_latency_s", &c.intra_latency_s},
-                            {"inter_latency_s", &c.inter_latency_s}};
-  for (const auto& [key, v] : doc->items()) {
-    const std::string where = "cluster member " + detail::quoted(key);
-    bool known = false;
-    for (const auto& f : dbls)
-      if (key == f.key) {
-        if (auto ok = detail::json_double(v, where, *f.dst); !ok)
-          return unexpected<error>(ok.error());
-        known = true;
-      }
-    if (known) continue;
-    if (key == "name") {
-      if (!detail::is_label(v))
-        return make_error(errc::invalid_argument,
-                          where + " must be a string without control characters");
-      c.name = v.get<std::string>();
-    } else if (key == "gpus_per_node") {
-      if (auto ok = detail::json_int(v, where, c.gpus_per_node); !ok)
-        return unexpected<error>(ok.error());
-    } else if (key == "gpus") {
-      if (auto ok = detail::json_int(v, where, c.gpus); !ok) return unexpected<error>(ok.error());
-    } else {
-      return make_error(errc::invalid_argument,
-                        "unknown " + where +
-                            " (known: name, gpus, gpus_per_node, peak_bf16_flops, "
-                            "peak_fp8_flops, memory_gib, memory_bw, intra_bw, inter_bw, "
-                            "intra_latency_s, inter_latency_s)");
-    }
-  }
-  for (const char* req : {"peak_bf16_flops", "memory_gib", "memory_bw", "intra_bw", "inter_bw"})
-    if (!doc->contains(req))
-      return make_error(errc::invalid_argument,
-                        std::string("the cluster file lacks the required member \"") + req + "\"");
+  const detail::member members[] = {{"name", &c.name},
+                                    {"gpus", &c.gpus},
+                                    {"gpus_per_node", &c.gpus_per_node},
+                                    {"peak_bf16_flops", &c.peak_bf16_flops},
+                                    {"peak_fp8_flops", &c.peak_fp8_flops},
+                                    {"memory_gib", &c.memory_gib},
+                                    {"memory_bw", &c.memory_bw},
+                                    {"intra_bw", &c.intra_bw},
+                                    {"inter_bw", &c.inter_bw},
+                                    {"intra_latency_s", &c.intra_latency_s},
+                                    {"inter_latency_s", &c.inter_latency_s}};
+  const char* const required[] = {"peak_bf16_flops", "memory_gib", "memory_bw", "intra_bw",
+                                  "inter_bw"};
+  if (auto ok = detail::read_members(*doc, "cluster", members, required); !ok)
+    return unexpected<error>(ok.error());
   if (auto ok = plan::validate(c); !ok) return unexpected<error>(ok.error());
   return c;
 }

@@ -21,6 +21,7 @@
 #include <moefold/moefold.hpp>
 
 #include "cli_args.hpp"
+#include "train_moe_cpu_flags.hpp"
 
 #include <cmath>
 #include <cstdint>
@@ -36,111 +37,7 @@
 
 namespace {
 
-using moefold::examples::usage_error;
-
-struct options {
-  int world = 8, tp = 1, cp = 1, pp = 1, ep = 1;
-  std::optional<int> etp;
-  std::string order = "tp-cp-ep-dp-pp";
-  std::string drop = "dropless";
-  double capacity = 1.0;
-  bool pad = false;
-  std::string dtype = "fp64";
-  int experts = 8, topk = 2, hidden = 16, ffn = 32, tokens = 256, steps = 300;
-  double lr = 0.2, aux = 0.01, z = 0.0;
-  double seq_aux = 0.0, global_aux = 0.0;  // per-sequence and global-batch load balancing
-  int shared_ffn = 0;                      // shared expert FFN size (0: none)
-  bool shared_gate = false;                // its sigmoid gate
-  bool expert_bias = false;                // sigmoid routing with aux-loss-free balancing
-  bool quiet = false;
-};
-
-constexpr const char* usage_text =
-    "usage: train_moe_cpu [--world N] [--tp N] [--cp N] [--ep N] [--etp N] [--order STR]\n"
-    "  [--drop dropless|sub_sequence|full_sequence] [--capacity F] [--pad] [--dtype "
-    "fp32|fp64]\n"
-    "  [--experts E] [--topk K] [--hidden H] [--ffn F] [--tokens N] [--steps N] [--lr F]\n"
-    "  [--aux-loss F] [--seq-aux-loss F] [--global-aux-loss F] [--z-loss F]\n"
-    "  [--shared-ffn F] [--shared-gate] [--expert-bias] [--quiet]\n";
-
-//! The most simulated ranks (threads) the example starts.
-constexpr int max_world = 1024;
-
-// The flags, on CLI11, and the checks between them; returns -1 to go on or the status to exit
-// with.
-int parse(int argc, char** argv, options& o) {
-  CLI::App app{"", "train_moe_cpu"};
-  moefold::examples::configure(app, usage_text,
-                               "Trains one MoE layer on --world simulated ranks (one thread each) "
-                               "under the folded mapping given.\n");
-  app.add_option("--world", o.world, "simulated ranks");
-  app.add_option("--tp", o.tp, "attention tensor-parallel size");
-  app.add_option("--cp", o.cp, "context-parallel size");
-  app.add_option("--pp", o.pp, "pipeline-parallel size (must be 1: one layer)");
-  app.add_option("--ep", o.ep, "expert-parallel size");
-  int etp = 0;
-  app.add_option("--etp", etp, "expert tensor-parallel size")->default_str("--tp");
-  app.add_option("--order", o.order, "Megatron-Core order string");
-  app.add_option("--drop", o.drop, "drop policy: dropless, sub_sequence or full_sequence");
-  app.add_option("--capacity", o.capacity, "capacity factor of the dropping policies");
-  app.add_flag("--pad", o.pad, "pad every expert to its capacity")
-      ->multi_option_policy(CLI::MultiOptionPolicy::Throw);
-  app.add_option("--dtype", o.dtype, "fp32 or fp64");
-  app.add_option("--experts", o.experts, "routed experts");
-  app.add_option("--topk", o.topk, "experts per token");
-  app.add_option("--hidden", o.hidden, "hidden size");
-  app.add_option("--ffn", o.ffn, "FFN size of one expert");
-  app.add_option("--tokens", o.tokens, "tokens per step, over all ranks");
-  app.add_option("--steps", o.steps, "SGD steps");
-  app.add_option("--lr", o.lr, "learning rate");
-  app.add_option("--aux-loss", o.aux, "micro-batch load-balancing loss coefficient");
-  app.add_option("--seq-aux-loss", o.seq_aux, "per-sequence load-balancing loss coefficient");
-  app.add_option("--global-aux-loss", o.global_aux, "global-batch load-balancing loss coefficient");
-  app.add_option("--z-loss", o.z, "router z-loss coefficient");
-  app.add_option("--shared-ffn", o.shared_ffn, "shared expert FFN size (0: none)");
-  app.add_flag("--shared-gate", o.shared_gate, "sigmoid gate on the shared expert")
-      ->multi_option_policy(CLI::MultiOptionPolicy::Throw);
-  app.add_flag("--expert-bias", o.expert_bias, "sigmoid routing with aux-loss-free balancing")
-      ->multi_option_policy(CLI::MultiOptionPolicy::Throw);
-  app.add_flag("--quiet", o.quiet, "print only the last lines")
-      ->multi_option_policy(CLI::MultiOptionPolicy::Throw);
-  if (const int rc = moefold::examples::parse(app, argc, argv); rc >= 0) return rc;
-  if (app.count("--etp")) o.etp = etp;
-  try {
-    for (const auto& [flag, v] : {std::pair{"--capacity", o.capacity},
-                                  {"--lr", o.lr},
-                                  {"--aux-loss", o.aux},
-                                  {"--seq-aux-loss", o.seq_aux},
-                                  {"--global-aux-loss", o.global_aux},
-                                  {"--z-loss", o.z}})
-      if (!std::isfinite(v))
-        throw usage_error{std::string(flag) + ": '" + std::to_string(v) +
-                          "' is not a finite number"};
-    if (o.drop != "dropless" && o.drop != "sub_sequence" && o.drop != "full_sequence")
-      throw usage_error{"--drop must be dropless, sub_sequence or full_sequence"};
-    if (o.dtype != "fp32" && o.dtype != "fp64") throw usage_error{"--dtype must be fp32 or fp64"};
-    if (o.shared_ffn < 0) throw usage_error{"--shared-ffn must be >= 0 (0: no shared expert)"};
-    if (o.shared_gate && o.shared_ffn == 0) throw usage_error{"--shared-gate needs --shared-ffn"};
-    if (!(o.seq_aux >= 0) || !(o.global_aux >= 0))
-      throw usage_error{"--seq-aux-loss and --global-aux-loss must be >= 0"};
-    if (o.pp != 1)
-      throw usage_error{
-          "--pp must be 1: this example trains one layer (pipeline stages hold "
-          "different layers)"};
-    if (o.steps < 0 || o.tokens < 1 || o.hidden < 1 || o.ffn < 1 || o.experts < 1 || o.lr <= 0 ||
-        o.aux < 0 || o.z < 0)
-      throw usage_error{"sizes, steps and the learning rate must be positive (losses >= 0)"};
-    if (o.world < 1 || o.world > max_world)
-      throw usage_error{"--world must be between 1 and " + std::to_string(max_world) +
-                        " (one thread per simulated rank; got " + std::to_string(o.world) + ")"};
-    if (o.tokens % o.world != 0)
-      throw usage_error{"--tokens (" + std::to_string(o.tokens) +
-                        ") must be divisible by --world (" + std::to_string(o.world) + ")"};
-  } catch (const usage_error& e) {
-    return moefold::examples::report(e);
-  }
-  return -1;
-}
+using moefold::examples::train_cli::options;
 
 // Deterministic pseudo-random values in [-1, 1).
 double rnd(std::uint64_t a, std::uint64_t b, std::uint64_t c) {
@@ -200,16 +97,12 @@ int train(const options& o, const Policy& policy) {
                            .ep = o.ep,
                            .etp = o.etp,
                            .order = o.order});
-  if (!fold) {
-    std::cerr << "error: " << fold.error().message << "\n";
-    return 2;
-  }
+  if (!fold) return moefold::examples::fail(fold.error().message);
   if (o.experts % fold->ep() != 0 || o.ffn % fold->etp() != 0 || o.topk > o.experts ||
-      o.shared_ffn % fold->tp() != 0) {
-    std::cerr << "error: --experts must be divisible by ep, --ffn by etp, --shared-ffn by tp, and "
-                 "--topk <= --experts\n";
-    return 2;
-  }
+      o.shared_ffn % fold->tp() != 0)
+    return moefold::examples::fail(
+        "--experts must be divisible by ep, --ffn by etp, --shared-ffn by tp, and --topk <= "
+        "--experts");
   const megatron_groups groups(*fold);
   const teacher teach(o.hidden, o.ffn, o.experts);
   const int per_rank = o.tokens / o.world, H = o.hidden;
@@ -370,7 +263,9 @@ int train(const options& o, const Policy& policy) {
 
 int main(int argc, char** argv) {
   options o;
-  if (const int rc = parse(argc, argv, o); rc >= 0) return rc;
+  if (const int rc = moefold::examples::report(moefold::examples::train_cli::parse(argc, argv, o));
+      rc >= 0)
+    return rc;
   using namespace moefold;
   auto run = [&]<class T>(T) {
     if (o.drop == "dropless") return train<T>(o, dropless{});

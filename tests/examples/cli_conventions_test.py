@@ -75,6 +75,13 @@ for name, exe, args, limit in [
         ("moefold-plan --gpus 2147483647", plan,
          ["--model", "mixtral-8x7b", "--cluster", "h100-sxm", "--gpus", "2147483647"], "65536"),
         ("train_moe_cpu --world 100000", train, ["--world", "100000"], "1024"),
+        ("train_moe_cpu --experts 100000", train, ["--experts", "100000"], "1048576"),
+        ("train_moe_cpu --hidden 2147483647 --ffn 2147483647", train,
+         ["--hidden", "2147483647", "--ffn", "2147483647"], "1048576"),
+        ("train_moe_cpu --tokens 2147483640", train, ["--tokens", "2147483640"], "1048576"),
+        ("train_moe_cpu --shared-ffn 2147483647", train, ["--shared-ffn", "2147483647"], "1048576"),
+        ("train_moe_cpu --steps 2147483647", train, ["--steps", "2147483647"], "100000"),
+        ("train_moe_cpu --topk 0", train, ["--topk", "0"], "between 1 and --experts"),
         ("moefold-plan --model /dev/zero", plan,
          ["--model", "/dev/zero", "--cluster", "h100-sxm", "--gpus", "8"], "1048576 bytes")]:
     t = time.monotonic()
@@ -82,6 +89,15 @@ for name, exe, args, limit in [
     dt = time.monotonic() - t
     check(f"{name} is refused in {dt:.2f} s, stating the limit {limit}",
           one_error(r) and limit in r.stderr and dt < 5, (r.returncode, r.stderr))
+
+# Output that lists every rank takes time linear in the world: the SVG of 65,536 GPUs (each cell
+# coloured by its group, found once per rank, not searched for) within seconds.
+t = time.monotonic()
+r = subprocess.run([mesh, "--world", "65536", "--format", "svg"], stdout=subprocess.DEVNULL,
+                   stderr=subprocess.PIPE, text=True, timeout=120)
+dt = time.monotonic() - t
+check(f"moefold-mesh --world 65536 --format svg in {dt:.2f} s", r.returncode == 0 and dt < 10,
+      (r.returncode, r.stderr))
 
 failed = cases.count(False)
 print(f"[doctest] test cases: {len(cases)} | {len(cases) - failed} passed | {failed} failed | 0 skipped")

@@ -103,6 +103,14 @@ def svg_is_well_formed_with_one_cell_per_gpu_in_each_mesh():
             # No two cells overlap.
             spots = {(c.get("x"), c.get("y")) for c in cells}
             assert len(spots) == world
+            # A cell's colour is its group's (tp-cp groups on the left, ep groups on the right),
+            # as the JSON output lists the groups.
+            j = run("--world", world, "--tp", 2, "--pp", 8, "--ep", 8, "--etp", 1, "--format", "json",
+                    *args)
+            groups = json.loads(j.stdout)["groups"]["tp-cp" if panel == "attention" else "ep"]
+            fill = {int(c.get("data-rank")): c.get("fill") for c in cells}
+            for i, grp in enumerate(groups):
+                assert {fill[r] for r in grp} == {f"hsl({i * 47 % 360},70%,{78 if i % 2 else 68}%)"}, (panel, i)
 
 
 @case

@@ -3,8 +3,8 @@
 
 Installs the build (meson install with DESTDIR), moves the installed tree to another directory,
 and then builds and runs, against that moved copy only, three small projects: one with CMake
-(find_package), one with meson through pkg-config, and one with meson using moefold as a
-subproject from a wrap file (its source package in subprojects/packagecache). Each builds
+(find_package), and one with meson (meson_consumer) twice: through pkg-config, and with moefold
+as a subproject from a wrap file (its source package in subprojects/packagecache). Each builds
 consumer.cpp (the mesh and the CPU layer) and, when nvcc is given, kernels.cu (the kernel headers).
 No header may come from the source or build tree: every header each build read (ninja -t deps)
 is checked. Each check is one case of the doctest-style summary line at the end.
@@ -100,8 +100,8 @@ def check_out_of_reach(build_dir, must_come_from):
     return len(moefold)
 
 
-def copy_project(name):
-    dst = tmp / name
+def copy_project(name, dst_name=None):
+    dst = tmp / (dst_name or name)
     shutil.copytree(here / name, dst)
     for f in (here / "consumer").iterdir():
         shutil.copy(f, dst)
@@ -181,10 +181,10 @@ def cmake_consumer(with_cuda):
 
 # 3. meson through pkg-config, from the moved prefix's moefold.pc only.
 def pkgconfig_consumer():
-    d = copy_project("pkgconfig_consumer")
+    d = copy_project("meson_consumer", "pkgconfig_consumer")
     b = d / "build"
     cuda = ["-Dkernels=true"] if args.nvcc else []
-    run(meson + ["setup", b, d, "--native-file", native] + cuda,
+    run(meson + ["setup", b, d, "--native-file", native, "-Dfrom=pkg-config"] + cuda,
         extra_env={"PKG_CONFIG_LIBDIR": str(state["pcdir"])})
     run(["ninja", "-C", b])
     out = [run([b / "consumer"]).strip()]
@@ -197,7 +197,7 @@ def pkgconfig_consumer():
 # 4. meson subproject from a wrap file; the source package is in subprojects/packagecache, so
 # meson checks its hash and unpacks it without downloading.
 def subproject_consumer():
-    d = copy_project("subproject_consumer")
+    d = copy_project("meson_consumer", "subproject_consumer")
     cache = d / "subprojects" / "packagecache"
     cache.mkdir(parents=True)
     tarball = cache / "moefold-0.1.0.tar.gz"
@@ -210,11 +210,11 @@ def subproject_consumer():
                   filter=lambda i: None if "__pycache__" in i.name or i.name.endswith(".log") else i)
     digest = hashlib.sha256(tarball.read_bytes()).hexdigest()
     (d / "subprojects" / "moefold.wrap").write_text(
-        (here / "subproject_consumer" / "moefold.wrap.in").read_text()
+        (here / "meson_consumer" / "moefold.wrap.in").read_text()
         .replace("@URL@", tarball.as_uri()).replace("@HASH@", digest))
     b = d / "build"
     cuda = ["-Dkernels=true"] if args.nvcc else []
-    log = run(meson + ["setup", b, d, "--native-file", native] + cuda,
+    log = run(meson + ["setup", b, d, "--native-file", native, "-Dfrom=subproject"] + cuda,
               extra_env={"PKG_CONFIG_LIBDIR": str(empty_pc)})
     if "Executing subproject moefold" not in log:
         raise Failure("moefold was not taken as a subproject:\n" + log[-2000:])

@@ -66,6 +66,10 @@ TEST_CASE("malformed documents are errors, with line and column where the text i
       {"1e999", "number overflow"},
       {"// comment\n{}", "at line 1, column 1"},
       {"{\n  \"a\": 1,\n  \"b\": [1,,2]\n}", "at line 3, column 11"},
+      // A member name given twice: where the second one begins (its opening quote).
+      {"{\"a\": 1,\n \"a\": 2}", "at line 2, column 2: duplicate member name \"a\""},
+      {"{\"x\\\"\": 1, \"x\\\"\": 2}", "at line 1, column 12: duplicate member name \"x\\\"\""},
+      {"\xEF\xBB\xBF{\"a\":1,\"a\":2}", "at line 1, column 11: duplicate member name"},
   };
   for (const auto& c : cases) {
     auto v = parse_json_document(c.text);
@@ -85,7 +89,8 @@ TEST_CASE("nesting is bounded") {
   CHECK(parse_json_document(ok).has_value());
   auto v = parse_json_document(deep);
   REQUIRE_FALSE(v.has_value());
-  CHECK(v.error().message.find("nesting deeper than 64") != std::string::npos);
+  CHECK(v.error().message.find("at line 1, column 65: nesting deeper than 64") !=
+        std::string::npos);
   std::string huge(100000, '[');
   CHECK_FALSE(parse_json_document(huge).has_value());
 }

@@ -75,7 +75,9 @@ constexpr grid generator_grid(const fold_sizes& s, int edp, bool moe,
 //! int. Returns edp.
 constexpr expected<int> check_fold(const fold_sizes& s, const megatron_order& o) {
   const int world = s.tp * s.cp * s.dp * s.pp;
-  const std::string ord = "order '" + o.str() + "'";
+  // Worded only on an error: the checks that pass build no std::string, so that a fold that
+  // holds is a constant expression with clang and libstdc++ 12 as well.
+  const auto ord = [&o] { return "order '" + o.str() + "'"; };
   // Rules 4 and 6: a token left out of the order must have size 1 in its generator. Megatron
   // checks tp, pp, dp, ep, cp in this order, first for the attention generator.
   auto missing = [&](bool moe, int edp) -> expected<int> {
@@ -88,7 +90,7 @@ constexpr expected<int> check_fold(const fold_sizes& s, const megatron_order& o)
                                                                : std::string(to_string(t)))
                                      : std::string(to_string(t));
         return make_error(errc::order_missing_axis,
-                          ord + " lacks '" + std::string(to_string(t)) + "' but " + what + " = " +
+                          ord() + " lacks '" + std::string(to_string(t)) + "' but " + what + " = " +
                               to_decimal(n) + " (Megatron rule " + (moe ? "6" : "4") +
                               ": every axis of size > 1 must appear in the order)");
       }
@@ -111,7 +113,7 @@ constexpr expected<int> check_fold(const fold_sizes& s, const megatron_order& o)
   // Rule 7: with pp not last, the data-parallel sizes of both meshes must agree.
   if (!o.pp_last() && s.pp != 1 && edp != s.dp)
     return make_error(errc::fold_data_parallel_mismatch,
-                      ord + " does not end with pp, so edp must equal dp, but edp = " +
+                      ord() + " does not end with pp, so edp must equal dp, but edp = " +
                           to_decimal(edp) + " and dp = " + to_decimal(s.dp) +
                           " (Megatron rule 7: tp * cp = " + to_decimal(s.tp * s.cp) +
                           " must equal etp * ep = " + to_decimal(etp_ep) + ")");
@@ -124,7 +126,7 @@ constexpr expected<int> check_fold(const fold_sizes& s, const megatron_order& o)
     }
     if (left_attn != left_moe)
       return make_error(errc::fold_pipeline_mismatch,
-                        ord + " gives different pipeline groups: the axes before pp span " +
+                        ord() + " gives different pipeline groups: the axes before pp span " +
                             to_decimal(left_attn) + " ranks in the attention mesh but " +
                             to_decimal(left_moe) +
                             " in the MoE mesh (Megatron rule 8: both meshes must have the "

@@ -12,6 +12,7 @@
 #include <string>
 #include <string_view>
 
+#include "../core/error.hpp"
 #include "../core/expected.hpp"
 
 namespace moefold {
@@ -23,6 +24,60 @@ enum class order_token : std::uint8_t { tp, cp, ep, dp, pp };
   constexpr std::array<std::string_view, 5> names{"tp", "cp", "ep", "dp", "pp"};
   return names[static_cast<std::size_t>(t)];
 }
+
+namespace detail {
+
+[[nodiscard]] constexpr char ascii_lower(char c) noexcept {
+  return c >= 'A' && c <= 'Z' ? static_cast<char>(c - 'A' + 'a') : c;
+}
+
+//! What scan_order found: the tokens in order (the missing ones appended), or the rule broken and
+//! the token, as written, that broke it.
+struct order_scan {
+  std::array<order_token, 5> tokens{};
+  int given = 0;
+  errc code = errc::success;
+  std::string_view token;  //!< the offending token, a view into the text scanned
+};
+
+//! The order parser itself, on string_views and arrays only (no std::string), so that the
+//! consteval literal constructor is a constant expression with every compiler and standard
+//! library; megatron_order::parse words the errors.
+[[nodiscard]] constexpr order_scan scan_order(std::string_view text) noexcept {
+  order_scan r;
+  std::array<bool, 5> seen{};
+  std::size_t start = 0;
+  while (true) {
+    const std::size_t dash = text.find('-', start);
+    const std::string_view raw =
+        text.substr(start, dash == std::string_view::npos ? std::string_view::npos : dash - start);
+    int id = -1;
+    for (int t = 0; t < 5; ++t) {
+      const std::string_view name = to_string(static_cast<order_token>(t));
+      bool same = raw.size() == name.size();
+      for (std::size_t i = 0; same && i < raw.size(); ++i) same = ascii_lower(raw[i]) == name[i];
+      if (same) id = t;
+    }
+    if (id < 0 || seen[static_cast<std::size_t>(id)]) {
+      r.code = id < 0 ? errc::order_unknown_token : errc::order_duplicate_token;
+      r.token = raw;
+      return r;
+    }
+    seen[static_cast<std::size_t>(id)] = true;
+    r.tokens[static_cast<std::size_t>(r.given++)] = static_cast<order_token>(id);
+    if (dash == std::string_view::npos) break;
+    start = dash + 1;
+  }
+  // Megatron appends the missing tokens in this order; they must have size 1 (checked by the
+  // fold, which knows the sizes).
+  int next = r.given;
+  for (order_token t :
+       {order_token::tp, order_token::pp, order_token::dp, order_token::ep, order_token::cp})
+    if (!seen[static_cast<std::size_t>(t)]) r.tokens[static_cast<std::size_t>(next++)] = t;
+  return r;
+}
+
+}  // namespace detail
 
 //! A parsed order string. Structural, so a fold can take it as a template argument:
 //! `folded_mesh<A, M, megatron_order{"tp-cp-ep-pp-dp"}>`.
@@ -40,48 +95,30 @@ struct megatron_order {
 
   //! A compile-time order from a literal; an invalid literal does not compile.
   consteval megatron_order(const char* text) {  // NOLINT: implicit on purpose, like a literal
-    auto p = parse(text);
-    if (!p) invalid_order_string_literal();
-    *this = *p;
+    const detail::order_scan r = detail::scan_order(text);
+    if (r.code != errc::success) invalid_order_string_literal();
+    tokens = r.tokens;
+    given = r.given;
   }
 
   //! Parses an order string. Case-insensitive (Megatron lowercases the tokens but not its
   //! pp-last test; we apply one rule to one spelling). Tokens are compared whole, not as
   //! substrings (Megatron's substring test lets "gtp_remat" stand for "tp").
   [[nodiscard]] static constexpr expected<megatron_order> parse(std::string_view text) {
-    megatron_order o;
-    o.given = 0;
-    std::array<bool, 5> seen{};
-    std::size_t start = 0;
-    while (true) {
-      const std::size_t dash = text.find('-', start);
-      const std::string_view raw = text.substr(
-          start, dash == std::string_view::npos ? std::string_view::npos : dash - start);
-      std::string tok(raw);
-      for (char& c : tok)
-        if (c >= 'A' && c <= 'Z') c = static_cast<char>(c - 'A' + 'a');
-      int id = -1;
-      for (int t = 0; t < 5; ++t)
-        if (tok == to_string(static_cast<order_token>(t))) id = t;
-      if (id < 0)
-        return make_error(errc::order_unknown_token,
-                          "order '" + std::string(text) + "': unknown token '" + std::string(raw) +
-                              "' (rule: tokens are tp, cp, ep, dp, pp joined by '-')");
-      if (seen[static_cast<std::size_t>(id)])
-        return make_error(errc::order_duplicate_token,
-                          "order '" + std::string(text) + "': token '" + tok +
-                              "' appears twice (rule: each axis at most once)");
-      seen[static_cast<std::size_t>(id)] = true;
-      o.tokens[static_cast<std::size_t>(o.given++)] = static_cast<order_token>(id);
-      if (dash == std::string_view::npos) break;
-      start = dash + 1;
+    const detail::order_scan r = detail::scan_order(text);
+    if (r.code == errc::order_unknown_token)
+      return make_error(r.code, "order '" + std::string(text) + "': unknown token '" +
+                                    std::string(r.token) +
+                                    "' (rule: tokens are tp, cp, ep, dp, pp joined by '-')");
+    if (r.code != errc::success) {
+      std::string tok(r.token);
+      for (char& c : tok) c = detail::ascii_lower(c);
+      return make_error(r.code, "order '" + std::string(text) + "': token '" + tok +
+                                    "' appears twice (rule: each axis at most once)");
     }
-    // Megatron appends the missing tokens in this order; they must have size 1 (checked by the
-    // fold, which knows the sizes).
-    int next = o.given;
-    for (order_token t :
-         {order_token::tp, order_token::pp, order_token::dp, order_token::ep, order_token::cp})
-      if (!seen[static_cast<std::size_t>(t)]) o.tokens[static_cast<std::size_t>(next++)] = t;
+    megatron_order o;
+    o.tokens = r.tokens;
+    o.given = r.given;
     return o;
   }
 
