@@ -359,14 +359,15 @@ class moe_layer {
     if (auto st = router_.backward(logits_, routing_, dprobs, dlogits); !st) return st;
     const gating_shape gbs{.num_tokens = n_, .hidden = o_.hidden, .num_experts = E};
     // The three load-balancing terms (micro-batch, per sequence, global), each when active.
-    const auto add_term = [&](std::size_t i) -> status {
+    // (dlogits is passed, not captured: clang 14 cannot capture a structured binding.)
+    const auto add_term = [&](std::size_t i, std::vector<T>& dl) -> status {
       if (!aux_active_[i]) return {};
       return add_aux_loss_gradient<T>(o_.router.score, logits_, E, {}, aux_terms_[i], loss_seed,
-                                      dlogits);
+                                      dl);
     };
-    if (auto st = add_term(0); !st) return st;
-    if (auto st = add_term(1); !st) return st;
-    if (auto st = add_term(2); !st) return st;
+    if (auto st = add_term(0, dlogits); !st) return st;
+    if (auto st = add_term(1, dlogits); !st) return st;
+    if (auto st = add_term(2, dlogits); !st) return st;
     if (z_active_)
       if (auto st =
               add_group_z_loss_gradient(g.tp_cp, std::span<const T>(logits_), E, o_.z_loss_coeff,
