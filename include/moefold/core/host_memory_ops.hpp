@@ -13,6 +13,7 @@
 #include <string>
 #include <type_traits>
 
+#include "exec.hpp"
 #include "expected.hpp"
 #include "memory_space.hpp"
 #include "row_view.hpp"
@@ -128,11 +129,7 @@ struct host_memory_ops {
                             "source and one destination offset per chunk inside them");
     for (int c = 0; c < sizes.rows(); ++c) {
       const int n = *sizes.row_data(c), f = *from.row_data(c), t = *to.row_data(c);
-      for (int r = 0; r < n; ++r) {
-        const T* s = src.row_data(f + r);
-        T* d = dst.row_data(t + r);
-        for (int e = 0; e < dst.width(); ++e) d[e] = s[e];
-      }
+      host_copy_rows(src.subrows(f, n), dst.subrows(t, n));
     }
     return {};
   }
