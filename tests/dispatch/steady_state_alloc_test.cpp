@@ -5,51 +5,17 @@
 // broadcast and a barrier. Step 1 sizes every buffer (the communicators' schedules, the
 // all_reduce scratch); after it the count must stay 0. The expert functor runs outside the
 // counted window (reference_mlp is a test oracle that allocates its temporaries).
-//
-// The whole MoE layer (router records, drop policies, auxiliary losses) is not yet allocation
-// free: docs/dispatch.md states what still allocates.
-// This file replaces the global operator new with malloc and operator delete with free: GCC's
-// analysis of the inlined standard library sees free() on memory from operator new and warns.
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-
+// The whole layer's steady state is tests/layer/steady_state_alloc_test.cpp.
 #include <moefold/comm/thread_world.hpp>
 #include <moefold/dispatch/all_gather_dispatcher.hpp>
 #include <moefold/dispatch/all_to_all_dispatcher.hpp>
 
 #include <doctest/doctest.h>
 
-#include <atomic>
-#include <cstdlib>
-#include <new>
 #include <vector>
 
 #include "dispatch_harness.hpp"
-
-namespace {
-std::atomic<long long> g_news{0};
-std::atomic<bool> g_counting{false};
-void count_new() {
-  if (g_counting.load(std::memory_order_relaxed)) g_news.fetch_add(1, std::memory_order_relaxed);
-}
-}  // namespace
-
-// The process's operator new and delete, plain and aligned (libstdc++'s array and nothrow forms
-// forward to these).
-void* operator new(std::size_t n) {
-  count_new();
-  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
-  throw std::bad_alloc();
-}
-void* operator new(std::size_t n, std::align_val_t a) {
-  count_new();
-  const auto al = static_cast<std::size_t>(a);
-  if (void* p = std::aligned_alloc(al, (n + al - 1) / al * al)) return p;
-  throw std::bad_alloc();
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+#include "support/count_new.hpp"
 
 using namespace moefold;
 using namespace moefold::test;
@@ -86,7 +52,7 @@ std::vector<long long> count_steps(const problem& p) {
     const auto counting = [&](bool on) -> status {
       // All ranks line up before rank 0 switches the count, and again after.
       if (auto s = world.barrier(); !s) return s;
-      if (r == 0) g_counting.store(on);
+      if (r == 0) test::counting.store(on);
       return world.barrier();
     };
     for (int step = 0; step < steps; ++step) {
@@ -115,7 +81,7 @@ std::vector<long long> count_steps(const problem& p) {
             world.template broadcast<double>(bcast, 3)})
         if (!st) return st;
       if (auto s = counting(false); !s) return s;
-      if (r == 0) news[static_cast<std::size_t>(step)] = g_news.exchange(0);
+      if (r == 0) news[static_cast<std::size_t>(step)] = test::news.exchange(0);
     }
     return {};
   });

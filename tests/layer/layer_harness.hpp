@@ -87,7 +87,7 @@ expected<layer_result> run_layer_rank(const problem& p, const Policy& policy, Co
   res.z = stats->z_loss;
   res.dropped = stats->dropped.dropped_pairs;
   res.indices = layer->last_routing().indices;
-  res.kept = layer->last_drop().kept_experts(layer->last_routing());
+  res.kept.assign(layer->last_kept_experts().begin(), layer->last_kept_experts().end());
   if (auto s = layer->backward(dout, T(1), g, dx); !s) return unexpected<error>(s.error());
   if (auto s = layer->reduce_gradients(
           stage, edp, {layer->experts().grads_fc1(), layer->experts().grads_fc2()});

@@ -528,7 +528,7 @@ TEST_CASE("MoE layer: the expert bias counts the pairs that survive the drop pol
     if (!stats) return unexpected<error>(stats.error());
     CHECK(stats->dropped.dropped_pairs > 0);  // the capacity bound
     std::vector<float> kept(E, 0.f), routed(E, 0.f);
-    const auto ke = layer->last_drop().kept_experts(layer->last_routing());
+    const auto ke = layer->last_kept_experts();
     for (int e : ke)
       if (e >= 0) kept[static_cast<std::size_t>(e)] += 1.f;
     for (int e : layer->last_routing().indices) routed[static_cast<std::size_t>(e)] += 1.f;

@@ -120,8 +120,8 @@ std::vector<rank_grads> run(const problem& p, const params& q, const layer_setup
       res.dx.resize(x.size());
       auto stats = layer->forward(p.tokens, x, {}, g, res.out);
       if (!stats) return unexpected<error>(stats.error());
-      res.report = stats->dropped;
-      res.kept = layer->last_drop().kept_experts(layer->last_routing());
+      res.report = stats->dropped.to_report();
+      res.kept.assign(layer->last_kept_experts().begin(), layer->last_kept_experts().end());
       res.loss = stats->aux_loss + stats->seq_aux_loss + stats->global_aux_loss + stats->z_loss;
       for (std::size_t i = 0; i < x.size(); ++i) res.loss += dout[i] * res.out[i];
       if (auto s = layer->backward(dout, 1.0, g, res.dx); !s) return s;

@@ -283,17 +283,11 @@ TEST_CASE("bad input: capacity factor, pad beyond the tokens, malformed routings
 
 TEST_CASE("the drop-policy concept: the library's policies and a user's") {
   struct keep_first_token_only {  // a user policy: each token keeps only its first expert
-    status apply(thread_communicator&, std::span<const std::int64_t>, const topk_routing<double>& r,
-                 drop_result<double>& out) const {
-      REQUIRE(dropless{}.apply(r, out));
-      for (int t = 0; t < r.num_tokens; ++t)
-        for (int i = 1; i < r.topk; ++i) {
-          out.kept[t * r.topk + i] = 0;
-          out.final_map[t * r.num_experts + r.expert(t, i)] = 0;
-          out.final_probs[t * r.num_experts + r.expert(t, i)] = 0;
-        }
-      fill_drop_report(r, -1, out);
-      return {};
+    status apply(thread_communicator&, std::span<const std::int64_t>, const routing_view<double>& r,
+                 drop_counts& out, drop_scratch<double>&) const {
+      for (std::size_t p = 0; p < r.pairs(); ++p)
+        r.keep[p] = p % static_cast<std::size_t>(r.topk) == 0 ? 1 : 0;
+      return fill_drop_counts(r, -1, out);
     }
   };
   static_assert(drop_policy<dropless, double, thread_communicator>);
@@ -304,8 +298,15 @@ TEST_CASE("the drop-policy concept: the library's policies and a user's") {
   const auto r = route(10, 2, 331);
   drop_result<double> d;
   const auto st = run_thread_world(
-      1, [&](thread_communicator& c) { return keep_first_token_only{}.apply(c, {}, r, d); });
+      1, [&](thread_communicator& c) { return apply_dense(keep_first_token_only{}, c, {}, r, d); });
   REQUIRE(st[0]);
+  for (int t = 0; t < 10; ++t) {  // the dense form follows the mask
+    CHECK(d.kept[static_cast<std::size_t>(t) * 2 + 1] == 0);
+    CHECK(d.final_map[static_cast<std::size_t>(t) * E + static_cast<std::size_t>(r.expert(t, 1))] ==
+          0);
+    CHECK(d.final_map[static_cast<std::size_t>(t) * E + static_cast<std::size_t>(r.expert(t, 0))] ==
+          1);
+  }
   CHECK(d.report.dropped_pairs == 10);
   int second = 0;
   for (int t = 0; t < 10; ++t) second += r.expert(t, 1) == 3;

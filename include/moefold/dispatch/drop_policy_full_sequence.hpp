@@ -14,6 +14,7 @@
 
 #include "../comm/communicator.hpp"
 #include "drop_policy.hpp"
+#include "drop_result.hpp"
 
 namespace moefold {
 
@@ -59,6 +60,29 @@ struct sequence_layout {
   return keys;
 }
 
+namespace detail {
+//! order[i] = the rank of keys[i] among all keys (its place in true sequence order); two equal
+//! keys are an error. `by_key` is scratch.
+[[nodiscard]] inline status rank_by_key(std::span<const std::int64_t> keys,
+                                        std::vector<std::size_t>& by_key,
+                                        std::vector<long long>& order) {
+  by_key.resize(keys.size());
+  std::iota(by_key.begin(), by_key.end(), std::size_t{0});
+  std::sort(by_key.begin(), by_key.end(), [&](std::size_t a, std::size_t b) {
+    return keys[a] != keys[b] ? keys[a] < keys[b] : a < b;
+  });
+  order.resize(keys.size());
+  for (std::size_t i = 0; i < by_key.size(); ++i) {
+    if (i > 0 && keys[by_key[i]] == keys[by_key[i - 1]])
+      return make_error(errc::invalid_argument,
+                        "full_sequence: two tokens of the group have the same order key " +
+                            to_decimal(static_cast<long long>(keys[by_key[i]])));
+    order[by_key[i]] = static_cast<long long>(i);
+  }
+  return {};
+}
+}  // namespace detail
+
 //! Full-sequence dropping: C = ceil(N_group*k/E * capacity_factor) over the N_group tokens of the
 //! TP x CP group; ties (probs) and positions follow the true sequence order given by the keys.
 struct full_sequence {
@@ -69,28 +93,33 @@ struct full_sequence {
   //! `order_keys` [N]: the true sequence-order key of each local token (sequence_order_keys), or
   //! empty to take the group's rank order (rank 0's tokens first) as the sequence order; all ranks
   //! must agree on which. Collective over tp_cp: every rank calls it, and every rank gets the same
-  //! error when one rank's input is bad.
+  //! error when one rank's input is bad. Writes r.keep and the counts of this rank's tokens;
+  //! `ws` holds the group's gathered record between calls (no allocation once grown).
   template <communicator C, class T>
   [[nodiscard]] status apply(C& tp_cp, std::span<const std::int64_t> order_keys,
-                             const topk_routing<T>& r, drop_result<T>& out) const {
+                             const routing_view<T>& r, drop_counts& out,
+                             drop_scratch<T>& ws) const {
     using detail::to_decimal;
     // 1. Exchange a small header: shape, whether keys are given, whether the local input is good.
     const bool keys_ok =
         order_keys.empty() || order_keys.size() == static_cast<std::size_t>(r.num_tokens);
-    const status local = !keys_ok ? status(make_error(errc::shape_mismatch,
-                                                      "full_sequence: order_keys must be empty or "
-                                                      "have num_tokens entries"))
-                                  : detail::check_routing(r);
+    status local = !keys_ok ? status(make_error(errc::shape_mismatch,
+                                                "full_sequence: order_keys must be empty or "
+                                                "have num_tokens entries"))
+                            : detail::check_routing(r);
+    if (local) local = detail::check_counts(out, r.num_tokens, r.num_experts);
     const int G = tp_cp.size();
     const int hdr[4] = {local ? r.num_tokens : -1, r.num_experts, r.topk,
                         order_keys.empty() ? 0 : 1};
-    std::vector<int> all(static_cast<std::size_t>(4 * G));
-    if (auto s = tp_cp.all_gather(std::span<const int>(hdr, 4), std::span<int>(all)); !s) return s;
+    ws.header.resize(static_cast<std::size_t>(4 * G));
+    if (auto s = tp_cp.all_gather(std::span<const int>(hdr, 4), std::span<int>(ws.header)); !s)
+      return s;
     if (!local) return local;
-    std::vector<int> n(static_cast<std::size_t>(G));
+    ws.rows.resize(static_cast<std::size_t>(G));
+    ws.pairs_of.resize(static_cast<std::size_t>(G));
     long long total = 0, offset = 0;
     for (int g = 0; g < G; ++g) {
-      const int* h = all.data() + 4 * g;
+      const int* h = ws.header.data() + 4 * g;
       if (h[0] < 0)
         return make_error(errc::invalid_argument,
                           "full_sequence: rank " + to_decimal(g) + " of the group has bad input");
@@ -99,12 +128,14 @@ struct full_sequence {
                           "full_sequence: ranks disagree on num_experts, topk or whether order "
                           "keys are given (rank " +
                               to_decimal(g) + ")");
-      n[static_cast<std::size_t>(g)] = h[0];
+      ws.rows[static_cast<std::size_t>(g)] = h[0];
       if (g < tp_cp.rank()) offset += h[0];
       total += h[0];
     }
     if (total * r.topk > INT_MAX)
       return make_error(errc::overflow, "full_sequence: the group's routed pairs overflow int");
+    for (int g = 0; g < G; ++g)
+      ws.pairs_of[static_cast<std::size_t>(g)] = ws.rows[static_cast<std::size_t>(g)] * r.topk;
     auto cap = expert_capacity(total * r.topk, r.num_experts, capacity_factor);
     if (!cap) return unexpected<error>(cap.error());
     if (pad_to_capacity && *cap > total)
@@ -113,62 +144,53 @@ struct full_sequence {
                                                     " tokens of the sequence group");
 
     // 2. Gather the detached routing (and keys) of the whole group, in rank order.
-    topk_routing<T> g;
-    g.num_tokens = static_cast<int>(total);
-    g.num_experts = r.num_experts;
-    g.topk = r.topk;
-    g.indices.resize(static_cast<std::size_t>(total) * r.topk);
-    g.probs.resize(g.indices.size());
-    std::vector<int> nk(n);
-    for (int& v : nk) v *= r.topk;
-    if (auto s = tp_cp.all_gather_v(std::span<const int>(r.indices), std::span<int>(g.indices),
-                                    std::span<const int>(nk));
+    const auto K = static_cast<std::size_t>(r.topk), N = static_cast<std::size_t>(r.num_tokens);
+    const auto all_pairs = static_cast<std::size_t>(total) * K;
+    ws.expert.resize(all_pairs);
+    ws.probs.resize(all_pairs);
+    ws.keep.resize(all_pairs);
+    const std::span<const int> pairs_of(ws.pairs_of);
+    if (auto s = tp_cp.all_gather_v(std::span<const int>(r.expert, N * K),
+                                    std::span<int>(ws.expert), pairs_of);
         !s)
       return s;
-    if (auto s = tp_cp.all_gather_v(std::span<const T>(r.probs), std::span<T>(g.probs),
-                                    std::span<const int>(nk));
+    if (auto s = tp_cp.all_gather_v(std::span<const T>(r.probs, N * K), std::span<T>(ws.probs),
+                                    pairs_of);
         !s)
       return s;
-    std::vector<long long> order;  // row -> rank in true order
+    ws.order.clear();  // row -> rank in true order; empty: rank order
     if (!order_keys.empty()) {
-      std::vector<std::int64_t> keys(static_cast<std::size_t>(total));
-      if (auto s = tp_cp.all_gather_v(order_keys, std::span<std::int64_t>(keys),
-                                      std::span<const int>(n));
+      ws.keys.resize(static_cast<std::size_t>(total));
+      if (auto s = tp_cp.all_gather_v(order_keys, std::span<std::int64_t>(ws.keys),
+                                      std::span<const int>(ws.rows));
           !s)
         return s;
-      std::vector<std::size_t> by_key(keys.size());
-      std::iota(by_key.begin(), by_key.end(), std::size_t{0});
-      std::stable_sort(by_key.begin(), by_key.end(),
-                       [&](std::size_t a, std::size_t b) { return keys[a] < keys[b]; });
-      order.resize(keys.size());
-      for (std::size_t i = 0; i < by_key.size(); ++i) {
-        if (i > 0 && keys[by_key[i]] == keys[by_key[i - 1]])
-          return make_error(errc::invalid_argument,
-                            "full_sequence: two tokens of the group have the same order key " +
-                                to_decimal(static_cast<long long>(keys[by_key[i]])));
-        order[by_key[i]] = static_cast<long long>(i);
-      }
+      if (auto s =
+              detail::rank_by_key(std::span<const std::int64_t>(ws.keys), ws.by_order, ws.order);
+          !s)
+        return s;
     }
 
-    // 3. The same decision on every rank; keep this rank's rows.
-    drop_result<T> whole;
-    detail::keep_within_capacity(g, *cap, by, pad_to_capacity, std::span<const long long>(order),
-                                 whole);
-    const auto E = static_cast<std::size_t>(r.num_experts), K = static_cast<std::size_t>(r.topk);
-    const auto first = static_cast<std::size_t>(offset), N = static_cast<std::size_t>(r.num_tokens);
-    out.num_tokens = r.num_tokens;
-    out.num_experts = r.num_experts;
-    out.topk = r.topk;
-    out.final_map.assign(whole.final_map.begin() + static_cast<std::ptrdiff_t>(first * E),
-                         whole.final_map.begin() + static_cast<std::ptrdiff_t>((first + N) * E));
-    out.final_probs.assign(
-        whole.final_probs.begin() + static_cast<std::ptrdiff_t>(first * E),
-        whole.final_probs.begin() + static_cast<std::ptrdiff_t>((first + N) * E));
-    out.kept.assign(whole.kept.begin() + static_cast<std::ptrdiff_t>(first * K),
-                    whole.kept.begin() + static_cast<std::ptrdiff_t>((first + N) * K));
-    out.pad_rows = whole.pad_rows;
-    detail::fill_report(r, *cap, out);
+    // 3. The same decision on every rank; keep this rank's pairs and count its rows.
+    const routing_view<T> g{.num_tokens = static_cast<int>(total),
+                            .topk = r.topk,
+                            .num_experts = r.num_experts,
+                            .expert = ws.expert.data(),
+                            .probs = ws.probs.data(),
+                            .keep = ws.keep.data()};
+    const auto first = static_cast<std::size_t>(offset);
+    detail::keep_within_capacity(g, *cap, by, pad_to_capacity, std::span<const long long>(ws.order),
+                                 first, N, out, ws);
+    std::copy_n(ws.keep.begin() + static_cast<std::ptrdiff_t>(first * K), N * K, r.keep);
+    out.capacity = *cap;
+    out.pad_rows = pad_to_capacity ? *cap : -1;
     return {};
+  }
+  //! The dense form (tests).
+  template <communicator C, class T>
+  [[nodiscard]] status apply(C& tp_cp, std::span<const std::int64_t> order_keys,
+                             const topk_routing<T>& r, drop_result<T>& out) const {
+    return apply_dense(*this, tp_cp, order_keys, r, out);
   }
 };
 

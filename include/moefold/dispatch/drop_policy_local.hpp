@@ -7,22 +7,37 @@
 #include <span>
 
 #include "drop_policy.hpp"
+#include "drop_result.hpp"
 
 namespace moefold {
 
 //! Every routed pair is computed; nothing is dropped or padded.
 struct dropless {
   template <class T>
-  [[nodiscard]] status apply(const topk_routing<T>& r, drop_result<T>& out) const {
+  [[nodiscard]] status apply(const routing_view<T>& r, drop_counts& out, drop_scratch<T>&) const {
     if (auto s = detail::check_routing(r); !s) return s;
-    detail::keep_within_capacity(r, r.num_tokens, drop_by::position, false, {}, out);
-    out.report.capacity = -1;
+    if (auto s = detail::check_counts(out, r.num_tokens, r.num_experts); !s) return s;
+    std::fill(r.keep, r.keep + r.pairs(), std::uint8_t{1});
+    detail::count_kept(r, 0, static_cast<std::size_t>(r.num_tokens), out);
+    out.capacity = -1;
+    out.pad_rows = -1;
     return {};
   }
   template <class C, class T>
-  [[nodiscard]] status apply(C&, std::span<const std::int64_t>, const topk_routing<T>& r,
+  [[nodiscard]] status apply(C&, std::span<const std::int64_t>, const routing_view<T>& r,
+                             drop_counts& out, drop_scratch<T>& ws) const {
+    return apply(r, out, ws);
+  }
+  //! The dense form (tests).
+  template <class T>
+  [[nodiscard]] status apply(const topk_routing<T>& r, drop_result<T>& out) const {
+    detail::no_comm none;
+    return apply_dense(*this, none, {}, r, out);
+  }
+  template <class C, class T>
+  [[nodiscard]] status apply(C& c, std::span<const std::int64_t> keys, const topk_routing<T>& r,
                              drop_result<T>& out) const {
-    return apply(r, out);
+    return apply_dense(*this, c, keys, r, out);
   }
 };
 
@@ -34,8 +49,10 @@ struct sub_sequence {
   drop_by by = drop_by::probs;
 
   template <class T>
-  [[nodiscard]] status apply(const topk_routing<T>& r, drop_result<T>& out) const {
+  [[nodiscard]] status apply(const routing_view<T>& r, drop_counts& out,
+                             drop_scratch<T>& ws) const {
     if (auto s = detail::check_routing(r); !s) return s;
+    if (auto s = detail::check_counts(out, r.num_tokens, r.num_experts); !s) return s;
     auto c = expert_capacity(static_cast<long long>(r.num_tokens) * r.topk, r.num_experts,
                              capacity_factor);
     if (!c) return unexpected<error>(c.error());
@@ -45,13 +62,27 @@ struct sub_sequence {
                             detail::to_decimal(r.num_tokens) +
                             " tokens, so no expert can be padded to it (lower capacity_factor "
                             "to at most num_experts/topk)");
-    detail::keep_within_capacity(r, *c, by, pad_to_capacity, {}, out);
+    detail::keep_within_capacity(r, *c, by, pad_to_capacity, {}, 0,
+                                 static_cast<std::size_t>(r.num_tokens), out, ws);
+    out.capacity = *c;
+    out.pad_rows = pad_to_capacity ? *c : -1;
     return {};
   }
   template <class C, class T>
-  [[nodiscard]] status apply(C&, std::span<const std::int64_t>, const topk_routing<T>& r,
+  [[nodiscard]] status apply(C&, std::span<const std::int64_t>, const routing_view<T>& r,
+                             drop_counts& out, drop_scratch<T>& ws) const {
+    return apply(r, out, ws);
+  }
+  //! The dense form (tests).
+  template <class T>
+  [[nodiscard]] status apply(const topk_routing<T>& r, drop_result<T>& out) const {
+    detail::no_comm none;
+    return apply_dense(*this, none, {}, r, out);
+  }
+  template <class C, class T>
+  [[nodiscard]] status apply(C& c, std::span<const std::int64_t> keys, const topk_routing<T>& r,
                              drop_result<T>& out) const {
-    return apply(r, out);
+    return apply_dense(*this, c, keys, r, out);
   }
 };
 

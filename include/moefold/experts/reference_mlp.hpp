@@ -103,11 +103,14 @@ class reference_mlp {
   }
 
   //! y = fc2(act(fc1 x) * p) for every row of the batch (a partial sum under ETP).  [M,H]->[M,H]
-  [[nodiscard]] status forward(const expert_batch<T>& b, std::span<T> y) const {
+  //! Not const: it works in the functor's own row scratch (no allocation per call).
+  [[nodiscard]] status forward(const expert_batch<T>& b, std::span<T> y) {
     const std::size_t outs_h[] = {y.size()};
     if (auto st = check_expert_batch<T>(b, s_.num_local_experts, s_.hidden, outs_h, {}); !st)
       return st;
-    std::vector<T> a(static_cast<std::size_t>(f1_)), h(static_cast<std::size_t>(fs_));
+    std::vector<T>&a = a_, &h = h_;
+    a.resize(detail::uz(f1_));
+    h.resize(detail::uz(fs_));
     for_each_row(b, [&](int l, std::size_t r) {
       fc1_row(l, b, r, a);
       for (int c = 0; c < fs_; ++c) h[detail::uz(c)] = act_out(a, c) * b.probs[r];
@@ -125,7 +128,9 @@ class reference_mlp {
     if (auto st = check_expert_batch<T>(b, s_.num_local_experts, s_.hidden, outs_h, outs); !st)
       return st;
     const int H = s_.hidden;
-    std::vector<T> a(detail::uz(f1_)), da(detail::uz(f1_));
+    std::vector<T>&a = a_, &da = da_;
+    a.resize(detail::uz(f1_));
+    da.resize(detail::uz(f1_));
     for_each_row(b, [&](int l, std::size_t r) {
       fc1_row(l, b, r, a);
       const auto w1 = cslice(fc1_, l, H * f1_);
@@ -212,6 +217,7 @@ class reference_mlp {
   int fs_ = 0;  // F / ETP
   int f1_ = 0;  // fc1 columns of this shard
   std::vector<T> fc1_, fc2_, g1_, g2_;
+  std::vector<T> a_, h_, da_;  // one row's fc1 output, activation, and fc1 gradient
 };
 
 }  // namespace moefold

@@ -37,6 +37,7 @@
 #include "../routing/expert_bias.hpp"
 #include "../routing/gating.hpp"
 #include "../routing/group_losses.hpp"
+#include "../routing/routing_view.hpp"
 #include "../routing/topk_router.hpp"
 
 namespace moefold {
@@ -78,13 +79,14 @@ struct moe_layer_groups {
 };
 
 //! What a forward reports: this rank's partial losses (each sums over tp-cp to the layer's; zero
-//! in evaluation) and what the drop policy dropped.
+//! in evaluation) and what the drop policy dropped (views of the layer's counts, valid until its
+//! next forward; `dropped.to_report()` copies them).
 struct moe_forward_stats {
   double aux_loss = 0.0;         //!< per micro-batch
   double seq_aux_loss = 0.0;     //!< per sequence
   double global_aux_loss = 0.0;  //!< per global batch (running average of the counts)
   double z_loss = 0.0;
-  drop_report dropped{};
+  drop_counts dropped{};
 };
 
 //! The gradient group of each parameter kind of an MoE layer.
@@ -207,9 +209,11 @@ class moe_layer {
   [[nodiscard]] const Dispatcher& dispatcher() const noexcept { return disp_; }
   //! The dispatch handle of the last forward (rows per local expert, byte accounting).
   [[nodiscard]] const auto& last_dispatch() const noexcept { return *handle_; }
-  //! The routing and the drop decision of the last forward.
+  //! The routing of the last forward (every selected expert), its keep mask [N*k] (what the drop
+  //! policy kept) and the record the dispatcher took: expert [N*k], -1 for a dropped pair.
   [[nodiscard]] const topk_routing<T>& last_routing() const noexcept { return routing_; }
-  [[nodiscard]] const drop_result<T>& last_drop() const noexcept { return drop_; }
+  [[nodiscard]] std::span<const std::uint8_t> last_keep() const noexcept { return keep_; }
+  [[nodiscard]] std::span<const int> last_kept_experts() const noexcept { return kept_experts_; }
 
   //! Training (default) or evaluation. In evaluation the forward computes no auxiliary losses
   //! and does not count tokens for the expert bias (Megatron-Core does both only with gradients
@@ -246,7 +250,8 @@ class moe_layer {
     const gating_shape gs{.num_tokens = n, .hidden = o_.hidden, .num_experts = E};
     if (auto st = gating_forward<T, T, T>(gs, x, std::span<const T>(w_), {}, logits_); !st)
       return unexpected<error>(st.error());
-    if (auto st = router_.route(logits_, routing_, std::span<const float>(bias_.bias)); !st)
+    if (auto st = router_.route(logits_, routing_, std::span<const float>(bias_.bias), router_ws_);
+        !st)
       return unexpected<error>(st.error());
     // Load-balancing losses: each on its own statistics group, all on the same aux scores.
     aux_active_ = {};
@@ -258,23 +263,24 @@ class moe_layer {
           !st)
         return unexpected<error>(st.error());
     if (any_aux && o_.aux_loss_coeff > 0) {
-      auto term = load_balancing_loss(g.tp_cp, aux_, o_.aux_loss_coeff);
-      if (!term) return unexpected<error>(term.error());
-      aux_terms_[0] = std::move(*term);
+      if (auto st = load_balancing_loss(g.tp_cp, aux_, o_.aux_loss_coeff, aux_terms_[0]); !st)
+        return unexpected<error>(st.error());
       aux_active_[0] = true;
       stats.aux_loss = static_cast<double>(aux_terms_[0].loss);
     }
     if (any_aux && o_.seq_aux_loss_coeff > 0) {
-      auto term = seq_load_balancing_loss(g.tp_cp, aux_, o_.batch, o_.seq_aux_loss_coeff);
-      if (!term) return unexpected<error>(term.error());
-      aux_terms_[1] = std::move(*term);
+      if (auto st = seq_load_balancing_loss(g.tp_cp, aux_, o_.batch, o_.seq_aux_loss_coeff,
+                                            aux_terms_[1]);
+          !st)
+        return unexpected<error>(st.error());
       aux_active_[1] = true;
       stats.seq_aux_loss = static_cast<double>(aux_terms_[1].loss);
     }
     if (any_aux && o_.global_aux_loss_coeff > 0) {
-      auto term = global_load_balancing_loss(*g.tp_dp_cp, aux_, o_.global_aux_loss_coeff, global_);
-      if (!term) return unexpected<error>(term.error());
-      aux_terms_[2] = std::move(*term);
+      if (auto st = global_load_balancing_loss(*g.tp_dp_cp, aux_, o_.global_aux_loss_coeff, global_,
+                                               aux_terms_[2]);
+          !st)
+        return unexpected<error>(st.error());
       aux_active_[2] = true;
       stats.global_aux_loss = static_cast<double>(aux_terms_[2].loss);
     }
@@ -283,25 +289,32 @@ class moe_layer {
       if (!z) return unexpected<error>(z.error());
       stats.z_loss = static_cast<double>(*z);
     }
-    if (auto st = policy_.apply(g.tp_cp, order_keys, routing_, drop_); !st)
+    // The drop policy marks what each expert keeps in the routing record's mask; the selection
+    // stays whole for the router backward.
+    const auto pairs = routing_.indices.size();
+    keep_.resize(pairs);
+    const routing_view<T> rv = view_of(routing_, std::span<std::uint8_t>(keep_));
+    drop_counts counts = counts_into(report_, E);
+    if (auto st = policy_.apply(g.tp_cp, order_keys, rv, counts, drop_ws_); !st)
       return unexpected<error>(st.error());
-    stats.dropped = drop_.report;
+    stats.dropped = counts;
     // The bias learns from what was dispatched (the post-drop map), once per training forward.
     if (training_ && o_.router.expert_bias)
-      if (auto st = count_routed_tokens(bias_, drop_.final_map); !st)
+      if (auto st = add_dispatched_counts(counts, bias_.local_tokens_per_expert); !st)
         return unexpected<error>(st.error());
-    kept_experts_ = drop_.kept_experts(routing_);
-    kept_probs_ = drop_.kept_probs(routing_);
+    kept_experts_.resize(pairs);
+    kept_probs_.resize(pairs);
+    detail::write_kept_pairs(rv, std::span<int>(kept_experts_), std::span<T>(kept_probs_));
     const dispatch_input<T> din{.num_tokens = n,
                                 .x = x,
                                 .expert = kept_experts_,
                                 .probs = kept_probs_,
-                                .capacity = drop_.pad_rows};
+                                .capacity = counts.pad_rows};
     // Pad mode sizes the rows from the capacity (the workspace grows to the largest one seen),
     // once the capacity is known to be sane.
     if (auto st = detail::check_dispatch_input(disp_.shape(), din); !st)
       return unexpected<error>(st.error());
-    const auto need = disp_.workspace_sizes(drop_.pad_rows);
+    const auto need = disp_.workspace_sizes(counts.pad_rows);
     if (saved_ws_.size() < need.saved) saved_ws_.resize(need.saved);
     if (scratch_ws_.size() < need.scratch) scratch_ws_.resize(need.scratch);
     const dispatch_workspace dws{.saved = saved_ws_, .scratch = scratch_ws_};
@@ -339,7 +352,8 @@ class moe_layer {
                         "communicator in moe_layer_groups::tp");
     // Experts' path. The scratch buffers are members, zeroed each step: their capacity is reused,
     // so steady-state steps allocate nothing here.
-    auto& [dy, dx_rows, dp_rows, dprobs, dx_experts, dlogits, dx_router, dw, dx_shared] = scratch_;
+    auto& [dy, dx_rows, dp_rows, dprobs, dx_experts, dlogits, dx_router, dw, dx_shared, rows_e] =
+        scratch_;
     dy.assign(M * H, T(0));
     dx_rows.assign(M * H, T(0));
     dp_rows.assign(M, T(0));
@@ -356,22 +370,23 @@ class moe_layer {
     dlogits.assign(N * detail::uz(E), T(0));
     dx_router.assign(N * H, T(0));
     dw.assign(detail::uz(E) * H, T(0));
-    if (auto st = router_.backward(logits_, routing_, dprobs, dlogits); !st) return st;
+    if (auto st = router_.backward(logits_, routing_, dprobs, dlogits, router_ws_); !st) return st;
+    rows_e.resize(3 * detail::uz(E));  // the loss gradients' per-token rows
     const gating_shape gbs{.num_tokens = n_, .hidden = o_.hidden, .num_experts = E};
     // The three load-balancing terms (micro-batch, per sequence, global), each when active.
     // (dlogits is passed, not captured: clang 14 cannot capture a structured binding.)
-    const auto add_term = [&](std::size_t i, std::vector<T>& dl) -> status {
+    const auto add_term = [&](std::size_t i, std::vector<T>& dl, std::vector<T>& work) -> status {
       if (!aux_active_[i]) return {};
-      return add_aux_loss_gradient<T>(o_.router.score, logits_, E, {}, aux_terms_[i], loss_seed,
-                                      dl);
+      return add_aux_loss_gradient<T>(o_.router.score, logits_, E, {}, aux_terms_[i], loss_seed, dl,
+                                      work);
     };
-    if (auto st = add_term(0, dlogits); !st) return st;
-    if (auto st = add_term(1, dlogits); !st) return st;
-    if (auto st = add_term(2, dlogits); !st) return st;
+    if (auto st = add_term(0, dlogits, rows_e); !st) return st;
+    if (auto st = add_term(1, dlogits, rows_e); !st) return st;
+    if (auto st = add_term(2, dlogits, rows_e); !st) return st;
     if (z_active_)
       if (auto st =
               add_group_z_loss_gradient(g.tp_cp, std::span<const T>(logits_), E, o_.z_loss_coeff,
-                                        {}, loss_seed, std::span<T>(dlogits));
+                                        {}, loss_seed, std::span<T>(dlogits), std::span<T>(rows_e));
           !st)
         return st;
     if (auto st =
@@ -464,13 +479,17 @@ class moe_layer {
   std::array<aux_loss_term<T>, 3> aux_terms_{};  // micro-batch, per sequence, global
   std::array<bool, 3> aux_active_{};
   bool z_active_ = false;
-  drop_result<T> drop_{};
+  std::vector<std::uint8_t> keep_;  // [N*k] the drop policy's mask of routing_
+  drop_report report_{};            // what the policy counted (its vectors sized once)
+  drop_scratch<T> drop_ws_{};
   std::vector<int> kept_experts_;
   std::vector<T> kept_probs_;
   std::optional<typename Dispatcher::handle_type> handle_;
   struct backward_scratch {
-    std::vector<T> dy, dx_rows, dp_rows, dprobs, dx_experts, dlogits, dx_router, dw, dx_shared;
+    std::vector<T> dy, dx_rows, dp_rows, dprobs, dx_experts, dlogits, dx_router, dw, dx_shared,
+        rows_e;
   } scratch_;
+  topk_router_scratch<T> router_ws_{};
 };
 
 }  // namespace moefold

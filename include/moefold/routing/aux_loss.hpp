@@ -31,6 +31,9 @@ struct aux_scores {
   bool has_padding_mask = false;    //!< token totals then come from the counts, as in Megatron
   std::vector<T> scores{};          // [N, E]
   std::vector<std::uint8_t> map{};  // [N, E]
+  std::vector<int>
+      topk_scratch{};  // compute_aux_scores' work rows, reused (no allocation once grown)
+  std::vector<int> order_scratch{};
 };
 
 namespace detail {
@@ -85,7 +88,8 @@ template <class T>
   out.valid_tokens = 0;
   out.scores.assign(N * E, T(0));
   out.map.assign(N * E, 0);
-  std::vector<int> idx(static_cast<std::size_t>(topk)), scratch;
+  std::vector<int>&idx = out.topk_scratch, &scratch = out.order_scratch;
+  idx.resize(static_cast<std::size_t>(topk));
   for (std::size_t t = 0; t < N; ++t) {
     if (detail::is_padding<T>(padding, t)) continue;
     ++out.valid_tokens;
@@ -99,10 +103,14 @@ template <class T>
 
 //! Column sums of `map` viewed as [rows, columns] (columns = E for the batch and global losses,
 //! B*E for the per-sequence loss, whose token n = s*B + b sits in row s, column b*E + e).
+inline void column_counts(std::span<const std::uint8_t> map, std::span<double> out) {
+  std::fill(out.begin(), out.end(), 0.0);
+  for (std::size_t i = 0; i < map.size(); ++i) out[i % out.size()] += map[i];
+}
 [[nodiscard]] inline std::vector<double> column_counts(std::span<const std::uint8_t> map,
                                                        std::size_t columns) {
   std::vector<double> c(columns, 0.0);
-  for (std::size_t i = 0; i < map.size(); ++i) c[i % columns] += map[i];
+  column_counts(map, std::span<double>(c));
   return c;
 }
 
@@ -121,44 +129,57 @@ struct aux_loss_term {
 //!   loss = coeff * E / (k * T^2) * sum_col (sum_rows scores[row, col]) * counts[col] / divide_by
 //! `counts` are the counts of the statistics group, `total_tokens` its T. Evaluated in T as
 //! Megatron does in fp32: per-column sums first, then the dot product, then the factor.
+//! Into `r`, reusing its vectors; the counts are r.counts [columns] (set them first).
+template <class T>
+void switch_load_balancing_into(std::span<const T> scores, std::size_t columns, double total_tokens,
+                                int topk, int num_experts, double coeff, double divide_by,
+                                aux_loss_term<T>& r) {
+  r.loss = T(0);
+  r.columns = columns;
+  r.total_tokens = total_tokens;
+  r.dscores.assign(columns, T(0));
+  if (total_tokens <= 0) return;  // no valid token anywhere: the loss is 0, not 0/0
+  // Per-column sums first (in dscores, overwritten below), then the dot product.
+  std::vector<T>& agg = r.dscores;
+  for (std::size_t i = 0; i < scores.size(); ++i) agg[i % columns] += scores[i];
+  const T factor = static_cast<T>(num_experts * coeff / (topk * total_tokens * total_tokens));
+  T dot = 0;
+  for (std::size_t c = 0; c < columns; ++c) dot += agg[c] * static_cast<T>(r.counts[c]);
+  r.loss = dot * factor / static_cast<T>(divide_by);
+  for (std::size_t c = 0; c < columns; ++c)
+    r.dscores[c] = static_cast<T>(r.counts[c]) * factor / static_cast<T>(divide_by);
+}
 template <class T>
 [[nodiscard]] aux_loss_term<T> switch_load_balancing(std::span<const T> scores, std::size_t columns,
                                                      std::span<const double> counts,
                                                      double total_tokens, int topk, int num_experts,
                                                      double coeff, double divide_by = 1.0) {
   aux_loss_term<T> r;
-  r.columns = columns;
   r.counts.assign(counts.begin(), counts.end());
-  r.total_tokens = total_tokens;
-  r.dscores.assign(columns, T(0));
-  if (total_tokens <= 0) return r;  // no valid token anywhere: the loss is 0, not 0/0
-  std::vector<T> agg(columns, T(0));
-  for (std::size_t i = 0; i < scores.size(); ++i) agg[i % columns] += scores[i];
-  const T factor = static_cast<T>(num_experts * coeff / (topk * total_tokens * total_tokens));
-  T dot = 0;
-  for (std::size_t c = 0; c < columns; ++c) dot += agg[c] * static_cast<T>(counts[c]);
-  r.loss = dot * factor / static_cast<T>(divide_by);
-  for (std::size_t c = 0; c < columns; ++c)
-    r.dscores[c] = static_cast<T>(counts[c]) * factor / static_cast<T>(divide_by);
+  switch_load_balancing_into(scores, columns, total_tokens, topk, num_experts, coeff, divide_by, r);
   return r;
 }
 
 //! Adds seed * d(term)/d logits to dlogits [N, E]: the aux-loss gradient chained through the aux
 //! scores (softmax Jacobian, or the renormalised sigmoid / sqrt-softplus). `seed` is the gradient
 //! of the training loss with respect to this aux loss (Megatron's main_loss_backward_scale).
+//! `scratch` holds 3 * E elements (the caller's, so a step allocates nothing).
 template <class T>
 [[nodiscard]] status add_aux_loss_gradient(score_function f, std::span<const T> logits,
                                            int num_experts, std::span<const std::uint8_t> padding,
                                            const aux_loss_term<T>& term, T seed,
-                                           std::span<T> dlogits) {
+                                           std::span<T> dlogits, std::span<T> scratch) {
   const std::size_t E = static_cast<std::size_t>(num_experts);
   if (E == 0 || logits.size() % E != 0 || dlogits.size() != logits.size() || term.columns == 0 ||
       (logits.size() % term.columns) != 0 || term.dscores.size() != term.columns)
     return make_error(errc::shape_mismatch,
                       "aux-loss gradient: logits, dlogits [N*E] and the term's columns do not fit");
+  if (scratch.size() < 3 * E)
+    return make_error(errc::workspace_too_small, "aux-loss gradient: scratch needs 3 * E elements");
   const std::size_t N = logits.size() / E;
   if (auto s = detail::check_padding<T>(padding, N); !s) return s;
-  std::vector<T> s(E), ds(E), dl(E);
+  const std::span<T> s = scratch.first(E), ds = scratch.subspan(E, E),
+                     dl = scratch.subspan(2 * E, E);
   for (std::size_t t = 0; t < N; ++t) {
     if (detail::is_padding<T>(padding, t)) continue;  // masked scores: no gradient
     const auto row = logits.subspan(t * E, E);
@@ -181,6 +202,16 @@ template <class T>
     for (std::size_t e = 0; e < E; ++e) dlogits[t * E + e] += dl[e];
   }
   return {};
+}
+
+template <class T>
+[[nodiscard]] status add_aux_loss_gradient(score_function f, std::span<const T> logits,
+                                           int num_experts, std::span<const std::uint8_t> padding,
+                                           const aux_loss_term<T>& term, T seed,
+                                           std::span<T> dlogits) {
+  std::vector<T> scratch(3 * static_cast<std::size_t>(num_experts < 0 ? 0 : num_experts));
+  return add_aux_loss_gradient(f, logits, num_experts, padding, term, seed, dlogits,
+                               std::span<T>(scratch));
 }
 
 //! z-loss (ST-MoE, Megatron-Core `z_loss_func`): coeff * mean over valid tokens of
@@ -209,19 +240,22 @@ template <class T>
 }
 
 //! Adds seed * d z_loss / d logits to dlogits: seed * coeff * 2 lse_t softmax(logits[t]) / valid.
+//! `scratch` holds E elements.
 template <class T>
 [[nodiscard]] status add_z_loss_gradient(std::span<const T> logits, int num_experts, double coeff,
                                          std::span<const std::uint8_t> padding, T seed,
-                                         std::span<T> dlogits) {
+                                         std::span<T> dlogits, std::span<T> scratch) {
   const std::size_t E = static_cast<std::size_t>(num_experts);
   if (E == 0 || logits.size() % E != 0 || dlogits.size() != logits.size())
     return make_error(errc::shape_mismatch, "z-loss gradient: logits and dlogits must be [N*E]");
+  if (scratch.size() < E)
+    return make_error(errc::workspace_too_small, "z-loss gradient: scratch needs E elements");
   const std::size_t N = logits.size() / E;
   if (auto s = detail::check_padding<T>(padding, N); !s) return s;
   std::size_t valid = 0;
   for (std::size_t t = 0; t < N; ++t) valid += detail::is_padding<T>(padding, t) ? 0 : 1;
   if (valid == 0) return {};
-  std::vector<T> s(E);
+  const std::span<T> s = scratch.first(E);
   for (std::size_t t = 0; t < N; ++t) {
     if (detail::is_padding<T>(padding, t)) continue;
     const auto row = logits.subspan(t * E, E);
@@ -231,6 +265,15 @@ template <class T>
     for (std::size_t e = 0; e < E; ++e) dlogits[t * E + e] += c * s[e];
   }
   return {};
+}
+
+template <class T>
+[[nodiscard]] status add_z_loss_gradient(std::span<const T> logits, int num_experts, double coeff,
+                                         std::span<const std::uint8_t> padding, T seed,
+                                         std::span<T> dlogits) {
+  std::vector<T> scratch(static_cast<std::size_t>(num_experts < 0 ? 0 : num_experts));
+  return add_z_loss_gradient(logits, num_experts, coeff, padding, seed, dlogits,
+                             std::span<T>(scratch));
 }
 
 }  // namespace moefold

@@ -17,10 +17,13 @@ namespace moefold {
 struct expert_bias_state {
   std::vector<float> bias{};                     // [E]
   std::vector<float> local_tokens_per_expert{};  // [E]
+  std::vector<float> reduce_scratch{};           // [E] update_expert_bias's work copy, reused
 
   [[nodiscard]] static expert_bias_state zeros(int num_experts) {
     const auto E = static_cast<std::size_t>(num_experts < 0 ? 0 : num_experts);
-    return {std::vector<float>(E, 0.f), std::vector<float>(E, 0.f)};
+    return {.bias = std::vector<float>(E, 0.f),
+            .local_tokens_per_expert = std::vector<float>(E, 0.f),
+            .reduce_scratch = std::vector<float>(E, 0.f)};
   }
 };
 
@@ -49,7 +52,8 @@ template <communicator C>
   if (E == 0 || st.local_tokens_per_expert.size() != E)
     return make_error(errc::shape_mismatch,
                       "expert bias: bias and counts must both have num_experts > 0 entries");
-  std::vector<float> c = st.local_tokens_per_expert;
+  std::vector<float>& c = st.reduce_scratch;  // a copy, so a failed reduction keeps the counts
+  c.assign(st.local_tokens_per_expert.begin(), st.local_tokens_per_expert.end());
   if (tp_dp_cp.size() > 1)
     if (auto s = tp_dp_cp.all_reduce(std::span<float>(c), reduce_op::sum); !s) return s;
   float sum = 0;

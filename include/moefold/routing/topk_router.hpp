@@ -144,6 +144,14 @@ template <class T>
 }
 }  // namespace detail
 
+//! What the router works in during route() and backward(), kept by the caller across calls: the
+//! steady state allocates nothing. Contents are dead between calls.
+template <class T>
+struct topk_router_scratch {
+  std::vector<T> s{}, sel{}, ds{}, g{}, sk{};  // [E] or [k] rows
+  group_topk_scratch<T> topk{};
+};
+
 //! Megatron-Core's top-k routing (`topk_routing_with_score_function`, unfused path) as a value:
 //! make() validates the options once; route() and backward() are const and thread-safe.
 //! All intermediates are computed in T (Megatron-Core computes scores in fp32 even for an fp64
@@ -166,6 +174,12 @@ class topk_router {
   //! options enable it and must be empty otherwise; it changes the selection, never the probs.
   [[nodiscard]] status route(std::span<const T> logits, topk_routing<T>& out,
                              std::span<const float> expert_bias = {}) const {
+    topk_router_scratch<T> ws;
+    return route(logits, out, expert_bias, ws);
+  }
+  //! route() with the caller's scratch.
+  [[nodiscard]] status route(std::span<const T> logits, topk_routing<T>& out,
+                             std::span<const float> expert_bias, topk_router_scratch<T>& ws) const {
     const int E = o_.num_experts, k = o_.topk;
     if (logits.size() % static_cast<std::size_t>(E) != 0)
       return make_error(errc::shape_mismatch,
@@ -189,8 +203,10 @@ class topk_router {
     out.topk = k;
     out.indices.assign(static_cast<std::size_t>(N) * static_cast<std::size_t>(k), 0);
     out.probs.assign(static_cast<std::size_t>(N) * static_cast<std::size_t>(k), T(0));
-    std::vector<T> s(static_cast<std::size_t>(E)), sel(static_cast<std::size_t>(E));
-    std::vector<int> scratch;
+    ws.s.resize(static_cast<std::size_t>(E));
+    ws.sel.resize(static_cast<std::size_t>(E));
+    std::vector<T>& s = ws.s;
+    std::vector<T>& sel = ws.sel;
     for (int t = 0; t < N; ++t) {
       const auto row = logits.subspan(static_cast<std::size_t>(t) * static_cast<std::size_t>(E),
                                       static_cast<std::size_t>(E));
@@ -201,10 +217,10 @@ class topk_router {
       if (o_.score == score_function::softmax) {
         if (o_.pre_softmax) {
           detail::softmax(row, std::span<T>(s));
-          select(std::span<const T>(s), idx, scratch);
+          select(std::span<const T>(s), idx, ws.topk);
           for (int i = 0; i < k; ++i) p[i] = s[static_cast<std::size_t>(idx[i])];
         } else {
-          select(row, idx, scratch);
+          select(row, idx, ws.topk);
           for (int i = 0; i < k; ++i) p[i] = row[static_cast<std::size_t>(idx[i])];
           detail::softmax(std::span<const T>(p), p);
         }
@@ -213,7 +229,7 @@ class topk_router {
           s[e] = detail::elementwise_score(o_.score, row[e]);
           sel[e] = o_.expert_bias ? s[e] + static_cast<T>(expert_bias[e]) : s[e];
         }
-        select(std::span<const T>(sel), idx, scratch);
+        select(std::span<const T>(sel), idx, ws.topk);
         T sum = 0;
         for (int i = 0; i < k; ++i) {
           p[i] = s[static_cast<std::size_t>(idx[i])];
@@ -233,6 +249,13 @@ class topk_router {
   //! indices, group masks and the expert bias carry no gradient.
   [[nodiscard]] status backward(std::span<const T> logits, const topk_routing<T>& r,
                                 std::span<const T> dprobs, std::span<T> dlogits) const {
+    topk_router_scratch<T> ws;
+    return backward(logits, r, dprobs, dlogits, ws);
+  }
+  //! backward() with the caller's scratch.
+  [[nodiscard]] status backward(std::span<const T> logits, const topk_routing<T>& r,
+                                std::span<const T> dprobs, std::span<T> dlogits,
+                                topk_router_scratch<T>& ws) const {
     const int E = o_.num_experts, k = o_.topk, N = r.num_tokens;
     if (r.num_experts != E || r.topk != k)
       return make_error(
@@ -249,8 +272,11 @@ class topk_router {
                         "tokens (N=" +
                             detail::to_decimal(N) + ")");
     const T scale = o_.scaling_factor ? static_cast<T>(*o_.scaling_factor) : T(1);
-    std::vector<T> s(static_cast<std::size_t>(E)), ds(static_cast<std::size_t>(E));
-    std::vector<T> g(static_cast<std::size_t>(k)), sk(static_cast<std::size_t>(k));
+    ws.s.resize(static_cast<std::size_t>(E));
+    ws.ds.resize(static_cast<std::size_t>(E));
+    ws.g.resize(static_cast<std::size_t>(k));
+    ws.sk.resize(static_cast<std::size_t>(k));
+    std::vector<T>&s = ws.s, &ds = ws.ds, &g = ws.g, &sk = ws.sk;
     for (int t = 0; t < N; ++t) {
       const auto row = logits.subspan(static_cast<std::size_t>(t) * E, static_cast<std::size_t>(E));
       const auto drow =
@@ -299,11 +325,11 @@ class topk_router {
   // Megatron-Core's renormalisation guard: p / (sum p + 1e-20).
   static constexpr T norm_eps = T(1e-20);
 
-  void select(std::span<const T> x, std::span<int> idx, std::vector<int>& scratch) const {
+  void select(std::span<const T> x, std::span<int> idx, group_topk_scratch<T>& ws) const {
     if (o_.num_groups > 0)
-      group_limited_topk_indices(x, o_.topk, o_.num_groups, o_.group_topk, idx, scratch);
+      group_limited_topk_indices(x, o_.topk, o_.num_groups, o_.group_topk, idx, ws);
     else
-      topk_indices(x, o_.topk, idx, scratch);
+      topk_indices(x, o_.topk, idx, ws.order);
   }
 
   topk_router_options o_;
