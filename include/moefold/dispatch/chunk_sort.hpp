@@ -4,7 +4,10 @@
 //! ep source, local expert); the experts want them by (local expert, etp source, ep source)).
 #pragma once
 
+#include <algorithm>
+#include <array>
 #include <cstddef>
+#include <cstdint>
 #include <span>
 #include <vector>
 
@@ -15,10 +18,14 @@
 
 namespace moefold {
 
-//! Checks that `order` is a permutation of the chunks and that sizes are >= 0.
-[[nodiscard]] inline status check_chunk_order(std::span<const int> sizes,
-                                              std::span<const int> order) {
-  using detail::to_decimal;
+namespace detail {
+
+// The one pass of the order check, O(C): sizes[c] >= 0, order[c] names a chunk, and no chunk is
+// named twice. mark(o) marks chunk o and says whether it was marked before. The first violation
+// in the order of c is reported (the same error whatever storage the marks live in).
+template <class Mark>
+[[nodiscard]] status check_chunk_order_by(std::span<const int> sizes, std::span<const int> order,
+                                          Mark&& mark) {
   if (sizes.size() != order.size())
     return make_error(errc::shape_mismatch, "chunk sort: " + to_decimal(sizes.size()) +
                                                 " chunk sizes but " + to_decimal(order.size()) +
@@ -32,12 +39,41 @@ namespace moefold {
     if (o < 0 || static_cast<std::size_t>(o) >= m)
       return make_error(errc::invalid_argument,
                         "chunk sort: order names chunk " + to_decimal(o) + " of " + to_decimal(m));
-    for (std::size_t d = 0; d < c; ++d)
-      if (order[d] == o)
-        return make_error(errc::invalid_argument,
-                          "chunk sort: chunk " + to_decimal(o) + " appears twice in the order");
+    if (mark(static_cast<std::size_t>(o)))
+      return make_error(errc::invalid_argument,
+                        "chunk sort: chunk " + to_decimal(o) + " appears twice in the order");
   }
   return {};
+}
+
+// Chunk counts up to which the convenient forms keep their scratch on the stack (a bitmap of
+// 4096 bits for check_chunk_order, 2 x 256 offsets for sort_chunks / unsort_chunks).
+inline constexpr std::size_t chunk_bitmap_stack = 4096;
+inline constexpr std::size_t chunk_offsets_stack = 256;
+
+}  // namespace detail
+
+//! Checks that `order` is a permutation of the chunks and that sizes are >= 0, in O(C): one pass
+//! with a bitmap of the chunks seen (on the stack up to 4096 chunks, one allocation of C bits
+//! beyond). Errors: errc::shape_mismatch (sizes and order differ in length), errc::invalid_size
+//! (a negative size), errc::invalid_argument (a chunk out of range or named twice), each naming
+//! the chunk.   sizes, order [C]
+[[nodiscard]] inline status check_chunk_order(std::span<const int> sizes,
+                                              std::span<const int> order) {
+  constexpr std::size_t word = 64;
+  std::array<std::uint64_t, detail::chunk_bitmap_stack / word> local{};
+  std::vector<std::uint64_t> heap;
+  std::span<std::uint64_t> bits(local);
+  if (order.size() > detail::chunk_bitmap_stack) {
+    heap.assign((order.size() + word - 1) / word, 0);
+    bits = heap;
+  }
+  return detail::check_chunk_order_by(sizes, order, [&](std::size_t o) {
+    const std::uint64_t bit = std::uint64_t{1} << (o % word);
+    const bool seen = (bits[o / word] & bit) != 0;
+    bits[o / word] |= bit;
+    return seen;
+  });
 }
 
 //! The chunk order that turns (t, j, l) into (l, t, j): chunk (t*EP + j)*L + l of the input is
@@ -74,6 +110,37 @@ inline void chunk_offsets(std::span<const int> sizes, std::span<const int> order
   }
 }
 
+//! The checked chunk_offsets, in O(C) and without allocation: checks `order` and `sizes` as
+//! check_chunk_order does (dst_offsets serves as the marks), that the chunks hold at most
+//! max_rows rows (errc::overflow), then fills both arrays. On an error the arrays hold
+//! unspecified values.   sizes, order, src_offsets, dst_offsets [C]
+[[nodiscard]] inline status plan_chunk_offsets(std::span<const int> sizes,
+                                               std::span<const int> order,
+                                               std::span<int> src_offsets,
+                                               std::span<int> dst_offsets) {
+  using detail::to_decimal;
+  if (src_offsets.size() != sizes.size() || dst_offsets.size() != sizes.size())
+    return make_error(errc::shape_mismatch, "chunk sort: " + to_decimal(sizes.size()) +
+                                                " chunks but offset arrays of " +
+                                                to_decimal(src_offsets.size()) + " and " +
+                                                to_decimal(dst_offsets.size()) + " entries");
+  std::fill(dst_offsets.begin(), dst_offsets.end(), -1);
+  const auto mark = [&](std::size_t o) {
+    const bool seen = dst_offsets[o] == 0;
+    dst_offsets[o] = 0;
+    return seen;
+  };
+  if (auto s = detail::check_chunk_order_by(sizes, order, mark); !s) return s;
+  std::int64_t rows = 0;
+  for (int v : sizes) rows += v;  // a permutation of ints: C <= 2^31 terms, each < 2^31
+  if (rows > max_rows)
+    return make_error(errc::overflow, "chunk sort: the chunks hold " + to_decimal(rows) +
+                                          " rows, more than max_rows (" + to_decimal(max_rows) +
+                                          ")");
+  chunk_offsets(sizes, order, src_offsets, dst_offsets);
+  return {};
+}
+
 //! out rows [to[c], to[c] + sizes[c]) = x rows [from[c], from[c] + sizes[c]) for every chunk c
 //! (rows of `width` elements; the chunks tile both buffers).  x, out [sum(sizes), width]
 template <class T>
@@ -95,33 +162,60 @@ template <class T>
 }
 
 namespace detail {
-// The offsets of a checked order, in a small stack-or-heap buffer (the public sort_chunks and
-// unsort_chunks: tests and callers with a one-off order; the dispatcher keeps its own arrays).
-template <class T, class F>
-status with_chunk_offsets(std::span<const int> sizes, std::span<const int> order, F&& f) {
-  if (auto s = check_chunk_order(sizes, order); !s) return s;
-  std::vector<int> src(sizes.size()), dst(sizes.size());
-  chunk_offsets(sizes, order, src, dst);
-  return f(std::span<const int>(src), std::span<const int>(dst));
+// The convenient forms: the offsets on the stack up to chunk_offsets_stack chunks, on the heap
+// beyond (callers that sort often keep their own arrays and call the overloads that take them).
+template <class F>
+status with_chunk_offsets(std::span<const int> sizes, F&& f) {
+  std::array<int, 2 * chunk_offsets_stack> local;
+  std::vector<int> heap;
+  std::span<int> both(local);
+  if (sizes.size() > chunk_offsets_stack) {
+    heap.resize(2 * sizes.size());
+    both = heap;
+  }
+  return f(both.first(sizes.size()), both.subspan(sizes.size(), sizes.size()));
 }
 }  // namespace detail
 
 //! out = concat(chunk order[0], chunk order[1], ...) of x split by `sizes` (rows of `width`
-//! elements).  x [sum(sizes), width] -> out [sum(sizes), width]
+//! elements): plan_chunk_offsets into the caller's arrays (O(C)), then one chunk copy (O(rows));
+//! no allocation. Refused (nothing written to `out`): what plan_chunk_offsets refuses, and
+//! buffers that do not hold sum(sizes) rows.
+//! x [sum(sizes), width] -> out [sum(sizes), width]; src_offsets, dst_offsets [C] (scratch)
+template <class T>
+[[nodiscard]] status sort_chunks(std::span<const int> sizes, std::span<const int> order,
+                                 std::span<const T> x, int width, std::span<T> out,
+                                 std::span<int> src_offsets, std::span<int> dst_offsets) {
+  if (auto s = plan_chunk_offsets(sizes, order, src_offsets, dst_offsets); !s) return s;
+  return copy_chunks<T>(sizes, src_offsets, dst_offsets, x, width, out);
+}
+
+//! The inverse of sort_chunks with the same `sizes` (of the unsorted input) and `order`: the same
+//! offsets, source and destination swapped.
+//! sorted [sum(sizes), width] -> out [sum(sizes), width]; src_offsets, dst_offsets [C] (scratch)
+template <class T>
+[[nodiscard]] status unsort_chunks(std::span<const int> sizes, std::span<const int> order,
+                                   std::span<const T> sorted, int width, std::span<T> out,
+                                   std::span<int> src_offsets, std::span<int> dst_offsets) {
+  if (auto s = plan_chunk_offsets(sizes, order, src_offsets, dst_offsets); !s) return s;
+  return copy_chunks<T>(sizes, dst_offsets, src_offsets, sorted, width, out);
+}
+
+//! sort_chunks with its own offset arrays (on the stack up to 256 chunks, else allocated).
 template <class T>
 [[nodiscard]] status sort_chunks(std::span<const int> sizes, std::span<const int> order,
                                  std::span<const T> x, int width, std::span<T> out) {
-  return detail::with_chunk_offsets<T>(sizes, order, [&](auto src, auto dst) {
-    return copy_chunks<T>(sizes, src, dst, x, width, out);
+  return detail::with_chunk_offsets(sizes, [&](std::span<int> src, std::span<int> dst) {
+    return sort_chunks<T>(sizes, order, x, width, out, src, dst);
   });
 }
 
-//! The inverse of sort_chunks with the same `sizes` (of the unsorted input) and `order`.
+//! unsort_chunks with its own offset arrays (on the stack up to 256 chunks, else allocated).
 template <class T>
 [[nodiscard]] status unsort_chunks(std::span<const int> sizes, std::span<const int> order,
                                    std::span<const T> sorted, int width, std::span<T> out) {
-  return detail::with_chunk_offsets<T>(sizes, order, [&](auto src, auto dst) {
-    return copy_chunks<T>(sizes, dst, src, sorted, width, out);
+  return detail::with_chunk_offsets(sizes, [&](std::span<int> src, std::span<int> dst) {
+    return unsort_chunks<T>(sizes, order, sorted, width, out, src, dst);
   });
 }
 

@@ -26,9 +26,13 @@
 //!   bit-exact rank order use reduce_scatter_v_fp32 of comm/cuda/nccl_reduce_fp32.cuh (nvcc).
 //!   Max of any type, and every reduction of fp32/fp64/integers, is NCCL's own (exact, or the
 //!   type's own arithmetic). This header needs cudart, cuBLAS and NCCL, not nvcc.
+//!
+//! This header holds the communicator class and includes its pieces: nccl_options.hpp (options,
+//! nccl_unique_id), nccl_status.hpp (ncclResult_t as a status), nccl_dtype.hpp (element types as
+//! ncclDataType_t), nccl_group.hpp (the ncclGroupStart/End guard), cublas_status.hpp and
+//! cublas_row_sum.hpp (the fp32 sum of 16-bit rows).
 #pragma once
 
-#include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -51,181 +55,14 @@
 #include "../communicator.hpp"
 #include "../schedule.hpp"
 #include "../span_collectives.hpp"
+#include "cublas_row_sum.hpp"
 #include "cuda_types.hpp"
+#include "nccl_dtype.hpp"
+#include "nccl_group.hpp"
+#include "nccl_options.hpp"
+#include "nccl_status.hpp"
 
 namespace moefold {
-
-//! Options of an NCCL communicator.
-struct nccl_options {
-  //! How long creation, split or synchronize() may wait for the peers.
-  std::chrono::milliseconds timeout{60000};
-  //! The stream the span forms without a stream enqueue on, fixed at creation (the row-view forms
-  //! take a cuda_exec, the stream overloads a stream).
-  cudaStream_t stream = nullptr;
-  //! A debugging aid for counts that disagree, which NCCL cannot detect (it hangs until the
-  //! timeout, or moves garbage). Before every collective (and split) the ranks all-gather their
-  //! collective headers (comm/schedule.hpp: operation, call number, element type, reduction,
-  //! root, and the count each rank sends to and expects from every peer) and check every pair,
-  //! so a mismatch is errc::comm_mismatch with the same message on every rank, naming the two
-  //! ranks and both values, and nothing hangs. A rank whose own arguments are rejected still
-  //! takes part, so its peers get errc::comm_peer_failed at once. Costs one small ncclAllGather
-  //! (40 * size() bytes per rank) and one host synchronization of the stream per collective,
-  //! bounded by the timeout. Every rank must set it alike (a rank that does not exchange headers
-  //! pairs its data with its peers' header exchange: a hang, then comm_timeout).
-  bool verify_counts = false;
-};
-
-namespace detail {
-
-inline status nccl_check(ncclResult_t rc, const char* call, ncclComm_t comm = nullptr) {
-  if (rc == ncclSuccess || rc == ncclInProgress) return {};
-  std::string msg = std::string(call) + " failed: " + ncclGetErrorString(rc);
-  if (comm) {
-    const char* last = ncclGetLastError(comm);
-    if (last && *last) msg += std::string(" (") + last + ")";
-  }
-  // A peer that failed shows as a remote error; the rest are this process's problem.
-  error e{rc == ncclRemoteError ? errc::comm_peer_failed : errc::backend_error, msg,
-          static_cast<int>(rc)};
-  return unexpected<error>(e);
-}
-
-//! A cuBLAS status as errc::backend_error naming the call and the status (error::native = the
-//! cublasStatus_t).
-inline status cublas_check(cublasStatus_t rc, const char* call) {
-  if (rc == CUBLAS_STATUS_SUCCESS) return {};
-  const char* name = cublasGetStatusName(rc);
-  error e{errc::backend_error,
-          std::string(call) + " failed: " + (name ? name : "unknown cuBLAS status") +
-              " (cublasStatus " + std::to_string(static_cast<int>(rc)) + ")",
-          static_cast<int>(rc)};
-  return unexpected<error>(e);
-}
-
-template <class T>
-constexpr ncclDataType_t nccl_type() noexcept {
-  switch (dtype_of<T>) {
-    case dtype::i8: return ncclInt8;
-    case dtype::u8: return ncclUint8;
-    case dtype::i32: return ncclInt32;
-    case dtype::u32: return ncclUint32;
-    case dtype::i64: return ncclInt64;
-    case dtype::u64: return ncclUint64;
-    case dtype::f32: return ncclFloat32;
-    case dtype::f64: return ncclFloat64;
-    case dtype::bf16: return ncclBfloat16;
-    case dtype::f16: return ncclFloat16;
-    case dtype::other: return ncclUint8;  // moved as bytes
-  }
-  return ncclUint8;
-}
-template <class T>
-constexpr std::size_t nccl_scale() noexcept {
-  return dtype_of<T> == dtype::other ? sizeof(T) : 1;
-}
-
-//! bf16 and fp16: the types whose sums NCCL would round after every step.
-template <class T>
-inline constexpr bool is_16bit_float = dtype_of<T> == dtype::bf16 || dtype_of<T> == dtype::f16;
-
-//! Brackets grouped NCCL calls; ncclGroupEnd's result is what counts.
-class nccl_group {
- public:
-  nccl_group() { ncclGroupStart(); }
-  nccl_group(const nccl_group&) = delete;
-  nccl_group& operator=(const nccl_group&) = delete;
-  ~nccl_group() {
-    if (open_) ncclGroupEnd();
-  }
-  [[nodiscard]] ncclResult_t end() {
-    open_ = false;
-    return ncclGroupEnd();
-  }
-
- private:
-  bool open_ = true;
-};
-
-//! Sums `rows` rows of n 16-bit floats (row p at rows + p * n, on the device) into n elements
-//! with one cuBLAS GEMM: out[n x 1] = rows[n x P] * ones[P x 1], alpha 1, beta 0, fp32 compute.
-//! Every product is exact (x * 1), the P terms of an element are added in fp32 and the result is
-//! rounded once into the 16-bit type (NCCL's own kernels round after every step). The order of
-//! the fp32 additions is cuBLAS's; cuBLAS gives the same bits on every run on the same GPU model
-//! and library version. beta = 0: `out` is not read, so it may hold anything (or alias a row
-//! that the stream has finished reading, as all_reduce's in-place buffer does). A sum whose terms
-//! are all -0 comes out +0 (the accumulator starts at +0).
-//!
-//! Compute type: CUBLAS_COMPUTE_32F_PEDANTIC first, which keeps IEEE fp32 arithmetic for every
-//! phase (tensor cores may accumulate with truncated alignment); a k = P GEMM with one column is
-//! memory-bound, so tensor cores would buy nothing. Should a cuBLAS version refuse the pedantic
-//! type for 16-bit inputs (CUBLAS_STATUS_NOT_SUPPORTED), CUBLAS_COMPUTE_32F is used from then on
-//! (still fp32 accumulation, one rounding).
-//!
-//! Owns a cuBLAS handle, created on first use on the current device; cublasDestroy (destructor)
-//! synchronizes the device, as cuBLAS documents.
-class cublas_row_sum {
- public:
-  cublas_row_sum() = default;
-  cublas_row_sum(cublas_row_sum&& o) noexcept
-      : handle_(std::exchange(o.handle_, nullptr)), pedantic_(o.pedantic_) {}
-  cublas_row_sum& operator=(cublas_row_sum&& o) noexcept {
-    if (this != &o) {
-      reset();
-      handle_ = std::exchange(o.handle_, nullptr);
-      pedantic_ = o.pedantic_;
-    }
-    return *this;
-  }
-  cublas_row_sum(const cublas_row_sum&) = delete;
-  cublas_row_sum& operator=(const cublas_row_sum&) = delete;
-  ~cublas_row_sum() { reset(); }
-
-  //! Enqueues the sum on `s`. T: bf16 or fp16 (moefold's or CUDA's type). rows, ones and out
-  //! are device pointers; ones holds `rows` elements equal to 1 of type T.
-  template <class T>
-  requires is_16bit_float<T>
-  [[nodiscard]] status sum(const T* rows, std::int64_t nrows, std::int64_t n, const T* ones, T* out,
-                           cudaStream_t s) {
-    if (n <= 0 || nrows <= 0) return {};
-    if (!handle_) {
-      cublasHandle_t h = nullptr;
-      if (auto ok = cublas_check(cublasCreate(&h), "cublasCreate"); !ok) return ok;
-      handle_ = h;
-    }
-    if (auto ok = cublas_check(cublasSetStream(handle_, s), "cublasSetStream"); !ok) return ok;
-    constexpr cudaDataType_t t = dtype_of<T> == dtype::bf16 ? CUDA_R_16BF : CUDA_R_16F;
-    const float one = 1.0f, zero = 0.0f;
-    const auto gemm = [&](cublasComputeType_t compute) {
-      return cublasGemmEx_64(handle_, CUBLAS_OP_N, CUBLAS_OP_N, n, 1, nrows, &one, rows, t, n, ones,
-                             t, nrows, &zero, out, t, n, compute, CUBLAS_GEMM_DEFAULT);
-    };
-    cublasStatus_t rc = gemm(pedantic_ ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F);
-    if (rc == CUBLAS_STATUS_NOT_SUPPORTED && pedantic_) {
-      pedantic_ = false;
-      rc = gemm(CUBLAS_COMPUTE_32F);
-    }
-    return cublas_check(rc, "cublasGemmEx_64 (fp32 sum of 16-bit rows)");
-  }
-
-  [[nodiscard]] bool has_handle() const noexcept { return handle_ != nullptr; }
-  //! False once cuBLAS refused CUBLAS_COMPUTE_32F_PEDANTIC and CUBLAS_COMPUTE_32F is used.
-  [[nodiscard]] bool pedantic() const noexcept { return pedantic_; }
-
- private:
-  void reset() noexcept {
-    if (handle_) cublasDestroy(std::exchange(handle_, nullptr));
-  }
-
-  cublasHandle_t handle_ = nullptr;
-  bool pedantic_ = true;
-};
-
-}  // namespace detail
-
-//! A ncclUniqueId by name (nvcc 13 fails on the unnamed struct inside moefold::expected).
-struct nccl_unique_id {
-  ncclUniqueId value;
-};
 
 //! One rank's NCCL communicator. Move-only.
 //!
