@@ -9,7 +9,14 @@
 #define MOEFOLD_VERSION \
   (MOEFOLD_VERSION_MAJOR * 10000 + MOEFOLD_VERSION_MINOR * 100 + MOEFOLD_VERSION_PATCH)
 
+//! Every declaration of moefold lives in the inline namespace moefold::v0_1: user code names
+//! moefold::X as always, while the mangled names carry the ABI, so objects compiled against
+//! headers of a different ABI fail to link instead of mixing layouts. The name follows the
+//! version: v0_<minor> while the major version is 0 (a minor release may change the API), then
+//! v<major>.
+//! tests/packaging/abi_namespace_check.py keeps every header inside it.
 namespace moefold {
+inline namespace v0_1 {
 
 struct version_info {
   int major;
@@ -21,4 +28,5 @@ inline constexpr version_info version{MOEFOLD_VERSION_MAJOR, MOEFOLD_VERSION_MIN
                                       MOEFOLD_VERSION_PATCH};
 inline constexpr const char* version_string = "0.1.0";
 
+}  // namespace v0_1
 }  // namespace moefold

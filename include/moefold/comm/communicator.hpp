@@ -30,6 +30,7 @@
 #include "../core/row_view.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! The reductions of all_reduce and reduce_scatter_v.
 enum class reduce_op { sum, max };
@@ -125,4 +126,5 @@ template <class T, communicator C>
   return {};
 }
 
+}  // namespace v0_1
 }  // namespace moefold

@@ -9,6 +9,7 @@
 #include "communicator.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! This rank's communicator for the group of kind `kind` that holds it: collective over `world`
 //! (every rank of `world` must call it with the same groups and kind). The new communicator's
@@ -45,4 +46,5 @@ template <splittable_communicator C>
   return sub;
 }
 
+}  // namespace v0_1
 }  // namespace moefold

@@ -22,6 +22,7 @@
 #include "communicator.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! The collectives, as they are named in headers and messages.
 enum class collective : std::uint8_t {
@@ -469,4 +470,5 @@ template <class T>
   return {};
 }
 
+}  // namespace v0_1
 }  // namespace moefold

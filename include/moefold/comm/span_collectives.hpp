@@ -18,6 +18,7 @@
 #include "schedule.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 template <class Backend, memory_space Space>
 class span_collectives {
@@ -111,4 +112,5 @@ template <class T, class S>
 }
 
 }  // namespace detail
+}  // namespace v0_1
 }  // namespace moefold

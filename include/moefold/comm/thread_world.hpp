@@ -41,6 +41,7 @@
 #include "span_collectives.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! Options of a thread world.
 struct thread_world_options {
@@ -637,4 +638,5 @@ template <class F>
   return result;
 }
 
+}  // namespace v0_1
 }  // namespace moefold

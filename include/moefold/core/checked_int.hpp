@@ -8,7 +8,9 @@
 
 #include "config.hpp"
 
-namespace moefold::detail {
+namespace moefold {
+inline namespace v0_1 {
+namespace detail {
 
 //! a * b for a, b >= 0; false when the product does not fit in int.
 [[nodiscard]] MOEFOLD_HOST_DEVICE constexpr bool checked_mul(int a, int b, int& out) noexcept {
@@ -26,4 +28,6 @@ namespace moefold::detail {
   return true;
 }
 
-}  // namespace moefold::detail
+}  // namespace detail
+}  // namespace v0_1
+}  // namespace moefold

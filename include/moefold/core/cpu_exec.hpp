@@ -20,6 +20,7 @@
 #include "host_memory_ops.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! Transfers a context made: calls and bytes per direction.
 struct copy_counts {
@@ -87,4 +88,5 @@ class cpu_exec : public detail::host_memory_ops<cpu_exec, cpu_device_space> {
 
 static_assert(execution_context<cpu_exec>);
 
+}  // namespace v0_1
 }  // namespace moefold

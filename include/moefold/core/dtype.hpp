@@ -11,6 +11,7 @@
 #include <type_traits>
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! bfloat16 storage on the host: the upper 16 bits of an IEEE float. Layout-compatible with
 //! CUDA's __nv_bfloat16, so a device buffer of either can be handed to the GPU backends.
@@ -169,4 +170,5 @@ inline std::string describe(dtype t, std::size_t bytes) {
 }
 }  // namespace detail
 
+}  // namespace v0_1
 }  // namespace moefold

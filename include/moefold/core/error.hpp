@@ -6,6 +6,7 @@
 #include <string_view>
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! Every failure the library reports has one of these kinds. Each validation rule has its own
 //! kind, so that callers (and tests) can tell which rule was broken without parsing messages.
@@ -97,4 +98,5 @@ namespace detail {
 }
 }  // namespace detail
 
+}  // namespace v0_1
 }  // namespace moefold

@@ -24,6 +24,7 @@
 #include "row_view.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! An execution context: a memory space, a name for messages, copies between its space and the
 //! host, allocation in its space, and synchronize() (host: returns at once).
@@ -83,4 +84,5 @@ void host_copy_rows(const row_view<U, S1>& src, const row_view<T, S2>& dst) noex
 }
 
 }  // namespace detail
+}  // namespace v0_1
 }  // namespace moefold

@@ -11,6 +11,7 @@
 #include "exec.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 template <class T, execution_context Exec>
 class exec_buffer {
@@ -64,4 +65,5 @@ class exec_buffer {
   row_view<T, space> view_{};
 };
 
+}  // namespace v0_1
 }  // namespace moefold

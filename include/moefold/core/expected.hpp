@@ -16,6 +16,7 @@
 #endif
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! Wraps an error value to construct an `expected` in its error state.
 template <class E>
@@ -158,4 +159,5 @@ class [[nodiscard]] expected<void, E> {
 //! The result of an operation that produces no value.
 using status = expected<void, error>;
 
+}  // namespace v0_1
 }  // namespace moefold

@@ -13,6 +13,7 @@
 #include "host_memory_ops.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 struct host_exec : detail::host_memory_ops<host_exec, host_space> {
   using memory_space = host_space;
@@ -35,4 +36,5 @@ struct host_exec : detail::host_memory_ops<host_exec, host_space> {
 
 static_assert(execution_context<host_exec>);
 
+}  // namespace v0_1
 }  // namespace moefold

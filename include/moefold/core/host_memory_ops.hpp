@@ -18,7 +18,9 @@
 #include "memory_space.hpp"
 #include "row_view.hpp"
 
-namespace moefold::detail {
+namespace moefold {
+inline namespace v0_1 {
+namespace detail {
 
 [[nodiscard]] inline status op_shape_error(const char* ctx, const char* op, const char* what) {
   return make_error(errc::shape_mismatch, std::string(ctx) + "::" + op + ": " + what);
@@ -185,4 +187,6 @@ struct host_memory_ops {
   }
 };
 
-}  // namespace moefold::detail
+}  // namespace detail
+}  // namespace v0_1
+}  // namespace moefold

@@ -11,6 +11,7 @@
 #include <concepts>
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! Host memory: views give element access.
 struct host_space {
@@ -42,4 +43,5 @@ concept memory_space = requires {
 template <memory_space S>
 inline constexpr bool host_accessible_v = S::host_accessible;
 
+}  // namespace v0_1
 }  // namespace moefold

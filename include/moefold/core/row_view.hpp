@@ -28,6 +28,7 @@
 #include "size.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 template <class T, memory_space Space = host_space>
 class row_view {
@@ -158,4 +159,5 @@ template <class T, class S>
   return v.subrows(static_cast<int>(r), static_cast<int>(n));
 }
 
+}  // namespace v0_1
 }  // namespace moefold

@@ -10,6 +10,7 @@
 #include "config.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! The largest row count (of a view, a per-peer count, a total of counts): 2^31 - 1.
 inline constexpr std::int64_t max_rows = INT_MAX;
@@ -27,4 +28,5 @@ namespace detail {
 }
 
 }  // namespace detail
+}  // namespace v0_1
 }  // namespace moefold

@@ -15,6 +15,7 @@
 #include <span>
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! Alignment of every sub-buffer: enough for vector loads on the GPU and cache lines on the CPU.
 inline constexpr std::size_t workspace_alignment = 256;
@@ -60,4 +61,5 @@ class workspace_carver {
   bool fits_ = true;
 };
 
+}  // namespace v0_1
 }  // namespace moefold

@@ -23,6 +23,7 @@
 #include "permute.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! The AllGather dispatcher for element type T over communicators of type Comm, run on execution
 //! context Exec: Comm's memory space must be Exec's (communicator_for).
@@ -313,4 +314,5 @@ class all_gather_dispatcher
   buffers bufs_{};
 };
 
+}  // namespace v0_1
 }  // namespace moefold

@@ -29,6 +29,7 @@
 #include "splits.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! The All-to-All dispatcher for element type T over communicators of type Comm, run on
 //! execution context Exec: Comm's memory space must be Exec's (communicator_for).
@@ -405,4 +406,5 @@ class all_to_all_dispatcher
   buffers bufs_{};
 };
 
+}  // namespace v0_1
 }  // namespace moefold

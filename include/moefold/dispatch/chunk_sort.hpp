@@ -17,6 +17,7 @@
 #include "../core/size.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 namespace detail {
 
@@ -219,4 +220,5 @@ template <class T>
   });
 }
 
+}  // namespace v0_1
 }  // namespace moefold

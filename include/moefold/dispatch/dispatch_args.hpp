@@ -12,6 +12,7 @@
 #include "../core/size.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! What a dispatcher is sized for. max_tokens bounds N on every rank of the tp-ep group;
 //! max_recv_rows bounds the rows this rank's experts receive in one step (after the AllGather
@@ -163,4 +164,5 @@ template <class T>
 }
 
 }  // namespace detail
+}  // namespace v0_1
 }  // namespace moefold

@@ -11,6 +11,7 @@
 #include "permute.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! Rows and bytes one collective sent from this rank to other ranks.
 struct comm_volume {
@@ -78,4 +79,5 @@ class dispatch_handle {
   }
 };
 
+}  // namespace v0_1
 }  // namespace moefold

@@ -19,6 +19,7 @@
 #include "dispatch_handle.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 template <class D, class T, class Comm, class Exec>
 class dispatcher_common {
@@ -83,4 +84,5 @@ class dispatcher_common {
   const D& self() const noexcept { return static_cast<const D&>(*this); }
 };
 
+}  // namespace v0_1
 }  // namespace moefold

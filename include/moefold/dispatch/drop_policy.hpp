@@ -20,6 +20,7 @@
 #include "../routing/topk_router.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! Which routed tokens an expert keeps when it has more than its capacity.
 enum class drop_by {
@@ -321,4 +322,5 @@ template <class T>
   return {};
 }
 
+}  // namespace v0_1
 }  // namespace moefold

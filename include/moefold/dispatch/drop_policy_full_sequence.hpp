@@ -17,6 +17,7 @@
 #include "drop_result.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! Where this rank's tokens sit in the full sequences (sequence parallelism over TP, context
 //! parallelism with Megatron-Core's load-balanced chunks over CP).
@@ -194,4 +195,5 @@ struct full_sequence {
   }
 };
 
+}  // namespace v0_1
 }  // namespace moefold

@@ -10,6 +10,7 @@
 #include "drop_result.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! Every routed pair is computed; nothing is dropped or padded.
 struct dropless {
@@ -86,4 +87,5 @@ struct sub_sequence {
   }
 };
 
+}  // namespace v0_1
 }  // namespace moefold

@@ -16,6 +16,7 @@
 #include "drop_policy.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 namespace detail {
 //! The communicator argument of a local policy's dense form (ignored).
@@ -113,4 +114,5 @@ template <class P, class C, class T>
   return {};
 }
 
+}  // namespace v0_1
 }  // namespace moefold

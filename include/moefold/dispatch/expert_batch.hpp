@@ -6,6 +6,7 @@
 #include <span>
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! Rows grouped by local expert: rows [offset_l, offset_l + counts[l]) belong to local expert l,
 //! offsets being the running sum of counts. M = sum(counts).
@@ -18,4 +19,5 @@ struct expert_batch {
                                   //!< activation and before fc2 (docs/dispatch-semantics.md 4.6)
 };
 
+}  // namespace v0_1
 }  // namespace moefold

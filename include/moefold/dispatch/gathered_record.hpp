@@ -12,7 +12,9 @@
 #include "../core/size.hpp"
 #include "splits.hpp"
 
-namespace moefold::detail {
+namespace moefold {
+inline namespace v0_1 {
+namespace detail {
 
 //! header [P, 2]: (tokens, capacity) of each tp-ep rank -> tokens [P]; returns their sum.
 //! Token counts must lie in [0, max_tokens] and every capacity must equal rank 0's.
@@ -84,4 +86,6 @@ namespace moefold::detail {
   return peak;
 }
 
-}  // namespace moefold::detail
+}  // namespace detail
+}  // namespace v0_1
+}  // namespace moefold

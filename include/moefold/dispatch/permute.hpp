@@ -27,6 +27,7 @@
 #include "../core/workspace.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! What a permutation is planned from.
 struct permute_args {
@@ -362,4 +363,5 @@ template <class T, class P = T, class Acc = T>
   return {};
 }
 
+}  // namespace v0_1
 }  // namespace moefold

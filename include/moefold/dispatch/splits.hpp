@@ -16,6 +16,7 @@
 #include "../core/size.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! Inputs of the split computation.
 struct split_args {
@@ -147,4 +148,5 @@ inline void uniform_splits(int capacity, int ep, int etp, int local_experts,
   return std::accumulate(splits.begin(), splits.end(), 0);
 }
 
+}  // namespace v0_1
 }  // namespace moefold

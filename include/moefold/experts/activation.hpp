@@ -8,6 +8,7 @@
 #include <string_view>
 
 namespace moefold {
+inline namespace v0_1 {
 
 enum class activation : std::uint8_t {
   swiglu,        //!< silu(gate) * up (gated)
@@ -69,4 +70,5 @@ template <class T>
   return T(1);
 }
 
+}  // namespace v0_1
 }  // namespace moefold

@@ -11,6 +11,7 @@
 #include "../dispatch/expert_batch.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! What an expert functor provides. `forward` writes y [M, H]; under expert tensor parallelism
 //! it is this shard's partial sum, which the dispatcher's ReduceScatter completes. `backward`
@@ -58,4 +59,5 @@ template <class T>
   return {};
 }
 
+}  // namespace v0_1
 }  // namespace moefold

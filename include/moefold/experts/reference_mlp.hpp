@@ -19,6 +19,7 @@
 #include "expert_fn.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! The shape of one rank's expert shards.
 struct mlp_shape {
@@ -220,4 +221,5 @@ class reference_mlp {
   std::vector<T> a_, h_, da_;  // one row's fc1 output, activation, and fc1 gradient
 };
 
+}  // namespace v0_1
 }  // namespace moefold

@@ -21,6 +21,7 @@
 #include "reference_mlp.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 struct shared_expert_shape {
   int max_tokens = 0;  //!< upper bound of N on every rank of the TP group
@@ -213,4 +214,5 @@ class shared_expert {
   mutable int count_ = 0;
 };
 
+}  // namespace v0_1
 }  // namespace moefold

@@ -41,6 +41,7 @@
 #include "../routing/topk_router.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! The shared expert of a layer (Megatron-Core `moe_shared_expert_intermediate_size`): a dense
 //! MLP every token goes through, sharded over the attention TP group.
@@ -492,4 +493,5 @@ class moe_layer {
   topk_router_scratch<T> router_ws_{};
 };
 
+}  // namespace v0_1
 }  // namespace moefold

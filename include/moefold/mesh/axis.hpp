@@ -7,6 +7,7 @@
 #include <string_view>
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! A size not known until run time (mdspan's dynamic_extent).
 inline constexpr int dynamic = -1;
@@ -69,4 +70,5 @@ concept mesh_axis = requires {
 template <template <int> class A>
 inline constexpr axis_id axis_id_of = A<dynamic>::id;
 
+}  // namespace v0_1
 }  // namespace moefold

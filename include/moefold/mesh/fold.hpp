@@ -21,6 +21,7 @@
 #include "order.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! A rank's place in the attention mesh.
 struct attention_coord {
@@ -431,4 +432,5 @@ struct fold_config {
   return dynamic_folded_mesh::make(*attn, *moe, c.order);
 }
 
+}  // namespace v0_1
 }  // namespace moefold

@@ -16,6 +16,7 @@
 #include "../core/config.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! The most axes a grid may have (the generators have five; a user mesh at most seven).
 inline constexpr int max_grid_axes = 8;
@@ -294,4 +295,5 @@ constexpr group_view group_list::operator[](int g) const noexcept { return {*thi
 constexpr group_list::iterator group_list::begin() const noexcept { return {this, 0}; }
 constexpr group_list::iterator group_list::end() const noexcept { return {this, count()}; }
 
+}  // namespace v0_1
 }  // namespace moefold

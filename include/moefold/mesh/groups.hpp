@@ -14,6 +14,7 @@
 #include "group_list.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! The group kinds, in the order moefold lists them.
 enum class group_kind : std::uint8_t {
@@ -293,4 +294,5 @@ class megatron_groups {
   int offset_ = 0;
 };
 
+}  // namespace v0_1
 }  // namespace moefold

@@ -19,6 +19,7 @@
 #include "group_list.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! A set of axes, as a bit mask over axis_id (used to ask for groups at run time).
 class axis_set {
@@ -303,4 +304,5 @@ class mesh {
   MOEFOLD_NO_UNIQUE_ADDRESS detail::dynamic_sizes<n_dyn_> dyn_{};
 };
 
+}  // namespace v0_1
 }  // namespace moefold

@@ -16,6 +16,7 @@
 #include "../core/expected.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! The five tokens of an order string.
 enum class order_token : std::uint8_t { tp, cp, ep, dp, pp };
@@ -161,4 +162,5 @@ inline constexpr megatron_order dynamic_order = [] {
 inline constexpr megatron_order default_order{};
 inline constexpr megatron_order tp_pp_dp_order = megatron_order{"tp-cp-ep-pp-dp"};
 
+}  // namespace v0_1
 }  // namespace moefold

@@ -12,7 +12,9 @@
 
 #include "../core/expected.hpp"
 
-namespace moefold::plan {
+namespace moefold {
+inline namespace v0_1 {
+namespace plan {
 
 struct cluster_config {
   std::string name = "custom";
@@ -102,4 +104,6 @@ inline constexpr std::array<std::string_view, 3> cluster_preset_names = {"h100-s
   return std::nullopt;
 }
 
-}  // namespace moefold::plan
+}  // namespace plan
+}  // namespace v0_1
+}  // namespace moefold

@@ -10,7 +10,9 @@
 #include "efficiency.hpp"
 #include "placement.hpp"
 
-namespace moefold::plan {
+namespace moefold {
+inline namespace v0_1 {
+namespace plan {
 
 //! All-gather (or reduce-scatter) whose full result is `bytes` per rank: every rank receives
 //! (n-1)/n of it. A ring that leaves a node runs at the inter-node rate of each GPU's NIC.
@@ -48,4 +50,6 @@ namespace moefold::plan {
   return bytes / bw + (inter ? c.inter_latency_s : c.intra_latency_s);
 }
 
-}  // namespace moefold::plan
+}  // namespace plan
+}  // namespace v0_1
+}  // namespace moefold

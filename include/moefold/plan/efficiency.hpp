@@ -4,7 +4,9 @@
 //! same for every model and every mapping; docs/planner.md says where each one comes from.
 #pragma once
 
-namespace moefold::plan {
+namespace moefold {
+inline namespace v0_1 {
+namespace plan {
 
 struct efficiency {
   // GEMM: rate = peak * gemm_max * s(M) * s(N) * s(K), s(x) = x / (x + gemm_half), plus a fixed
@@ -32,4 +34,6 @@ struct efficiency {
   double fp8_vs_bf16 = 0.85;
 };
 
-}  // namespace moefold::plan
+}  // namespace plan
+}  // namespace v0_1
+}  // namespace moefold

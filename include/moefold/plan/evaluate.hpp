@@ -17,7 +17,9 @@
 #include "shapes.hpp"
 #include "step_time.hpp"
 
-namespace moefold::plan {
+namespace moefold {
+inline namespace v0_1 {
+namespace plan {
 
 struct plan_result {
   mapping map;
@@ -101,4 +103,6 @@ inline std::string gib_text(double bytes) {
   return evaluate_placed(m, c, map, place_groups(*fold, c.gpus_per_node), e);
 }
 
-}  // namespace moefold::plan
+}  // namespace plan
+}  // namespace v0_1
+}  // namespace moefold

@@ -11,7 +11,9 @@
 
 #include "evaluate.hpp"
 
-namespace moefold::plan {
+namespace moefold {
+inline namespace v0_1 {
+namespace plan {
 
 //! The step-time components with their display names, in breakdown order.
 [[nodiscard]] inline std::vector<std::pair<const char*, double>> time_components(
@@ -84,4 +86,6 @@ inline std::string ep_words(const plan_result& r) {
   return s;
 }
 
-}  // namespace moefold::plan
+}  // namespace plan
+}  // namespace v0_1
+}  // namespace moefold

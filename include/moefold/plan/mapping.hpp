@@ -11,7 +11,9 @@
 #include "../mesh/fold.hpp"
 #include "model.hpp"
 
-namespace moefold::plan {
+namespace moefold {
+inline namespace v0_1 {
+namespace plan {
 
 struct mapping {
   int tp = 1, cp = 1, ep = 1, etp = 1, pp = 1, vpp = 1, mbs = 1;
@@ -87,4 +89,6 @@ struct mapping {
   return fold;
 }
 
-}  // namespace moefold::plan
+}  // namespace plan
+}  // namespace v0_1
+}  // namespace moefold

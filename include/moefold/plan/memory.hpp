@@ -15,7 +15,9 @@
 #include "model.hpp"
 #include "shapes.hpp"
 
-namespace moefold::plan {
+namespace moefold {
+inline namespace v0_1 {
+namespace plan {
 
 inline constexpr double gib = 1024.0 * 1024.0 * 1024.0;
 
@@ -162,4 +164,6 @@ struct layer_activations {
   return last.total() > first.total() ? last : first;
 }
 
-}  // namespace moefold::plan
+}  // namespace plan
+}  // namespace v0_1
+}  // namespace moefold

@@ -8,7 +8,9 @@
 
 #include "../core/expected.hpp"
 
-namespace moefold::plan {
+namespace moefold {
+inline namespace v0_1 {
+namespace plan {
 
 //! Number format of the GEMMs. Activations, weights and gradients are kept in bf16 either way
 //! (Megatron-Core's FP8 recipes keep bf16 master copies and bf16 activations between layers).
@@ -159,4 +161,6 @@ struct model_config {
   return {};
 }
 
-}  // namespace moefold::plan
+}  // namespace plan
+}  // namespace v0_1
+}  // namespace moefold

@@ -8,7 +8,9 @@
 
 #include "model.hpp"
 
-namespace moefold::plan {
+namespace moefold {
+inline namespace v0_1 {
+namespace plan {
 
 //! FLOPs Megatron-Core counts for `sequences` sequences of the model's length.
 [[nodiscard]] inline double megatron_model_flops(const model_config& m, double sequences) {
@@ -44,4 +46,6 @@ namespace moefold::plan {
   return sequences * s * per_token;
 }
 
-}  // namespace moefold::plan
+}  // namespace plan
+}  // namespace v0_1
+}  // namespace moefold

@@ -11,7 +11,9 @@
 
 #include "model.hpp"
 
-namespace moefold::plan {
+namespace moefold {
+inline namespace v0_1 {
+namespace plan {
 
 namespace detail {
 
@@ -125,4 +127,6 @@ inline constexpr std::array<std::string_view, 7> model_preset_names = {
   return std::nullopt;
 }
 
-}  // namespace moefold::plan
+}  // namespace plan
+}  // namespace v0_1
+}  // namespace moefold

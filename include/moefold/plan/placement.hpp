@@ -10,7 +10,9 @@
 #include "../mesh/fold.hpp"
 #include "../mesh/groups.hpp"
 
-namespace moefold::plan {
+namespace moefold {
+inline namespace v0_1 {
+namespace plan {
 
 //! How one kind of group sits on the nodes (worst group of the kind).
 struct group_placement {
@@ -86,4 +88,6 @@ inline void place_moe_groups(const dynamic_folded_mesh& f, int gpus_per_node, fo
   out.edp = p(group_kind::edp);
 }
 
-}  // namespace moefold::plan
+}  // namespace plan
+}  // namespace v0_1
+}  // namespace moefold

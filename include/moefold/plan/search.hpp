@@ -17,7 +17,9 @@
 #include "../core/expected.hpp"
 #include "evaluate.hpp"
 
-namespace moefold::plan {
+namespace moefold {
+inline namespace v0_1 {
+namespace plan {
 
 //! Sizes held fixed during a search (unset: searched).
 struct search_constraints {
@@ -188,4 +190,6 @@ inline std::vector<int> choices(const std::optional<int>& fixed, std::vector<int
   return out;
 }
 
-}  // namespace moefold::plan
+}  // namespace plan
+}  // namespace v0_1
+}  // namespace moefold

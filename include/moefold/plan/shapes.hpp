@@ -9,7 +9,9 @@
 #include "mapping.hpp"
 #include "model.hpp"
 
-namespace moefold::plan {
+namespace moefold {
+inline namespace v0_1 {
+namespace plan {
 
 struct step_shapes {
   double attn_tokens = 0;    //!< T_a = mbs * seq / cp: rows of the attention GEMMs (SP gathers)
@@ -52,4 +54,6 @@ struct step_shapes {
   return s;
 }
 
-}  // namespace moefold::plan
+}  // namespace plan
+}  // namespace v0_1
+}  // namespace moefold

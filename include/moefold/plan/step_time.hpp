@@ -28,7 +28,9 @@
 #include "placement.hpp"
 #include "shapes.hpp"
 
-namespace moefold::plan {
+namespace moefold {
+inline namespace v0_1 {
+namespace plan {
 
 //! Seconds per step on the critical path, by cause. They add up to the step time.
 struct time_breakdown {
@@ -257,4 +259,6 @@ struct step_time_result {
   return r;
 }
 
-}  // namespace moefold::plan
+}  // namespace plan
+}  // namespace v0_1
+}  // namespace moefold

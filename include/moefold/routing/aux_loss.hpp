@@ -18,6 +18,7 @@
 #include "topk_router.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! What the aux losses see (Megatron-Core `compute_routing_scores_for_aux_loss`): scores over all
 //! experts (softmax; sigmoid and sqrt-softplus renormalised over E) and their plain top-k map,
@@ -276,4 +277,5 @@ template <class T>
                              std::span<T>(scratch));
 }
 
+}  // namespace v0_1
 }  // namespace moefold

@@ -12,6 +12,7 @@
 #include "../core/expected.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! Megatron-Core's `expert_bias` (persistent, fp32) and `local_tokens_per_expert` (transient).
 struct expert_bias_state {
@@ -68,4 +69,5 @@ template <communicator C>
   return {};
 }
 
+}  // namespace v0_1
 }  // namespace moefold

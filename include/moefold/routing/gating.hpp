@@ -12,6 +12,7 @@
 #include "../core/expected.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! Shapes of the gating linear: N tokens of hidden size H, E experts.
 struct gating_shape {
@@ -129,4 +130,5 @@ template <class T>
   return {};
 }
 
+}  // namespace v0_1
 }  // namespace moefold

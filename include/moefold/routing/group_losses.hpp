@@ -15,6 +15,7 @@
 #include "aux_loss.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 namespace detail {
 template <communicator C>
@@ -162,4 +163,5 @@ template <communicator C, class T>
                              scratch);
 }
 
+}  // namespace v0_1
 }  // namespace moefold

@@ -10,6 +10,7 @@
 #include "topk_router.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! A router maps logits [N, E] to a top-k routing (k experts and probabilities per token) and
 //! back-propagates the gradient of those probabilities to the logits. topk_router<T> is one;
@@ -33,4 +34,5 @@ concept router = std::floating_point<typename R::value_type> &&
 
 static_assert(router<topk_router<float>> && router<topk_router<double>>);
 
+}  // namespace v0_1
 }  // namespace moefold

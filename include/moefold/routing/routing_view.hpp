@@ -15,6 +15,7 @@
 #include "topk_router.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! One rank's routing: expert[t*k + i] and probs[t*k + i] are the i-th selected expert of token t
 //! and its probability; keep[t*k + i] is 1 when that pair is dispatched (written by a drop
@@ -65,4 +66,5 @@ void write_kept_pairs(const routing_view<P>& r, std::span<int> expert, std::span
 }
 }  // namespace detail
 
+}  // namespace v0_1
 }  // namespace moefold

@@ -10,6 +10,7 @@
 #include <string_view>
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! How logits become scores (Megatron-Core `moe_router_score_function`).
 enum class score_function {
@@ -92,4 +93,5 @@ void softmax_backward(std::span<const T> y, std::span<const T> dy, std::span<T> 
 }
 
 }  // namespace detail
+}  // namespace v0_1
 }  // namespace moefold

@@ -10,6 +10,7 @@
 #include <vector>
 
 namespace moefold {
+inline namespace v0_1 {
 
 namespace detail {
 // a ranks before b: larger value first, then the lower index.
@@ -86,4 +87,5 @@ void group_limited_topk_indices(std::span<const T> x, int k, int num_groups, int
   ws.order.swap(scratch);
 }
 
+}  // namespace v0_1
 }  // namespace moefold

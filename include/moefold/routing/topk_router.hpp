@@ -17,6 +17,7 @@
 #include "topk.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! What a top-k router does; the fields follow Megatron-Core's `moe_router_*` settings.
 struct topk_router_options {
@@ -335,4 +336,5 @@ class topk_router {
   topk_router_options o_;
 };
 
+}  // namespace v0_1
 }  // namespace moefold

@@ -14,7 +14,9 @@
 #include "cublas_status.hpp"
 #include "cuda_types.hpp"  // CUDA's 16-bit types are dtype::bf16 / f16 here too
 
-namespace moefold::detail {
+namespace moefold {
+inline namespace v0_1 {
+namespace detail {
 
 //! bf16 and fp16: the types whose sums NCCL would round after every step.
 template <class T>
@@ -94,4 +96,6 @@ class cublas_row_sum {
   bool pedantic_ = true;
 };
 
-}  // namespace moefold::detail
+}  // namespace detail
+}  // namespace v0_1
+}  // namespace moefold

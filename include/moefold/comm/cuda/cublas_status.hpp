@@ -9,7 +9,9 @@
 
 #include "../../core/expected.hpp"
 
-namespace moefold::detail {
+namespace moefold {
+inline namespace v0_1 {
+namespace detail {
 
 //! A cuBLAS status as errc::backend_error naming the call and the status (error::native = the
 //! cublasStatus_t).
@@ -23,4 +25,6 @@ inline status cublas_check(cublasStatus_t rc, const char* call) {
   return unexpected<error>(e);
 }
 
-}  // namespace moefold::detail
+}  // namespace detail
+}  // namespace v0_1
+}  // namespace moefold

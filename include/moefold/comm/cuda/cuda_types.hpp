@@ -12,6 +12,7 @@
 #include "../../core/dtype.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 template <>
 inline constexpr dtype dtype_of<__nv_bfloat16> = dtype::bf16;
@@ -25,4 +26,5 @@ template <class T>
 using device_type_t = std::conditional_t<std::is_same_v<T, bfloat16>, __nv_bfloat16,
                                          std::conditional_t<std::is_same_v<T, float16>, __half, T>>;
 
+}  // namespace v0_1
 }  // namespace moefold

@@ -40,6 +40,7 @@
 #include "cuda_types.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! Options of a loopback world.
 struct loopback_options {
@@ -377,4 +378,5 @@ template <class F>
       {.timeout = opt.timeout});
 }
 
+}  // namespace v0_1
 }  // namespace moefold

@@ -40,6 +40,7 @@
 #include "cuda_types.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! True when this process's MPI moves device buffers itself (Open MPI's run-time query; false
 //! for an MPI that does not say).
@@ -281,4 +282,5 @@ class mpi_device_communicator {
 static_assert(splittable_communicator<mpi_device_communicator>);
 static_assert(communicator_for<mpi_device_communicator, cuda_exec>);
 
+}  // namespace v0_1
 }  // namespace moefold

@@ -63,6 +63,7 @@
 #include "nccl_status.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! One rank's NCCL communicator. Move-only.
 //!
@@ -760,4 +761,5 @@ class nccl_communicator : public span_collectives<nccl_communicator, device_spac
 static_assert(splittable_communicator<nccl_communicator>);
 static_assert(communicator_for<nccl_communicator, cuda_exec>);
 
+}  // namespace v0_1
 }  // namespace moefold

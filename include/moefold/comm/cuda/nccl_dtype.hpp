@@ -10,7 +10,9 @@
 #include "../../core/dtype.hpp"
 #include "cuda_types.hpp"  // CUDA's 16-bit types are dtype::bf16 / f16 here too
 
-namespace moefold::detail {
+namespace moefold {
+inline namespace v0_1 {
+namespace detail {
 
 //! The NCCL data type T moves as (ncclUint8 for types NCCL does not know).
 template <class T>
@@ -36,4 +38,6 @@ constexpr std::size_t nccl_scale() noexcept {
   return dtype_of<T> == dtype::other ? sizeof(T) : 1;
 }
 
-}  // namespace moefold::detail
+}  // namespace detail
+}  // namespace v0_1
+}  // namespace moefold

@@ -4,7 +4,9 @@
 
 #include <nccl.h>
 
-namespace moefold::detail {
+namespace moefold {
+inline namespace v0_1 {
+namespace detail {
 
 //! Brackets grouped NCCL calls; ncclGroupEnd's result is what counts.
 class nccl_group {
@@ -24,4 +26,6 @@ class nccl_group {
   bool open_ = true;
 };
 
-}  // namespace moefold::detail
+}  // namespace detail
+}  // namespace v0_1
+}  // namespace moefold

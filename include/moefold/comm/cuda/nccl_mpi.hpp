@@ -10,6 +10,7 @@
 #include "nccl_communicator.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! Collective over `mpi`: one NCCL rank per MPI rank (same rank numbers), on the current CUDA
 //! device (pick it before, e.g. from the node-local rank). The result owns its ncclComm_t.
@@ -35,4 +36,5 @@ namespace moefold {
   return nccl_communicator::from_unique_id(id, mpi.size(), mpi.rank(), opt);
 }
 
+}  // namespace v0_1
 }  // namespace moefold

@@ -9,6 +9,7 @@
 #include <chrono>
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! Options of an NCCL communicator.
 struct nccl_options {
@@ -35,4 +36,5 @@ struct nccl_unique_id {
   ncclUniqueId value;
 };
 
+}  // namespace v0_1
 }  // namespace moefold

@@ -27,6 +27,7 @@
 #include "nccl_communicator.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! Elements of staging reduce_scatter_v_fp32 needs: size() * counts[rank()].
 [[nodiscard]] inline std::size_t reduce_scatter_v_fp32_staging(const nccl_communicator& c,
@@ -108,4 +109,5 @@ template <reducible T>
                             "reduce_sources_kernel");
 }
 
+}  // namespace v0_1
 }  // namespace moefold

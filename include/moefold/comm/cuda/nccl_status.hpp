@@ -10,7 +10,9 @@
 
 #include "../../core/expected.hpp"
 
-namespace moefold::detail {
+namespace moefold {
+inline namespace v0_1 {
+namespace detail {
 
 //! ok for ncclSuccess and ncclInProgress; otherwise the error, naming `call` (and the
 //! communicator's last error when `comm` is given).
@@ -27,4 +29,6 @@ inline status nccl_check(ncclResult_t rc, const char* call, ncclComm_t comm = nu
   return unexpected<error>(e);
 }
 
-}  // namespace moefold::detail
+}  // namespace detail
+}  // namespace v0_1
+}  // namespace moefold

@@ -52,6 +52,7 @@
 #include "../span_collectives.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 //! Options of an MPI communicator.
 struct mpi_options {
@@ -623,4 +624,5 @@ class mpi_communicator : public span_collectives<mpi_communicator, host_space> {
 static_assert(splittable_communicator<mpi_communicator>);
 static_assert(communicator_for<mpi_communicator, host_exec>);
 
+}  // namespace v0_1
 }  // namespace moefold

@@ -9,7 +9,9 @@
 
 #include "../expected.hpp"
 
-namespace moefold::detail {
+namespace moefold {
+inline namespace v0_1 {
+namespace detail {
 
 inline status cuda_check(cudaError_t rc, const char* call) {
   if (rc == cudaSuccess) return {};
@@ -20,4 +22,6 @@ inline status cuda_check(cudaError_t rc, const char* call) {
   return unexpected<error>(e);
 }
 
-}  // namespace moefold::detail
+}  // namespace detail
+}  // namespace v0_1
+}  // namespace moefold

@@ -16,6 +16,7 @@
 #include "cuda_check.hpp"
 
 namespace moefold {
+inline namespace v0_1 {
 
 class cuda_exec {
  public:
@@ -81,4 +82,5 @@ class cuda_exec {
 
 static_assert(execution_context<cuda_exec>);
 
+}  // namespace v0_1
 }  // namespace moefold
