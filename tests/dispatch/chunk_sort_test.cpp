@@ -1,43 +1,16 @@
-// This file replaces the global operator new with malloc and operator delete with free (to count
-// allocations); GCC's analysis of the inlined standard library sees free() on memory from
-// operator new and warns.
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-
+// This test counts allocations: support/count_new.hpp replaces the program's operator new.
 #include <moefold/dispatch/chunk_sort.hpp>
 
 #include <doctest/doctest.h>
 
 #include <algorithm>
-#include <atomic>
 #include <climits>
-#include <cstdlib>
-#include <new>
 #include <numeric>
 #include <random>
 #include <string>
 #include <vector>
 
-namespace {
-std::atomic<long long> g_news{0};
-}  // namespace
-
-// The process's operator new and delete, plain and aligned (libstdc++'s array and nothrow forms
-// forward to these): every call is counted.
-void* operator new(std::size_t n) {
-  g_news.fetch_add(1, std::memory_order_relaxed);
-  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
-  throw std::bad_alloc();
-}
-void* operator new(std::size_t n, std::align_val_t a) {
-  g_news.fetch_add(1, std::memory_order_relaxed);
-  const auto al = static_cast<std::size_t>(a);
-  if (void* p = std::aligned_alloc(al, (n + al - 1) / al * al)) return p;
-  throw std::bad_alloc();
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+#include "support/count_new.hpp"
 
 using namespace moefold;
 
@@ -280,14 +253,16 @@ TEST_CASE(
     std::shuffle(order.begin(), order.end(), rng);
     const std::vector<int> x = distinct_rows(sizes, 2);
     std::vector<int> sorted(x.size()), back(x.size());
-    const long long before = g_news.load();
+    moefold::test::counting.store(true);
+    const long long before = moefold::test::news.load();
     REQUIRE(sort_chunks<int>(sizes, order, x, 2, sorted, src, dst));
     REQUIRE(unsort_chunks<int>(sizes, order, sorted, 2, back, src, dst));
     REQUIRE(check_chunk_order(sizes, order));  // a bitmap on the stack up to 4096 chunks
-    const long long with_storage = g_news.load() - before;
+    const long long with_storage = moefold::test::news.load() - before;
     REQUIRE(sort_chunks<int>(sizes, order, x, 2, sorted));
     REQUIRE(unsort_chunks<int>(sizes, order, sorted, 2, back));
-    const long long convenient = g_news.load() - before - with_storage;
+    const long long convenient = moefold::test::news.load() - before - with_storage;
+    moefold::test::counting.store(false);
     CAPTURE(m);
     CHECK(with_storage == 0);
     CHECK(convenient == (m <= 256 ? 0 : 2));  // beyond 256 chunks: one array per call
