@@ -4,6 +4,13 @@
 //! experts' contributions (over EP) and the row-parallel partials (over ETP) back to each token's
 //! rank (docs/dispatch-semantics.md 5.1). Simpler than the All-to-All path and a test oracle for
 //! it: same results, more bytes (O(N * ETP * EP * H) per rank, independent of k).
+//!
+//! Probabilities travel with their tokens: packed rows of W elements (the token row in columns
+//! [0, H), its k probabilities in [H, H + k), zeros up to W = round_up((H + k) * sizeof(T), 16) /
+//! sizeof(T)), so the dispatch gathers tokens and probabilities in one AllGather-V (the expert
+//! ids, int, in a second), and the backward's ReduceScatter-V returns the input and probability
+//! gradients in one, when T is at least 32 bits (pack_reductions; for 16-bit T the probability
+//! gradients keep their own reduction).
 #pragma once
 
 #include <cstddef>
@@ -11,6 +18,7 @@
 #include <span>
 
 #include "../comm/communicator.hpp"
+#include "../core/dtype.hpp"
 #include "../core/expected.hpp"
 #include "../core/host_exec.hpp"
 #include "../core/row_view.hpp"
@@ -32,7 +40,9 @@ requires communicator_for<Comm, Exec, T> && communicator_for<Comm, Exec, int>
 class all_gather_dispatcher
     : public dispatcher_common<all_gather_dispatcher<T, Comm, Exec>, T, Comm, Exec> {
   using common = dispatcher_common<all_gather_dispatcher<T, Comm, Exec>, T, Comm, Exec>;
+  using common::columns_of;
   using common::rows_of;
+  using common::zero_padding;
 
   // As in all_to_all_dispatcher: rows move through the context's operations; the bookkeeping
   // still reads the workspace on the host.
@@ -48,6 +58,7 @@ class all_gather_dispatcher
   using common::combine_backward;
   using common::dispatch;
   using common::dispatch_backward;
+  using common::pack_reductions;
   //! What the handle keeps: the token count of every tp-ep rank (in tp-ep rank order).
   struct state {
     std::span<int> tokens;  //!< [EP*ETP]
@@ -59,12 +70,22 @@ class all_gather_dispatcher
   //! Checks the shape (detail::check_dispatch_shape).
   [[nodiscard]] static expected<all_gather_dispatcher> make(const dispatch_shape& s) {
     if (auto st = detail::check_dispatch_shape(s); !st) return unexpected<error>(st.error());
+    if (auto st = detail::check_packed_width(
+            detail::packed_width<T>(static_cast<std::int64_t>(s.hidden) + s.topk), "H + k");
+        !st)
+      return unexpected<error>(st.error());
     all_gather_dispatcher d;
     d.s_ = s;
     return d;
   }
 
   [[nodiscard]] const dispatch_shape& shape() const noexcept { return s_; }
+  //! Elements of a packed token row (token row, its k probabilities, zeros): a multiple of 16
+  //! bytes.
+  [[nodiscard]] int packed_width() const noexcept {
+    return static_cast<int>(
+        detail::packed_width<T>(static_cast<std::int64_t>(s_.hidden) + s_.topk));
+  }
 
   //! Bytes of workspace one round trip (and its backward) needs, per part (dispatch_workspace);
   //! in pad mode pass the capacity. The gathered tokens (scratch) are O(max_tokens * EP * ETP *
@@ -116,23 +137,31 @@ class all_gather_dispatcher
     const int peers = g.tp_ep.size() - 1;
     h.volume_.count_gather = {
         peers, static_cast<long long>(peers) * static_cast<long long>(sizeof(header))};
-    auto xg = b.rows_a.first(G * H);
+    // Tokens and probabilities in packed rows, gathered in one collective; the expert ids in a
+    // second.                       x [n, H], probs [n, k] -> xs [n, W] -> xg [G, W]
+    const int W = packed_width();
+    const auto Wz = detail::uz(W);
+    auto xs = b.rows_b.first(detail::uz(n) * Wz);
+    if (auto st = x.copy(rows_of(in.x, s_.hidden), columns_of(xs, W, 0, s_.hidden)); !st)
+      return unexpected<error>(st.error());
+    if (auto st = x.copy(rows_of(in.probs, s_.topk), columns_of(xs, W, s_.hidden, s_.topk)); !st)
+      return unexpected<error>(st.error());
+    if (auto st = zero_padding(x, xs, W, s_.hidden + s_.topk); !st)
+      return unexpected<error>(st.error());
+    auto xg = b.rows_a.first(G * Wz);
     auto eg = b.experts.first(G * K);
-    auto pg = b.probs_a.first(G * K);
     const std::span<const int> tokens = b.tokens;  // rows per tp-ep rank
-    if (auto st = g.tp_ep.all_gather_v(x, rows_of(in.x, s_.hidden), rows_of(xg, s_.hidden), tokens);
+    if (auto st =
+            g.tp_ep.all_gather_v(x, rows_of(std::span<const T>(xs), W), rows_of(xg, W), tokens);
         !st)
       return unexpected<error>(st.error());
     if (auto st =
             g.tp_ep.all_gather_v(x, rows_of(in.expert, s_.topk), rows_of(eg, s_.topk), tokens);
         !st)
       return unexpected<error>(st.error());
-    if (auto st = g.tp_ep.all_gather_v(x, rows_of(in.probs, s_.topk), rows_of(pg, s_.topk), tokens);
-        !st)
-      return unexpected<error>(st.error());
     const long long sent = static_cast<long long>(n) * peers;
-    h.volume_.dispatch_agv = {
-        sent, sent * static_cast<long long>(H * sizeof(T) + K * (sizeof(T) + sizeof(int)))};
+    h.volume_.dispatch_agv = {sent,
+                              sent * static_cast<long long>(Wz * sizeof(T) + K * sizeof(int))};
     // 2. Every rank checks the whole gathered record (expert ids; in pad mode every (source,
     //    expert) against the capacity), so a bad rank fails all of them alike, never alone.
     if (auto st = detail::check_gathered_routing(eg, b.tokens, s_.topk, s_.num_experts, in.capacity,
@@ -173,9 +202,15 @@ class all_gather_dispatcher
     const auto M = detail::uz(h.plan_.num_rows());
     h.x_ = b.batch_x.first(M * H);
     h.p_ = b.batch_probs.first(M);
-    if (auto st = x.template gather_rows<T>(rows_of(std::span<const T>(xg), s_.hidden),
-                                            h.plan_.row_slots(), s_.topk, rows_of(h.x_, s_.hidden));
+    // The experts' batch out of the packed rows: the token rows by slot, and the probabilities,
+    // copied out of their columns to be indexed by slot.
+    const std::span<const T> xgc = xg;
+    if (auto st = x.template gather_rows<T>(columns_of(xgc, W, 0, s_.hidden), h.plan_.row_slots(),
+                                            s_.topk, rows_of(h.x_, s_.hidden));
         !st)
+      return unexpected<error>(st.error());
+    auto pg = b.probs_a.first(G * K);
+    if (auto st = x.copy(columns_of(xgc, W, s_.hidden, s_.topk), rows_of(pg, s_.topk)); !st)
       return unexpected<error>(st.error());
     if (auto st = x.template gather_rows<T>(rows_of(std::span<const T>(pg), 1), h.plan_.row_slots(),
                                             1, rows_of(h.p_, 1));
@@ -192,8 +227,8 @@ class all_gather_dispatcher
     if (y.size() != detail::uz(h.num_rows()) * H || out.size() != detail::uz(h.num_tokens()) * H)
       return make_error(errc::shape_mismatch, "combine: y must be [M, H] and out [N, H]");
     auto u = bufs_.rows_b.first(G * H);  // zeros for tokens without a local expert
-    if (auto st = x.template gather_sum_rows<T>(rows_of(y, s_.hidden), h.plan_.token_rows(), {},
-                                                rows_of(u, s_.hidden));
+    if (auto st = x.template gather_sum_rows<T, T, accumulator_t<T>>(
+            rows_of(y, s_.hidden), h.plan_.token_rows(), {}, rows_of(u, s_.hidden));
         !st)
       return st;
     if (auto st = g.tp_ep.reduce_scatter_v(x, rows_of(std::span<const T>(u), s_.hidden),
@@ -229,7 +264,7 @@ class all_gather_dispatcher
                                          const dispatch_groups<Comm>& g, std::span<T> dx,
                                          std::span<T> dprobs) {
     if (auto st = check_handle(h, g); !st) return st;
-    const auto H = detail::uz(s_.hidden), K = detail::uz(s_.topk), G = detail::uz(h.st_.gathered);
+    const auto H = detail::uz(s_.hidden), K = detail::uz(s_.topk);
     if (dx_rows.size() != detail::uz(h.num_rows()) * H ||
         dprob_rows.size() != detail::uz(h.num_rows()) ||
         dx.size() != detail::uz(h.num_tokens()) * H ||
@@ -237,11 +272,62 @@ class all_gather_dispatcher
       return make_error(errc::shape_mismatch,
                         "dispatch_backward: dx_rows [M, H], dprob_rows "
                         "[M], dx [N, H], dprobs [N*k]");
-    // Permute backward (a sum per gathered token), then the AllGather backward: a sum over the
-    // group, which adds the experts of the other EP ranks and the partials of the ETP peers.
+    if (pack_reductions) return dispatch_backward_packed(x, h, dx_rows, dprob_rows, g, dx, dprobs);
+    return dispatch_backward_separate(x, h, dx_rows, dprob_rows, g, dx, dprobs);
+  }
+
+ private:
+  struct buffers {
+    std::span<std::byte> plan;
+    std::span<int> header, tokens, per_expert, expert_counts, experts, local_experts;
+    std::span<T> rows_a, rows_b, probs_a, batch_x, batch_probs;
+  };
+
+  // Permute backward (a sum per gathered token), then the AllGather backward: a sum over the
+  // group, which adds the experts of the other EP ranks and the partials of the ETP peers. Packed:
+  // the input gradients in columns [0, H) and the probability gradients in [H, H + k) of one
+  // ReduceScatter-V (both summed in T).
+  status dispatch_backward_packed(Exec& x, const handle_type& h, std::span<const T> dx_rows,
+                                  std::span<const T> dprob_rows, const dispatch_groups<Comm>& g,
+                                  std::span<T> dx, std::span<T> dprobs) {
+    const auto K = detail::uz(s_.topk), G = detail::uz(h.st_.gathered);
+    const int W = packed_width();
+    const auto Wz = detail::uz(W);
+    auto gx = bufs_.rows_b.first(G * Wz);
+    if (auto st = x.template gather_sum_rows<T, T, accumulator_t<T>>(
+            rows_of(dx_rows, s_.hidden), h.plan_.token_rows(), {}, columns_of(gx, W, 0, s_.hidden));
+        !st)
+      return st;
+    auto gp = bufs_.probs_a.first(G * K);  // by slot, then into the packed rows' columns
+    if (auto st = x.template gather_rows<T>(rows_of(dprob_rows, 1), h.plan_.slot_rows(), 1,
+                                            rows_of(gp, 1));
+        !st)
+      return st;
+    if (auto st =
+            x.copy(rows_of(std::span<const T>(gp), s_.topk), columns_of(gx, W, s_.hidden, s_.topk));
+        !st)
+      return st;
+    if (auto st = zero_padding(x, gx, W, s_.hidden + s_.topk); !st) return st;
+    auto rr = bufs_.rows_a.first(detail::uz(h.num_tokens()) * Wz);
+    if (auto st = g.tp_ep.reduce_scatter_v(x, rows_of(std::span<const T>(gx), W),
+                                           std::span<const int>(h.st_.tokens), rows_of(rr, W),
+                                           reduce_op::sum);
+        !st)
+      return st;
+    const std::span<const T> rrc = rr;
+    if (auto st = x.copy(columns_of(rrc, W, 0, s_.hidden), rows_of(dx, s_.hidden)); !st) return st;
+    return x.copy(columns_of(rrc, W, s_.hidden, s_.topk), rows_of(dprobs, s_.topk));
+  }
+
+  // The backward for 16-bit T (!pack_reductions): the probability gradients keep their own
+  // ReduceScatter-V.
+  status dispatch_backward_separate(Exec& x, const handle_type& h, std::span<const T> dx_rows,
+                                    std::span<const T> dprob_rows, const dispatch_groups<Comm>& g,
+                                    std::span<T> dx, std::span<T> dprobs) {
+    const auto H = detail::uz(s_.hidden), K = detail::uz(s_.topk), G = detail::uz(h.st_.gathered);
     auto gx = bufs_.rows_b.first(G * H);
-    if (auto st = x.template gather_sum_rows<T>(rows_of(dx_rows, s_.hidden), h.plan_.token_rows(),
-                                                {}, rows_of(gx, s_.hidden));
+    if (auto st = x.template gather_sum_rows<T, T, accumulator_t<T>>(
+            rows_of(dx_rows, s_.hidden), h.plan_.token_rows(), {}, rows_of(gx, s_.hidden));
         !st)
       return st;
     if (auto st = g.tp_ep.reduce_scatter_v(x, rows_of(std::span<const T>(gx), s_.hidden),
@@ -258,13 +344,6 @@ class all_gather_dispatcher
                                     std::span<const int>(h.st_.tokens), rows_of(dprobs, s_.topk),
                                     reduce_op::sum);
   }
-
- private:
-  struct buffers {
-    std::span<std::byte> plan;
-    std::span<int> header, tokens, per_expert, expert_counts, experts, local_experts;
-    std::span<T> rows_a, rows_b, probs_a, batch_x, batch_probs;
-  };
 
   // Rows of the experts' batch at most: the receive bound (by default every routed pair of the
   // group), or C per (rank, local expert) in pad mode.
@@ -290,17 +369,18 @@ class all_gather_dispatcher
     b.batch_x = c.take<T>(M * H);
     b.batch_probs = c.take<T>(M);
   }
-  // Scratch (dead after each call): the gathered tokens, routing and probabilities.
+  // Scratch (dead after each call): the gathered tokens with their probabilities (packed rows
+  // of W elements), the gathered routing, and the probabilities by slot.
   void carve_scratch(workspace_carver& c, buffers& b) const {
-    const auto P = detail::uz(s_.ep) * detail::uz(s_.etp), H = detail::uz(s_.hidden),
+    const auto P = detail::uz(s_.ep) * detail::uz(s_.etp), W = detail::uz(packed_width()),
                K = detail::uz(s_.topk);
     const auto G = detail::uz(s_.max_tokens) * P;
     b.header = c.take<int>(2 * P);
     b.expert_counts = c.take<int>(detail::uz(s_.num_experts));
     b.experts = c.take<int>(G * K);
     b.local_experts = c.take<int>(G * K);
-    b.rows_a = c.take<T>(G * H);
-    b.rows_b = c.take<T>(G * H);
+    b.rows_a = c.take<T>(G * W);
+    b.rows_b = c.take<T>(G * W);
     b.probs_a = c.take<T>(G * K);
   }
 

@@ -7,14 +7,23 @@
 //!   -> [experts] -> chunk unsort -> ReduceScatter-V over ETP -> All-to-All-V back -> un-permute.
 //! The backward runs the mirror image and reuses the forward's plan, splits and chunk order, which
 //! the typed handle carries. Everything a step needs lives in the caller's workspace.
+//!
+//! Probabilities travel with their rows: the permute writes packed rows of W elements (the token
+//! row in columns [0, H), its probability in column H, zeros up to W = round_up((H + 1) *
+//! sizeof(T), 16) / sizeof(T)), so the dispatch's All-to-All-V and AllGather-V, and the
+//! backward's ReduceScatter-V and All-to-All-V, are one collective each instead of two. The
+//! backward's ReduceScatter-V packs only when T is at least 32 bits (pack_reductions); for 16-bit
+//! T the probability gradients keep their own reduction.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string>
+#include <utility>
 
 #include "../comm/communicator.hpp"
+#include "../core/dtype.hpp"
 #include "../core/expected.hpp"
 #include "../core/host_exec.hpp"
 #include "../core/row_view.hpp"
@@ -38,7 +47,9 @@ requires communicator_for<Comm, Exec, T> && communicator_for<Comm, Exec, int>
 class all_to_all_dispatcher
     : public dispatcher_common<all_to_all_dispatcher<T, Comm, Exec>, T, Comm, Exec> {
   using common = dispatcher_common<all_to_all_dispatcher<T, Comm, Exec>, T, Comm, Exec>;
+  using common::columns_of;
   using common::rows_of;
+  using common::zero_padding;
 
   // Rows move only through the context's operations (gather_rows, gather_sum_rows, copy_chunks);
   // the bookkeeping (plan builder, splits) still reads the workspace on the host, so the device
@@ -55,6 +66,7 @@ class all_to_all_dispatcher
   using common::combine_backward;
   using common::dispatch;
   using common::dispatch_backward;
+  using common::pack_reductions;
   //! What the handle keeps for combine and the backward: splits and the chunk order.
   struct state {
     std::span<int> input_splits, output_splits, output_splits_tp, per_expert, chunk_counts, order;
@@ -64,12 +76,18 @@ class all_to_all_dispatcher
   //! Checks the shape (detail::check_dispatch_shape).
   [[nodiscard]] static expected<all_to_all_dispatcher> make(const dispatch_shape& s) {
     if (auto st = detail::check_dispatch_shape(s); !st) return unexpected<error>(st.error());
+    if (auto st = detail::check_packed_width(detail::packed_width<T>(s.hidden + 1LL), "H + 1"); !st)
+      return unexpected<error>(st.error());
     all_to_all_dispatcher d;
     d.s_ = s;
     return d;
   }
 
   [[nodiscard]] const dispatch_shape& shape() const noexcept { return s_; }
+  //! Elements of a packed row (token row, probability, zeros): a multiple of 16 bytes.
+  [[nodiscard]] int packed_width() const noexcept {
+    return static_cast<int>(detail::packed_width<T>(s_.hidden + 1LL));
+  }
 
   //! Bytes of workspace one dispatch/combine round trip (and its backward) needs, per part
   //! (dispatch_workspace): rows grow with the receive bound (dispatch_shape::max_recv_rows), not
@@ -165,43 +183,43 @@ class all_to_all_dispatcher
     const int m_send = h.plan_.num_rows();
     const int m_a2a = split_total(h.st_.output_splits);
     const int m_all = split_total(h.st_.output_splits_tp);
-    // 3. Permute rows and probabilities.            x [N,H] -> xp [m_send, H], pp [m_send]
-    auto xp = b.rows_a.first(detail::uz(m_send) * H);
-    auto pp = b.probs_a.first(detail::uz(m_send));
+    // 3. Permute into packed rows: the token row in columns [0, H), its probability in column H,
+    //    zeros after.                                x [N,H], probs [N*k] -> xp [m_send, W]
+    const int W = packed_width();
+    auto xp = b.rows_c.first(detail::uz(m_send) * detail::uz(W));
     if (auto st = x.template gather_rows<T>(rows_of(in.x, s_.hidden), h.plan_.row_slots(), s_.topk,
-                                            rows_of(xp, s_.hidden));
+                                            columns_of(xp, W, 0, s_.hidden));
         !st)
       return unexpected<error>(st.error());
-    if (auto st =
-            x.template gather_rows<T>(rows_of(in.probs, 1), h.plan_.row_slots(), 1, rows_of(pp, 1));
+    if (auto st = x.template gather_rows<T>(rows_of(in.probs, 1), h.plan_.row_slots(), 1,
+                                            columns_of(xp, W, s_.hidden, 1));
         !st)
       return unexpected<error>(st.error());
-    // 4. All-to-All-V over EP.                       -> [m_a2a, H] ordered (j, l, token)
-    auto xr = b.rows_b.first(detail::uz(m_a2a) * H);
-    auto pr = b.probs_b.first(detail::uz(m_a2a));
-    if (auto st = a2a(x, g.ep, xp, h.st_.input_splits, xr, h.st_.output_splits, s_.hidden); !st)
-      return unexpected<error>(st.error());
-    if (auto st = a2a(x, g.ep, pp, h.st_.input_splits, pr, h.st_.output_splits, 1); !st)
+    if (auto st = zero_padding(x, xp, W, s_.hidden + 1); !st) return unexpected<error>(st.error());
+    // 4. All-to-All-V over EP, rows and probabilities in one.   -> [m_a2a, W] ordered (j, l, token)
+    auto xr = b.rows_b.first(detail::uz(m_a2a) * detail::uz(W));
+    if (auto st = a2a(x, g.ep, xp, h.st_.input_splits, xr, h.st_.output_splits, W); !st)
       return unexpected<error>(st.error());
     h.volume_.dispatch_a2a =
-        volume(m_send - h.st_.input_splits[detail::uz(g.ep.rank())], sizeof(T), s_.hidden + 1);
-    // 5. AllGather-V over ETP.                        -> [m_all, H] ordered (t, j, l, token)
-    std::span<T> xg = xr, pg = pr;
+        volume(m_send - h.st_.input_splits[detail::uz(g.ep.rank())], sizeof(T), W);
+    // 5. AllGather-V over ETP.                        -> [m_all, W] ordered (t, j, l, token)
+    std::span<T> xg = xr;
     if (s_.etp > 1) {
-      xg = b.rows_a.first(detail::uz(m_all) * H);
-      pg = b.probs_a.first(detail::uz(m_all));
-      if (auto st = agv(x, g.etp, xr, xg, h.st_.output_splits_tp, s_.hidden); !st)
+      xg = b.rows_a.first(detail::uz(m_all) * detail::uz(W));
+      if (auto st = agv(x, g.etp, xr, xg, h.st_.output_splits_tp, W); !st)
         return unexpected<error>(st.error());
-      if (auto st = agv(x, g.etp, pr, pg, h.st_.output_splits_tp, 1); !st)
-        return unexpected<error>(st.error());
-      h.volume_.dispatch_agv =
-          volume(static_cast<long long>(m_a2a) * (s_.etp - 1), sizeof(T), s_.hidden + 1);
+      h.volume_.dispatch_agv = volume(static_cast<long long>(m_a2a) * (s_.etp - 1), sizeof(T), W);
     }
-    // 6. Chunk sort (t, j, l) -> (l, t, j): rows grouped by local expert.
+    // 6. Chunk sort (t, j, l) -> (l, t, j): rows grouped by local expert, out of the packed rows
+    //    into the experts' batch.                    -> x [m_all, H], probs [m_all]
     h.x_ = b.batch_x.first(detail::uz(m_all) * H);
     h.p_ = b.batch_probs.first(detail::uz(m_all));
-    if (auto st = sort_chunks(x, h, xg, s_.hidden, h.x_); !st) return unexpected<error>(st.error());
-    if (auto st = sort_chunks(x, h, pg, 1, h.p_); !st) return unexpected<error>(st.error());
+    const std::span<const T> xgc = xg;
+    if (auto st = sort_chunks(x, h, columns_of(xgc, W, 0, s_.hidden), rows_of(h.x_, s_.hidden));
+        !st)
+      return unexpected<error>(st.error());
+    if (auto st = sort_chunks(x, h, columns_of(xgc, W, s_.hidden, 1), rows_of(h.p_, 1)); !st)
+      return unexpected<error>(st.error());
     return h;
   }
 
@@ -217,7 +235,8 @@ class all_to_all_dispatcher
               m_all = h.num_rows();
     // Unsort (l, t, j) -> (t, j, l).
     auto yu = bufs_.rows_a.first(detail::uz(m_all) * H);
-    if (auto st = unsort_chunks(x, h, y, s_.hidden, yu); !st) return st;
+    if (auto st = unsort_chunks(x, h, rows_of(y, s_.hidden), rows_of(yu, s_.hidden)); !st)
+      return st;
     // ReduceScatter-V over ETP: sums the row-parallel partials, returns each peer its rows.
     std::span<T> yr = yu;
     if (s_.etp > 1) {
@@ -232,8 +251,9 @@ class all_to_all_dispatcher
     h.volume_.combine_a2a =
         volume(m_a2a - h.st_.output_splits[detail::uz(g.ep.rank())], sizeof(T), s_.hidden);
     // Un-permute: out[t] = sum over its pairs, in slot order.
-    return x.template gather_sum_rows<T>(rows_of(std::span<const T>(yc), s_.hidden),
-                                         h.plan_.token_rows(), {}, rows_of(out, s_.hidden));
+    return x.template gather_sum_rows<T, T, accumulator_t<T>>(
+        rows_of(std::span<const T>(yc), s_.hidden), h.plan_.token_rows(), {},
+        rows_of(out, s_.hidden));
   }
 
   //! Backward of combine: dout [N, H] -> dy [M, H] (the experts' output gradient, batch order).
@@ -258,7 +278,7 @@ class all_to_all_dispatcher
       gu = bufs_.rows_a.first(detail::uz(m_all) * H);
       if (auto st = agv(x, g.etp, gr, gu, h.st_.output_splits_tp, s_.hidden); !st) return st;
     }
-    return sort_chunks(x, h, gu, s_.hidden, dy);
+    return sort_chunks(x, h, rows_of(std::span<const T>(gu), s_.hidden), rows_of(dy, s_.hidden));
   }
 
   //! Backward of dispatch: the experts' input and probability gradients (batch order, ETP
@@ -276,31 +296,10 @@ class all_to_all_dispatcher
       return make_error(errc::shape_mismatch,
                         "dispatch_backward: dx_rows [M, H], dprob_rows "
                         "[M], dx [N, H], dprobs [N*k]");
-    const int m_a2a = split_total(h.st_.output_splits), m_send = h.plan_.num_rows(),
-              m_all = h.num_rows();
-    auto gx = bufs_.rows_a.first(detail::uz(m_all) * H);  // sort backward = unsort
-    auto gp = bufs_.probs_a.first(detail::uz(m_all));
-    if (auto st = unsort_chunks(x, h, dx_rows, s_.hidden, gx); !st) return st;
-    if (auto st = unsort_chunks(x, h, dprob_rows, 1, gp); !st) return st;
-    std::span<T> rx = gx, rp = gp;  // AllGather backward = ReduceScatter (a sum over ETP)
-    if (s_.etp > 1) {
-      rx = bufs_.rows_b.first(detail::uz(m_a2a) * H);
-      rp = bufs_.probs_b.first(detail::uz(m_a2a));
-      if (auto st = rsv(x, g.etp, gx, rx, h.st_.output_splits_tp, s_.hidden); !st) return st;
-      if (auto st = rsv(x, g.etp, gp, rp, h.st_.output_splits_tp, 1); !st) return st;
-    }
-    auto sx = bufs_.rows_c.first(detail::uz(m_send) * H);  // All-to-All backward: swap the splits
-    auto sp = bufs_.probs_c.first(detail::uz(m_send));
-    if (auto st = a2a(x, g.ep, rx, h.st_.output_splits, sx, h.st_.input_splits, s_.hidden); !st)
-      return st;
-    if (auto st = a2a(x, g.ep, rp, h.st_.output_splits, sp, h.st_.input_splits, 1); !st) return st;
-    // Permute backward = un-permute without probs; the probs' permute backward is a gather.
-    if (auto st = x.template gather_sum_rows<T>(rows_of(std::span<const T>(sx), s_.hidden),
-                                                h.plan_.token_rows(), {}, rows_of(dx, s_.hidden));
-        !st)
-      return st;
-    return x.template gather_rows<T>(rows_of(std::span<const T>(sp), 1), h.plan_.slot_rows(), 1,
-                                     rows_of(dprobs, 1));
+    // Packed unless the ReduceScatter-V over ETP would sum 16-bit probabilities.
+    if (pack_reductions || s_.etp == 1)
+      return dispatch_backward_packed(x, h, dx_rows, dprob_rows, g, dx, dprobs);
+    return dispatch_backward_separate(x, h, dx_rows, dprob_rows, g, dx, dprobs);
   }
 
  private:
@@ -308,24 +307,89 @@ class all_to_all_dispatcher
     std::span<std::byte> plan;
     std::span<int> gathered, input_splits, output_splits, output_splits_tp, per_expert,
         chunk_counts, order, chunk_src, chunk_dst;
-    // Scratch rows and probs reused by every step, and the expert batch, which must survive
-    // until the backward (the experts read it again there).
-    std::span<T> rows_a, rows_b, rows_c, probs_a, probs_b, probs_c, batch_x, batch_probs;
+    // Scratch rows reused by every step (packed rows [., W] in dispatch and its backward, plain
+    // rows [., H] in combine and its backward), and the expert batch, which must survive until
+    // the backward (the experts read it again there).
+    std::span<T> rows_a, rows_b, rows_c, batch_x, batch_probs;
   };
 
-  // Chunk sort (t, j, l) -> (l, t, j) and its inverse: one chunk copy with the offsets the
-  // forward planned, swapped for the inverse.   src, dst [rows, width]
-  static status sort_chunks(Exec& x, const handle_type& h, std::span<const T> src, int width,
-                            std::span<T> dst) {
-    return x.template copy_chunks<T>(rows_of(src, width), rows_of(h.st_.chunk_counts, 1),
-                                     rows_of(h.st_.chunk_src, 1), rows_of(h.st_.chunk_dst, 1),
-                                     rows_of(dst, width));
+  // The backward with packed rows: the row gradients in columns [0, H), the probability
+  // gradients in column H; one ReduceScatter-V over ETP (sums both in T) and one All-to-All-V.
+  status dispatch_backward_packed(Exec& x, const handle_type& h, std::span<const T> dx_rows,
+                                  std::span<const T> dprob_rows, const dispatch_groups<Comm>& g,
+                                  std::span<T> dx, std::span<T> dprobs) {
+    const int m_a2a = split_total(h.st_.output_splits), m_send = h.plan_.num_rows(),
+              m_all = h.num_rows(), W = packed_width();
+    const auto Wz = detail::uz(W);
+    auto gx = bufs_.rows_a.first(detail::uz(m_all) * Wz);  // sort backward = unsort
+    if (auto st = unsort_chunks(x, h, rows_of(dx_rows, s_.hidden), columns_of(gx, W, 0, s_.hidden));
+        !st)
+      return st;
+    if (auto st = unsort_chunks(x, h, rows_of(dprob_rows, 1), columns_of(gx, W, s_.hidden, 1)); !st)
+      return st;
+    if (auto st = zero_padding(x, gx, W, s_.hidden + 1); !st) return st;
+    std::span<T> rx = gx;  // AllGather backward = ReduceScatter (a sum over ETP)
+    if (s_.etp > 1) {
+      rx = bufs_.rows_b.first(detail::uz(m_a2a) * Wz);
+      if (auto st = rsv(x, g.etp, gx, rx, h.st_.output_splits_tp, W); !st) return st;
+    }
+    auto sx = bufs_.rows_c.first(detail::uz(m_send) * Wz);  // All-to-All backward: swap the splits
+    if (auto st = a2a(x, g.ep, rx, h.st_.output_splits, sx, h.st_.input_splits, W); !st) return st;
+    // Permute backward = un-permute without probs; the probs' permute backward is a gather.
+    const std::span<const T> sxc = sx;
+    if (auto st = x.template gather_sum_rows<T, T, accumulator_t<T>>(
+            columns_of(sxc, W, 0, s_.hidden), h.plan_.token_rows(), {}, rows_of(dx, s_.hidden));
+        !st)
+      return st;
+    return x.template gather_rows<T>(columns_of(sxc, W, s_.hidden, 1), h.plan_.slot_rows(), 1,
+                                     rows_of(dprobs, 1));
   }
-  static status unsort_chunks(Exec& x, const handle_type& h, std::span<const T> src, int width,
-                              std::span<T> dst) {
-    return x.template copy_chunks<T>(rows_of(src, width), rows_of(h.st_.chunk_counts, 1),
-                                     rows_of(h.st_.chunk_dst, 1), rows_of(h.st_.chunk_src, 1),
-                                     rows_of(dst, width));
+
+  // The backward for 16-bit T with ETP > 1 (!pack_reductions): the probability gradients keep
+  // their own ReduceScatter-V and All-to-All-V, in plain layouts inside the packed buffers
+  // (W >= H + 1 elements per row leaves room for [rows, H] followed by [rows]).
+  status dispatch_backward_separate(Exec& x, const handle_type& h, std::span<const T> dx_rows,
+                                    std::span<const T> dprob_rows, const dispatch_groups<Comm>& g,
+                                    std::span<T> dx, std::span<T> dprobs) {
+    const int m_a2a = split_total(h.st_.output_splits), m_send = h.plan_.num_rows(),
+              m_all = h.num_rows();
+    const auto H = detail::uz(s_.hidden);
+    auto rows_and_probs = [&](std::span<T> buf, int m) {
+      const auto mz = detail::uz(m);
+      return std::pair{buf.first(mz * H), buf.subspan(mz * H, mz)};
+    };
+    auto [gx, gp] = rows_and_probs(bufs_.rows_a, m_all);  // sort backward = unsort
+    if (auto st = unsort_chunks(x, h, rows_of(dx_rows, s_.hidden), rows_of(gx, s_.hidden)); !st)
+      return st;
+    if (auto st = unsort_chunks(x, h, rows_of(dprob_rows, 1), rows_of(gp, 1)); !st) return st;
+    auto [rx, rp] = rows_and_probs(bufs_.rows_b, m_a2a);  // AllGather backward = ReduceScatter
+    if (auto st = rsv(x, g.etp, gx, rx, h.st_.output_splits_tp, s_.hidden); !st) return st;
+    if (auto st = rsv(x, g.etp, gp, rp, h.st_.output_splits_tp, 1); !st) return st;
+    auto [sx, sp] = rows_and_probs(bufs_.rows_c, m_send);  // All-to-All backward: swap splits
+    if (auto st = a2a(x, g.ep, rx, h.st_.output_splits, sx, h.st_.input_splits, s_.hidden); !st)
+      return st;
+    if (auto st = a2a(x, g.ep, rp, h.st_.output_splits, sp, h.st_.input_splits, 1); !st) return st;
+    if (auto st = x.template gather_sum_rows<T, T, accumulator_t<T>>(
+            rows_of(std::span<const T>(sx), s_.hidden), h.plan_.token_rows(), {},
+            rows_of(dx, s_.hidden));
+        !st)
+      return st;
+    return x.template gather_rows<T>(rows_of(std::span<const T>(sp), 1), h.plan_.slot_rows(), 1,
+                                     rows_of(dprobs, 1));
+  }
+
+  // Chunk sort (t, j, l) -> (l, t, j) and its inverse: one chunk copy with the offsets the
+  // forward planned, swapped for the inverse.   src, dst [rows, width], either may be strided
+  // (the columns of packed rows)
+  using view = row_view<T, space>;
+  using const_view = row_view<const T, space>;
+  static status sort_chunks(Exec& x, const handle_type& h, const_view src, view dst) {
+    return x.template copy_chunks<T>(src, rows_of(h.st_.chunk_counts, 1),
+                                     rows_of(h.st_.chunk_src, 1), rows_of(h.st_.chunk_dst, 1), dst);
+  }
+  static status unsort_chunks(Exec& x, const handle_type& h, const_view src, view dst) {
+    return x.template copy_chunks<T>(src, rows_of(h.st_.chunk_counts, 1),
+                                     rows_of(h.st_.chunk_dst, 1), rows_of(h.st_.chunk_src, 1), dst);
   }
   int local_experts() const noexcept { return s_.num_experts / s_.ep; }
   // Rows this rank receives at most (after the AllGather-V): the receive bound, by default every
@@ -366,19 +430,17 @@ class all_to_all_dispatcher
     b.batch_x = c.take<T>(R * H);
     b.batch_probs = c.take<T>(R);
   }
-  // Scratch (dead after each call): the gathered counts and the rows in flight. Buffers a and b
-  // hold received rows (at most the receive bound), c the rows this rank sends.
+  // Scratch (dead after each call): the gathered counts and the rows in flight, packed rows of W
+  // elements (the probabilities travel in them). Buffers a and b hold received rows (at most the
+  // receive bound), c the rows this rank sends.
   void carve_scratch(workspace_carver& c, int capacity, buffers& b) const {
     const auto E = detail::uz(s_.num_experts), EP = detail::uz(s_.ep), ETP = detail::uz(s_.etp),
-               H = detail::uz(s_.hidden);
+               W = detail::uz(packed_width());
     const auto R = detail::uz(recv_rows(capacity)), S = detail::uz(send_rows(capacity));
     b.gathered = c.take<int>(EP * ETP * E);
-    b.rows_a = c.take<T>(R * H);
-    b.rows_b = c.take<T>(R * H);
-    b.rows_c = c.take<T>(S * H);
-    b.probs_a = c.take<T>(R);
-    b.probs_b = c.take<T>(R);
-    b.probs_c = c.take<T>(S);
+    b.rows_a = c.take<T>(R * W);
+    b.rows_b = c.take<T>(R * W);
+    b.rows_c = c.take<T>(S * W);
   }
 
   status check_handle(const handle_type& h, const dispatch_groups<Comm>& g) const {

@@ -19,11 +19,14 @@ struct comm_volume {
   long long bytes = 0;
 };
 
-//! Per-step byte accounting of one dispatch/combine round trip (forward).
+//! Per-step byte accounting of one dispatch/combine round trip (forward). The dispatch's rows are
+//! packed rows (the token row, its probabilities, zeros to a multiple of 16 bytes: the
+//! dispatchers' packed_width()), counted at their packed size.
 struct dispatch_volume {
   comm_volume count_gather;  //!< per-expert counts (or token counts), AllGather over tp-ep
-  comm_volume dispatch_a2a;  //!< token rows and probs, All-to-All-V over EP
-  comm_volume dispatch_agv;  //!< AllGather-V over ETP (All-to-All path) or tp-ep (AllGather path)
+  comm_volume dispatch_a2a;  //!< packed rows (token row and probability), All-to-All-V over EP
+  comm_volume dispatch_agv;  //!< packed rows, AllGather-V over ETP (All-to-All path) or tp-ep
+                             //!< (AllGather path, with the expert ids)
   comm_volume combine_rsv;   //!< ReduceScatter-V over ETP (All-to-All path) or tp-ep (AllGather)
   comm_volume combine_a2a;   //!< All-to-All-V back over EP
 };

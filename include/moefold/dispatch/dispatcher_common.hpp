@@ -1,7 +1,8 @@
 //! @file dispatcher_common.hpp
 //! @brief What both token dispatchers share around their own four steps: the calls on a
 //! default-constructed context (host_exec carries nothing), one workspace buffer split into its
-//! two parts, and views of workspace spans in the dispatcher's memory space.
+//! two parts, views of workspace spans in the dispatcher's memory space, and the packed rows in
+//! which probabilities travel with their token rows.
 //!
 //! A dispatcher D derives from dispatcher_common<D, T, Comm, Exec>, implements dispatch(x, in, g,
 //! dispatch_workspace), combine(x, ...), combine_backward(x, ...), dispatch_backward(x, ...) and
@@ -10,7 +11,9 @@
 
 #include <concepts>
 #include <cstddef>
+#include <cstdint>
 #include <span>
+#include <string>
 
 #include "../core/expected.hpp"
 #include "../core/row_view.hpp"
@@ -21,10 +24,45 @@
 namespace moefold {
 inline namespace v0_1 {
 
+namespace detail {
+
+//! Packed rows are a multiple of this many bytes: each starts 16-byte aligned in a 16-byte-aligned
+//! buffer (the workspace's sub-buffers are 256-byte aligned), as 16-byte loads and stores want.
+inline constexpr std::int64_t packed_row_alignment = 16;
+
+//! Elements of a packed row holding `cols` values of T (H token elements, then the
+//! probabilities), padded up to a multiple of 16 bytes: round_up(cols * sizeof(T), 16) /
+//! sizeof(T).
+template <class T>
+[[nodiscard]] constexpr std::int64_t packed_width(std::int64_t cols) noexcept {
+  static_assert(packed_row_alignment % static_cast<std::int64_t>(sizeof(T)) == 0,
+                "packed rows: sizeof(T) must divide 16");
+  constexpr auto e = static_cast<std::int64_t>(sizeof(T));
+  return (cols * e + packed_row_alignment - 1) / packed_row_alignment * packed_row_alignment / e;
+}
+
+//! A packed width must be a valid row width (below 2^31 elements).
+[[nodiscard]] inline status check_packed_width(std::int64_t width, const char* what) {
+  if (width > max_rows)
+    return make_error(errc::overflow, std::string("dispatcher: a packed row (") + what + ") of " +
+                                          to_decimal(width) + " elements reaches 2^31");
+  return {};
+}
+
+}  // namespace detail
+
 template <class D, class T, class Comm, class Exec>
 class dispatcher_common {
  public:
   using handle_type = dispatch_handle<D>;
+
+  //! Probabilities travel in the rows of their tokens (one collective instead of two) wherever
+  //! the collective only copies. A reduction of packed rows sums the probability column in T, so
+  //! it is packed only when T is at least 32 bits wide (fp32, fp64: then it is the same sum as a
+  //! separate reduction in T). For 16-bit T the probability gradients keep their own reduction
+  //! (the host communicators accumulate it in fp32, accumulator_t), so that column is never
+  //! summed in 16 bits. Both paths are compiled for every T; this selects one at run time.
+  static constexpr bool pack_reductions = sizeof(T) >= 4;
 
   //! Bytes of one buffer holding both workspace parts (see workspace_sizes).
   [[nodiscard]] std::size_t workspace_bytes(int capacity = -1) const {
@@ -77,6 +115,21 @@ class dispatcher_common {
   static row_view<U, typename Exec::memory_space> rows_of(std::span<U> v, int width) noexcept {
     return row_view<U, typename Exec::memory_space>(
         v.data(), width > 0 ? static_cast<int>(v.size() / detail::uz(width)) : 0, width);
+  }
+  //! Columns [first, first + width) of packed rows [packed.size() / stride, stride]: the token
+  //! part ([rows, H]) or the probabilities ([rows, 1] or [rows, k]) as a strided view.
+  template <class U>
+  static row_view<U, typename Exec::memory_space> columns_of(std::span<U> packed, int stride,
+                                                             int first, int width) noexcept {
+    const int rows = stride > 0 ? static_cast<int>(packed.size() / detail::uz(stride)) : 0;
+    return row_view<U, typename Exec::memory_space>(
+        rows > 0 ? packed.data() + first : packed.data(), rows, width, stride);
+  }
+  //! Zeros in columns [used, stride) of packed rows (the padding), so that no uninitialised byte
+  //! travels in a collective.
+  static status zero_padding(Exec& x, std::span<T> packed, int stride, int used) {
+    if (used >= stride) return {};
+    return x.template fill<T>(columns_of(packed, stride, used, stride - used), T(0));
   }
 
  private:
