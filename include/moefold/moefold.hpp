@@ -33,6 +33,7 @@
 #include "dispatch/drop_policy_local.hpp"
 #include "dispatch/drop_result.hpp"
 #include "dispatch/expert_batch.hpp"
+#include "dispatch/pad_mode.hpp"
 #include "dispatch/permute.hpp"
 #include "dispatch/splits.hpp"
 #include "experts/activation.hpp"

@@ -291,7 +291,7 @@ expected<rank_result> run_rank(const problem& p, Comm& world) {
   auto [n, x, expert, probs, dout] = inputs_of(p, groups, r);
   auto disp = make_dispatcher<Path>(p, fold);
   if (!disp) return unexpected<error>(disp.error());
-  const int cap = p.pad ? p.capacity : -1;
+  const std::optional<int> cap = p.pad ? std::optional<int>(p.capacity) : std::nullopt;
   std::vector<std::byte> ws(disp->workspace_bytes(cap));
   const dispatch_groups<Comm> g{*ep, *etp, *tp_ep};
   auto h = disp->dispatch(

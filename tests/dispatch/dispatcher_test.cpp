@@ -538,7 +538,7 @@ TEST_CASE_TEMPLATE("pad mode: a rank over capacity, or naming a bad expert, fail
           std::vector<double> x = {1, 2}, probs = {1, 1};
           std::vector<int> expert = {r, (r + 1) % 4};
           if (r == 2) expert = {0, bad_expert >= 0 ? bad_expert : 0};
-          const int cap = bad_expert >= 0 ? -1 : 1;
+          const std::optional<int> cap = bad_expert >= 0 ? std::nullopt : std::optional<int>(1);
           std::vector<std::byte> ws(disp->workspace_bytes(cap));
           const dispatch_groups<thread_communicator> g{ep, etp, tp_ep};
           auto h = disp->dispatch(
@@ -839,7 +839,7 @@ expected<recorded> run_recorded(const problem& p, thread_communicator& world) {
   const dispatch_groups<recording_comm> g = rg.make(W, AllToAll ? p.hidden + 1 : p.hidden + p.topk);
   auto& log = rg.log;
   auto [n, x, expert, probs, dout] = inputs_of(p, groups, r);
-  const int cap = p.pad ? p.capacity : -1;
+  const std::optional<int> cap = p.pad ? std::optional<int>(p.capacity) : std::nullopt;
   std::vector<std::byte> ws(disp->workspace_bytes(cap), std::byte{0xA5});
   recorded out;
   out.packed_width = W;

@@ -1,5 +1,6 @@
 // Permutation primitives against references written here with other algorithms (a double loop
 // over experts and tokens, per-token sums), plus finite differences for the backward.
+#include <moefold/dispatch/dispatch_args.hpp>
 #include <moefold/dispatch/permute.hpp>
 
 #include <doctest/doctest.h>
@@ -9,6 +10,7 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 using namespace moefold;
@@ -44,7 +46,7 @@ struct planned {
   permute_plan plan;
 };
 
-planned make_plan(const routing& r, int capacity = -1) {
+planned make_plan(const routing& r, std::optional<int> capacity = {}) {
   const permute_args a{
       .num_tokens = r.n, .topk = r.k, .num_experts = r.e, .expert = r.expert, .capacity = capacity};
   planned p{std::vector<std::byte>(permute_plan::workspace_bytes(a)), {}};
@@ -396,4 +398,33 @@ TEST_CASE("pad mode over several sources: C rows per (expert, source), blocks in
   REQUIRE_FALSE(over);
   CHECK(over.error().message.find("expert 0 has 2 routed pairs from source 1") !=
         std::string::npos);
+}
+
+TEST_CASE("pad mode is an optional capacity: unset pads nothing, a negative one is refused") {
+  const std::vector<int> expert = {0, 1, 1, 2};  // N = 2, k = 2, E = 4
+  std::vector<std::byte> ws(1 << 12);
+  const permute_args plain{.num_tokens = 2, .topk = 2, .num_experts = 4, .expert = expert};
+  CHECK(!plain.capacity);
+  const auto p = permute_plan::make(plain, ws);
+  REQUIRE(p);
+  CHECK(p->num_rows() == 4);  // rows as routed
+  permute_args pad = plain;
+  pad.capacity = 2;
+  CHECK(permute_plan::make(pad, ws)->num_rows() == 8);  // C * E
+  pad.capacity = 0;
+  CHECK(permute_plan::make(pad, ws).error().code == errc::invalid_argument);  // over capacity 0
+  pad.capacity = -1;  // the old "off" value is now a bad capacity, named as such
+  const auto bad = permute_plan::make(pad, ws);
+  REQUIRE(!bad);
+  CHECK(bad.error().code == errc::invalid_argument);
+  CHECK(bad.error().message.find("leave it unset for no padding") != std::string::npos);
+  const std::vector<double> x(2 * 3), probs(4);
+  const dispatch_shape s{.max_tokens = 2, .hidden = 3, .topk = 2, .num_experts = 4};
+  dispatch_input<double> in{.num_tokens = 2, .x = x, .expert = expert, .probs = probs};
+  CHECK(detail::check_dispatch_input(s, in));
+  in.capacity = -1;
+  const auto st = detail::check_dispatch_input(s, in);
+  REQUIRE(!st);
+  CHECK(st.error().code == errc::invalid_argument);
+  CHECK(st.error().message.find("capacity = -1") != std::string::npos);
 }

@@ -39,7 +39,7 @@ std::vector<long long> count_steps(const problem& p) {
     auto [n, x, expert, probs, dout] = inputs_of(p, groups, r);
     auto disp = make_dispatcher<Path>(p, fold);
     if (!disp) return unexpected<error>(disp.error());
-    const int cap = p.pad ? p.capacity : -1;
+    const std::optional<int> cap = p.pad ? std::optional<int>(p.capacity) : std::nullopt;
     std::vector<std::byte> ws(disp->workspace_bytes(cap));
     const dispatch_groups<comm> g{ep, etp, tp_ep};
     auto mlp = rank_experts<double>(p, fold, r, w.w1, w.w2);

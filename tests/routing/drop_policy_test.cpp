@@ -197,7 +197,7 @@ TEST_CASE("capacity >= tokens: sub- and full-sequence dropping equal dropless") 
   const auto r = route(N, k, 301);
   drop_result<double> none, sub, full;
   REQUIRE(dropless{}.apply(r, none));
-  CHECK(none.report.capacity == -1);
+  CHECK(!none.report.capacity);  // dropless: no capacity
   CHECK(none.report.dropped_pairs == 0);
   CHECK(none.final_probs == r.dense_probs());
   CHECK(none.final_map == r.dense_map());
@@ -287,7 +287,7 @@ TEST_CASE("the drop-policy concept: the library's policies and a user's") {
                  drop_counts& out, drop_scratch<double>&) const {
       for (std::size_t p = 0; p < r.pairs(); ++p)
         r.keep[p] = p % static_cast<std::size_t>(r.topk) == 0 ? 1 : 0;
-      return fill_drop_counts(r, -1, out);
+      return fill_drop_counts(r, std::nullopt, out);
     }
   };
   static_assert(drop_policy<dropless, double, thread_communicator>);

@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 
 #include "../comm/communicator.hpp"
@@ -64,7 +65,7 @@ class all_gather_dispatcher
     std::span<int> tokens;  //!< [EP*ETP]
     int gathered = 0;       //!< sum of tokens
   };
-  //! In pad mode (dispatch_input::capacity >= 0) every local expert gets `capacity` rows from
+  //! In pad mode (dispatch_input::capacity set) every local expert gets `capacity` rows from
   //! each rank of the group: its rows are EP*ETP blocks in tp-ep rank order.
 
   //! Checks the shape (detail::check_dispatch_shape).
@@ -91,10 +92,11 @@ class all_gather_dispatcher
   //! in pad mode pass the capacity. The gathered tokens (scratch) are O(max_tokens * EP * ETP *
   //! H), inherent to this path; the experts' batch (saved) follows the receive bound. A query:
   //! nothing is allocated.
-  [[nodiscard]] dispatch_workspace_bytes workspace_sizes(int capacity = -1) const {
+  [[nodiscard]] dispatch_workspace_bytes workspace_sizes(std::optional<int> capacity = {}) const {
+    const int cap = detail::pad_or_off(capacity);
     workspace_carver saved, scratch;
     buffers b;
-    carve_saved(saved, capacity, b);
+    carve_saved(saved, cap, b);
     carve_scratch(scratch, b);
     return {saved.required(), scratch.required()};
   }
@@ -106,15 +108,17 @@ class all_gather_dispatcher
     using detail::to_decimal;
     if (auto st = detail::check_dispatch_groups(s_, g); !st) return unexpected<error>(st.error());
     if (auto st = detail::check_dispatch_input(s_, in); !st) return unexpected<error>(st.error());
+    const int cap = detail::pad_or_off(in.capacity);  // -1: no pad mode
     workspace_carver cs(ws.saved), cx(ws.scratch);
     buffers b;
-    carve_saved(cs, in.capacity, b);
+    carve_saved(cs, cap, b);
     carve_scratch(cx, b);
     if (!cs.fits() || !cx.fits())
       return make_error(errc::workspace_too_small,
                         "dispatch: the workspace has " + to_decimal(ws.saved.size()) +
                             " saved and " + to_decimal(ws.scratch.size()) +
-                            " scratch bytes, workspace_sizes(" + to_decimal(in.capacity) + ") = {" +
+                            " scratch bytes, workspace_sizes(" +
+                            (in.capacity ? to_decimal(cap) : std::string()) + ") = {" +
                             to_decimal(cs.required()) + ", " + to_decimal(cx.required()) + "}");
     bufs_ = b;
     const auto H = detail::uz(s_.hidden), K = detail::uz(s_.topk);
@@ -124,7 +128,7 @@ class all_gather_dispatcher
     // 1. Token counts and pad capacities of the group (every rank sees the same table, so a
     //    capacity mismatch fails every rank alike), then tokens, routing and probabilities.
     const int n = in.num_tokens;
-    const int header[2] = {n, in.capacity};
+    const int header[2] = {n, cap};
     if (auto st = g.tp_ep.all_gather(x, row_view<const int, space>(header, 1, 2),
                                      rows_of(std::span<int>(b.header), 2));
         !st)
@@ -164,21 +168,21 @@ class all_gather_dispatcher
                               sent * static_cast<long long>(Wz * sizeof(T) + K * sizeof(int))};
     // 2. Every rank checks the whole gathered record (expert ids; in pad mode every (source,
     //    expert) against the capacity), so a bad rank fails all of them alike, never alone.
-    if (auto st = detail::check_gathered_routing(eg, b.tokens, s_.topk, s_.num_experts, in.capacity,
+    if (auto st = detail::check_gathered_routing(eg, b.tokens, s_.topk, s_.num_experts, cap,
                                                  b.expert_counts);
         !st)
       return unexpected<error>(st.error());
     // The receive bound, checked by every rank on every EP rank's rows (all see the same record;
     // without a bound the worst case holds by construction).
     const int L = s_.num_experts / s_.ep, first = g.ep.rank() * L;
-    if (in.capacity < 0 && s_.max_recv_rows)
+    if (cap < 0 && s_.max_recv_rows)
       if (const receive_peak peak =
               detail::gathered_peak_receive(eg, s_.num_experts, s_.ep, b.expert_counts);
-          peak.rows > recv_rows(in.capacity))
+          peak.rows > recv_rows(cap))
         return make_error(errc::receive_bound_exceeded,
                           "dispatch: EP rank " + to_decimal(peak.ep_rank) + " would receive " +
                               to_decimal(peak.rows) + " rows, more than the receive bound " +
-                              to_decimal(recv_rows(in.capacity)) +
+                              to_decimal(recv_rows(cap)) +
                               " (dispatch_shape::max_recv_rows; raise it, or drop tokens)");
     // 3. Keep this rank's experts: a local routing record over the gathered tokens.
     auto local = b.local_experts.first(G * K);
@@ -186,7 +190,7 @@ class all_gather_dispatcher
                             rows_of(local, s_.topk));
         !st)
       return unexpected<error>(st.error());
-    const bool pad = in.capacity >= 0;
+    const bool pad = cap >= 0;
     const permute_args pa{.num_tokens = static_cast<int>(total),
                           .topk = s_.topk,
                           .num_experts = L,
@@ -361,7 +365,7 @@ class all_gather_dispatcher
     const permute_args pa{.num_tokens = static_cast<int>(G),
                           .topk = s_.topk,
                           .num_experts = static_cast<int>(L),
-                          .capacity = capacity,
+                          .capacity = capacity >= 0 ? std::optional<int>(capacity) : std::nullopt,
                           .num_sources = capacity >= 0 ? static_cast<int>(P) : 1};
     b.plan = c.take<std::byte>(permute_plan::workspace_bytes(pa));
     b.tokens = c.take<int>(P);

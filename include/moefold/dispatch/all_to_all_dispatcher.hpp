@@ -18,6 +18,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -91,13 +92,14 @@ class all_to_all_dispatcher
 
   //! Bytes of workspace one dispatch/combine round trip (and its backward) needs, per part
   //! (dispatch_workspace): rows grow with the receive bound (dispatch_shape::max_recv_rows), not
-  //! with EP. In pad mode (dispatch_input::capacity >= 0) pass the capacity: the rows then follow
+  //! with EP. In pad mode (dispatch_input::capacity set) pass the capacity: the rows then follow
   //! from it. A query: nothing is allocated.
-  [[nodiscard]] dispatch_workspace_bytes workspace_sizes(int capacity = -1) const {
+  [[nodiscard]] dispatch_workspace_bytes workspace_sizes(std::optional<int> capacity = {}) const {
+    const int cap = detail::pad_or_off(capacity);
     workspace_carver saved, scratch;
     buffers b;
-    carve_saved(saved, capacity, b);
-    carve_scratch(scratch, capacity, b);
+    carve_saved(saved, cap, b);
+    carve_scratch(scratch, cap, b);
     return {saved.required(), scratch.required()};
   }
 
@@ -109,15 +111,17 @@ class all_to_all_dispatcher
     using detail::to_decimal;
     if (auto st = detail::check_dispatch_groups(s_, g); !st) return unexpected<error>(st.error());
     if (auto st = detail::check_dispatch_input(s_, in); !st) return unexpected<error>(st.error());
+    const int cap = detail::pad_or_off(in.capacity);  // -1: no pad mode
     workspace_carver cs(ws.saved), cx(ws.scratch);
     buffers b;
-    carve_saved(cs, in.capacity, b);
-    carve_scratch(cx, in.capacity, b);
+    carve_saved(cs, cap, b);
+    carve_scratch(cx, cap, b);
     if (!cs.fits() || !cx.fits())
       return make_error(errc::workspace_too_small,
                         "dispatch: the workspace has " + to_decimal(ws.saved.size()) +
                             " saved and " + to_decimal(ws.scratch.size()) +
-                            " scratch bytes, workspace_sizes(" + to_decimal(in.capacity) + ") = {" +
+                            " scratch bytes, workspace_sizes(" +
+                            (in.capacity ? to_decimal(cap) : std::string()) + ") = {" +
                             to_decimal(cs.required()) + ", " + to_decimal(cx.required()) + "}");
     bufs_ = b;
     const auto H = detail::uz(s_.hidden);
@@ -127,7 +131,7 @@ class all_to_all_dispatcher
     //    every count is the capacity, so nothing is exchanged (static shapes).
     // NOTE: aggregates are built as named variables, not braced arguments: nvcc 13 miscompiles a
     // braced designated initializer with dependent members passed as an argument in a template.
-    const bool pad = in.capacity >= 0;
+    const bool pad = cap >= 0;
     const permute_args pa{.num_tokens = in.num_tokens,
                           .topk = s_.topk,
                           .num_experts = s_.num_experts,
@@ -164,18 +168,18 @@ class all_to_all_dispatcher
                         .tokens_per_local_expert = h.st_.per_expert,
                         .chunk_counts = h.st_.chunk_counts};
     if (pad)
-      uniform_splits(in.capacity, s_.ep, s_.etp, local_experts(), sv);
+      uniform_splits(cap, s_.ep, s_.etp, local_experts(), sv);
     else if (auto st = compute_splits(sa, sv); !st)
       return unexpected<error>(st.error());
     // Every rank knows every rank's counts: all check the bound on the most loaded EP rank and
     // fail alike, before any row moves (pad mode was checked against it up front; without a
     // bound the worst case holds by construction: no rank routes more than max_tokens * k).
     if (!pad && s_.max_recv_rows)
-      if (const receive_peak peak = peak_receive(sa); peak.rows > recv_rows(in.capacity))
+      if (const receive_peak peak = peak_receive(sa); peak.rows > recv_rows(cap))
         return make_error(errc::receive_bound_exceeded,
                           "dispatch: EP rank " + to_decimal(peak.ep_rank) + " would receive " +
                               to_decimal(peak.rows) + " rows, more than the receive bound " +
-                              to_decimal(recv_rows(in.capacity)) +
+                              to_decimal(recv_rows(cap)) +
                               " (dispatch_shape::max_recv_rows; raise it, or drop tokens)");
     expert_major_chunk_order(s_.etp, s_.ep, local_experts(), h.st_.order);
     chunk_offsets(h.st_.chunk_counts, h.st_.order, h.st_.chunk_src, h.st_.chunk_dst);
@@ -417,7 +421,7 @@ class all_to_all_dispatcher
     const permute_args pa{.num_tokens = s_.max_tokens,
                           .topk = s_.topk,
                           .num_experts = s_.num_experts,
-                          .capacity = capacity};
+                          .capacity = capacity >= 0 ? std::optional<int>(capacity) : std::nullopt};
     b.plan = c.take<std::byte>(permute_plan::workspace_bytes(pa));
     b.input_splits = c.take<int>(EP);
     b.output_splits = c.take<int>(EP);

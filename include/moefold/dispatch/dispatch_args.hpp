@@ -10,6 +10,7 @@
 #include "../comm/communicator.hpp"
 #include "../core/expected.hpp"
 #include "../core/size.hpp"
+#include "pad_mode.hpp"
 
 namespace moefold {
 inline namespace v0_1 {
@@ -53,12 +54,12 @@ struct dispatch_input {
   std::span<const T> x{};         //!< [N, H] tokens
   std::span<const int> expert{};  //!< [N*k] expert of each pair, -1 = dropped
   std::span<const T> probs{};     //!< [N*k] router probability of each pair
-  //! Pad mode when >= 0 (static shapes, docs/dispatch-semantics.md 5.2.1): every expert receives
-  //! exactly `capacity` rows from this rank, its kept pairs in token order and then zero rows of
-  //! probability 0, so no counts need exchanging. Every rank of the tp-ep group must pass the same
-  //! value (drop_result::pad_rows); a mismatch is reported by the communicator's count check
-  //! (All-to-All path) or by the dispatcher (AllGather path). -1: rows as routed.
-  int capacity = -1;
+  //! Pad mode when set (static shapes, docs/dispatch-semantics.md 5.2.1): every expert receives
+  //! exactly `capacity` (>= 0) rows from this rank, its kept pairs in token order and then zero
+  //! rows of probability 0, so no counts need exchanging. Every rank of the tp-ep group must pass
+  //! the same value (drop_counts::pad_rows); a mismatch is reported by the communicator's count
+  //! check (All-to-All path) or by the dispatcher (AllGather path). Unset: rows as routed.
+  std::optional<int> capacity{};
 };
 
 //! This rank's communicators for the three groups a dispatcher uses. The tp-ep rank must be
@@ -144,20 +145,21 @@ template <class T>
   const auto H = static_cast<std::size_t>(s.hidden), K = static_cast<std::size_t>(s.topk);
   if (in.x.size() != N * H || in.probs.size() != N * K || in.expert.size() != N * K)
     return make_error(errc::shape_mismatch, "dispatch: x must be [N, H] and expert, probs [N*k]");
-  if (in.capacity < -1)
+  if (in.capacity && *in.capacity < 0)
     return make_error(errc::invalid_argument,
-                      "dispatch: capacity = " + to_decimal(in.capacity) +
-                          " (pad mode takes a capacity >= 0, -1 turns it off)");
+                      "dispatch: capacity = " + to_decimal(*in.capacity) +
+                          " (pad mode takes a capacity >= 0; leave it unset for no padding)");
   // Pad mode: a rank's experts compute C rows from each of the EP * ETP sources per local
   // expert, C * E * ETP rows in all (what the workspace of workspace_bytes(C) holds).
-  const long long pad_bound = static_cast<long long>(in.capacity) * s.num_experts * s.etp;
-  if (in.capacity > 0 && pad_bound > max_rows)
+  const long long pad_bound =
+      static_cast<long long>(pad_or_off(in.capacity)) * s.num_experts * s.etp;
+  if (in.capacity && pad_bound > max_rows)
     return make_error(errc::overflow, "dispatch: capacity * num_experts * etp = " +
                                           to_decimal(pad_bound) + " rows reach 2^31");
-  if (in.capacity >= 0 && s.max_recv_rows && pad_bound > *s.max_recv_rows)
+  if (in.capacity && s.max_recv_rows && pad_bound > *s.max_recv_rows)
     return make_error(
         errc::receive_bound_exceeded,
-        "dispatch: pad mode with capacity " + to_decimal(in.capacity) +
+        "dispatch: pad mode with capacity " + to_decimal(*in.capacity) +
             " receives capacity * num_experts * etp = " + to_decimal(pad_bound) +
             " rows on every rank, more than max_recv_rows = " + to_decimal(*s.max_recv_rows));
   return {};

@@ -65,7 +65,7 @@ class dispatcher_common {
   static constexpr bool pack_reductions = sizeof(T) >= 4;
 
   //! Bytes of one buffer holding both workspace parts (see workspace_sizes).
-  [[nodiscard]] std::size_t workspace_bytes(int capacity = -1) const {
+  [[nodiscard]] std::size_t workspace_bytes(std::optional<int> capacity = {}) const {
     return self().workspace_sizes(capacity).total();
   }
 

@@ -10,6 +10,7 @@
 #include <concepts>
 #include <cstdint>
 #include <numeric>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -30,12 +31,12 @@ enum class drop_by {
 
 //! What a policy dropped, per expert, for logging and tests.
 struct drop_report {
-  int capacity = -1;             //!< C per expert; -1 when unbounded (dropless)
-  std::vector<int> routed{};     //!< [E] pairs the router sent to each expert
-  std::vector<int> dropped{};    //!< [E] routed pairs beyond capacity
-  std::vector<int> padded{};     //!< [E] zero-probability filler rows (pad mode)
-  long long dropped_pairs = 0;   //!< sum of dropped
-  int fully_dropped_tokens = 0;  //!< tokens that lost all k experts
+  std::optional<int> capacity{};  //!< C per expert; unset when unbounded (dropless)
+  std::vector<int> routed{};      //!< [E] pairs the router sent to each expert
+  std::vector<int> dropped{};     //!< [E] routed pairs beyond capacity
+  std::vector<int> padded{};      //!< [E] zero-probability filler rows (pad mode)
+  long long dropped_pairs = 0;    //!< sum of dropped
+  int fully_dropped_tokens = 0;   //!< tokens that lost all k experts
 };
 
 //! Where a policy writes what it decided, besides the keep mask: caller storage, so that a step
@@ -47,13 +48,13 @@ struct drop_counts {
   std::span<int> dropped{};              //!< [E] routed pairs beyond capacity
   std::span<int> padded{};               //!< [E] zero-probability filler rows (pad mode)
   std::span<std::uint8_t> filler_map{};  //!< [N, E] or empty: 1 where a filler row sits
-  int capacity = -1;                     //!< C per expert; -1 when unbounded (dropless)
+  std::optional<int> capacity{};         //!< C per expert; unset when unbounded (dropless)
   //! Pad mode: the rows per expert the dispatcher pads this rank's column to (its kept pairs,
   //! then zero rows of probability 0, which contribute nothing: docs/dispatch-semantics.md 3.3),
-  //! giving static shapes; -1 without padding. Sub-sequence: C. Full-sequence: the group's C,
+  //! giving static shapes; unset without padding. Sub-sequence: C. Full-sequence: the group's C,
   //! because a rank may hold up to all C kept rows of a column (static shapes cost |TP x CP| x the
   //! rows). dispatch_input::capacity takes it.
-  int pad_rows = -1;
+  std::optional<int> pad_rows{};
   long long dropped_pairs = 0;   //!< sum of dropped
   int fully_dropped_tokens = 0;  //!< tokens that lost all k experts
 
@@ -314,11 +315,12 @@ void keep_within_capacity(const routing_view<T>& r, int capacity, drop_by by, bo
 //! Fills the counts (routed, dropped, dropped pairs, fully dropped tokens; no padding) from a
 //! routing whose keep mask a policy has written, and sets the capacity: for user policies.
 template <class T>
-[[nodiscard]] status fill_drop_counts(const routing_view<T>& r, int capacity, drop_counts& out) {
+[[nodiscard]] status fill_drop_counts(const routing_view<T>& r, std::optional<int> capacity,
+                                      drop_counts& out) {
   if (auto s = detail::check_counts(out, r.num_tokens, r.num_experts); !s) return s;
   detail::count_kept(r, 0, static_cast<std::size_t>(r.num_tokens), out);
   out.capacity = capacity;
-  out.pad_rows = -1;
+  out.pad_rows.reset();
   return {};
 }
 

@@ -184,7 +184,7 @@ struct full_sequence {
                                  first, N, out, ws);
     std::copy_n(ws.keep.begin() + static_cast<std::ptrdiff_t>(first * K), N * K, r.keep);
     out.capacity = *cap;
-    out.pad_rows = pad_to_capacity ? *cap : -1;
+    out.pad_rows = pad_to_capacity ? std::optional<int>(*cap) : std::nullopt;
     return {};
   }
   //! The dense form (tests).

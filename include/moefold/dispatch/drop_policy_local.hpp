@@ -20,8 +20,8 @@ struct dropless {
     if (auto s = detail::check_counts(out, r.num_tokens, r.num_experts); !s) return s;
     std::fill(r.keep, r.keep + r.pairs(), std::uint8_t{1});
     detail::count_kept(r, 0, static_cast<std::size_t>(r.num_tokens), out);
-    out.capacity = -1;
-    out.pad_rows = -1;
+    out.capacity.reset();
+    out.pad_rows.reset();
     return {};
   }
   template <class C, class T>
@@ -66,7 +66,7 @@ struct sub_sequence {
     detail::keep_within_capacity(r, *c, by, pad_to_capacity, {}, 0,
                                  static_cast<std::size_t>(r.num_tokens), out, ws);
     out.capacity = *c;
-    out.pad_rows = pad_to_capacity ? *c : -1;
+    out.pad_rows = pad_to_capacity ? std::optional<int>(*c) : std::nullopt;
     return {};
   }
   template <class C, class T>

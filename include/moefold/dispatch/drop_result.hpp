@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -34,7 +35,7 @@ struct drop_result {
   std::vector<std::uint8_t> final_map{};  // [N, E]
   std::vector<T> final_probs{};           // [N, E]
   std::vector<std::uint8_t> kept{};       // [N, k]: pair (t, indices[t, i]) survived
-  int pad_rows = -1;                      //!< drop_counts::pad_rows
+  std::optional<int> pad_rows{};          //!< drop_counts::pad_rows
   drop_report report;
 
   //! The surviving routing in top-k record form, as the dispatcher takes it: expert [N*k] with

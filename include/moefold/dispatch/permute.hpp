@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <numeric>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -25,6 +26,7 @@
 #include "../core/row_view.hpp"
 #include "../core/size.hpp"
 #include "../core/workspace.hpp"
+#include "pad_mode.hpp"
 
 namespace moefold {
 inline namespace v0_1 {
@@ -35,7 +37,7 @@ struct permute_args {
   int topk = 1;                   //!< k
   int num_experts = 1;            //!< E
   std::span<const int> expert{};  //!< [N*k] expert of each (token, slot) pair, -1 = dropped
-  int capacity = -1;              //!< pad mode when >= 0: every expert gets exactly this many rows
+  std::optional<int> capacity{};  //!< pad mode when set: every expert gets exactly this many rows
   //! Pad mode over the concatenated tokens of several sources (the AllGather dispatcher's gathered
   //! group): each expert gets exactly `capacity` rows from each source, so the rows of expert e
   //! are num_sources blocks of capacity rows. `source_tokens` [num_sources] are the sources' token
@@ -51,9 +53,9 @@ class permute_plan {
   //! Bytes of workspace a plan for `a` needs.
   [[nodiscard]] static std::size_t workspace_bytes(const permute_args& a) noexcept {
     workspace_carver c;
-    const long long pad_rows = static_cast<long long>(a.capacity) * a.num_experts *
-                               (a.num_sources > 1 ? a.num_sources : 1);
-    (void)carve(c, a, a.capacity >= 0 ? static_cast<int>(pad_rows) : a.num_tokens * a.topk);
+    const long long pad_rows = static_cast<long long>(detail::pad_or_off(a.capacity)) *
+                               a.num_experts * (a.num_sources > 1 ? a.num_sources : 1);
+    (void)carve(c, a, pad_rows >= 0 ? static_cast<int>(pad_rows) : a.num_tokens * a.topk);
     return c.required();
   }
 
@@ -68,14 +70,17 @@ class permute_plan {
                             to_decimal(a.num_tokens) + ", " + to_decimal(a.topk) + ", " +
                             to_decimal(a.num_experts) + ")");
     const long long slots = static_cast<long long>(a.num_tokens) * a.topk;
-    if (a.num_sources < 1 || (a.num_sources > 1 && a.capacity < 0))
+    if (a.capacity && *a.capacity < 0)
+      return make_error(errc::invalid_argument,
+                        "permute: capacity = " + to_decimal(*a.capacity) +
+                            " (pad mode takes a capacity >= 0; leave it unset for no padding)");
+    if (a.num_sources < 1 || (a.num_sources > 1 && !a.capacity))
       return make_error(errc::invalid_argument,
                         "permute: num_sources must be >= 1, and several sources need pad mode "
-                        "(capacity >= 0)");
+                        "(a capacity)");
     const long long sources = a.num_sources;
     if (slots > max_rows ||
-        (a.capacity >= 0 &&
-         static_cast<long long>(a.capacity) * a.num_experts * sources > max_rows))
+        (a.capacity && static_cast<long long>(*a.capacity) * a.num_experts * sources > max_rows))
       return make_error(errc::overflow, "permute: N*k or capacity*E*sources exceeds 2^31-1");
     if (a.num_sources > 1) {
       long long total = 0;
@@ -111,8 +116,7 @@ class permute_plan {
                 "permute: token " + to_decimal(t) + " names expert " + to_decimal(e) + " twice");
         routed += e >= 0 ? 1 : 0;
       }
-    const int rows =
-        a.capacity >= 0 ? static_cast<int>(a.capacity * a.num_experts * sources) : routed;
+    const int rows = a.capacity ? static_cast<int>(*a.capacity * a.num_experts * sources) : routed;
     workspace_carver c(workspace);
     permute_plan p = carve(c, a, rows);
     if (!c.fits())
@@ -124,7 +128,7 @@ class permute_plan {
           errc::invalid_argument,
           "permute: expert " + to_decimal(o.expert) + " has " + to_decimal(p.pairs_from(a, o)) +
               " routed pairs" + (a.num_sources > 1 ? " from source " + to_decimal(o.source) : "") +
-              ", more than the capacity " + to_decimal(a.capacity) + " (drop before padding)");
+              ", more than the capacity " + to_decimal(*a.capacity) + " (drop before padding)");
     return p;
   }
 
@@ -201,14 +205,15 @@ class permute_plan {
   // stay padding (row_slot -1).
   overflow build(const permute_args& a) {
     const int E = a.num_experts, S = a.num_sources > 1 ? a.num_sources : 1;
-    const bool pad = a.capacity >= 0;
+    const bool pad = a.capacity.has_value();
+    const int cap = detail::pad_or_off(a.capacity);
     const std::span<int> real(real_, detail::uz(E)), cursor(cursor_, detail::uz(E)),
         row_slot(row_slot_, detail::uz(m_));
     for (auto& v : real) v = 0;
     for (int e : a.expert)
       if (e >= 0) ++real[static_cast<std::size_t>(e)];
     offsets_[0] = 0;
-    for (int e = 0; e < E; ++e) offsets_[e + 1] = offsets_[e] + (pad ? a.capacity * S : real_[e]);
+    for (int e = 0; e < E; ++e) offsets_[e + 1] = offsets_[e] + (pad ? cap * S : real_[e]);
     for (auto& v : row_slot) v = -1;
     overflow first;
     for (auto& v : cursor) v = 0;  // rows taken by each expert inside the current source
@@ -223,12 +228,12 @@ class permute_plan {
         const int s = t * k_ + j;
         const int e = a.expert[static_cast<std::size_t>(s)];
         slot_row_[s] = -1;
-        if (e < 0) continue;                    // a dropped pair
-        if (pad && cursor_[e] >= a.capacity) {  // over capacity: make() rejects the plan
+        if (e < 0) continue;             // a dropped pair
+        if (pad && cursor_[e] >= cap) {  // over capacity: make() rejects the plan
           if (first.expert < 0) first = {e, source};
           continue;
         }
-        const int row = offsets_[e] + (pad ? source * a.capacity : 0) + cursor_[e]++;
+        const int row = offsets_[e] + (pad ? source * cap : 0) + cursor_[e]++;
         row_slot_[row] = s;
         slot_row_[s] = row;
       }

@@ -186,7 +186,7 @@ class moe_layer {
   //! The dispatcher workspace a layer of these options holds, per part (saved for the backward;
   //! scratch, which layers of a model could share), without making the layer or allocating.
   [[nodiscard]] static expected<dispatch_workspace_bytes> workspace_sizes(
-      const moe_layer_options& o, int capacity = -1) {
+      const moe_layer_options& o, std::optional<int> capacity = {}) {
     auto d = Dispatcher::make(dispatch_shape_of(o));
     if (!d) return unexpected<error>(d.error());
     return d->workspace_sizes(capacity);
