@@ -35,6 +35,7 @@
 #include "dispatch/expert_batch.hpp"
 #include "dispatch/pad_mode.hpp"
 #include "dispatch/permute.hpp"
+#include "dispatch/plan_builders.hpp"
 #include "dispatch/splits.hpp"
 #include "experts/activation.hpp"
 #include "experts/expert_fn.hpp"

@@ -420,7 +420,9 @@ TEST_CASE("pad mode is an optional capacity: unset pads nothing, a negative one 
   CHECK(bad.error().message.find("leave it unset for no padding") != std::string::npos);
   const std::vector<double> x(2 * 3), probs(4);
   const dispatch_shape s{.max_tokens = 2, .hidden = 3, .topk = 2, .num_experts = 4};
-  dispatch_input<double> in{.num_tokens = 2, .x = x, .expert = expert, .probs = probs};
+  dispatch_input<double> in =
+      host_dispatch_input<double>{.num_tokens = 2, .x = x, .expert = expert, .probs = probs}
+          .to_views(s.hidden, s.topk);
   CHECK(detail::check_dispatch_input(s, in));
   in.capacity = -1;
   const auto st = detail::check_dispatch_input(s, in);

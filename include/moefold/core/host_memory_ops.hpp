@@ -46,6 +46,9 @@ template <class S>
 //! address (S is host memory or the CPU executor's host-backed device memory).
 template <class Derived, class S>
 struct host_memory_ops {
+  //! The host can address this context's memory (its bookkeeping builders run as host code).
+  static constexpr bool host_addressable_memory = true;
+
   //! dst[r] = src[index[r] / divisor] (0 where index[r] == -1).
   //! src [R, w], index [M, 1], dst [M, w]; divisor >= 1 (k turns a slot into its token).
   template <class T>
@@ -188,5 +191,13 @@ struct host_memory_ops {
 };
 
 }  // namespace detail
+
+//! A context whose memory host code can address (host_exec, cpu_exec): its plan builders
+//! (dispatch/plan_builders.hpp) run as host code on that memory.
+template <class X>
+concept host_addressable_context = requires {
+  requires X::host_addressable_memory;
+};
+
 }  // namespace v0_1
 }  // namespace moefold

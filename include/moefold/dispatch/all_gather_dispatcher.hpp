@@ -1,5 +1,6 @@
 //! @file all_gather_dispatcher.hpp
-//! @brief The AllGather token dispatcher (host path): every rank of the tp-ep group gathers all
+//! @brief The AllGather token dispatcher, on any execution context (one file for host and GPU):
+//! every rank of the tp-ep group gathers all
 //! tokens of the group, computes the rows of its own local experts, and a ReduceScatter sums the
 //! experts' contributions (over EP) and the row-parallel partials (over ETP) back to each token's
 //! rank (docs/dispatch-semantics.md 5.1). Simpler than the All-to-All path and a test oracle for
@@ -30,6 +31,7 @@
 #include "dispatcher_common.hpp"
 #include "gathered_record.hpp"
 #include "permute.hpp"
+#include "plan_builders.hpp"
 
 namespace moefold {
 inline namespace v0_1 {
@@ -37,30 +39,29 @@ inline namespace v0_1 {
 //! The AllGather dispatcher for element type T over communicators of type Comm, run on execution
 //! context Exec: Comm's memory space must be Exec's (communicator_for).
 template <class T, class Comm, class Exec = host_exec>
-requires communicator_for<Comm, Exec, T> && communicator_for<Comm, Exec, int>
+requires dispatch_context<Exec> && communicator_for<Comm, Exec, T> &&
+    communicator_for<Comm, Exec, int>
 class all_gather_dispatcher
     : public dispatcher_common<all_gather_dispatcher<T, Comm, Exec>, T, Comm, Exec> {
   using common = dispatcher_common<all_gather_dispatcher<T, Comm, Exec>, T, Comm, Exec>;
+  using common::check_rows;
   using common::columns_of;
   using common::rows_of;
   using common::zero_padding;
-
-  // As in all_to_all_dispatcher: rows move through the context's operations; the bookkeeping
-  // still reads the workspace on the host.
-  static_assert(host_accessible_v<typename Exec::memory_space>,
-                "all_gather_dispatcher: the device path (cpu_exec, cuda_exec) is not built yet");
 
  public:
   using value_type = T;
   using exec_type = Exec;
   using space = typename Exec::memory_space;
+  using view = row_view<T, space>;
+  using const_view = row_view<const T, space>;
   using handle_type = typename common::handle_type;
   using common::combine;
   using common::combine_backward;
   using common::dispatch;
   using common::dispatch_backward;
   using common::pack_reductions;
-  //! What the handle keeps: the token count of every tp-ep rank (in tp-ep rank order).
+  //! What the handle keeps: the token count of every tp-ep rank (in tp-ep rank order, host).
   struct state {
     std::span<int> tokens;  //!< [EP*ETP]
     int gathered = 0;       //!< sum of tokens
@@ -94,61 +95,95 @@ class all_gather_dispatcher
   //! nothing is allocated.
   [[nodiscard]] dispatch_workspace_bytes workspace_sizes(std::optional<int> capacity = {}) const {
     const int cap = detail::pad_or_off(capacity);
-    workspace_carver saved, scratch;
+    workspace_carver saved, scratch, host;
     buffers b;
     carve_saved(saved, cap, b);
     carve_scratch(scratch, b);
-    return {saved.required(), scratch.required()};
+    carve_host(host, b);
+    return {saved.required(), scratch.required(), host.required()};
   }
 
   //! Forward dispatch: gather the group's tokens, keep the rows of this rank's experts.
-  [[nodiscard]] expected<handle_type> dispatch(Exec& x, const dispatch_input<T>& in,
+  [[nodiscard]] expected<handle_type> dispatch(Exec& x, const dispatch_input<T, space>& in,
                                                const dispatch_groups<Comm>& g,
                                                const dispatch_workspace& ws) {
     using detail::to_decimal;
     if (auto st = detail::check_dispatch_groups(s_, g); !st) return unexpected<error>(st.error());
     if (auto st = detail::check_dispatch_input(s_, in); !st) return unexpected<error>(st.error());
     const int cap = detail::pad_or_off(in.capacity);  // -1: no pad mode
-    workspace_carver cs(ws.saved), cx(ws.scratch);
+    workspace_carver cs(ws.saved), cx(ws.scratch), ch(ws.host);
     buffers b;
     carve_saved(cs, cap, b);
     carve_scratch(cx, b);
-    if (!cs.fits() || !cx.fits())
+    carve_host(ch, b);
+    if (!cs.fits() || !cx.fits() || !ch.fits())
       return make_error(errc::workspace_too_small,
-                        "dispatch: the workspace has " + to_decimal(ws.saved.size()) +
-                            " saved and " + to_decimal(ws.scratch.size()) +
-                            " scratch bytes, workspace_sizes(" +
+                        "dispatch: the workspace has " + to_decimal(ws.saved.size()) + " saved, " +
+                            to_decimal(ws.scratch.size()) + " scratch and " +
+                            to_decimal(ws.host.size()) + " host bytes, workspace_sizes(" +
                             (in.capacity ? to_decimal(cap) : std::string()) + ") = {" +
-                            to_decimal(cs.required()) + ", " + to_decimal(cx.required()) + "}");
+                            to_decimal(cs.required()) + ", " + to_decimal(cx.required()) + ", " +
+                            to_decimal(ch.required()) + "}");
     bufs_ = b;
     const auto H = detail::uz(s_.hidden), K = detail::uz(s_.topk);
     handle_type h;
     h.issue(this, ++serial_, s_.hidden, in.num_tokens);
     h.st_.tokens = b.tokens;
-    // 1. Token counts and pad capacities of the group (every rank sees the same table, so a
-    //    capacity mismatch fails every rank alike), then tokens, routing and probabilities.
-    const int n = in.num_tokens;
-    const int header[2] = {n, cap};
-    if (auto st = g.tp_ep.all_gather(x, row_view<const int, space>(header, 1, 2),
-                                     rows_of(std::span<int>(b.header), 2));
+    // 1. The group's header rows (token count, pad capacity, the first bad entry of the routing
+    //    record, routed pairs per expert: gathered_header), so that every rank checks every
+    //    rank's record alike, on the host, before any row moves. The counts are made in the
+    //    context's memory, the rest on the host; the gathered table comes back to the host.
+    using hdr = detail::gathered_header;
+    const int n = in.num_tokens, P = g.tp_ep.size();
+    const int HW = hdr::width(s_.num_experts);
+    const row_view<int, space> mine(b.header_row.data(), 1, HW);  // [1, 4 + E]
+    auto fault = count_routed_pairs(
+        x, in.expert, row_view<int, space>(b.header_row.data() + hdr::counts, 1, s_.num_experts));
+    if (!fault) return unexpected<error>(fault.error());
+    const int head[hdr::counts] = {n, cap, fault->slot, fault->expert};
+    if (auto st = x.copy(row_view<const int>(head, 1, hdr::counts),
+                         row_view<int, space>(b.header_row.data(), 1, hdr::counts));
         !st)
       return unexpected<error>(st.error());
-    auto gathered = detail::check_gathered_header(b.header, s_.max_tokens, b.tokens);
+    const row_view<int, space> table(b.header.data(), P, HW);  // [P, 4 + E]
+    if (auto st = g.tp_ep.all_gather(x, row_view<const int, space>(mine), table); !st)
+      return unexpected<error>(st.error());
+    const row_view<int> table_host(b.header_host.data(), P, HW);
+    if (auto st = x.copy(row_view<const int, space>(table), table_host); !st)
+      return unexpected<error>(st.error());
+    const std::span<const int> header = b.header_host;
+    auto gathered = detail::check_gathered_header(header, HW, s_.max_tokens, b.tokens);
     if (!gathered) return unexpected<error>(gathered.error());
     const long long total = *gathered;
     h.st_.gathered = static_cast<int>(total);
     const auto G = detail::uz(total);
-    const int peers = g.tp_ep.size() - 1;
+    const int peers = P - 1;
     h.volume_.count_gather = {
-        peers, static_cast<long long>(peers) * static_cast<long long>(sizeof(header))};
-    // Tokens and probabilities in packed rows, gathered in one collective; the expert ids in a
-    // second.                       x [n, H], probs [n, k] -> xs [n, W] -> xg [G, W]
+        peers, static_cast<long long>(peers) * HW * static_cast<long long>(sizeof(int))};
+    // 2. Every rank checks every rank's record (expert ids; in pad mode every (source, expert)
+    //    against the capacity) and the receive bound on every EP rank's rows, on the same table,
+    //    so a bad rank fails all of them alike, never alone (without a bound the worst case holds
+    //    by construction).
+    if (auto st = detail::check_gathered_routing(header, HW, P, s_.num_experts, cap); !st)
+      return unexpected<error>(st.error());
+    const int L = s_.num_experts / s_.ep, first = g.ep.rank() * L;
+    if (cap < 0 && s_.max_recv_rows)
+      if (const receive_peak peak =
+              detail::gathered_peak_receive(header, HW, P, s_.num_experts, s_.ep);
+          peak.rows > recv_rows(cap))
+        return make_error(errc::receive_bound_exceeded,
+                          "dispatch: EP rank " + to_decimal(peak.ep_rank) + " would receive " +
+                              to_decimal(peak.rows) + " rows, more than the receive bound " +
+                              to_decimal(recv_rows(cap)) +
+                              " (dispatch_shape::max_recv_rows; raise it, or drop tokens)");
+    // 3. Tokens and probabilities in packed rows, gathered in one collective; the expert ids in
+    //    a second.                   x [n, H], probs [n, k] -> xs [n, W] -> xg [G, W]
     const int W = packed_width();
     const auto Wz = detail::uz(W);
     auto xs = b.rows_b.first(detail::uz(n) * Wz);
-    if (auto st = x.copy(rows_of(in.x, s_.hidden), columns_of(xs, W, 0, s_.hidden)); !st)
+    if (auto st = x.copy(in.x, columns_of(xs, W, 0, s_.hidden)); !st)
       return unexpected<error>(st.error());
-    if (auto st = x.copy(rows_of(in.probs, s_.topk), columns_of(xs, W, s_.hidden, s_.topk)); !st)
+    if (auto st = x.copy(in.probs, columns_of(xs, W, s_.hidden, s_.topk)); !st)
       return unexpected<error>(st.error());
     if (auto st = zero_padding(x, xs, W, s_.hidden + s_.topk); !st)
       return unexpected<error>(st.error());
@@ -159,85 +194,65 @@ class all_gather_dispatcher
             g.tp_ep.all_gather_v(x, rows_of(std::span<const T>(xs), W), rows_of(xg, W), tokens);
         !st)
       return unexpected<error>(st.error());
-    if (auto st =
-            g.tp_ep.all_gather_v(x, rows_of(in.expert, s_.topk), rows_of(eg, s_.topk), tokens);
-        !st)
+    if (auto st = g.tp_ep.all_gather_v(x, in.expert, rows_of(eg, s_.topk), tokens); !st)
       return unexpected<error>(st.error());
     const long long sent = static_cast<long long>(n) * peers;
     h.volume_.dispatch_agv = {sent,
                               sent * static_cast<long long>(Wz * sizeof(T) + K * sizeof(int))};
-    // 2. Every rank checks the whole gathered record (expert ids; in pad mode every (source,
-    //    expert) against the capacity), so a bad rank fails all of them alike, never alone.
-    if (auto st = detail::check_gathered_routing(eg, b.tokens, s_.topk, s_.num_experts, cap,
-                                                 b.expert_counts);
-        !st)
-      return unexpected<error>(st.error());
-    // The receive bound, checked by every rank on every EP rank's rows (all see the same record;
-    // without a bound the worst case holds by construction).
-    const int L = s_.num_experts / s_.ep, first = g.ep.rank() * L;
-    if (cap < 0 && s_.max_recv_rows)
-      if (const receive_peak peak =
-              detail::gathered_peak_receive(eg, s_.num_experts, s_.ep, b.expert_counts);
-          peak.rows > recv_rows(cap))
-        return make_error(errc::receive_bound_exceeded,
-                          "dispatch: EP rank " + to_decimal(peak.ep_rank) + " would receive " +
-                              to_decimal(peak.rows) + " rows, more than the receive bound " +
-                              to_decimal(recv_rows(cap)) +
-                              " (dispatch_shape::max_recv_rows; raise it, or drop tokens)");
-    // 3. Keep this rank's experts: a local routing record over the gathered tokens.
+    // 4. Keep this rank's experts: a local routing record over the gathered tokens.
     auto local = b.local_experts.first(G * K);
     if (auto st = x.relabel(rows_of(std::span<const int>(eg), s_.topk), first, L,
                             rows_of(local, s_.topk));
         !st)
       return unexpected<error>(st.error());
     const bool pad = cap >= 0;
-    const permute_args pa{.num_tokens = static_cast<int>(total),
-                          .topk = s_.topk,
-                          .num_experts = L,
-                          .expert = local,
-                          .capacity = in.capacity,
-                          .num_sources = pad ? g.tp_ep.size() : 1,
-                          .source_tokens = pad ? b.tokens : std::span<int>()};
-    auto plan = permute_plan::make(pa, b.plan);
+    const plan_input<space> pa{.num_tokens = static_cast<int>(total),
+                               .topk = s_.topk,
+                               .num_experts = L,
+                               .expert = rows_of(std::span<const int>(local), s_.topk),
+                               .capacity = in.capacity,
+                               .num_sources = pad ? P : 1,
+                               .source_tokens = pad ? b.tokens : std::span<int>()};
+    auto plan = build_permute_plan(x, pa, b.plan);
     if (!plan) return unexpected<error>(plan.error());
     h.plan_ = *plan;
-    rows_per_expert(h.plan_, b.per_expert);  // padding included
+    // Rows per local expert, padding included, from the header (host): C per source in pad mode.
+    detail::gathered_rows_per_expert(header, HW, P, first, cap, b.per_expert);
     h.per_expert_ = b.per_expert;
     const auto M = detail::uz(h.plan_.num_rows());
-    h.x_ = b.batch_x.first(M * H);
-    h.p_ = b.batch_probs.first(M);
+    h.x_ = rows_of(b.batch_x.first(M * H), s_.hidden);
+    h.p_ = rows_of(b.batch_probs.first(M), 1);
     // The experts' batch out of the packed rows: the token rows by slot, and the probabilities,
     // copied out of their columns to be indexed by slot.
     const std::span<const T> xgc = xg;
     if (auto st = x.template gather_rows<T>(columns_of(xgc, W, 0, s_.hidden), h.plan_.row_slots(),
-                                            s_.topk, rows_of(h.x_, s_.hidden));
+                                            s_.topk, h.x_);
         !st)
       return unexpected<error>(st.error());
     auto pg = b.probs_a.first(G * K);
     if (auto st = x.copy(columns_of(xgc, W, s_.hidden, s_.topk), rows_of(pg, s_.topk)); !st)
       return unexpected<error>(st.error());
     if (auto st = x.template gather_rows<T>(rows_of(std::span<const T>(pg), 1), h.plan_.row_slots(),
-                                            1, rows_of(h.p_, 1));
+                                            1, h.p_);
         !st)
       return unexpected<error>(st.error());
     return h;
   }
 
   //! Forward combine: y [M, H] -> out [N, H].
-  [[nodiscard]] status combine(Exec& x, handle_type& h, std::span<const T> y,
-                               const dispatch_groups<Comm>& g, std::span<T> out) {
+  [[nodiscard]] status combine(Exec& x, handle_type& h, const_view y,
+                               const dispatch_groups<Comm>& g, view out) {
     if (auto st = check_handle(h, g); !st) return st;
     const auto H = detail::uz(s_.hidden), G = detail::uz(h.st_.gathered);
-    if (y.size() != detail::uz(h.num_rows()) * H || out.size() != detail::uz(h.num_tokens()) * H)
-      return make_error(errc::shape_mismatch, "combine: y must be [M, H] and out [N, H]");
+    if (auto st = check_rows("combine: y", y, h.num_rows(), s_.hidden); !st) return st;
+    if (auto st = check_rows("combine: out", out, h.num_tokens(), s_.hidden); !st) return st;
     auto u = bufs_.rows_b.first(G * H);  // zeros for tokens without a local expert
-    if (auto st = x.template gather_sum_rows<T, T, accumulator_t<T>>(
-            rows_of(y, s_.hidden), h.plan_.token_rows(), {}, rows_of(u, s_.hidden));
+    if (auto st = x.template gather_sum_rows<T, T, accumulator_t<T>>(y, h.plan_.token_rows(), {},
+                                                                     rows_of(u, s_.hidden));
         !st)
       return st;
     if (auto st = g.tp_ep.reduce_scatter_v(x, rows_of(std::span<const T>(u), s_.hidden),
-                                           std::span<const int>(h.st_.tokens),
-                                           rows_of(out, s_.hidden), reduce_op::sum);
+                                           std::span<const int>(h.st_.tokens), out, reduce_op::sum);
         !st)
       return st;
     const long long rows = static_cast<long long>(G) - h.num_tokens();
@@ -246,65 +261,75 @@ class all_gather_dispatcher
   }
 
   //! Backward of combine: dout [N, H] -> dy [M, H].
-  [[nodiscard]] status combine_backward(Exec& x, const handle_type& h, std::span<const T> dout,
-                                        const dispatch_groups<Comm>& g, std::span<T> dy) {
+  [[nodiscard]] status combine_backward(Exec& x, const handle_type& h, const_view dout,
+                                        const dispatch_groups<Comm>& g, view dy) {
     if (auto st = check_handle(h, g); !st) return st;
     const auto H = detail::uz(s_.hidden), G = detail::uz(h.st_.gathered);
-    if (dout.size() != detail::uz(h.num_tokens()) * H || dy.size() != detail::uz(h.num_rows()) * H)
-      return make_error(errc::shape_mismatch, "combine_backward: dout [N, H], dy [M, H]");
+    if (auto st = check_rows("combine_backward: dout", dout, h.num_tokens(), s_.hidden); !st)
+      return st;
+    if (auto st = check_rows("combine_backward: dy", dy, h.num_rows(), s_.hidden); !st) return st;
+    if (!dout.contiguous())
+      return make_error(errc::shape_mismatch, "combine_backward: dout must be contiguous");
     auto gu = bufs_.rows_b.first(G * H);  // ReduceScatter backward = AllGather
-    if (auto st = g.tp_ep.all_gather_v(x, rows_of(dout, s_.hidden), rows_of(gu, s_.hidden),
+    if (auto st = g.tp_ep.all_gather_v(x, dout, rows_of(gu, s_.hidden),
                                        std::span<const int>(h.st_.tokens));
         !st)
       return st;
     // Un-permute backward = permute.
     return x.template gather_rows<T>(rows_of(std::span<const T>(gu), s_.hidden),
-                                     h.plan_.row_slots(), s_.topk, rows_of(dy, s_.hidden));
+                                     h.plan_.row_slots(), s_.topk, dy);
   }
 
-  //! Backward of dispatch: dx_rows [M, H], dprob_rows [M] -> dx [N, H], dprobs [N*k].
-  [[nodiscard]] status dispatch_backward(Exec& x, const handle_type& h, std::span<const T> dx_rows,
-                                         std::span<const T> dprob_rows,
-                                         const dispatch_groups<Comm>& g, std::span<T> dx,
-                                         std::span<T> dprobs) {
+  //! Backward of dispatch: dx_rows [M, H], dprob_rows [M, 1] -> dx [N, H], dprobs [N, k]
+  //! (dx and dprobs contiguous).
+  [[nodiscard]] status dispatch_backward(Exec& x, const handle_type& h, const_view dx_rows,
+                                         const_view dprob_rows, const dispatch_groups<Comm>& g,
+                                         view dx, view dprobs) {
     if (auto st = check_handle(h, g); !st) return st;
-    const auto H = detail::uz(s_.hidden), K = detail::uz(s_.topk);
-    if (dx_rows.size() != detail::uz(h.num_rows()) * H ||
-        dprob_rows.size() != detail::uz(h.num_rows()) ||
-        dx.size() != detail::uz(h.num_tokens()) * H ||
-        dprobs.size() != detail::uz(h.num_tokens()) * K)
+    if (auto st = check_rows("dispatch_backward: dx_rows", dx_rows, h.num_rows(), s_.hidden); !st)
+      return st;
+    if (auto st = check_rows("dispatch_backward: dprob_rows", dprob_rows, h.num_rows(), 1); !st)
+      return st;
+    if (auto st = check_rows("dispatch_backward: dx", dx, h.num_tokens(), s_.hidden); !st)
+      return st;
+    if (auto st = check_rows("dispatch_backward: dprobs", dprobs, h.num_tokens(), s_.topk); !st)
+      return st;
+    if (!dx.contiguous() || !dprobs.contiguous())
       return make_error(errc::shape_mismatch,
-                        "dispatch_backward: dx_rows [M, H], dprob_rows "
-                        "[M], dx [N, H], dprobs [N*k]");
+                        "dispatch_backward: dx and dprobs must be contiguous");
     if (pack_reductions) return dispatch_backward_packed(x, h, dx_rows, dprob_rows, g, dx, dprobs);
     return dispatch_backward_separate(x, h, dx_rows, dprob_rows, g, dx, dprobs);
   }
 
  private:
+  // The carved workspace. The spans of the saved and scratch parts are addresses in the
+  // context's memory, reached only as views handed to the context's operations and the
+  // collectives; the host part holds what the host reads.
   struct buffers {
-    std::span<std::byte> plan;
-    std::span<int> header, tokens, per_expert, expert_counts, experts, local_experts;
-    std::span<T> rows_a, rows_b, probs_a, batch_x, batch_probs;
+    std::span<std::byte> plan;                                  // saved, context
+    std::span<T> batch_x, batch_probs;                          // saved, context
+    std::span<int> header_row, header, experts, local_experts;  // scratch, context
+    std::span<T> rows_a, rows_b, probs_a;                       // scratch, context
+    std::span<int> header_host, tokens, per_expert;             // host
   };
 
   // Permute backward (a sum per gathered token), then the AllGather backward: a sum over the
   // group, which adds the experts of the other EP ranks and the partials of the ETP peers. Packed:
   // the input gradients in columns [0, H) and the probability gradients in [H, H + k) of one
   // ReduceScatter-V (both summed in T).
-  status dispatch_backward_packed(Exec& x, const handle_type& h, std::span<const T> dx_rows,
-                                  std::span<const T> dprob_rows, const dispatch_groups<Comm>& g,
-                                  std::span<T> dx, std::span<T> dprobs) {
+  status dispatch_backward_packed(Exec& x, const handle_type& h, const_view dx_rows,
+                                  const_view dprob_rows, const dispatch_groups<Comm>& g, view dx,
+                                  view dprobs) {
     const auto K = detail::uz(s_.topk), G = detail::uz(h.st_.gathered);
     const int W = packed_width();
     const auto Wz = detail::uz(W);
     auto gx = bufs_.rows_b.first(G * Wz);
     if (auto st = x.template gather_sum_rows<T, T, accumulator_t<T>>(
-            rows_of(dx_rows, s_.hidden), h.plan_.token_rows(), {}, columns_of(gx, W, 0, s_.hidden));
+            dx_rows, h.plan_.token_rows(), {}, columns_of(gx, W, 0, s_.hidden));
         !st)
       return st;
     auto gp = bufs_.probs_a.first(G * K);  // by slot, then into the packed rows' columns
-    if (auto st = x.template gather_rows<T>(rows_of(dprob_rows, 1), h.plan_.slot_rows(), 1,
-                                            rows_of(gp, 1));
+    if (auto st = x.template gather_rows<T>(dprob_rows, h.plan_.slot_rows(), 1, rows_of(gp, 1));
         !st)
       return st;
     if (auto st =
@@ -319,34 +344,31 @@ class all_gather_dispatcher
         !st)
       return st;
     const std::span<const T> rrc = rr;
-    if (auto st = x.copy(columns_of(rrc, W, 0, s_.hidden), rows_of(dx, s_.hidden)); !st) return st;
-    return x.copy(columns_of(rrc, W, s_.hidden, s_.topk), rows_of(dprobs, s_.topk));
+    if (auto st = x.copy(columns_of(rrc, W, 0, s_.hidden), dx); !st) return st;
+    return x.copy(columns_of(rrc, W, s_.hidden, s_.topk), dprobs);
   }
 
   // The backward for 16-bit T (!pack_reductions): the probability gradients keep their own
   // ReduceScatter-V.
-  status dispatch_backward_separate(Exec& x, const handle_type& h, std::span<const T> dx_rows,
-                                    std::span<const T> dprob_rows, const dispatch_groups<Comm>& g,
-                                    std::span<T> dx, std::span<T> dprobs) {
+  status dispatch_backward_separate(Exec& x, const handle_type& h, const_view dx_rows,
+                                    const_view dprob_rows, const dispatch_groups<Comm>& g, view dx,
+                                    view dprobs) {
     const auto H = detail::uz(s_.hidden), K = detail::uz(s_.topk), G = detail::uz(h.st_.gathered);
     auto gx = bufs_.rows_b.first(G * H);
-    if (auto st = x.template gather_sum_rows<T, T, accumulator_t<T>>(
-            rows_of(dx_rows, s_.hidden), h.plan_.token_rows(), {}, rows_of(gx, s_.hidden));
+    if (auto st = x.template gather_sum_rows<T, T, accumulator_t<T>>(dx_rows, h.plan_.token_rows(),
+                                                                     {}, rows_of(gx, s_.hidden));
         !st)
       return st;
     if (auto st = g.tp_ep.reduce_scatter_v(x, rows_of(std::span<const T>(gx), s_.hidden),
-                                           std::span<const int>(h.st_.tokens),
-                                           rows_of(dx, s_.hidden), reduce_op::sum);
+                                           std::span<const int>(h.st_.tokens), dx, reduce_op::sum);
         !st)
       return st;
     auto gp = bufs_.probs_a.first(G * K);
-    if (auto st = x.template gather_rows<T>(rows_of(dprob_rows, 1), h.plan_.slot_rows(), 1,
-                                            rows_of(gp, 1));
+    if (auto st = x.template gather_rows<T>(dprob_rows, h.plan_.slot_rows(), 1, rows_of(gp, 1));
         !st)
       return st;
     return g.tp_ep.reduce_scatter_v(x, rows_of(std::span<const T>(gp), s_.topk),
-                                    std::span<const int>(h.st_.tokens), rows_of(dprobs, s_.topk),
-                                    reduce_op::sum);
+                                    std::span<const int>(h.st_.tokens), dprobs, reduce_op::sum);
   }
 
   // Rows of the experts' batch at most: the receive bound (by default every routed pair of the
@@ -357,7 +379,7 @@ class all_gather_dispatcher
     return s_.max_recv_rows ? *s_.max_recv_rows : detail::worst_recv_rows(s_);
   }
 
-  // Saved (kept by the handle until the backward): the plan, the token counts, the batch.
+  // Saved (kept by the handle until the backward): the plan, the batch.
   void carve_saved(workspace_carver& c, int capacity, buffers& b) const {
     const auto P = detail::uz(s_.ep) * detail::uz(s_.etp), H = detail::uz(s_.hidden);
     const auto G = detail::uz(s_.max_tokens) * P, L = detail::uz(s_.num_experts / s_.ep);
@@ -368,19 +390,26 @@ class all_gather_dispatcher
                           .capacity = capacity >= 0 ? std::optional<int>(capacity) : std::nullopt,
                           .num_sources = capacity >= 0 ? static_cast<int>(P) : 1};
     b.plan = c.take<std::byte>(permute_plan::workspace_bytes(pa));
-    b.tokens = c.take<int>(P);
-    b.per_expert = c.take<int>(L);
     b.batch_x = c.take<T>(M * H);
     b.batch_probs = c.take<T>(M);
   }
-  // Scratch (dead after each call): the gathered tokens with their probabilities (packed rows
-  // of W elements), the gathered routing, and the probabilities by slot.
+  // Host (kept with the handle): the gathered header, the token counts, the rows per expert.
+  void carve_host(workspace_carver& c, buffers& b) const {
+    const auto P = detail::uz(s_.ep) * detail::uz(s_.etp), L = detail::uz(s_.num_experts / s_.ep);
+    b.header_host = c.take<int>(P * detail::uz(detail::gathered_header::width(s_.num_experts)));
+    b.tokens = c.take<int>(P);
+    b.per_expert = c.take<int>(L);
+  }
+  // Scratch (dead after each call): this rank's header row and the gathered table, the gathered
+  // tokens with their probabilities (packed rows of W elements), the gathered routing, and the
+  // probabilities by slot.
   void carve_scratch(workspace_carver& c, buffers& b) const {
     const auto P = detail::uz(s_.ep) * detail::uz(s_.etp), W = detail::uz(packed_width()),
                K = detail::uz(s_.topk);
     const auto G = detail::uz(s_.max_tokens) * P;
-    b.header = c.take<int>(2 * P);
-    b.expert_counts = c.take<int>(detail::uz(s_.num_experts));
+    const auto HW = detail::uz(detail::gathered_header::width(s_.num_experts));
+    b.header_row = c.take<int>(HW);
+    b.header = c.take<int>(P * HW);
     b.experts = c.take<int>(G * K);
     b.local_experts = c.take<int>(G * K);
     b.rows_a = c.take<T>(G * W);

@@ -1,12 +1,16 @@
 //! @file all_to_all_dispatcher.hpp
-//! @brief The All-to-All token dispatcher (host path): tokens laid out by the attention mesh go to
-//! their experts under the MoE mesh and come back, forward and backward, for any fold.
+//! @brief The All-to-All token dispatcher: tokens laid out by the attention mesh go to their
+//! experts under the MoE mesh and come back, forward and backward, for any fold, on any execution
+//! context (host_exec; cpu_exec and cuda_exec with device memory: one file for host and GPU).
 //!
 //! Forward (docs/dispatch-semantics.md 5.2.2), per rank:
 //!   permute -> All-to-All-V over EP -> AllGather-V over ETP -> chunk sort (t, j, l) -> (l, t, j)
 //!   -> [experts] -> chunk unsort -> ReduceScatter-V over ETP -> All-to-All-V back -> un-permute.
 //! The backward runs the mirror image and reuses the forward's plan, splits and chunk order, which
-//! the typed handle carries. Everything a step needs lives in the caller's workspace.
+//! the typed handle carries. Everything a step needs lives in the caller's workspace: rows and the
+//! plan in the context's memory, the bookkeeping the host reads (splits, gathered counts, chunk
+//! order) in its host part. A step moves two small arrays between them: the gathered per-expert
+//! counts to the host (skipped in pad mode) and the chunk offsets to the context.
 //!
 //! Probabilities travel with their rows: the permute writes packed rows of W elements (the token
 //! row in columns [0, H), its probability in column H, zeros up to W = round_up((H + 1) *
@@ -36,6 +40,7 @@
 #include "dispatcher_common.hpp"
 #include "expert_batch.hpp"
 #include "permute.hpp"
+#include "plan_builders.hpp"
 #include "splits.hpp"
 
 namespace moefold {
@@ -44,34 +49,35 @@ inline namespace v0_1 {
 //! The All-to-All dispatcher for element type T over communicators of type Comm, run on
 //! execution context Exec: Comm's memory space must be Exec's (communicator_for).
 template <class T, class Comm, class Exec = host_exec>
-requires communicator_for<Comm, Exec, T> && communicator_for<Comm, Exec, int>
+requires dispatch_context<Exec> && communicator_for<Comm, Exec, T> &&
+    communicator_for<Comm, Exec, int>
 class all_to_all_dispatcher
     : public dispatcher_common<all_to_all_dispatcher<T, Comm, Exec>, T, Comm, Exec> {
   using common = dispatcher_common<all_to_all_dispatcher<T, Comm, Exec>, T, Comm, Exec>;
+  using common::check_rows;
   using common::columns_of;
   using common::rows_of;
   using common::zero_padding;
-
-  // Rows move only through the context's operations (gather_rows, gather_sum_rows, copy_chunks);
-  // the bookkeeping (plan builder, splits) still reads the workspace on the host, so the device
-  // contexts wait for the plan builders per context.
-  static_assert(host_accessible_v<typename Exec::memory_space>,
-                "all_to_all_dispatcher: the device path (cpu_exec, cuda_exec) is not built yet");
 
  public:
   using value_type = T;
   using exec_type = Exec;
   using space = typename Exec::memory_space;
+  using view = row_view<T, space>;
+  using const_view = row_view<const T, space>;
   using handle_type = typename common::handle_type;
   using common::combine;
   using common::combine_backward;
   using common::dispatch;
   using common::dispatch_backward;
   using common::pack_reductions;
-  //! What the handle keeps for combine and the backward: splits and the chunk order.
+  //! What the handle keeps for combine and the backward: splits and the chunk order (host
+  //! memory), and the chunk sizes and offsets the chunk copies read (the context's memory).
   struct state {
     std::span<int> input_splits, output_splits, output_splits_tp, per_expert, chunk_counts, order;
     std::span<int> chunk_src, chunk_dst;  //!< [ETP*EP*L] chunk offsets (rows) before/after the sort
+    //! chunk_counts, chunk_src, chunk_dst as the rows of [3, ETP*EP*L] in the context's memory
+    row_view<const int, space> chunk_sizes{}, chunk_from{}, chunk_to{};
   };
 
   //! Checks the shape (detail::check_dispatch_shape).
@@ -96,72 +102,82 @@ class all_to_all_dispatcher
   //! from it. A query: nothing is allocated.
   [[nodiscard]] dispatch_workspace_bytes workspace_sizes(std::optional<int> capacity = {}) const {
     const int cap = detail::pad_or_off(capacity);
-    workspace_carver saved, scratch;
+    workspace_carver saved, scratch, host;
     buffers b;
     carve_saved(saved, cap, b);
     carve_scratch(scratch, cap, b);
-    return {saved.required(), scratch.required()};
+    carve_host(host, b);
+    return {saved.required(), scratch.required(), host.required()};
   }
 
-  //! Forward dispatch: after it, handle.batch() is what the local experts compute. `ws.saved`
-  //! stays with the handle until the backward; `ws.scratch` may be shared with other layers.
-  [[nodiscard]] expected<handle_type> dispatch(Exec& x, const dispatch_input<T>& in,
+  //! Forward dispatch: after it, handle.batch_rows() is what the local experts compute.
+  //! `ws.saved` and `ws.host` stay with the handle until the backward; `ws.scratch` may be
+  //! shared with other layers.
+  [[nodiscard]] expected<handle_type> dispatch(Exec& x, const dispatch_input<T, space>& in,
                                                const dispatch_groups<Comm>& g,
                                                const dispatch_workspace& ws) {
     using detail::to_decimal;
     if (auto st = detail::check_dispatch_groups(s_, g); !st) return unexpected<error>(st.error());
     if (auto st = detail::check_dispatch_input(s_, in); !st) return unexpected<error>(st.error());
     const int cap = detail::pad_or_off(in.capacity);  // -1: no pad mode
-    workspace_carver cs(ws.saved), cx(ws.scratch);
+    workspace_carver cs(ws.saved), cx(ws.scratch), ch(ws.host);
     buffers b;
     carve_saved(cs, cap, b);
     carve_scratch(cx, cap, b);
-    if (!cs.fits() || !cx.fits())
+    carve_host(ch, b);
+    if (!cs.fits() || !cx.fits() || !ch.fits())
       return make_error(errc::workspace_too_small,
-                        "dispatch: the workspace has " + to_decimal(ws.saved.size()) +
-                            " saved and " + to_decimal(ws.scratch.size()) +
-                            " scratch bytes, workspace_sizes(" +
+                        "dispatch: the workspace has " + to_decimal(ws.saved.size()) + " saved, " +
+                            to_decimal(ws.scratch.size()) + " scratch and " +
+                            to_decimal(ws.host.size()) + " host bytes, workspace_sizes(" +
                             (in.capacity ? to_decimal(cap) : std::string()) + ") = {" +
-                            to_decimal(cs.required()) + ", " + to_decimal(cx.required()) + "}");
+                            to_decimal(cs.required()) + ", " + to_decimal(cx.required()) + ", " +
+                            to_decimal(ch.required()) + "}");
     bufs_ = b;
     const auto H = detail::uz(s_.hidden);
     handle_type h;
     h.issue(this, ++serial_, s_.hidden, in.num_tokens);
-    // 1. Plan the permutation (validates the routing record) and exchange the counts; in pad mode
-    //    every count is the capacity, so nothing is exchanged (static shapes).
+    // 1. Plan the permutation (the context's builder validates the routing record) and exchange
+    //    the counts, then bring them to the host; in pad mode every count is the capacity, so
+    //    nothing is exchanged (static shapes).
     // NOTE: aggregates are built as named variables, not braced arguments: nvcc 13 miscompiles a
     // braced designated initializer with dependent members passed as an argument in a template.
     const bool pad = cap >= 0;
-    const permute_args pa{.num_tokens = in.num_tokens,
-                          .topk = s_.topk,
-                          .num_experts = s_.num_experts,
-                          .expert = in.expert,
-                          .capacity = in.capacity};
-    auto plan = permute_plan::make(pa, b.plan);
+    const plan_input<space> pa{.num_tokens = in.num_tokens,
+                               .topk = s_.topk,
+                               .num_experts = s_.num_experts,
+                               .expert = in.expert,
+                               .capacity = in.capacity};
+    auto plan = build_permute_plan(x, pa, b.plan);
     if (!plan) return unexpected<error>(plan.error());
     h.plan_ = *plan;
+    const int P = s_.ep * s_.etp;
     if (!pad) {
-      if (auto st = g.tp_ep.all_gather(x, rows_of(h.plan_.counts(), s_.num_experts),
-                                       rows_of(std::span<int>(b.gathered), s_.num_experts));
+      const auto gathered = rows_of(b.gathered, s_.num_experts);  // [EP*ETP, E]
+      if (auto st = g.tp_ep.all_gather(x, h.plan_.count_row(), gathered); !st)
+        return unexpected<error>(st.error());
+      if (auto st = x.copy(row_view<const int, space>(gathered),
+                           row_view<int>(b.gathered_host.data(), P, s_.num_experts));
           !st)
         return unexpected<error>(st.error());
-      h.volume_.count_gather = volume(s_.num_experts * (s_.ep * s_.etp - 1), sizeof(int), 1);
+      h.volume_.count_gather = volume(s_.num_experts * (P - 1), sizeof(int), 1);
     }
     // 2. Splits, chunk order.
     h.st_.input_splits = b.input_splits;
     h.st_.output_splits = b.output_splits;
     h.st_.output_splits_tp = b.output_splits_tp;
     h.st_.per_expert = b.per_expert;
-    h.st_.chunk_counts = b.chunk_counts;
+    const auto C = detail::uz(s_.ep) * detail::uz(s_.etp) * detail::uz(local_experts());
+    h.st_.chunk_counts = b.chunk_meta_host.first(C);
     h.st_.order = b.order;
-    h.st_.chunk_src = b.chunk_src;
-    h.st_.chunk_dst = b.chunk_dst;
+    h.st_.chunk_src = b.chunk_meta_host.subspan(C, C);
+    h.st_.chunk_dst = b.chunk_meta_host.subspan(2 * C, C);
     const split_args sa{.ep = s_.ep,
                         .etp = s_.etp,
                         .num_experts = s_.num_experts,
                         .my_ep = g.ep.rank(),
                         .my_etp = g.etp.rank(),
-                        .gathered_counts = b.gathered};
+                        .gathered_counts = b.gathered_host};
     const split_view sv{.input_splits = h.st_.input_splits,
                         .output_splits = h.st_.output_splits,
                         .output_splits_tp = h.st_.output_splits_tp,
@@ -183,19 +199,29 @@ class all_to_all_dispatcher
                               " (dispatch_shape::max_recv_rows; raise it, or drop tokens)");
     expert_major_chunk_order(s_.etp, s_.ep, local_experts(), h.st_.order);
     chunk_offsets(h.st_.chunk_counts, h.st_.order, h.st_.chunk_src, h.st_.chunk_dst);
+    // The chunk sizes and offsets to the context, where the chunk copies read them.
+    const row_view<int, space> meta(b.chunk_meta.data(), 3, static_cast<int>(C));
+    if (auto st =
+            x.copy(row_view<const int>(b.chunk_meta_host.data(), 3, static_cast<int>(C)), meta);
+        !st)
+      return unexpected<error>(st.error());
+    h.st_.chunk_sizes = meta.subrows(0, 1);
+    h.st_.chunk_from = meta.subrows(1, 1);
+    h.st_.chunk_to = meta.subrows(2, 1);
     h.per_expert_ = h.st_.per_expert;
     const int m_send = h.plan_.num_rows();
     const int m_a2a = split_total(h.st_.output_splits);
     const int m_all = split_total(h.st_.output_splits_tp);
     // 3. Permute into packed rows: the token row in columns [0, H), its probability in column H,
-    //    zeros after.                                x [N,H], probs [N*k] -> xp [m_send, W]
+    //    zeros after.                                x [N,H], probs [N,k] -> xp [m_send, W]
     const int W = packed_width();
     auto xp = b.rows_c.first(detail::uz(m_send) * detail::uz(W));
-    if (auto st = x.template gather_rows<T>(rows_of(in.x, s_.hidden), h.plan_.row_slots(), s_.topk,
+    if (auto st = x.template gather_rows<T>(in.x, h.plan_.row_slots(), s_.topk,
                                             columns_of(xp, W, 0, s_.hidden));
         !st)
       return unexpected<error>(st.error());
-    if (auto st = x.template gather_rows<T>(rows_of(in.probs, 1), h.plan_.row_slots(), 1,
+    const const_view probs_by_slot(in.probs.data(), in.num_tokens * s_.topk, 1);  // [N*k, 1]
+    if (auto st = x.template gather_rows<T>(probs_by_slot, h.plan_.row_slots(), 1,
                                             columns_of(xp, W, s_.hidden, 1));
         !st)
       return unexpected<error>(st.error());
@@ -216,31 +242,29 @@ class all_to_all_dispatcher
     }
     // 6. Chunk sort (t, j, l) -> (l, t, j): rows grouped by local expert, out of the packed rows
     //    into the experts' batch.                    -> x [m_all, H], probs [m_all]
-    h.x_ = b.batch_x.first(detail::uz(m_all) * H);
-    h.p_ = b.batch_probs.first(detail::uz(m_all));
+    h.x_ = rows_of(b.batch_x.first(detail::uz(m_all) * H), s_.hidden);
+    h.p_ = rows_of(b.batch_probs.first(detail::uz(m_all)), 1);
     const std::span<const T> xgc = xg;
-    if (auto st = sort_chunks(x, h, columns_of(xgc, W, 0, s_.hidden), rows_of(h.x_, s_.hidden));
-        !st)
+    if (auto st = sort_chunks(x, h, columns_of(xgc, W, 0, s_.hidden), h.x_); !st)
       return unexpected<error>(st.error());
-    if (auto st = sort_chunks(x, h, columns_of(xgc, W, s_.hidden, 1), rows_of(h.p_, 1)); !st)
+    if (auto st = sort_chunks(x, h, columns_of(xgc, W, s_.hidden, 1), h.p_); !st)
       return unexpected<error>(st.error());
     return h;
   }
 
   //! Forward combine: y [M, H] (the experts' outputs for handle.batch(), ETP partials) ->
   //! out [N, H]. Probabilities were applied inside the experts.
-  [[nodiscard]] status combine(Exec& x, handle_type& h, std::span<const T> y,
-                               const dispatch_groups<Comm>& g, std::span<T> out) {
+  [[nodiscard]] status combine(Exec& x, handle_type& h, const_view y,
+                               const dispatch_groups<Comm>& g, view out) {
     if (auto st = check_handle(h, g); !st) return st;
     const auto H = detail::uz(s_.hidden);
-    if (y.size() != detail::uz(h.num_rows()) * H || out.size() != detail::uz(h.num_tokens()) * H)
-      return make_error(errc::shape_mismatch, "combine: y must be [M, H] and out [N, H]");
+    if (auto st = check_rows("combine: y", y, h.num_rows(), s_.hidden); !st) return st;
+    if (auto st = check_rows("combine: out", out, h.num_tokens(), s_.hidden); !st) return st;
     const int m_a2a = split_total(h.st_.output_splits), m_send = h.plan_.num_rows(),
               m_all = h.num_rows();
     // Unsort (l, t, j) -> (t, j, l).
     auto yu = bufs_.rows_a.first(detail::uz(m_all) * H);
-    if (auto st = unsort_chunks(x, h, rows_of(y, s_.hidden), rows_of(yu, s_.hidden)); !st)
-      return st;
+    if (auto st = unsort_chunks(x, h, y, rows_of(yu, s_.hidden)); !st) return st;
     // ReduceScatter-V over ETP: sums the row-parallel partials, returns each peer its rows.
     std::span<T> yr = yu;
     if (s_.etp > 1) {
@@ -256,22 +280,22 @@ class all_to_all_dispatcher
         volume(m_a2a - h.st_.output_splits[detail::uz(g.ep.rank())], sizeof(T), s_.hidden);
     // Un-permute: out[t] = sum over its pairs, in slot order.
     return x.template gather_sum_rows<T, T, accumulator_t<T>>(
-        rows_of(std::span<const T>(yc), s_.hidden), h.plan_.token_rows(), {},
-        rows_of(out, s_.hidden));
+        rows_of(std::span<const T>(yc), s_.hidden), h.plan_.token_rows(), {}, out);
   }
 
   //! Backward of combine: dout [N, H] -> dy [M, H] (the experts' output gradient, batch order).
-  [[nodiscard]] status combine_backward(Exec& x, const handle_type& h, std::span<const T> dout,
-                                        const dispatch_groups<Comm>& g, std::span<T> dy) {
+  [[nodiscard]] status combine_backward(Exec& x, const handle_type& h, const_view dout,
+                                        const dispatch_groups<Comm>& g, view dy) {
     if (auto st = check_handle(h, g); !st) return st;
     const auto H = detail::uz(s_.hidden);
-    if (dout.size() != detail::uz(h.num_tokens()) * H || dy.size() != detail::uz(h.num_rows()) * H)
-      return make_error(errc::shape_mismatch, "combine_backward: dout [N, H], dy [M, H]");
+    if (auto st = check_rows("combine_backward: dout", dout, h.num_tokens(), s_.hidden); !st)
+      return st;
+    if (auto st = check_rows("combine_backward: dy", dy, h.num_rows(), s_.hidden); !st) return st;
     const int m_a2a = split_total(h.st_.output_splits), m_send = h.plan_.num_rows(),
               m_all = h.num_rows();
     auto gc = bufs_.rows_c.first(detail::uz(m_send) * H);  // un-permute backward = permute
-    if (auto st = x.template gather_rows<T>(rows_of(dout, s_.hidden), h.plan_.row_slots(), s_.topk,
-                                            rows_of(gc, s_.hidden));
+    if (auto st =
+            x.template gather_rows<T>(dout, h.plan_.row_slots(), s_.topk, rows_of(gc, s_.hidden));
         !st)
       return st;
     auto gr = bufs_.rows_b.first(detail::uz(m_a2a) * H);  // All-to-All backward: swap the splits
@@ -282,24 +306,17 @@ class all_to_all_dispatcher
       gu = bufs_.rows_a.first(detail::uz(m_all) * H);
       if (auto st = agv(x, g.etp, gr, gu, h.st_.output_splits_tp, s_.hidden); !st) return st;
     }
-    return sort_chunks(x, h, rows_of(std::span<const T>(gu), s_.hidden), rows_of(dy, s_.hidden));
+    return sort_chunks(x, h, rows_of(std::span<const T>(gu), s_.hidden), dy);
   }
 
   //! Backward of dispatch: the experts' input and probability gradients (batch order, ETP
-  //! partials) -> dx [N, H] and dprobs [N*k] (0 for dropped pairs).
-  [[nodiscard]] status dispatch_backward(Exec& x, const handle_type& h, std::span<const T> dx_rows,
-                                         std::span<const T> dprob_rows,
-                                         const dispatch_groups<Comm>& g, std::span<T> dx,
-                                         std::span<T> dprobs) {
+  //! partials) dx_rows [M, H], dprob_rows [M, 1] -> dx [N, H] and dprobs [N, k] (0 for dropped
+  //! pairs; contiguous).
+  [[nodiscard]] status dispatch_backward(Exec& x, const handle_type& h, const_view dx_rows,
+                                         const_view dprob_rows, const dispatch_groups<Comm>& g,
+                                         view dx, view dprobs) {
     if (auto st = check_handle(h, g); !st) return st;
-    const auto H = detail::uz(s_.hidden), K = detail::uz(s_.topk);
-    if (dx_rows.size() != detail::uz(h.num_rows()) * H ||
-        dprob_rows.size() != detail::uz(h.num_rows()) ||
-        dx.size() != detail::uz(h.num_tokens()) * H ||
-        dprobs.size() != detail::uz(h.num_tokens()) * K)
-      return make_error(errc::shape_mismatch,
-                        "dispatch_backward: dx_rows [M, H], dprob_rows "
-                        "[M], dx [N, H], dprobs [N*k]");
+    if (auto st = check_backward_shapes(h, dx_rows, dprob_rows, dx, dprobs); !st) return st;
     // Packed unless the ReduceScatter-V over ETP would sum 16-bit probabilities.
     if (pack_reductions || s_.etp == 1)
       return dispatch_backward_packed(x, h, dx_rows, dprob_rows, g, dx, dprobs);
@@ -307,30 +324,36 @@ class all_to_all_dispatcher
   }
 
  private:
+  // The carved workspace. The spans of the saved and scratch parts are addresses in the
+  // context's memory: the dispatcher reaches them only as views (rows_of, columns_of) handed to
+  // the context's operations and the collectives. The host part holds what the host reads.
   struct buffers {
+    // saved, the context's memory: the plan, the chunk table [3, C] (sizes, offsets before and
+    // after the sort), the expert batch (the experts read it again in the backward)
     std::span<std::byte> plan;
-    std::span<int> gathered, input_splits, output_splits, output_splits_tp, per_expert,
-        chunk_counts, order, chunk_src, chunk_dst;
-    // Scratch rows reused by every step (packed rows [., W] in dispatch and its backward, plain
-    // rows [., H] in combine and its backward), and the expert batch, which must survive until
-    // the backward (the experts read it again there).
-    std::span<T> rows_a, rows_b, rows_c, batch_x, batch_probs;
+    std::span<int> chunk_meta;
+    std::span<T> batch_x, batch_probs;
+    // scratch, the context's memory: the gathered counts [EP*ETP, E] and rows reused by every
+    // step (packed rows [., W] in dispatch and its backward, plain rows [., H] in combine and
+    // its backward)
+    std::span<int> gathered;
+    std::span<T> rows_a, rows_b, rows_c;
+    // host: the gathered counts, splits, chunk order and the host copy of the chunk table
+    std::span<int> gathered_host, input_splits, output_splits, output_splits_tp, per_expert,
+        chunk_meta_host, order;
   };
 
   // The backward with packed rows: the row gradients in columns [0, H), the probability
   // gradients in column H; one ReduceScatter-V over ETP (sums both in T) and one All-to-All-V.
-  status dispatch_backward_packed(Exec& x, const handle_type& h, std::span<const T> dx_rows,
-                                  std::span<const T> dprob_rows, const dispatch_groups<Comm>& g,
-                                  std::span<T> dx, std::span<T> dprobs) {
+  status dispatch_backward_packed(Exec& x, const handle_type& h, const_view dx_rows,
+                                  const_view dprob_rows, const dispatch_groups<Comm>& g, view dx,
+                                  view dprobs) {
     const int m_a2a = split_total(h.st_.output_splits), m_send = h.plan_.num_rows(),
               m_all = h.num_rows(), W = packed_width();
     const auto Wz = detail::uz(W);
     auto gx = bufs_.rows_a.first(detail::uz(m_all) * Wz);  // sort backward = unsort
-    if (auto st = unsort_chunks(x, h, rows_of(dx_rows, s_.hidden), columns_of(gx, W, 0, s_.hidden));
-        !st)
-      return st;
-    if (auto st = unsort_chunks(x, h, rows_of(dprob_rows, 1), columns_of(gx, W, s_.hidden, 1)); !st)
-      return st;
+    if (auto st = unsort_chunks(x, h, dx_rows, columns_of(gx, W, 0, s_.hidden)); !st) return st;
+    if (auto st = unsort_chunks(x, h, dprob_rows, columns_of(gx, W, s_.hidden, 1)); !st) return st;
     if (auto st = zero_padding(x, gx, W, s_.hidden + 1); !st) return st;
     std::span<T> rx = gx;  // AllGather backward = ReduceScatter (a sum over ETP)
     if (s_.etp > 1) {
@@ -342,19 +365,19 @@ class all_to_all_dispatcher
     // Permute backward = un-permute without probs; the probs' permute backward is a gather.
     const std::span<const T> sxc = sx;
     if (auto st = x.template gather_sum_rows<T, T, accumulator_t<T>>(
-            columns_of(sxc, W, 0, s_.hidden), h.plan_.token_rows(), {}, rows_of(dx, s_.hidden));
+            columns_of(sxc, W, 0, s_.hidden), h.plan_.token_rows(), {}, dx);
         !st)
       return st;
     return x.template gather_rows<T>(columns_of(sxc, W, s_.hidden, 1), h.plan_.slot_rows(), 1,
-                                     rows_of(dprobs, 1));
+                                     by_slot(dprobs));
   }
 
   // The backward for 16-bit T with ETP > 1 (!pack_reductions): the probability gradients keep
   // their own ReduceScatter-V and All-to-All-V, in plain layouts inside the packed buffers
   // (W >= H + 1 elements per row leaves room for [rows, H] followed by [rows]).
-  status dispatch_backward_separate(Exec& x, const handle_type& h, std::span<const T> dx_rows,
-                                    std::span<const T> dprob_rows, const dispatch_groups<Comm>& g,
-                                    std::span<T> dx, std::span<T> dprobs) {
+  status dispatch_backward_separate(Exec& x, const handle_type& h, const_view dx_rows,
+                                    const_view dprob_rows, const dispatch_groups<Comm>& g, view dx,
+                                    view dprobs) {
     const int m_a2a = split_total(h.st_.output_splits), m_send = h.plan_.num_rows(),
               m_all = h.num_rows();
     const auto H = detail::uz(s_.hidden);
@@ -363,9 +386,8 @@ class all_to_all_dispatcher
       return std::pair{buf.first(mz * H), buf.subspan(mz * H, mz)};
     };
     auto [gx, gp] = rows_and_probs(bufs_.rows_a, m_all);  // sort backward = unsort
-    if (auto st = unsort_chunks(x, h, rows_of(dx_rows, s_.hidden), rows_of(gx, s_.hidden)); !st)
-      return st;
-    if (auto st = unsort_chunks(x, h, rows_of(dprob_rows, 1), rows_of(gp, 1)); !st) return st;
+    if (auto st = unsort_chunks(x, h, dx_rows, rows_of(gx, s_.hidden)); !st) return st;
+    if (auto st = unsort_chunks(x, h, dprob_rows, rows_of(gp, 1)); !st) return st;
     auto [rx, rp] = rows_and_probs(bufs_.rows_b, m_a2a);  // AllGather backward = ReduceScatter
     if (auto st = rsv(x, g.etp, gx, rx, h.st_.output_splits_tp, s_.hidden); !st) return st;
     if (auto st = rsv(x, g.etp, gp, rp, h.st_.output_splits_tp, 1); !st) return st;
@@ -374,26 +396,46 @@ class all_to_all_dispatcher
       return st;
     if (auto st = a2a(x, g.ep, rp, h.st_.output_splits, sp, h.st_.input_splits, 1); !st) return st;
     if (auto st = x.template gather_sum_rows<T, T, accumulator_t<T>>(
-            rows_of(std::span<const T>(sx), s_.hidden), h.plan_.token_rows(), {},
-            rows_of(dx, s_.hidden));
+            rows_of(std::span<const T>(sx), s_.hidden), h.plan_.token_rows(), {}, dx);
         !st)
       return st;
     return x.template gather_rows<T>(rows_of(std::span<const T>(sp), 1), h.plan_.slot_rows(), 1,
-                                     rows_of(dprobs, 1));
+                                     by_slot(dprobs));
+  }
+
+  // dprobs [N, k] (contiguous) as [N*k, 1], indexed by slot.
+  static view by_slot(view dprobs) noexcept {
+    return view(dprobs.data(), dprobs.rows() * dprobs.width(), 1);
+  }
+  status check_backward_shapes(const handle_type& h, const_view dx_rows, const_view dprob_rows,
+                               view dx, view dprobs) const {
+    if (auto st = check_rows("dispatch_backward: dx_rows", dx_rows, h.num_rows(), s_.hidden); !st)
+      return st;
+    if (auto st = check_rows("dispatch_backward: dprob_rows", dprob_rows, h.num_rows(), 1); !st)
+      return st;
+    if (auto st = check_rows("dispatch_backward: dx", dx, h.num_tokens(), s_.hidden); !st)
+      return st;
+    if (auto st = check_rows("dispatch_backward: dprobs", dprobs, h.num_tokens(), s_.topk); !st)
+      return st;
+    if (!dprobs.contiguous())
+      return make_error(errc::shape_mismatch, "dispatch_backward: dprobs must be contiguous");
+    return {};
   }
 
   // Chunk sort (t, j, l) -> (l, t, j) and its inverse: one chunk copy with the offsets the
   // forward planned, swapped for the inverse.   src, dst [rows, width], either may be strided
   // (the columns of packed rows)
-  using view = row_view<T, space>;
-  using const_view = row_view<const T, space>;
   static status sort_chunks(Exec& x, const handle_type& h, const_view src, view dst) {
-    return x.template copy_chunks<T>(src, rows_of(h.st_.chunk_counts, 1),
-                                     rows_of(h.st_.chunk_src, 1), rows_of(h.st_.chunk_dst, 1), dst);
+    return x.template copy_chunks<T>(src, column(h.st_.chunk_sizes), column(h.st_.chunk_from),
+                                     column(h.st_.chunk_to), dst);
   }
   static status unsort_chunks(Exec& x, const handle_type& h, const_view src, view dst) {
-    return x.template copy_chunks<T>(src, rows_of(h.st_.chunk_counts, 1),
-                                     rows_of(h.st_.chunk_dst, 1), rows_of(h.st_.chunk_src, 1), dst);
+    return x.template copy_chunks<T>(src, column(h.st_.chunk_sizes), column(h.st_.chunk_to),
+                                     column(h.st_.chunk_from), dst);
+  }
+  // A row [1, C] of the chunk table as the column [C, 1] copy_chunks takes.
+  static row_view<const int, space> column(row_view<const int, space> r) noexcept {
+    return {r.data(), r.width(), 1};
   }
   int local_experts() const noexcept { return s_.num_experts / s_.ep; }
   // Rows this rank receives at most (after the AllGather-V): the receive bound, by default every
@@ -417,22 +459,27 @@ class all_to_all_dispatcher
   void carve_saved(workspace_carver& c, int capacity, buffers& b) const {
     const auto EP = detail::uz(s_.ep), ETP = detail::uz(s_.etp), L = detail::uz(local_experts()),
                H = detail::uz(s_.hidden);
-    const auto R = detail::uz(recv_rows(capacity));
+    const auto R = detail::uz(recv_rows(capacity));  // rows the experts receive at most
     const permute_args pa{.num_tokens = s_.max_tokens,
                           .topk = s_.topk,
                           .num_experts = s_.num_experts,
                           .capacity = capacity >= 0 ? std::optional<int>(capacity) : std::nullopt};
     b.plan = c.take<std::byte>(permute_plan::workspace_bytes(pa));
+    b.chunk_meta = c.take<int>(3 * ETP * EP * L);
+    b.batch_x = c.take<T>(R * H);
+    b.batch_probs = c.take<T>(R);
+  }
+  // Host (kept with the handle): the gathered counts, splits, chunk order and chunk table.
+  void carve_host(workspace_carver& c, buffers& b) const {
+    const auto E = detail::uz(s_.num_experts), EP = detail::uz(s_.ep), ETP = detail::uz(s_.etp),
+               L = detail::uz(local_experts());
+    b.gathered_host = c.take<int>(EP * ETP * E);
     b.input_splits = c.take<int>(EP);
     b.output_splits = c.take<int>(EP);
     b.output_splits_tp = c.take<int>(ETP);
     b.per_expert = c.take<int>(L);
-    b.chunk_counts = c.take<int>(ETP * EP * L);
+    b.chunk_meta_host = c.take<int>(3 * ETP * EP * L);
     b.order = c.take<int>(ETP * EP * L);
-    b.chunk_src = c.take<int>(ETP * EP * L);
-    b.chunk_dst = c.take<int>(ETP * EP * L);
-    b.batch_x = c.take<T>(R * H);
-    b.batch_probs = c.take<T>(R);
   }
   // Scratch (dead after each call): the gathered counts and the rows in flight, packed rows of W
   // elements (the probabilities travel in them). Buffers a and b hold received rows (at most the

@@ -9,6 +9,8 @@
 
 #include "../comm/communicator.hpp"
 #include "../core/expected.hpp"
+#include "../core/memory_space.hpp"
+#include "../core/row_view.hpp"
 #include "../core/size.hpp"
 #include "pad_mode.hpp"
 
@@ -31,35 +33,66 @@ struct dispatch_shape {
   std::optional<int> max_recv_rows{};  //!< receive bound (rows); unset: the worst case
 };
 
-//! The two parts of a dispatcher's workspace. `saved`: what the handle keeps from dispatch to
-//! the backward (plan, splits, the experts' batch), one per MoE layer of a model. `scratch`:
-//! rows and counts used inside one call and dead after it, so one scratch buffer can serve every
-//! layer of a model (calls of different layers never overlap).
+//! The three parts of a dispatcher's workspace. `saved`: what the handle keeps from dispatch to
+//! the backward on the context (plan, the experts' batch), one per MoE layer of a model.
+//! `scratch`: rows and counts used inside one call and dead after it, so one scratch buffer can
+//! serve every layer of a model (calls of different layers never overlap). Both are in the
+//! execution context's memory space (device memory for cuda_exec and cpu_exec: addresses the
+//! host never dereferences). `host`: host memory for the bookkeeping the host reads (splits,
+//! gathered counts, chunk order), kept with the handle like `saved`; small (O(EP * ETP * E)).
 struct dispatch_workspace {
   std::span<std::byte> saved{};
   std::span<std::byte> scratch{};
+  std::span<std::byte> host{};
 };
 
-//! Bytes of each part (`total()` when one buffer holds both).
+//! Bytes of each part (`total()` when one host buffer holds all three: host contexts only).
 struct dispatch_workspace_bytes {
   std::size_t saved = 0;
   std::size_t scratch = 0;
-  [[nodiscard]] constexpr std::size_t total() const noexcept { return saved + scratch; }
+  std::size_t host = 0;
+  [[nodiscard]] constexpr std::size_t total() const noexcept { return saved + scratch + host; }
 };
 
-//! One rank's inputs to dispatch.
-template <class T>
+//! One rank's inputs to dispatch, as views in the memory space of the dispatcher's context.
+template <class T, memory_space Space = host_space>
 struct dispatch_input {
-  int num_tokens = 0;             //!< N <= max_tokens
-  std::span<const T> x{};         //!< [N, H] tokens
-  std::span<const int> expert{};  //!< [N*k] expert of each pair, -1 = dropped
-  std::span<const T> probs{};     //!< [N*k] router probability of each pair
+  int num_tokens = 0;                   //!< N <= max_tokens
+  row_view<const T, Space> x{};         //!< [N, H] tokens (any row stride)
+  row_view<const int, Space> expert{};  //!< [N, k] expert of each pair, -1 = dropped (contiguous)
+  row_view<const T, Space> probs{};     //!< [N, k] router probability of each pair (contiguous)
   //! Pad mode when set (static shapes, docs/dispatch-semantics.md 5.2.1): every expert receives
   //! exactly `capacity` (>= 0) rows from this rank, its kept pairs in token order and then zero
   //! rows of probability 0, so no counts need exchanging. Every rank of the tp-ep group must pass
   //! the same value (drop_counts::pad_rows); a mismatch is reported by the communicator's count
   //! check (All-to-All path) or by the dispatcher (AllGather path). Unset: rows as routed.
   std::optional<int> capacity{};
+};
+
+//! The span form of dispatch_input, for host code and tests (host contexts): x [N*H], expert and
+//! probs [N*k], in element counts. The dispatcher sees it as the views of to_views(H, k); a span
+//! that is not whole rows gives a view of -1 rows, which it refuses as a shape mismatch.
+template <class T>
+struct host_dispatch_input {
+  int num_tokens = 0;
+  std::span<const T> x{};
+  std::span<const int> expert{};
+  std::span<const T> probs{};
+  std::optional<int> capacity{};
+
+  [[nodiscard]] dispatch_input<T> to_views(int hidden, int topk) const noexcept {
+    auto rows = [](std::size_t n, int w) {
+      return w > 0 && n % static_cast<std::size_t>(w) == 0
+                 ? static_cast<int>(n / static_cast<std::size_t>(w))
+                 : -1;
+    };
+    const dispatch_input<T> in{.num_tokens = num_tokens,
+                               .x = {x.data(), rows(x.size(), hidden), hidden},
+                               .expert = {expert.data(), rows(expert.size(), topk), topk},
+                               .probs = {probs.data(), rows(probs.size(), topk), topk},
+                               .capacity = capacity};
+    return in;
+  }
 };
 
 //! This rank's communicators for the three groups a dispatcher uses. The tp-ep rank must be
@@ -73,12 +106,12 @@ struct dispatch_groups {
 
 namespace detail {
 
-//! One buffer as the two parts, saved first. A buffer smaller than their total leaves scratch
-//! empty, which the dispatcher reports as errc::workspace_too_small.
+//! One host buffer as the three parts, saved, scratch, host. A buffer smaller than their total
+//! leaves host empty, which the dispatcher reports as errc::workspace_too_small.
 [[nodiscard]] inline dispatch_workspace split_workspace(
     std::span<std::byte> w, const dispatch_workspace_bytes& b) noexcept {
-  if (w.size() < b.total()) return {w, {}};
-  return {w.first(b.saved), w.subspan(b.saved)};
+  if (w.size() < b.total()) return {w, {}, {}};
+  return {w.first(b.saved), w.subspan(b.saved, b.scratch), w.subspan(b.saved + b.scratch)};
 }
 
 //! The worst-case receive rows of a shape (every routed pair of the tp-ep group), in 64 bits.
@@ -134,17 +167,26 @@ template <class Comm>
   return {};
 }
 
-//! N within the bound and the buffers shaped [N, H] and [N*k].
-template <class T>
-[[nodiscard]] status check_dispatch_input(const dispatch_shape& s, const dispatch_input<T>& in) {
+//! N within the bound and the views shaped x [N, H], expert and probs [N, k] (contiguous).
+template <class T, class S>
+[[nodiscard]] status check_dispatch_input(const dispatch_shape& s, const dispatch_input<T, S>& in) {
   if (in.num_tokens < 0 || in.num_tokens > s.max_tokens)
     return make_error(errc::invalid_size,
                       "dispatch: num_tokens = " + to_decimal(in.num_tokens) +
                           " outside [0, max_tokens = " + to_decimal(s.max_tokens) + "]");
-  const auto N = static_cast<std::size_t>(in.num_tokens);
-  const auto H = static_cast<std::size_t>(s.hidden), K = static_cast<std::size_t>(s.topk);
-  if (in.x.size() != N * H || in.probs.size() != N * K || in.expert.size() != N * K)
-    return make_error(errc::shape_mismatch, "dispatch: x must be [N, H] and expert, probs [N*k]");
+  const int N = in.num_tokens;
+  auto is = [N](const auto& v, int w) {
+    return v.rows() == N && (N == 0 || (v.width() == w && (v.data() != nullptr)));
+  };
+  if (!is(in.x, s.hidden) || !is(in.expert, s.topk) || !is(in.probs, s.topk) ||
+      !in.expert.contiguous() || !in.probs.contiguous())
+    return make_error(errc::shape_mismatch,
+                      "dispatch: x must be [N, H] and expert, probs [N, k] (contiguous) for N = " +
+                          to_decimal(N) + ", H = " + to_decimal(s.hidden) + ", k = " +
+                          to_decimal(s.topk) + " (got x [" + to_decimal(in.x.rows()) + ", " +
+                          to_decimal(in.x.width()) + "], expert [" + to_decimal(in.expert.rows()) +
+                          ", " + to_decimal(in.expert.width()) + "], probs [" +
+                          to_decimal(in.probs.rows()) + ", " + to_decimal(in.probs.width()) + "])");
   if (in.capacity && *in.capacity < 0)
     return make_error(errc::invalid_argument,
                       "dispatch: capacity = " + to_decimal(*in.capacity) +

@@ -7,6 +7,9 @@
 #include <span>
 
 #include "../core/expected.hpp"
+#include "../core/memory_space.hpp"
+#include "../core/row_view.hpp"
+#include "../core/size.hpp"
 #include "expert_batch.hpp"
 #include "permute.hpp"
 
@@ -31,7 +34,8 @@ struct dispatch_volume {
   comm_volume combine_a2a;   //!< All-to-All-V back over EP
 };
 
-//! What dispatch() hands to combine() and the backward: views into the dispatcher's workspace,
+//! What dispatch() hands to combine() and the backward: views into the dispatcher's workspace
+//! (the batch in the context's memory space, the bookkeeping in its host part),
 //! valid while that workspace is and until the next dispatch() of the same dispatcher (each MoE
 //! layer of a model has its own dispatcher and workspace). The dispatcher that made a handle
 //! checks it; any other refuses it with an error before any collective runs.
@@ -39,15 +43,23 @@ template <class Dispatcher>
 class dispatch_handle {
  public:
   using value_type = typename Dispatcher::value_type;
+  using space = typename Dispatcher::space;
 
-  //! The rows this rank's local experts compute, grouped by local expert.
-  [[nodiscard]] expert_batch<value_type> batch() const noexcept {
-    const expert_batch<value_type> b{
-        .hidden = hidden_, .counts = per_expert_, .x = x_, .probs = p_};
+  //! The rows this rank's local experts compute, grouped by local expert (host memory).
+  [[nodiscard]] expert_batch<value_type> batch() const noexcept requires host_accessible_v<space> {
+    const expert_batch<value_type> b{.hidden = hidden_,
+                                     .counts = per_expert_,
+                                     .x = {x_.data(), detail::uz(x_.rows()) * detail::uz(hidden_)},
+                                     .probs = {p_.data(), detail::uz(p_.rows())}};
     return b;
   }
+  //! The batch's rows [M, H] and probabilities [M, 1], in the context's memory space.
+  [[nodiscard]] row_view<const value_type, space> batch_rows() const noexcept { return x_; }
+  [[nodiscard]] row_view<const value_type, space> batch_probs() const noexcept { return p_; }
+  //! Rows per local expert [L] (host memory; rows of local expert l follow those of l - 1).
+  [[nodiscard]] std::span<const int> batch_counts() const noexcept { return per_expert_; }
   //! Rows of batch() (M).
-  [[nodiscard]] int num_rows() const noexcept { return static_cast<int>(p_.size()); }
+  [[nodiscard]] int num_rows() const noexcept { return p_.rows(); }
   //! Tokens of this rank (N).
   [[nodiscard]] int num_tokens() const noexcept { return num_tokens_; }
   //! Rows and bytes each collective of the round trip sent (combine fills its part).
@@ -59,9 +71,9 @@ class dispatch_handle {
   std::uint64_t serial_ = 0;
   int hidden_ = 0;
   int num_tokens_ = 0;
-  permute_plan plan_{};
+  basic_permute_plan<space> plan_{};
   std::span<const int> per_expert_;
-  std::span<value_type> x_, p_;
+  row_view<value_type, space> x_{}, p_{};
   dispatch_volume volume_{};
   typename Dispatcher::state st_{};
 

@@ -4,18 +4,21 @@
 //! two parts, views of workspace spans in the dispatcher's memory space, and the packed rows in
 //! which probabilities travel with their token rows.
 //!
-//! A dispatcher D derives from dispatcher_common<D, T, Comm, Exec>, implements dispatch(x, in, g,
-//! dispatch_workspace), combine(x, ...), combine_backward(x, ...), dispatch_backward(x, ...) and
-//! workspace_sizes(capacity), and brings these overloads in with using-declarations.
+//! A dispatcher D derives from dispatcher_common<D, T, Comm, Exec>, implements the view forms
+//! dispatch(x, dispatch_input, g, dispatch_workspace), combine(x, ...), combine_backward(x, ...),
+//! dispatch_backward(x, ...), shape() and workspace_sizes(capacity), and brings the host forms
+//! here (spans, one workspace buffer, a default context) in with using-declarations.
 #pragma once
 
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 
 #include "../core/expected.hpp"
+#include "../core/memory_space.hpp"
 #include "../core/row_view.hpp"
 #include "../core/size.hpp"
 #include "dispatch_args.hpp"
@@ -55,6 +58,11 @@ template <class D, class T, class Comm, class Exec>
 class dispatcher_common {
  public:
   using handle_type = dispatch_handle<D>;
+  using space = typename Exec::memory_space;
+  using view = row_view<T, space>;
+  using const_view = row_view<const T, space>;
+  //! The forms without a context argument: host memory and a context that carries nothing.
+  static constexpr bool host_context = host_accessible_v<space> && std::default_initializable<Exec>;
 
   //! Probabilities travel in the rows of their tokens (one collective instead of two) wherever
   //! the collective only copies. A reduction of packed rows sums the probability column in T, so
@@ -64,49 +72,89 @@ class dispatcher_common {
   //! summed in 16 bits. Both paths are compiled for every T; this selects one at run time.
   static constexpr bool pack_reductions = sizeof(T) >= 4;
 
-  //! Bytes of one buffer holding both workspace parts (see workspace_sizes).
+  //! Bytes of one host buffer holding all three workspace parts (see workspace_sizes).
   [[nodiscard]] std::size_t workspace_bytes(std::optional<int> capacity = {}) const {
     return self().workspace_sizes(capacity).total();
   }
 
-  //! Dispatch with one buffer of workspace_bytes(capacity) bytes holding both parts.
-  [[nodiscard]] expected<handle_type> dispatch(Exec& x, const dispatch_input<T>& in,
-                                               const dispatch_groups<Comm>& g,
-                                               std::span<std::byte> workspace) {
+  // --- host forms: one workspace buffer, span inputs, a default-constructed context ----------
+  // (host memory only; a device context takes views and the three workspace parts)
+
+  //! Dispatch with one buffer of workspace_bytes(capacity) bytes holding all three parts.
+  [[nodiscard]] expected<handle_type> dispatch(
+      Exec& x, const dispatch_input<T, space>& in, const dispatch_groups<Comm>& g,
+      std::span<std::byte> workspace) requires host_accessible_v<space> {
     return self().dispatch(x, in, g,
                            detail::split_workspace(workspace, self().workspace_sizes(in.capacity)));
   }
-
-  // The calls on a default-constructed context.
   [[nodiscard]] expected<handle_type> dispatch(
-      const dispatch_input<T>& in, const dispatch_groups<Comm>& g,
-      std::span<std::byte> workspace) requires std::default_initializable<Exec> {
-    Exec x{};
-    return self().dispatch(x, in, g, workspace);
+      Exec& x, const host_dispatch_input<T>& in, const dispatch_groups<Comm>& g,
+      const dispatch_workspace& ws) requires host_accessible_v<space> {
+    return self().dispatch(x, views_of(in), g, ws);
   }
   [[nodiscard]] expected<handle_type> dispatch(
-      const dispatch_input<T>& in, const dispatch_groups<Comm>& g,
-      const dispatch_workspace& ws) requires std::default_initializable<Exec> {
+      Exec& x, const host_dispatch_input<T>& in, const dispatch_groups<Comm>& g,
+      std::span<std::byte> workspace) requires host_accessible_v<space> {
+    return dispatch(x, views_of(in), g, workspace);
+  }
+  [[nodiscard]] expected<handle_type> dispatch(
+      const dispatch_input<T, space>& in, const dispatch_groups<Comm>& g,
+      std::span<std::byte> workspace) requires host_context {
+    Exec x{};
+    return dispatch(x, in, g, workspace);
+  }
+  [[nodiscard]] expected<handle_type> dispatch(
+      const host_dispatch_input<T>& in, const dispatch_groups<Comm>& g,
+      std::span<std::byte> workspace) requires host_context {
+    Exec x{};
+    return dispatch(x, views_of(in), g, workspace);
+  }
+  [[nodiscard]] expected<handle_type> dispatch(const dispatch_input<T, space>& in,
+                                               const dispatch_groups<Comm>& g,
+                                               const dispatch_workspace& ws) requires host_context {
     Exec x{};
     return self().dispatch(x, in, g, ws);
   }
-  [[nodiscard]] status combine(handle_type& h, std::span<const T> y, const dispatch_groups<Comm>& g,
-                               std::span<T> out) requires std::default_initializable<Exec> {
+  [[nodiscard]] expected<handle_type> dispatch(const host_dispatch_input<T>& in,
+                                               const dispatch_groups<Comm>& g,
+                                               const dispatch_workspace& ws) requires host_context {
     Exec x{};
-    return self().combine(x, h, y, g, out);
+    return self().dispatch(x, views_of(in), g, ws);
+  }
+  [[nodiscard]] status combine(Exec& x, handle_type& h, std::span<const T> y,
+                               const dispatch_groups<Comm>& g,
+                               std::span<T> out) requires host_accessible_v<space> {
+    return self().combine(x, h, span_rows(y, hidden()), g, span_rows(out, hidden()));
+  }
+  [[nodiscard]] status combine(handle_type& h, std::span<const T> y, const dispatch_groups<Comm>& g,
+                               std::span<T> out) requires host_context {
+    Exec x{};
+    return combine(x, h, y, g, out);
+  }
+  [[nodiscard]] status combine_backward(Exec& x, const handle_type& h, std::span<const T> dout,
+                                        const dispatch_groups<Comm>& g,
+                                        std::span<T> dy) requires host_accessible_v<space> {
+    return self().combine_backward(x, h, span_rows(dout, hidden()), g, span_rows(dy, hidden()));
   }
   [[nodiscard]] status combine_backward(const handle_type& h, std::span<const T> dout,
                                         const dispatch_groups<Comm>& g,
-                                        std::span<T> dy) requires std::default_initializable<Exec> {
+                                        std::span<T> dy) requires host_context {
     Exec x{};
-    return self().combine_backward(x, h, dout, g, dy);
+    return combine_backward(x, h, dout, g, dy);
   }
-  [[nodiscard]] status dispatch_backward(
-      const handle_type& h, std::span<const T> dx_rows, std::span<const T> dprob_rows,
-      const dispatch_groups<Comm>& g, std::span<T> dx,
-      std::span<T> dprobs) requires std::default_initializable<Exec> {
+  [[nodiscard]] status dispatch_backward(Exec& x, const handle_type& h, std::span<const T> dx_rows,
+                                         std::span<const T> dprob_rows,
+                                         const dispatch_groups<Comm>& g, std::span<T> dx,
+                                         std::span<T> dprobs) requires host_accessible_v<space> {
+    return self().dispatch_backward(x, h, span_rows(dx_rows, hidden()), span_rows(dprob_rows, 1), g,
+                                    span_rows(dx, hidden()), span_rows(dprobs, topk()));
+  }
+  [[nodiscard]] status dispatch_backward(const handle_type& h, std::span<const T> dx_rows,
+                                         std::span<const T> dprob_rows,
+                                         const dispatch_groups<Comm>& g, std::span<T> dx,
+                                         std::span<T> dprobs) requires host_context {
     Exec x{};
-    return self().dispatch_backward(x, h, dx_rows, dprob_rows, g, dx, dprobs);
+    return dispatch_backward(x, h, dx_rows, dprob_rows, g, dx, dprobs);
   }
 
  protected:
@@ -132,7 +180,30 @@ class dispatcher_common {
     return x.template fill<T>(columns_of(packed, stride, used, stride - used), T(0));
   }
 
+  //! The shape checks of the view forms: rows x width as expected (message names the call).
+  static status check_rows(const char* what, const auto& v, long long rows, int width) {
+    if (v.rows() != rows || (rows > 0 && v.width() != width))
+      return make_error(errc::shape_mismatch,
+                        std::string(what) + " is [" + detail::to_decimal(v.rows()) + ", " +
+                            detail::to_decimal(v.width()) + "], expected [" +
+                            detail::to_decimal(rows) + ", " + detail::to_decimal(width) + "]");
+    return {};
+  }
+
  private:
+  int hidden() const noexcept { return self().shape().hidden; }
+  int topk() const noexcept { return self().shape().topk; }
+  dispatch_input<T, space> views_of(const host_dispatch_input<T>& in) const noexcept {
+    return in.to_views(hidden(), topk());
+  }
+  //! A span as [size / width, width], or -1 rows when it is not whole rows (refused by the
+  //! shape checks).
+  template <class U>
+  static row_view<U, space> span_rows(std::span<U> v, int width) noexcept {
+    const bool whole = width > 0 && v.size() % detail::uz(width) == 0;
+    return row_view<U, space>(v.data(), whole ? static_cast<int>(v.size() / detail::uz(width)) : -1,
+                              width);
+  }
   D& self() noexcept { return static_cast<D&>(*this); }
   const D& self() const noexcept { return static_cast<const D&>(*this); }
 };

@@ -1,8 +1,10 @@
 //! @file gathered_record.hpp
-//! @brief The AllGather dispatcher's checks of what the tp-ep group gathered: every rank's token
-//! count and pad capacity (the header), every gathered expert id and per-source capacity, and the
-//! rows each EP rank would receive. Every rank runs them on the same gathered data, so a bad rank
-//! makes every rank fail alike, with the same error, before any row moves.
+//! @brief The AllGather dispatcher's checks of what the tp-ep group gathered: every rank's header
+//! row (token count, pad capacity, the first bad entry of its routing record, its routed pairs per
+//! expert), from which the ids, the per-source capacity and the rows each EP rank would receive
+//! are checked on the host without reading the gathered record itself. Every rank runs them on the
+//! same gathered data, so a bad rank makes every rank fail alike, with the same error, before any
+//! row moves.
 #pragma once
 
 #include <cstddef>
@@ -16,21 +18,34 @@ namespace moefold {
 inline namespace v0_1 {
 namespace detail {
 
-//! header [P, 2]: (tokens, capacity) of each tp-ep rank -> tokens [P]; returns their sum.
-//! Token counts must lie in [0, max_tokens] and every capacity must equal rank 0's.
+//! The columns of one rank's header row: its token count, its pad capacity (-1: off), the first
+//! bad entry of its routing record (slot -1: none) and the expert it names, then its routed pairs
+//! per expert [E]. Every rank gathers every rank's row, so all of them check the same table.
+struct gathered_header {
+  static constexpr int tokens = 0, capacity = 1, fault_slot = 2, fault_expert = 3, counts = 4;
+  //! Columns of a row for E experts.
+  [[nodiscard]] static constexpr int width(int num_experts) noexcept {
+    return counts + num_experts;
+  }
+};
+
+//! header [P, 4 + E] (host) -> tokens [P]; returns their sum. Token counts must lie in
+//! [0, max_tokens] and every capacity must equal rank 0's.
 [[nodiscard]] inline expected<long long> check_gathered_header(std::span<const int> header,
-                                                               int max_tokens,
+                                                               int width, int max_tokens,
                                                                std::span<int> tokens) {
+  using h = gathered_header;
   long long total = 0;
   for (std::size_t q = 0; q < tokens.size(); ++q) {
-    const int v = header[2 * q], cap = header[2 * q + 1];
+    const int* row = header.data() + q * uz(width);
+    const int v = row[h::tokens], cap = row[h::capacity];
     if (v < 0 || v > max_tokens)
       return make_error(errc::invalid_size, "dispatch: a peer has " + to_decimal(v) +
                                                 " tokens, outside [0, max_tokens]");
-    if (cap != header[1])
+    if (cap != header[h::capacity])
       return make_error(errc::comm_mismatch,
                         "dispatch: pad mode capacities differ in the tp-ep group (rank 0: " +
-                            to_decimal(header[1]) + ", rank " +
+                            to_decimal(header[h::capacity]) + ", rank " +
                             to_decimal(static_cast<long long>(q)) + ": " + to_decimal(cap) +
                             "); every rank must pad to the same capacity");
     tokens[q] = v;
@@ -39,49 +54,59 @@ namespace detail {
   return total;
 }
 
-//! The gathered routing record: expert ids in [-1, E), and in pad mode (capacity >= 0) at most
-//! `capacity` pairs per (source rank, expert).   expert [G*k], tokens [P], counts [E] (scratch)
-[[nodiscard]] inline status check_gathered_routing(std::span<const int> expert,
-                                                   std::span<const int> tokens, int topk,
-                                                   int num_experts, int capacity,
-                                                   std::span<int> counts) {
-  const auto K = uz(topk);
-  std::size_t t0 = 0;
-  for (std::size_t q = 0; q < tokens.size(); ++q) {
-    for (auto& c : counts) c = 0;
-    const auto tq = uz(tokens[q]);
-    for (std::size_t i = t0 * K; i < (t0 + tq) * K; ++i) {
-      const int e = expert[i];
-      if (e < -1 || e >= num_experts)
-        return make_error(errc::invalid_argument,
-                          "dispatch: tp-ep rank " + to_decimal(static_cast<long long>(q)) +
-                              " names expert " + to_decimal(e) + ", outside [0, " +
-                              to_decimal(num_experts) + ") (use -1 for a dropped pair)");
-      if (capacity >= 0 && e >= 0 && ++counts[uz(e)] > capacity)
-        return make_error(errc::invalid_argument,
-                          "dispatch: tp-ep rank " + to_decimal(static_cast<long long>(q)) +
-                              " routes more than the capacity " + to_decimal(capacity) +
-                              " pairs to expert " + to_decimal(e) + " (drop before padding)");
-    }
-    t0 += tq;
+//! The group's routing records as their header rows tell them: every id in [-1, E), and in pad
+//! mode (capacity >= 0) at most `capacity` pairs per (source rank, expert), checked in rank order.
+//! header [P, 4 + E] (host)
+[[nodiscard]] inline status check_gathered_routing(std::span<const int> header, int width,
+                                                   int ranks, int num_experts, int capacity) {
+  using h = gathered_header;
+  for (int q = 0; q < ranks; ++q) {
+    const int* row = header.data() + uz(q) * uz(width);
+    if (row[h::fault_slot] >= 0)
+      return make_error(errc::invalid_argument,
+                        "dispatch: tp-ep rank " + to_decimal(q) + " names expert " +
+                            to_decimal(row[h::fault_expert]) + ", outside [0, " +
+                            to_decimal(num_experts) + ") (use -1 for a dropped pair)");
+    for (int e = 0; capacity >= 0 && e < num_experts; ++e)
+      if (row[h::counts + e] > capacity)
+        return make_error(errc::invalid_argument, "dispatch: tp-ep rank " + to_decimal(q) +
+                                                      " routes more than the capacity " +
+                                                      to_decimal(capacity) + " pairs to expert " +
+                                                      to_decimal(e) + " (drop before padding)");
   }
   return {};
 }
 
-//! The rows the most loaded EP rank would receive from the gathered record (checked ids), and
-//! the first EP rank with that load.   expert [G*k], counts [E] (scratch)
-[[nodiscard]] inline receive_peak gathered_peak_receive(std::span<const int> expert,
-                                                        int num_experts, int ep,
-                                                        std::span<int> counts) noexcept {
-  for (auto& c : counts) c = 0;
-  for (int e : expert)
-    if (e >= 0) ++counts[uz(e)];
+//! Pairs of the whole group routed to expert e: the sum of column e of the header's counts.
+[[nodiscard]] inline long long gathered_pairs(std::span<const int> header, int width, int ranks,
+                                              int e) noexcept {
+  long long n = 0;
+  for (int q = 0; q < ranks; ++q) n += header[uz(q) * uz(width) + uz(gathered_header::counts + e)];
+  return n;
+}
+
+//! Rows of each local expert (global experts first .. first + L - 1), padding included: capacity
+//! per source in pad mode, else the group's routed pairs.   header [P, 4 + E] (host) -> out [L]
+inline void gathered_rows_per_expert(std::span<const int> header, int width, int ranks, int first,
+                                     int capacity, std::span<int> out) noexcept {
+  for (std::size_t l = 0; l < out.size(); ++l)
+    out[l] =
+        capacity >= 0
+            ? capacity * ranks
+            : static_cast<int>(gathered_pairs(header, width, ranks, first + static_cast<int>(l)));
+}
+
+//! The rows the most loaded EP rank would receive (checked header), and the first EP rank with
+//! that load.   header [P, 4 + E] (host)
+[[nodiscard]] inline receive_peak gathered_peak_receive(std::span<const int> header, int width,
+                                                        int ranks, int num_experts,
+                                                        int ep) noexcept {
   const int L = num_experts / ep;
   receive_peak peak;
-  for (int q = 0; q < ep; ++q) {
+  for (int j = 0; j < ep; ++j) {
     long long rows = 0;
-    for (int l = 0; l < L; ++l) rows += counts[uz(q * L + l)];
-    if (rows > peak.rows || q == 0) peak = {q, rows};
+    for (int l = 0; l < L; ++l) rows += gathered_pairs(header, width, ranks, j * L + l);
+    if (rows > peak.rows || j == 0) peak = {j, rows};
   }
   return peak;
 }

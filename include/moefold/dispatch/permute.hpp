@@ -3,11 +3,14 @@
 //! grouped by expert, token order kept inside an expert, and the inverse, weighted by the router
 //! probabilities with a fixed summation order.
 //!
-//! The plan is data (counts, offsets, row-of-slot, slot-of-row: plain arrays with
-//! MOEFOLD_HOST_DEVICE accessors and row views for the context operations); make() is its host
-//! builder, which validates the routing record once. Moving rows by a plan is a context operation
-//! (gather_rows, gather_sum_rows: core/host_memory_ops.hpp); permute() and unpermute() below are
-//! those operations on host_exec with the span shapes checked.
+//! The plan is data (counts, offsets, row-of-slot, slot-of-row: plain arrays in memory space
+//! `Space` with MOEFOLD_HOST_DEVICE accessors and row views for the context operations). It is
+//! filled by a builder per execution context, which validates the routing record once:
+//! basic_permute_plan<host_space>::make() (alias permute_plan) for host spans, and
+//! build_permute_plan(exec, plan_input, storage) (dispatch/plan_builders.hpp) for a dispatcher's
+//! context, its record and storage in the context's memory. Moving rows by a plan is a context
+//! operation (gather_rows, gather_sum_rows: core/host_memory_ops.hpp); permute() and unpermute()
+//! below are those operations on host_exec with the span shapes checked.
 //!
 //! A routing record is top-k form: `expert[t*k + j]` is the j-th expert of token t, or -1 when
 //! that pair was dropped (or never routed). A token names each expert at most once.
@@ -23,6 +26,7 @@
 #include "../core/config.hpp"
 #include "../core/expected.hpp"
 #include "../core/host_exec.hpp"
+#include "../core/memory_space.hpp"
 #include "../core/row_view.hpp"
 #include "../core/size.hpp"
 #include "../core/workspace.hpp"
@@ -46,9 +50,28 @@ struct permute_args {
   std::span<const int> source_tokens{};
 };
 
-//! Where every row of the permuted buffer comes from and goes to. A view into the caller's
-//! workspace: valid while the workspace is.
-class permute_plan {
+//! What a context's plan builder plans from (dispatch/plan_builders.hpp): permute_args with the
+//! routing record as a view in the context's memory space.
+template <memory_space Space>
+struct plan_input {
+  int num_tokens = 0;                    //!< N
+  int topk = 1;                          //!< k
+  int num_experts = 1;                   //!< E
+  row_view<const int, Space> expert{};   //!< [N, k] contiguous, -1 = dropped
+  std::optional<int> capacity{};         //!< pad mode when set
+  int num_sources = 1;                   //!< as permute_args
+  std::span<const int> source_tokens{};  //!< [num_sources], host memory
+};
+
+namespace detail {
+struct plan_builder_access;
+}
+
+//! Where every row of the permuted buffer comes from and goes to, its arrays in memory space
+//! Space. A view into the caller's storage: valid while the storage is. Host element access
+//! (counts(), offsets(), ...) only in host memory; row views of the arrays in every space.
+template <memory_space Space = host_space>
+class basic_permute_plan {
  public:
   //! Bytes of workspace a plan for `a` needs.
   [[nodiscard]] static std::size_t workspace_bytes(const permute_args& a) noexcept {
@@ -59,9 +82,63 @@ class permute_plan {
     return c.required();
   }
 
-  //! Checks the routing record and builds the plan in `workspace`.
-  [[nodiscard]] static expected<permute_plan> make(const permute_args& a,
-                                                   std::span<std::byte> workspace) {
+  //! Checks the routing record and builds the plan in `workspace` (host memory).
+  [[nodiscard]] static expected<basic_permute_plan> make(
+      const permute_args& a, std::span<std::byte> workspace) requires host_accessible_v<Space> {
+    return make_in_addressable_memory(a, a.expert.data(), a.expert.size(), workspace);
+  }
+
+  [[nodiscard]] MOEFOLD_HOST_DEVICE int num_tokens() const noexcept { return n_; }
+  [[nodiscard]] MOEFOLD_HOST_DEVICE int topk() const noexcept { return k_; }
+  [[nodiscard]] MOEFOLD_HOST_DEVICE int num_experts() const noexcept { return e_; }
+  //! Rows of the permuted buffer (routed pairs, or capacity * E * num_sources in pad mode).
+  [[nodiscard]] MOEFOLD_HOST_DEVICE int num_rows() const noexcept { return m_; }
+  //! Routed pairs of expert e (excludes padding rows).
+  [[nodiscard]] MOEFOLD_HOST_DEVICE int count(int e) const noexcept { return real_[e]; }
+  //! First row of expert e, e in [0, E] (in pad mode expert e starts at e * capacity * sources).
+  [[nodiscard]] MOEFOLD_HOST_DEVICE int offset(int e) const noexcept { return offsets_[e]; }
+  //! The (token, slot) pair t*k+j of row r; -1 for a padding row.
+  [[nodiscard]] MOEFOLD_HOST_DEVICE int row_slot(int r) const noexcept { return row_slot_[r]; }
+  //! The row of pair s = t*k+j; -1 for a dropped pair.
+  [[nodiscard]] MOEFOLD_HOST_DEVICE int slot_row(int s) const noexcept { return slot_row_[s]; }
+
+  //! Routed pairs per expert [E] (excludes padding rows).
+  [[nodiscard]] std::span<const int> counts() const noexcept requires host_accessible_v<Space> {
+    return {real_, detail::uz(e_)};
+  }
+  //! First row of each expert [E+1].
+  [[nodiscard]] std::span<const int> offsets() const noexcept requires host_accessible_v<Space> {
+    return {offsets_, detail::uz(e_) + 1};
+  }
+  //! The pair of each row [M]; -1 for a padding row.
+  [[nodiscard]] std::span<const int> row_slot() const noexcept requires host_accessible_v<Space> {
+    return {row_slot_, detail::uz(m_)};
+  }
+  //! The row of each pair [N*k]; -1 for a dropped pair.
+  [[nodiscard]] std::span<const int> slot_row() const noexcept requires host_accessible_v<Space> {
+    return {slot_row_, detail::uz(n_) * detail::uz(k_)};
+  }
+  //! row_slot as the index of a gather [M, 1]: with divisor k it names each row's token.
+  [[nodiscard]] row_view<const int, Space> row_slots() const noexcept { return {row_slot_, m_, 1}; }
+  //! slot_row as the index of a gather-sum [N, k]: the rows of each token's pairs, slot order.
+  [[nodiscard]] row_view<const int, Space> token_rows() const noexcept {
+    return {slot_row_, n_, k_};
+  }
+  //! slot_row as the index of a gather [N*k, 1]: the row of each pair.
+  [[nodiscard]] row_view<const int, Space> slot_rows() const noexcept {
+    return {slot_row_, n_ * k_, 1};
+  }
+  //! The routed pairs per expert as one row [1, E] (what the All-to-All dispatcher gathers).
+  [[nodiscard]] row_view<const int, Space> count_row() const noexcept { return {real_, 1, e_}; }
+
+ private:
+  friend struct detail::plan_builder_access;
+
+  // The host builder over memory the host can address (host memory, or the CPU executor's):
+  // the record at `ex` (expert_size entries), the plan's arrays carved from `workspace`.
+  [[nodiscard]] static expected<basic_permute_plan> make_in_addressable_memory(
+      const permute_args& a, const int* ex, std::size_t expert_size,
+      std::span<std::byte> workspace) {
     using detail::to_decimal;
     if (a.num_tokens < 0 || a.topk < 1 || a.num_experts < 1)
       return make_error(errc::invalid_size,
@@ -95,22 +172,22 @@ class permute_plan {
             "permute: source_tokens must hold num_sources = " + to_decimal(a.num_sources) +
                 " counts >= 0 that sum to num_tokens = " + to_decimal(a.num_tokens));
     }
-    if (static_cast<long long>(a.expert.size()) != slots)
+    if (static_cast<long long>(expert_size) != slots)
       return make_error(errc::shape_mismatch, "permute: the routing record has " +
-                                                  to_decimal(a.expert.size()) +
+                                                  to_decimal(expert_size) +
                                                   " entries but N*k = " + to_decimal(slots));
     // Counts first (validating every entry), so that the row buffer can be sized exactly.
     int routed = 0;
     for (int t = 0; t < a.num_tokens; ++t)
       for (int j = 0; j < a.topk; ++j) {
-        const int e = a.expert[static_cast<std::size_t>(t * a.topk + j)];
+        const int e = ex[static_cast<std::size_t>(t * a.topk + j)];
         if (e < -1 || e >= a.num_experts)
           return make_error(errc::invalid_argument,
                             "permute: token " + to_decimal(t) + " slot " + to_decimal(j) +
                                 " names expert " + to_decimal(e) + ", outside [0, " +
                                 to_decimal(a.num_experts) + ") (use -1 for a dropped pair)");
         for (int i = 0; i < j && e >= 0; ++i)
-          if (a.expert[static_cast<std::size_t>(t * a.topk + i)] == e)
+          if (ex[static_cast<std::size_t>(t * a.topk + i)] == e)
             return make_error(
                 errc::invalid_argument,
                 "permute: token " + to_decimal(t) + " names expert " + to_decimal(e) + " twice");
@@ -118,58 +195,22 @@ class permute_plan {
       }
     const int rows = a.capacity ? static_cast<int>(*a.capacity * a.num_experts * sources) : routed;
     workspace_carver c(workspace);
-    permute_plan p = carve(c, a, rows);
+    basic_permute_plan p = carve(c, a, rows);
     if (!c.fits())
       return make_error(errc::workspace_too_small,
                         "permute: the workspace has " + to_decimal(workspace.size()) +
                             " bytes but the plan needs " + to_decimal(c.required()));
-    if (const overflow o = p.build(a); o.expert >= 0)
+    if (const overflow o = p.build(a, ex); o.expert >= 0)
       return make_error(
           errc::invalid_argument,
-          "permute: expert " + to_decimal(o.expert) + " has " + to_decimal(p.pairs_from(a, o)) +
+          "permute: expert " + to_decimal(o.expert) + " has " + to_decimal(p.pairs_from(a, ex, o)) +
               " routed pairs" + (a.num_sources > 1 ? " from source " + to_decimal(o.source) : "") +
               ", more than the capacity " + to_decimal(*a.capacity) + " (drop before padding)");
     return p;
   }
 
-  [[nodiscard]] MOEFOLD_HOST_DEVICE int num_tokens() const noexcept { return n_; }
-  [[nodiscard]] MOEFOLD_HOST_DEVICE int topk() const noexcept { return k_; }
-  [[nodiscard]] MOEFOLD_HOST_DEVICE int num_experts() const noexcept { return e_; }
-  //! Rows of the permuted buffer (routed pairs, or capacity * E * num_sources in pad mode).
-  [[nodiscard]] MOEFOLD_HOST_DEVICE int num_rows() const noexcept { return m_; }
-  //! Routed pairs of expert e (excludes padding rows).
-  [[nodiscard]] MOEFOLD_HOST_DEVICE int count(int e) const noexcept { return real_[e]; }
-  //! First row of expert e, e in [0, E] (in pad mode expert e starts at e * capacity * sources).
-  [[nodiscard]] MOEFOLD_HOST_DEVICE int offset(int e) const noexcept { return offsets_[e]; }
-  //! The (token, slot) pair t*k+j of row r; -1 for a padding row.
-  [[nodiscard]] MOEFOLD_HOST_DEVICE int row_slot(int r) const noexcept { return row_slot_[r]; }
-  //! The row of pair s = t*k+j; -1 for a dropped pair.
-  [[nodiscard]] MOEFOLD_HOST_DEVICE int slot_row(int s) const noexcept { return slot_row_[s]; }
-
-  //! Routed pairs per expert [E] (excludes padding rows).
-  [[nodiscard]] std::span<const int> counts() const noexcept { return {real_, detail::uz(e_)}; }
-  //! First row of each expert [E+1].
-  [[nodiscard]] std::span<const int> offsets() const noexcept {
-    return {offsets_, detail::uz(e_) + 1};
-  }
-  //! The pair of each row [M]; -1 for a padding row.
-  [[nodiscard]] std::span<const int> row_slot() const noexcept {
-    return {row_slot_, detail::uz(m_)};
-  }
-  //! The row of each pair [N*k]; -1 for a dropped pair.
-  [[nodiscard]] std::span<const int> slot_row() const noexcept {
-    return {slot_row_, detail::uz(n_) * detail::uz(k_)};
-  }
-  //! row_slot as the index of a gather [M, 1]: with divisor k it names each row's token.
-  [[nodiscard]] row_view<const int> row_slots() const noexcept { return {row_slot_, m_, 1}; }
-  //! slot_row as the index of a gather-sum [N, k]: the rows of each token's pairs, slot order.
-  [[nodiscard]] row_view<const int> token_rows() const noexcept { return {slot_row_, n_, k_}; }
-  //! slot_row as the index of a gather [N*k, 1]: the row of each pair.
-  [[nodiscard]] row_view<const int> slot_rows() const noexcept { return {slot_row_, n_ * k_, 1}; }
-
- private:
-  static permute_plan carve(workspace_carver& c, const permute_args& a, int rows) {
-    permute_plan p;
+  static basic_permute_plan carve(workspace_carver& c, const permute_args& a, int rows) {
+    basic_permute_plan p;
     p.n_ = a.num_tokens;
     p.k_ = a.topk;
     p.e_ = a.num_experts;
@@ -188,14 +229,14 @@ class permute_plan {
   };
 
   // Pairs routed to o.expert from source o.source (for the error message).
-  int pairs_from(const permute_args& a, overflow o) const {
+  int pairs_from(const permute_args& a, const int* ex, overflow o) const {
     int first = 0;
     for (int s = 0; s < o.source; ++s) first += a.source_tokens[static_cast<std::size_t>(s)];
     const int last =
         a.num_sources > 1 ? first + a.source_tokens[static_cast<std::size_t>(o.source)] : n_;
     int n = 0;
     for (int t = first; t < last; ++t)
-      for (int j = 0; j < k_; ++j) n += a.expert[static_cast<std::size_t>(t * k_ + j)] == o.expert;
+      for (int j = 0; j < k_; ++j) n += ex[static_cast<std::size_t>(t * k_ + j)] == o.expert;
     return n;
   }
 
@@ -203,15 +244,15 @@ class permute_plan {
   // expert (the stable sort of the reference, without sorting). In pad mode expert e owns rows
   // [e*S*C, (e+1)*S*C), source s's block starting at e*S*C + s*C; the rows a block does not fill
   // stay padding (row_slot -1).
-  overflow build(const permute_args& a) {
+  overflow build(const permute_args& a, const int* ex) {
     const int E = a.num_experts, S = a.num_sources > 1 ? a.num_sources : 1;
     const bool pad = a.capacity.has_value();
     const int cap = detail::pad_or_off(a.capacity);
     const std::span<int> real(real_, detail::uz(E)), cursor(cursor_, detail::uz(E)),
         row_slot(row_slot_, detail::uz(m_));
     for (auto& v : real) v = 0;
-    for (int e : a.expert)
-      if (e >= 0) ++real[static_cast<std::size_t>(e)];
+    for (long long s = 0; s < static_cast<long long>(n_) * k_; ++s)
+      if (ex[s] >= 0) ++real[static_cast<std::size_t>(ex[s])];
     offsets_[0] = 0;
     for (int e = 0; e < E; ++e) offsets_[e + 1] = offsets_[e] + (pad ? cap * S : real_[e]);
     for (auto& v : row_slot) v = -1;
@@ -226,7 +267,7 @@ class permute_plan {
       }
       for (int j = 0; j < k_; ++j) {
         const int s = t * k_ + j;
-        const int e = a.expert[static_cast<std::size_t>(s)];
+        const int e = ex[static_cast<std::size_t>(s)];
         slot_row_[s] = -1;
         if (e < 0) continue;             // a dropped pair
         if (pad && cursor_[e] >= cap) {  // over capacity: make() rejects the plan
@@ -246,6 +287,9 @@ class permute_plan {
   int *real_ = nullptr, *offsets_ = nullptr, *row_slot_ = nullptr, *slot_row_ = nullptr,
       *cursor_ = nullptr;
 };
+
+//! The plan over host memory (tests, host code).
+using permute_plan = basic_permute_plan<host_space>;
 
 //! Rows of each expert in the permuted buffer, padding included: offset(e+1) - offset(e).  [E]
 inline void rows_per_expert(const permute_plan& p, std::span<int> out) noexcept {

@@ -156,6 +156,7 @@ class moe_layer {
     const dispatch_workspace_bytes wsb = l.disp_.workspace_sizes();
     l.saved_ws_.resize(wsb.saved);
     l.scratch_ws_.resize(wsb.scratch);
+    l.host_ws_.resize(wsb.host);
     if (o.router.expert_bias) l.bias_ = expert_bias_state::zeros(o.router.num_experts);
     if (shared) {
       l.shared_ = std::move(shared);
@@ -193,7 +194,7 @@ class moe_layer {
   }
   //! What this layer's dispatcher workspace holds now, per part (pad mode grows it).
   [[nodiscard]] dispatch_workspace_bytes workspace_sizes() const noexcept {
-    return {saved_ws_.size(), scratch_ws_.size()};
+    return {saved_ws_.size(), scratch_ws_.size(), host_ws_.size()};
   }
 
   //! The router weight [E, H] (logits = x W^T) and its gradient.
@@ -306,19 +307,22 @@ class moe_layer {
     kept_experts_.resize(pairs);
     kept_probs_.resize(pairs);
     detail::write_kept_pairs(rv, std::span<int>(kept_experts_), std::span<T>(kept_probs_));
-    const dispatch_input<T> din{.num_tokens = n,
-                                .x = x,
-                                .expert = kept_experts_,
-                                .probs = kept_probs_,
-                                .capacity = counts.pad_rows};
+    const host_dispatch_input<T> din{.num_tokens = n,
+                                     .x = x,
+                                     .expert = kept_experts_,
+                                     .probs = kept_probs_,
+                                     .capacity = counts.pad_rows};
     // Pad mode sizes the rows from the capacity (the workspace grows to the largest one seen),
     // once the capacity is known to be sane.
-    if (auto st = detail::check_dispatch_input(disp_.shape(), din); !st)
+    if (auto st =
+            detail::check_dispatch_input(disp_.shape(), din.to_views(o_.hidden, o_.router.topk));
+        !st)
       return unexpected<error>(st.error());
     const auto need = disp_.workspace_sizes(counts.pad_rows);
     if (saved_ws_.size() < need.saved) saved_ws_.resize(need.saved);
     if (scratch_ws_.size() < need.scratch) scratch_ws_.resize(need.scratch);
-    const dispatch_workspace dws{.saved = saved_ws_, .scratch = scratch_ws_};
+    if (host_ws_.size() < need.host) host_ws_.resize(need.host);
+    const dispatch_workspace dws{.saved = saved_ws_, .scratch = scratch_ws_, .host = host_ws_};
     auto h = disp_.dispatch(din, g.dispatch, dws);
     if (!h) return unexpected<error>(h.error());
     handle_.emplace(std::move(*h));
@@ -468,7 +472,7 @@ class moe_layer {
   Experts experts_;
   std::optional<shared_expert<T, Comm>> shared_;
   std::vector<T> w_, dw_;
-  std::vector<std::byte> saved_ws_, scratch_ws_, shared_ws_;
+  std::vector<std::byte> saved_ws_, scratch_ws_, host_ws_, shared_ws_;
   expert_bias_state bias_{};
   global_aux_state global_{};
   bool training_ = true;
