@@ -13,6 +13,7 @@
 #include "support/count_new.hpp"
 
 using namespace moefold;
+using namespace moefold::dispatch;  // the permutation, chunk-sort and split building blocks
 
 namespace {
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 using namespace moefold;
+using namespace moefold::dispatch;  // the permutation, chunk-sort and split building blocks
 
 namespace {
 

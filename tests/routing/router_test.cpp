@@ -304,8 +304,8 @@ TEST_CASE("a user type models the router concept") {
       return {};
     }
   };
-  static_assert(router<round_robin>);
-  static_assert(!router<int>);
+  static_assert(routing::router<round_robin>);
+  static_assert(!routing::router<int>);
 }
 
 TEST_CASE("gating: logits = x W^T + b in the router dtype") {

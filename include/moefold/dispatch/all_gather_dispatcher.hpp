@@ -168,14 +168,10 @@ class all_gather_dispatcher
       return unexpected<error>(st.error());
     const int L = s_.num_experts / s_.ep, first = g.ep.rank() * L;
     if (cap < 0 && s_.max_recv_rows)
-      if (const receive_peak peak =
+      if (const dispatch::receive_peak peak =
               detail::gathered_peak_receive(header, HW, P, s_.num_experts, s_.ep);
           peak.rows > recv_rows(cap))
-        return make_error(errc::receive_bound_exceeded,
-                          "dispatch: EP rank " + to_decimal(peak.ep_rank) + " would receive " +
-                              to_decimal(peak.rows) + " rows, more than the receive bound " +
-                              to_decimal(recv_rows(cap)) +
-                              " (dispatch_shape::max_recv_rows; raise it, or drop tokens)");
+        return dispatch::receive_bound_error(peak, recv_rows(cap));
     // 3. Tokens and probabilities in packed rows, gathered in one collective; the expert ids in
     //    a second.                   x [n, H], probs [n, k] -> xs [n, W] -> xg [G, W]
     const int W = packed_width();
@@ -286,17 +282,7 @@ class all_gather_dispatcher
                                          const_view dprob_rows, const dispatch_groups<Comm>& g,
                                          view dx, view dprobs) {
     if (auto st = check_handle(h, g); !st) return st;
-    if (auto st = check_rows("dispatch_backward: dx_rows", dx_rows, h.num_rows(), s_.hidden); !st)
-      return st;
-    if (auto st = check_rows("dispatch_backward: dprob_rows", dprob_rows, h.num_rows(), 1); !st)
-      return st;
-    if (auto st = check_rows("dispatch_backward: dx", dx, h.num_tokens(), s_.hidden); !st)
-      return st;
-    if (auto st = check_rows("dispatch_backward: dprobs", dprobs, h.num_tokens(), s_.topk); !st)
-      return st;
-    if (!dx.contiguous() || !dprobs.contiguous())
-      return make_error(errc::shape_mismatch,
-                        "dispatch_backward: dx and dprobs must be contiguous");
+    if (auto st = this->check_backward_shapes(h, dx_rows, dprob_rows, dx, dprobs); !st) return st;
     if (pack_reductions) return dispatch_backward_packed(x, h, dx_rows, dprob_rows, g, dx, dprobs);
     return dispatch_backward_separate(x, h, dx_rows, dprob_rows, g, dx, dprobs);
   }

@@ -172,33 +172,30 @@ class all_to_all_dispatcher
     h.st_.order = b.order;
     h.st_.chunk_src = b.chunk_meta_host.subspan(C, C);
     h.st_.chunk_dst = b.chunk_meta_host.subspan(2 * C, C);
-    const split_args sa{.ep = s_.ep,
-                        .etp = s_.etp,
-                        .num_experts = s_.num_experts,
-                        .my_ep = g.ep.rank(),
-                        .my_etp = g.etp.rank(),
-                        .gathered_counts = b.gathered_host};
-    const split_view sv{.input_splits = h.st_.input_splits,
-                        .output_splits = h.st_.output_splits,
-                        .output_splits_tp = h.st_.output_splits_tp,
-                        .tokens_per_local_expert = h.st_.per_expert,
-                        .chunk_counts = h.st_.chunk_counts};
+    const dispatch::split_args sa{.ep = s_.ep,
+                                  .etp = s_.etp,
+                                  .num_experts = s_.num_experts,
+                                  .my_ep = g.ep.rank(),
+                                  .my_etp = g.etp.rank(),
+                                  .gathered_counts = b.gathered_host};
+    const dispatch::split_view sv{.input_splits = h.st_.input_splits,
+                                  .output_splits = h.st_.output_splits,
+                                  .output_splits_tp = h.st_.output_splits_tp,
+                                  .tokens_per_local_expert = h.st_.per_expert,
+                                  .chunk_counts = h.st_.chunk_counts};
     if (pad)
-      uniform_splits(cap, s_.ep, s_.etp, local_experts(), sv);
-    else if (auto st = compute_splits(sa, sv); !st)
+      dispatch::uniform_splits(cap, s_.ep, s_.etp, local_experts(), sv);
+    else if (auto st = dispatch::compute_splits(sa, sv); !st)
       return unexpected<error>(st.error());
     // Every rank knows every rank's counts: all check the bound on the most loaded EP rank and
     // fail alike, before any row moves (pad mode was checked against it up front; without a
     // bound the worst case holds by construction: no rank routes more than max_tokens * k).
     if (!pad && s_.max_recv_rows)
-      if (const receive_peak peak = peak_receive(sa); peak.rows > recv_rows(cap))
-        return make_error(errc::receive_bound_exceeded,
-                          "dispatch: EP rank " + to_decimal(peak.ep_rank) + " would receive " +
-                              to_decimal(peak.rows) + " rows, more than the receive bound " +
-                              to_decimal(recv_rows(cap)) +
-                              " (dispatch_shape::max_recv_rows; raise it, or drop tokens)");
-    expert_major_chunk_order(s_.etp, s_.ep, local_experts(), h.st_.order);
-    chunk_offsets(h.st_.chunk_counts, h.st_.order, h.st_.chunk_src, h.st_.chunk_dst);
+      if (const dispatch::receive_peak peak = dispatch::peak_receive(sa);
+          peak.rows > recv_rows(cap))
+        return dispatch::receive_bound_error(peak, recv_rows(cap));
+    dispatch::expert_major_chunk_order(s_.etp, s_.ep, local_experts(), h.st_.order);
+    dispatch::chunk_offsets(h.st_.chunk_counts, h.st_.order, h.st_.chunk_src, h.st_.chunk_dst);
     // The chunk sizes and offsets to the context, where the chunk copies read them.
     const row_view<int, space> meta(b.chunk_meta.data(), 3, static_cast<int>(C));
     if (auto st =
@@ -210,8 +207,8 @@ class all_to_all_dispatcher
     h.st_.chunk_to = meta.subrows(2, 1);
     h.per_expert_ = h.st_.per_expert;
     const int m_send = h.plan_.num_rows();
-    const int m_a2a = split_total(h.st_.output_splits);
-    const int m_all = split_total(h.st_.output_splits_tp);
+    const int m_a2a = dispatch::split_total(h.st_.output_splits);
+    const int m_all = dispatch::split_total(h.st_.output_splits_tp);
     // 3. Permute into packed rows: the token row in columns [0, H), its probability in column H,
     //    zeros after.                                x [N,H], probs [N,k] -> xp [m_send, W]
     const int W = packed_width();
@@ -260,7 +257,7 @@ class all_to_all_dispatcher
     const auto H = detail::uz(s_.hidden);
     if (auto st = check_rows("combine: y", y, h.num_rows(), s_.hidden); !st) return st;
     if (auto st = check_rows("combine: out", out, h.num_tokens(), s_.hidden); !st) return st;
-    const int m_a2a = split_total(h.st_.output_splits), m_send = h.plan_.num_rows(),
+    const int m_a2a = dispatch::split_total(h.st_.output_splits), m_send = h.plan_.num_rows(),
               m_all = h.num_rows();
     // Unsort (l, t, j) -> (t, j, l).
     auto yu = bufs_.rows_a.first(detail::uz(m_all) * H);
@@ -291,7 +288,7 @@ class all_to_all_dispatcher
     if (auto st = check_rows("combine_backward: dout", dout, h.num_tokens(), s_.hidden); !st)
       return st;
     if (auto st = check_rows("combine_backward: dy", dy, h.num_rows(), s_.hidden); !st) return st;
-    const int m_a2a = split_total(h.st_.output_splits), m_send = h.plan_.num_rows(),
+    const int m_a2a = dispatch::split_total(h.st_.output_splits), m_send = h.plan_.num_rows(),
               m_all = h.num_rows();
     auto gc = bufs_.rows_c.first(detail::uz(m_send) * H);  // un-permute backward = permute
     if (auto st =
@@ -316,7 +313,7 @@ class all_to_all_dispatcher
                                          const_view dprob_rows, const dispatch_groups<Comm>& g,
                                          view dx, view dprobs) {
     if (auto st = check_handle(h, g); !st) return st;
-    if (auto st = check_backward_shapes(h, dx_rows, dprob_rows, dx, dprobs); !st) return st;
+    if (auto st = this->check_backward_shapes(h, dx_rows, dprob_rows, dx, dprobs); !st) return st;
     // Packed unless the ReduceScatter-V over ETP would sum 16-bit probabilities.
     if (pack_reductions || s_.etp == 1)
       return dispatch_backward_packed(x, h, dx_rows, dprob_rows, g, dx, dprobs);
@@ -348,7 +345,7 @@ class all_to_all_dispatcher
   status dispatch_backward_packed(Exec& x, const handle_type& h, const_view dx_rows,
                                   const_view dprob_rows, const dispatch_groups<Comm>& g, view dx,
                                   view dprobs) {
-    const int m_a2a = split_total(h.st_.output_splits), m_send = h.plan_.num_rows(),
+    const int m_a2a = dispatch::split_total(h.st_.output_splits), m_send = h.plan_.num_rows(),
               m_all = h.num_rows(), W = packed_width();
     const auto Wz = detail::uz(W);
     auto gx = bufs_.rows_a.first(detail::uz(m_all) * Wz);  // sort backward = unsort
@@ -378,7 +375,7 @@ class all_to_all_dispatcher
   status dispatch_backward_separate(Exec& x, const handle_type& h, const_view dx_rows,
                                     const_view dprob_rows, const dispatch_groups<Comm>& g, view dx,
                                     view dprobs) {
-    const int m_a2a = split_total(h.st_.output_splits), m_send = h.plan_.num_rows(),
+    const int m_a2a = dispatch::split_total(h.st_.output_splits), m_send = h.plan_.num_rows(),
               m_all = h.num_rows();
     const auto H = detail::uz(s_.hidden);
     auto rows_and_probs = [&](std::span<T> buf, int m) {
@@ -407,21 +404,6 @@ class all_to_all_dispatcher
   static view by_slot(view dprobs) noexcept {
     return view(dprobs.data(), dprobs.rows() * dprobs.width(), 1);
   }
-  status check_backward_shapes(const handle_type& h, const_view dx_rows, const_view dprob_rows,
-                               view dx, view dprobs) const {
-    if (auto st = check_rows("dispatch_backward: dx_rows", dx_rows, h.num_rows(), s_.hidden); !st)
-      return st;
-    if (auto st = check_rows("dispatch_backward: dprob_rows", dprob_rows, h.num_rows(), 1); !st)
-      return st;
-    if (auto st = check_rows("dispatch_backward: dx", dx, h.num_tokens(), s_.hidden); !st)
-      return st;
-    if (auto st = check_rows("dispatch_backward: dprobs", dprobs, h.num_tokens(), s_.topk); !st)
-      return st;
-    if (!dprobs.contiguous())
-      return make_error(errc::shape_mismatch, "dispatch_backward: dprobs must be contiguous");
-    return {};
-  }
-
   // Chunk sort (t, j, l) -> (l, t, j) and its inverse: one chunk copy with the offsets the
   // forward planned, swapped for the inverse.   src, dst [rows, width], either may be strided
   // (the columns of packed rows)

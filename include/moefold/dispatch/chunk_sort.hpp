@@ -54,6 +54,8 @@ inline constexpr std::size_t chunk_offsets_stack = 256;
 
 }  // namespace detail
 
+namespace dispatch {
+
 //! Checks that `order` is a permutation of the chunks and that sizes are >= 0, in O(C): one pass
 //! with a bitmap of the chunks seen (on the stack up to 4096 chunks, one allocation of C bits
 //! beyond). Errors: errc::shape_mismatch (sizes and order differ in length), errc::invalid_size
@@ -162,6 +164,8 @@ template <class T>
       row_view<T>(out.data(), n, width));
 }
 
+}  // namespace dispatch
+
 namespace detail {
 // The convenient forms: the offsets on the stack up to chunk_offsets_stack chunks, on the heap
 // beyond (callers that sort often keep their own arrays and call the overloads that take them).
@@ -177,6 +181,8 @@ status with_chunk_offsets(std::span<const int> sizes, F&& f) {
   return f(both.first(sizes.size()), both.subspan(sizes.size(), sizes.size()));
 }
 }  // namespace detail
+
+namespace dispatch {
 
 //! out = concat(chunk order[0], chunk order[1], ...) of x split by `sizes` (rows of `width`
 //! elements): plan_chunk_offsets into the caller's arrays (O(C)), then one chunk copy (O(rows));
@@ -219,6 +225,8 @@ template <class T>
     return unsort_chunks<T>(sizes, order, sorted, width, out, src, dst);
   });
 }
+
+}  // namespace dispatch
 
 }  // namespace v0_1
 }  // namespace moefold

@@ -190,6 +190,23 @@ class dispatcher_common {
     return {};
   }
 
+  //! The buffers of dispatch_backward: dx_rows [M, H], dprob_rows [M, 1], dx [N, H] and
+  //! dprobs [N, k], the last two contiguous (both paths write them as flat rows).
+  status check_backward_shapes(const handle_type& h, const_view dx_rows, const_view dprob_rows,
+                               view dx, view dprobs) const {
+    if (auto st = check_rows("dispatch_backward: dx_rows", dx_rows, h.num_rows(), hidden()); !st)
+      return st;
+    if (auto st = check_rows("dispatch_backward: dprob_rows", dprob_rows, h.num_rows(), 1); !st)
+      return st;
+    if (auto st = check_rows("dispatch_backward: dx", dx, h.num_tokens(), hidden()); !st) return st;
+    if (auto st = check_rows("dispatch_backward: dprobs", dprobs, h.num_tokens(), topk()); !st)
+      return st;
+    if (!dx.contiguous() || !dprobs.contiguous())
+      return make_error(errc::shape_mismatch,
+                        "dispatch_backward: dx and dprobs must be contiguous");
+    return {};
+  }
+
  private:
   int hidden() const noexcept { return self().shape().hidden; }
   int topk() const noexcept { return self().shape().topk; }

@@ -98,11 +98,12 @@ inline void gathered_rows_per_expert(std::span<const int> header, int width, int
 
 //! The rows the most loaded EP rank would receive (checked header), and the first EP rank with
 //! that load.   header [P, 4 + E] (host)
-[[nodiscard]] inline receive_peak gathered_peak_receive(std::span<const int> header, int width,
-                                                        int ranks, int num_experts,
-                                                        int ep) noexcept {
+[[nodiscard]] inline dispatch::receive_peak gathered_peak_receive(std::span<const int> header,
+                                                                  int width, int ranks,
+                                                                  int num_experts,
+                                                                  int ep) noexcept {
   const int L = num_experts / ep;
-  receive_peak peak;
+  dispatch::receive_peak peak;
   for (int j = 0; j < ep; ++j) {
     long long rows = 0;
     for (int l = 0; l < L; ++l) rows += gathered_pairs(header, width, ranks, j * L + l);

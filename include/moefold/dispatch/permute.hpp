@@ -291,12 +291,16 @@ class basic_permute_plan {
 //! The plan over host memory (tests, host code).
 using permute_plan = basic_permute_plan<host_space>;
 
+namespace dispatch {
+
 //! Rows of each expert in the permuted buffer, padding included: offset(e+1) - offset(e).  [E]
 inline void rows_per_expert(const permute_plan& p, std::span<int> out) noexcept {
   const auto o = p.offsets();
   std::adjacent_difference(o.begin() + 1, o.end(), out.begin());
   if (!out.empty()) out[0] = o[1] - o[0];
 }
+
+}  // namespace dispatch
 
 namespace detail {
 template <class T>
@@ -317,6 +321,8 @@ inline status check_rows(const char* what, std::size_t have, long long rows, int
   return {};
 }
 }  // namespace detail
+
+namespace dispatch {
 
 //! permuted[r] = x[token of row r]; padding rows are zero.      x [N,H] -> out [M,H]
 template <class T>
@@ -411,6 +417,8 @@ template <class T, class P = T, class Acc = T>
   }
   return {};
 }
+
+}  // namespace dispatch
 
 }  // namespace v0_1
 }  // namespace moefold

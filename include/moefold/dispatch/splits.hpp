@@ -18,6 +18,8 @@
 namespace moefold {
 inline namespace v0_1 {
 
+namespace dispatch {
+
 //! Inputs of the split computation.
 struct split_args {
   int ep = 1;                              //!< EP
@@ -116,6 +118,18 @@ struct receive_peak {
   int ep_rank = 0;
   long long rows = 0;
 };
+
+//! The error every rank of the group returns when the most loaded EP rank would receive more
+//! rows than the receive bound (both dispatchers word it alike).
+[[nodiscard]] inline unexpected<error> receive_bound_error(const receive_peak& peak,
+                                                           long long bound) {
+  using detail::to_decimal;
+  return make_error(errc::receive_bound_exceeded,
+                    "dispatch: EP rank " + to_decimal(peak.ep_rank) + " would receive " +
+                        to_decimal(peak.rows) + " rows, more than the receive bound " +
+                        to_decimal(bound) +
+                        " (dispatch_shape::max_recv_rows; raise it, or drop tokens)");
+}
 [[nodiscard]] inline receive_peak peak_receive(const split_args& a) noexcept {
   const int L = a.num_experts / a.ep;
   const auto E = static_cast<std::size_t>(a.num_experts);
@@ -147,6 +161,8 @@ inline void uniform_splits(int capacity, int ep, int etp, int local_experts,
 [[nodiscard]] inline int split_total(std::span<const int> splits) noexcept {
   return std::accumulate(splits.begin(), splits.end(), 0);
 }
+
+}  // namespace dispatch
 
 }  // namespace v0_1
 }  // namespace moefold

@@ -1,6 +1,7 @@
 //! @file router.hpp
-//! @brief The router concept: what moefold's drop policies and dispatcher need from a router, so
-//! that a user can bring their own routing rule and keep the rest of the pipeline.
+//! @brief The router concept, moefold::routing::router (a topic namespace: the generic name stays
+//! out of the flat one): what moefold's drop policies and dispatcher need from a router, so that a
+//! user can bring their own routing rule and keep the rest of the pipeline.
 #pragma once
 
 #include <concepts>
@@ -19,6 +20,8 @@ inline namespace v0_1 {
 //!   num_experts(), topk()      E and k
 //!   route(logits, routing&)    -> status; fills routing with N = logits.size() / E tokens
 //!   backward(logits, routing, dprobs [N*k], dlogits [N*E]) -> status
+namespace routing {
+
 template <class R>
 concept router = std::floating_point<typename R::value_type> &&
     requires(const R& r, std::span<const typename R::value_type> logits,
@@ -33,6 +36,8 @@ concept router = std::floating_point<typename R::value_type> &&
 };
 
 static_assert(router<topk_router<float>> && router<topk_router<double>>);
+
+}  // namespace routing
 
 }  // namespace v0_1
 }  // namespace moefold
