@@ -65,6 +65,8 @@ class all_gather_dispatcher
   struct state {
     std::span<int> tokens;  //!< [EP*ETP]
     int gathered = 0;       //!< sum of tokens
+    //! The scratch rows of its dispatch (the context's memory; any later call may reuse them)
+    std::span<T> rows_a, rows_b, probs_a;
   };
   //! In pad mode (dispatch_input::capacity set) every local expert gets `capacity` rows from
   //! each rank of the group: its rows are EP*ETP blocks in tp-ep rank order.
@@ -124,10 +126,12 @@ class all_gather_dispatcher
                             (in.capacity ? to_decimal(cap) : std::string()) + ") = {" +
                             to_decimal(cs.required()) + ", " + to_decimal(cx.required()) + ", " +
                             to_decimal(ch.required()) + "}");
-    bufs_ = b;
     const auto H = detail::uz(s_.hidden), K = detail::uz(s_.topk);
     handle_type h;
-    h.issue(this, ++serial_, s_.hidden, in.num_tokens);
+    h.issue(this, ++serial_, b.stamp.data(), s_.hidden, in.num_tokens);
+    h.st_.rows_a = b.rows_a;
+    h.st_.rows_b = b.rows_b;
+    h.st_.probs_a = b.probs_a;
     h.st_.tokens = b.tokens;
     // 1. The group's header rows (token count, pad capacity, the first bad entry of the routing
     //    record, routed pairs per expert: gathered_header), so that every rank checks every
@@ -242,7 +246,7 @@ class all_gather_dispatcher
     const auto H = detail::uz(s_.hidden), G = detail::uz(h.st_.gathered);
     if (auto st = check_rows("combine: y", y, h.num_rows(), s_.hidden); !st) return st;
     if (auto st = check_rows("combine: out", out, h.num_tokens(), s_.hidden); !st) return st;
-    auto u = bufs_.rows_b.first(G * H);  // zeros for tokens without a local expert
+    auto u = h.st_.rows_b.first(G * H);  // zeros for tokens without a local expert
     if (auto st = x.template gather_sum_rows<T, T, accumulator_t<T>>(y, h.plan_.token_rows(), {},
                                                                      rows_of(u, s_.hidden));
         !st)
@@ -266,7 +270,7 @@ class all_gather_dispatcher
     if (auto st = check_rows("combine_backward: dy", dy, h.num_rows(), s_.hidden); !st) return st;
     if (!dout.contiguous())
       return make_error(errc::shape_mismatch, "combine_backward: dout must be contiguous");
-    auto gu = bufs_.rows_b.first(G * H);  // ReduceScatter backward = AllGather
+    auto gu = h.st_.rows_b.first(G * H);  // ReduceScatter backward = AllGather
     if (auto st = g.tp_ep.all_gather_v(x, dout, rows_of(gu, s_.hidden),
                                        std::span<const int>(h.st_.tokens));
         !st)
@@ -296,6 +300,7 @@ class all_gather_dispatcher
     std::span<T> batch_x, batch_probs;                          // saved, context
     std::span<int> header_row, header, experts, local_experts;  // scratch, context
     std::span<T> rows_a, rows_b, probs_a;                       // scratch, context
+    std::span<detail::dispatch_stamp> stamp;                    // host
     std::span<int> header_host, tokens, per_expert;             // host
   };
 
@@ -309,12 +314,12 @@ class all_gather_dispatcher
     const auto K = detail::uz(s_.topk), G = detail::uz(h.st_.gathered);
     const int W = packed_width();
     const auto Wz = detail::uz(W);
-    auto gx = bufs_.rows_b.first(G * Wz);
+    auto gx = h.st_.rows_b.first(G * Wz);
     if (auto st = x.template gather_sum_rows<T, T, accumulator_t<T>>(
             dx_rows, h.plan_.token_rows(), {}, columns_of(gx, W, 0, s_.hidden));
         !st)
       return st;
-    auto gp = bufs_.probs_a.first(G * K);  // by slot, then into the packed rows' columns
+    auto gp = h.st_.probs_a.first(G * K);  // by slot, then into the packed rows' columns
     if (auto st = x.template gather_rows<T>(dprob_rows, h.plan_.slot_rows(), 1, rows_of(gp, 1));
         !st)
       return st;
@@ -323,7 +328,7 @@ class all_gather_dispatcher
         !st)
       return st;
     if (auto st = zero_padding(x, gx, W, s_.hidden + s_.topk); !st) return st;
-    auto rr = bufs_.rows_a.first(detail::uz(h.num_tokens()) * Wz);
+    auto rr = h.st_.rows_a.first(detail::uz(h.num_tokens()) * Wz);
     if (auto st = g.tp_ep.reduce_scatter_v(x, rows_of(std::span<const T>(gx), W),
                                            std::span<const int>(h.st_.tokens), rows_of(rr, W),
                                            reduce_op::sum);
@@ -340,7 +345,7 @@ class all_gather_dispatcher
                                     const_view dprob_rows, const dispatch_groups<Comm>& g, view dx,
                                     view dprobs) {
     const auto H = detail::uz(s_.hidden), K = detail::uz(s_.topk), G = detail::uz(h.st_.gathered);
-    auto gx = bufs_.rows_b.first(G * H);
+    auto gx = h.st_.rows_b.first(G * H);
     if (auto st = x.template gather_sum_rows<T, T, accumulator_t<T>>(dx_rows, h.plan_.token_rows(),
                                                                      {}, rows_of(gx, s_.hidden));
         !st)
@@ -349,7 +354,7 @@ class all_gather_dispatcher
                                            std::span<const int>(h.st_.tokens), dx, reduce_op::sum);
         !st)
       return st;
-    auto gp = bufs_.probs_a.first(G * K);
+    auto gp = h.st_.probs_a.first(G * K);
     if (auto st = x.template gather_rows<T>(dprob_rows, h.plan_.slot_rows(), 1, rows_of(gp, 1));
         !st)
       return st;
@@ -382,6 +387,7 @@ class all_gather_dispatcher
   // Host (kept with the handle): the gathered header, the token counts, the rows per expert.
   void carve_host(workspace_carver& c, buffers& b) const {
     const auto P = detail::uz(s_.ep) * detail::uz(s_.etp), L = detail::uz(s_.num_experts / s_.ep);
+    b.stamp = c.take<detail::dispatch_stamp>(1);
     b.header_host = c.take<int>(P * detail::uz(detail::gathered_header::width(s_.num_experts)));
     b.tokens = c.take<int>(P);
     b.per_expert = c.take<int>(L);
@@ -404,13 +410,12 @@ class all_gather_dispatcher
   }
 
   status check_handle(const handle_type& h, const dispatch_groups<Comm>& g) const {
-    if (auto st = h.check_issued_by(this, serial_); !st) return st;
+    if (auto st = h.check_issued_by(this); !st) return st;
     return detail::check_dispatch_groups(s_, g);
   }
 
   dispatch_shape s_{};
-  std::uint64_t serial_ = 0;
-  buffers bufs_{};
+  std::uint64_t serial_ = 0;  // dispatches made (the stamp of the latest)
 };
 
 }  // namespace v0_1

@@ -78,6 +78,8 @@ class all_to_all_dispatcher
     std::span<int> chunk_src, chunk_dst;  //!< [ETP*EP*L] chunk offsets (rows) before/after the sort
     //! chunk_counts, chunk_src, chunk_dst as the rows of [3, ETP*EP*L] in the context's memory
     row_view<const int, space> chunk_sizes{}, chunk_from{}, chunk_to{};
+    //! The scratch rows of its dispatch (the context's memory; any later call may reuse them)
+    std::span<T> rows_a, rows_b, rows_c;
   };
 
   //! Checks the shape (detail::check_dispatch_shape).
@@ -133,10 +135,12 @@ class all_to_all_dispatcher
                             (in.capacity ? to_decimal(cap) : std::string()) + ") = {" +
                             to_decimal(cs.required()) + ", " + to_decimal(cx.required()) + ", " +
                             to_decimal(ch.required()) + "}");
-    bufs_ = b;
     const auto H = detail::uz(s_.hidden);
     handle_type h;
-    h.issue(this, ++serial_, s_.hidden, in.num_tokens);
+    h.issue(this, ++serial_, b.stamp.data(), s_.hidden, in.num_tokens);
+    h.st_.rows_a = b.rows_a;
+    h.st_.rows_b = b.rows_b;
+    h.st_.rows_c = b.rows_c;
     // 1. Plan the permutation (the context's builder validates the routing record) and exchange
     //    the counts, then bring them to the host; in pad mode every count is the capacity, so
     //    nothing is exchanged (static shapes).
@@ -260,17 +264,17 @@ class all_to_all_dispatcher
     const int m_a2a = dispatch::split_total(h.st_.output_splits), m_send = h.plan_.num_rows(),
               m_all = h.num_rows();
     // Unsort (l, t, j) -> (t, j, l).
-    auto yu = bufs_.rows_a.first(detail::uz(m_all) * H);
+    auto yu = h.st_.rows_a.first(detail::uz(m_all) * H);
     if (auto st = unsort_chunks(x, h, y, rows_of(yu, s_.hidden)); !st) return st;
     // ReduceScatter-V over ETP: sums the row-parallel partials, returns each peer its rows.
     std::span<T> yr = yu;
     if (s_.etp > 1) {
-      yr = bufs_.rows_b.first(detail::uz(m_a2a) * H);
+      yr = h.st_.rows_b.first(detail::uz(m_a2a) * H);
       if (auto st = rsv(x, g.etp, yu, yr, h.st_.output_splits_tp, s_.hidden); !st) return st;
       h.volume_.combine_rsv = volume(m_all - m_a2a, sizeof(T), s_.hidden);
     }
     // All-to-All-V back over EP.
-    auto yc = bufs_.rows_c.first(detail::uz(m_send) * H);
+    auto yc = h.st_.rows_c.first(detail::uz(m_send) * H);
     if (auto st = a2a(x, g.ep, yr, h.st_.output_splits, yc, h.st_.input_splits, s_.hidden); !st)
       return st;
     h.volume_.combine_a2a =
@@ -290,17 +294,17 @@ class all_to_all_dispatcher
     if (auto st = check_rows("combine_backward: dy", dy, h.num_rows(), s_.hidden); !st) return st;
     const int m_a2a = dispatch::split_total(h.st_.output_splits), m_send = h.plan_.num_rows(),
               m_all = h.num_rows();
-    auto gc = bufs_.rows_c.first(detail::uz(m_send) * H);  // un-permute backward = permute
+    auto gc = h.st_.rows_c.first(detail::uz(m_send) * H);  // un-permute backward = permute
     if (auto st =
             x.template gather_rows<T>(dout, h.plan_.row_slots(), s_.topk, rows_of(gc, s_.hidden));
         !st)
       return st;
-    auto gr = bufs_.rows_b.first(detail::uz(m_a2a) * H);  // All-to-All backward: swap the splits
+    auto gr = h.st_.rows_b.first(detail::uz(m_a2a) * H);  // All-to-All backward: swap the splits
     if (auto st = a2a(x, g.ep, gc, h.st_.input_splits, gr, h.st_.output_splits, s_.hidden); !st)
       return st;
     std::span<T> gu = gr;  // ReduceScatter backward = AllGather
     if (s_.etp > 1) {
-      gu = bufs_.rows_a.first(detail::uz(m_all) * H);
+      gu = h.st_.rows_a.first(detail::uz(m_all) * H);
       if (auto st = agv(x, g.etp, gr, gu, h.st_.output_splits_tp, s_.hidden); !st) return st;
     }
     return sort_chunks(x, h, rows_of(std::span<const T>(gu), s_.hidden), dy);
@@ -335,7 +339,9 @@ class all_to_all_dispatcher
     // its backward)
     std::span<int> gathered;
     std::span<T> rows_a, rows_b, rows_c;
-    // host: the gathered counts, splits, chunk order and the host copy of the chunk table
+    // host: the stamp, the gathered counts, splits, chunk order and the host copy of the chunk
+    // table
+    std::span<detail::dispatch_stamp> stamp;
     std::span<int> gathered_host, input_splits, output_splits, output_splits_tp, per_expert,
         chunk_meta_host, order;
   };
@@ -348,16 +354,16 @@ class all_to_all_dispatcher
     const int m_a2a = dispatch::split_total(h.st_.output_splits), m_send = h.plan_.num_rows(),
               m_all = h.num_rows(), W = packed_width();
     const auto Wz = detail::uz(W);
-    auto gx = bufs_.rows_a.first(detail::uz(m_all) * Wz);  // sort backward = unsort
+    auto gx = h.st_.rows_a.first(detail::uz(m_all) * Wz);  // sort backward = unsort
     if (auto st = unsort_chunks(x, h, dx_rows, columns_of(gx, W, 0, s_.hidden)); !st) return st;
     if (auto st = unsort_chunks(x, h, dprob_rows, columns_of(gx, W, s_.hidden, 1)); !st) return st;
     if (auto st = zero_padding(x, gx, W, s_.hidden + 1); !st) return st;
     std::span<T> rx = gx;  // AllGather backward = ReduceScatter (a sum over ETP)
     if (s_.etp > 1) {
-      rx = bufs_.rows_b.first(detail::uz(m_a2a) * Wz);
+      rx = h.st_.rows_b.first(detail::uz(m_a2a) * Wz);
       if (auto st = rsv(x, g.etp, gx, rx, h.st_.output_splits_tp, W); !st) return st;
     }
-    auto sx = bufs_.rows_c.first(detail::uz(m_send) * Wz);  // All-to-All backward: swap the splits
+    auto sx = h.st_.rows_c.first(detail::uz(m_send) * Wz);  // All-to-All backward: swap the splits
     if (auto st = a2a(x, g.ep, rx, h.st_.output_splits, sx, h.st_.input_splits, W); !st) return st;
     // Permute backward = un-permute without probs; the probs' permute backward is a gather.
     const std::span<const T> sxc = sx;
@@ -382,13 +388,13 @@ class all_to_all_dispatcher
       const auto mz = detail::uz(m);
       return std::pair{buf.first(mz * H), buf.subspan(mz * H, mz)};
     };
-    auto [gx, gp] = rows_and_probs(bufs_.rows_a, m_all);  // sort backward = unsort
+    auto [gx, gp] = rows_and_probs(h.st_.rows_a, m_all);  // sort backward = unsort
     if (auto st = unsort_chunks(x, h, dx_rows, rows_of(gx, s_.hidden)); !st) return st;
     if (auto st = unsort_chunks(x, h, dprob_rows, rows_of(gp, 1)); !st) return st;
-    auto [rx, rp] = rows_and_probs(bufs_.rows_b, m_a2a);  // AllGather backward = ReduceScatter
+    auto [rx, rp] = rows_and_probs(h.st_.rows_b, m_a2a);  // AllGather backward = ReduceScatter
     if (auto st = rsv(x, g.etp, gx, rx, h.st_.output_splits_tp, s_.hidden); !st) return st;
     if (auto st = rsv(x, g.etp, gp, rp, h.st_.output_splits_tp, 1); !st) return st;
-    auto [sx, sp] = rows_and_probs(bufs_.rows_c, m_send);  // All-to-All backward: swap splits
+    auto [sx, sp] = rows_and_probs(h.st_.rows_c, m_send);  // All-to-All backward: swap splits
     if (auto st = a2a(x, g.ep, rx, h.st_.output_splits, sx, h.st_.input_splits, s_.hidden); !st)
       return st;
     if (auto st = a2a(x, g.ep, rp, h.st_.output_splits, sp, h.st_.input_splits, 1); !st) return st;
@@ -455,6 +461,7 @@ class all_to_all_dispatcher
   void carve_host(workspace_carver& c, buffers& b) const {
     const auto E = detail::uz(s_.num_experts), EP = detail::uz(s_.ep), ETP = detail::uz(s_.etp),
                L = detail::uz(local_experts());
+    b.stamp = c.take<detail::dispatch_stamp>(1);
     b.gathered_host = c.take<int>(EP * ETP * E);
     b.input_splits = c.take<int>(EP);
     b.output_splits = c.take<int>(EP);
@@ -477,7 +484,7 @@ class all_to_all_dispatcher
   }
 
   status check_handle(const handle_type& h, const dispatch_groups<Comm>& g) const {
-    if (auto st = h.check_issued_by(this, serial_); !st) return st;
+    if (auto st = h.check_issued_by(this); !st) return st;
     return detail::check_dispatch_groups(s_, g);
   }
 
@@ -497,8 +504,7 @@ class all_to_all_dispatcher
   }
 
   dispatch_shape s_{};
-  std::uint64_t serial_ = 0;
-  buffers bufs_{};
+  std::uint64_t serial_ = 0;  // dispatches made (the stamp of the latest)
 };
 
 }  // namespace v0_1

@@ -34,11 +34,22 @@ struct dispatch_volume {
   comm_volume combine_a2a;   //!< All-to-All-V back over EP
 };
 
-//! What dispatch() hands to combine() and the backward: views into the dispatcher's workspace
-//! (the batch in the context's memory space, the bookkeeping in its host part),
-//! valid while that workspace is and until the next dispatch() of the same dispatcher (each MoE
-//! layer of a model has its own dispatcher and workspace). The dispatcher that made a handle
-//! checks it; any other refuses it with an error before any collective runs.
+namespace detail {
+//! Who last dispatched into a workspace: written at the start of its host part by every dispatch,
+//! so a handle can tell whether its workspace still holds its dispatch.
+struct dispatch_stamp {
+  const void* owner = nullptr;
+  std::uint64_t serial = 0;
+};
+}  // namespace detail
+
+//! What dispatch() hands to combine() and the backward: views into the workspace of its dispatch
+//! (the batch in the context's memory space, the bookkeeping in its host part), valid while that
+//! workspace's saved and host parts are not given to another dispatch. Several handles of one
+//! dispatcher may be in flight (pipeline schedules: F1 F2 B2 B1), each with its own saved and host
+//! parts; they may share one scratch part (calls never overlap). The dispatcher that made a
+//! handle checks it, and refuses, with an error before any collective runs, a handle of another
+//! dispatcher or one whose workspace a later dispatch has reused (the stamp in its host part).
 template <class Dispatcher>
 class dispatch_handle {
  public:
@@ -69,6 +80,7 @@ class dispatch_handle {
   friend Dispatcher;
   const void* owner_ = nullptr;
   std::uint64_t serial_ = 0;
+  const detail::dispatch_stamp* stamp_ = nullptr;
   int hidden_ = 0;
   int num_tokens_ = 0;
   basic_permute_plan<space> plan_{};
@@ -77,19 +89,26 @@ class dispatch_handle {
   dispatch_volume volume_{};
   typename Dispatcher::state st_{};
 
-  // Issued by `owner` as its dispatch number `serial`.
-  void issue(const void* owner, std::uint64_t serial, int hidden, int num_tokens) noexcept {
+  // Issued by `owner` as its dispatch number `serial`, stamped into its workspace's host part.
+  void issue(const void* owner, std::uint64_t serial, detail::dispatch_stamp* stamp, int hidden,
+             int num_tokens) noexcept {
     owner_ = owner;
     serial_ = serial;
+    *stamp = {owner, serial};
+    stamp_ = stamp;
     hidden_ = hidden;
     num_tokens_ = num_tokens;
   }
-  // The handle of `owner`'s latest dispatch, or an error (before any collective runs).
-  [[nodiscard]] status check_issued_by(const void* owner, std::uint64_t latest) const {
-    if (owner_ != owner || serial_ != latest)
+  // A handle of `owner` whose workspace still holds its dispatch, or an error (before any
+  // collective runs).
+  [[nodiscard]] status check_issued_by(const void* owner) const {
+    if (owner_ != owner)
       return make_error(errc::invalid_argument,
-                        "dispatcher: the handle comes from another dispatcher or an earlier "
-                        "dispatch (its workspace has been reused)");
+                        "dispatcher: the handle comes from another dispatcher");
+    if (stamp_ == nullptr || stamp_->owner != owner || stamp_->serial != serial_)
+      return make_error(errc::invalid_argument,
+                        "dispatcher: the handle's workspace has been reused by a later dispatch "
+                        "(give each dispatch in flight its own saved and host parts)");
     return {};
   }
 };
