@@ -59,19 +59,35 @@ expected<std::vector<T>> download(Exec& x, row_view<const T, S> v) {
   auto v = (e);          \
   if (!v) return unexpected<error>(v.error());
 
-// Dispatch, "experts" (a fixed function of the batch, on the host), combine, and the backward,
-// every buffer of the dispatcher in Exec's memory.
-template <template <class, class, class> class Disp, class T, class Exec, class Comm>
-expected<trip<T>> round_trip(const problem& p, Comm& world) {
-  const auto fold = make_folded(p.fold).value();
-  const megatron_groups groups(fold);
-  const int r = world.rank();
+// A rank's fold of the problem and its three dispatcher communicators.
+template <class Comm>
+struct rank_groups {
+  dynamic_folded_mesh fold;
+  megatron_groups groups;
+  Comm ep, etp, tp_ep;
+  [[nodiscard]] dispatch_groups<Comm> dispatch() noexcept { return {ep, etp, tp_ep}; }
+};
+
+template <class Comm>
+expected<rank_groups<Comm>> groups_of(const problem& p, Comm& world) {
+  auto fold = make_folded(p.fold);
+  if (!fold) return unexpected<error>(fold.error());
+  megatron_groups groups(*fold);
   auto ep = group_communicator(world, groups, {group_kind::ep});
   auto etp = group_communicator(world, groups, {group_kind::etp});
   auto tp_ep = group_communicator(world, groups, {group_kind::tp_ep});
   if (!ep || !etp || !tp_ep) return make_error(errc::invalid_argument, "groups");
-  const dispatch_groups<Comm> g{*ep, *etp, *tp_ep};
-  const rank_inputs in = inputs_of(p, groups, r);
+  return rank_groups<Comm>{*fold, groups, std::move(*ep), std::move(*etp), std::move(*tp_ep)};
+}
+
+// Dispatch, "experts" (a fixed function of the batch, on the host), combine, and the backward,
+// every buffer of the dispatcher in Exec's memory.
+template <template <class, class, class> class Disp, class T, class Exec, class Comm>
+expected<trip<T>> round_trip(const problem& p, Comm& world) {
+  TRY_ASSIGN(rg, groups_of(p, world));
+  const auto& fold = rg->fold;
+  const dispatch_groups<Comm> g = rg->dispatch();
+  const rank_inputs in = inputs_of(p, rg->groups, world.rank());
   auto cast = [](const std::vector<double>& v) { return std::vector<T>(v.begin(), v.end()); };
   const int n = in.n, H = p.hidden, K = p.topk;
   Exec x{};
@@ -228,13 +244,9 @@ TEST_CASE("a device dispatcher refuses host-shaped mistakes: a wrong view, a sho
   const problem p = folded_problem(false);
   const auto st = run_thread_world(8, [&](thread_communicator& world) -> status {
     auto dw = std::move(world).in_space<cpu_device_space>();
-    const auto fold = make_folded(p.fold).value();
-    const megatron_groups groups(fold);
-    auto ep = group_communicator(dw, groups, {group_kind::ep});
-    auto etp = group_communicator(dw, groups, {group_kind::etp});
-    auto tp_ep = group_communicator(dw, groups, {group_kind::tp_ep});
-    if (!ep || !etp || !tp_ep) return make_error(errc::invalid_argument, "groups");
-    const dispatch_groups<thread_device_communicator> g{*ep, *etp, *tp_ep};
+    auto rg = groups_of(p, dw);
+    if (!rg) return unexpected<error>(rg.error());
+    const dispatch_groups<thread_device_communicator> g = rg->dispatch();
     using D = all_to_all_dispatcher<float, thread_device_communicator, cpu_exec>;
     auto d =
         D::make({.max_tokens = 4, .hidden = 3, .topk = 2, .num_experts = 8, .ep = 4, .etp = 2});
@@ -333,13 +345,10 @@ template <template <class, class, class> class Disp>
 void in_flight_equals_sequential() {
   const problem p = folded_problem(false);
   const auto st = run_thread_world(8, [&](thread_communicator& world) -> status {
-    const auto fold = make_folded(p.fold).value();
-    const megatron_groups groups(fold);
-    auto ep = group_communicator(world, groups, {group_kind::ep});
-    auto etp = group_communicator(world, groups, {group_kind::etp});
-    auto tp_ep = group_communicator(world, groups, {group_kind::tp_ep});
-    if (!ep || !etp || !tp_ep) return make_error(errc::invalid_argument, "groups");
-    const dispatch_groups<thread_communicator> g{*ep, *etp, *tp_ep};
+    auto rg = groups_of(p, world);
+    if (!rg) return unexpected<error>(rg.error());
+    const auto& fold = rg->fold;
+    const dispatch_groups<thread_communicator> g = rg->dispatch();
     using D = Disp<double, thread_communicator, host_exec>;
     auto d = D::make({.max_tokens = p.tokens,
                       .hidden = p.hidden,
@@ -354,7 +363,7 @@ void in_flight_equals_sequential() {
         scratch(sz.scratch);
     const dispatch_workspace ws1{.saved = saved1, .scratch = scratch, .host = host1};
     const dispatch_workspace ws2{.saved = saved2, .scratch = scratch, .host = host2};
-    const rank_inputs a = inputs_of(p, groups, world.rank());
+    const rank_inputs a = inputs_of(p, rg->groups, world.rank());
     const rank_inputs b = shifted(a, p.experts);
     // Sequential: F1 B1 F2 B2, one workspace.
     micro_batch s1{a}, s2{b};

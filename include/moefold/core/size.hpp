@@ -12,8 +12,11 @@
 namespace moefold {
 inline namespace v0_1 {
 
+//! The largest value of an int-typed size (a mesh size or a product of them, a row count):
+//! 2^31 - 1, as std::int64_t so that checks compute in 64 bits.
+inline constexpr std::int64_t max_int = INT_MAX;
 //! The largest row count (of a view, a per-peer count, a total of counts): 2^31 - 1.
-inline constexpr std::int64_t max_rows = INT_MAX;
+inline constexpr std::int64_t max_rows = max_int;
 
 namespace detail {
 

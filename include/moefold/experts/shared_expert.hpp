@@ -39,7 +39,7 @@ class shared_expert {
   [[nodiscard]] static expected<shared_expert> make(const shared_expert_shape& s) {
     if (s.max_tokens < 0)
       return make_error(errc::invalid_size, "shared_expert: max_tokens must be >= 0");
-    if (static_cast<long long>(s.max_tokens) * s.tp * s.hidden > 2147483647LL)
+    if (static_cast<long long>(s.max_tokens) * s.tp * s.hidden > max_int)
       return make_error(errc::overflow, "shared_expert: max_tokens * tp * hidden exceeds 2^31-1");
     const mlp_shape shape{.hidden = s.hidden,
                           .ffn = s.ffn,

@@ -10,6 +10,7 @@
 
 #include "../core/checked_int.hpp"
 #include "../core/expected.hpp"
+#include "../core/size.hpp"
 #include "fold.hpp"
 #include "group_list.hpp"
 
@@ -254,14 +255,14 @@ class megatron_groups {
         if (v < 1)
           return make_error(errc::invalid_size, "hierarchical context-parallel size " +
                                                     detail::to_decimal(v) + " must be >= 1");
-        if (prod <= 2147483647LL) prod *= v;
+        if (prod <= max_int) prod *= v;
         list += (i ? "," : "") + detail::to_decimal(v);
       }
       if (prod != sizes_.cp)
         return make_error(
             errc::hierarchical_cp_mismatch,
             "hierarchical context-parallel sizes [" + list + "] multiply to " +
-                (prod > 2147483647LL ? std::string("more than 2^31-1") : detail::to_decimal(prod)) +
+                (prod > max_int ? std::string("more than 2^31-1") : detail::to_decimal(prod)) +
                 ", not cp = " + detail::to_decimal(sizes_.cp) +
                 " (Megatron rule 11: their product must equal cp)");
     }

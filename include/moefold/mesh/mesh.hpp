@@ -15,6 +15,7 @@
 #include "../core/checked_int.hpp"
 #include "../core/config.hpp"
 #include "../core/expected.hpp"
+#include "../core/size.hpp"
 #include "axis.hpp"
 #include "group_list.hpp"
 
@@ -96,7 +97,7 @@ class mesh {
       if (s != dynamic) p *= s;
     return p;
   }();
-  static_assert(static_product_ <= 2147483647LL,
+  static_assert(static_product_ <= max_int,
                 "moefold: the product of the static sizes of a mesh must fit in int");
 
  public:
@@ -167,7 +168,7 @@ class mesh {
         return make_error(errc::invalid_size, "mesh: size of " + std::string(to_string(ids_[i])) +
                                                   " must be >= 1 (got " + detail::to_decimal(s) +
                                                   ")");
-      if (s > 2147483647LL || (product *= s) > 2147483647LL)
+      if (s > max_int || (product *= s) > max_int)
         return make_error(errc::overflow, "mesh: the product of the sizes exceeds 2^31-1");
       if constexpr (n_dyn_ > 0)
         if (static_sizes_[i] == dynamic) m.dyn_[slot_[i]] = static_cast<int>(s);
