@@ -6,6 +6,10 @@
 //    router weight, the routed experts' weights (ETP shards, EDP replicas), the shared expert's
 //    weights (TP shards) and its gate, on folds with TP, CP, EP, ETP and EDP;
 //  - invariant 14: two runs are bitwise identical;
+//  - forwards in flight: F1 F2 B2 B1, a 1F1B schedule of 4 micro-batches and activation
+//    recomputation equal the sequential F B F B ... bitwise, with each backward's gradients taken
+//    (and zeroed) after it, so they are accumulated in the same order; per-loss seeds against
+//    finite differences of the seed-weighted loss; the context's misuse refused;
 //  - invariant 5 at the layer: a capacity no expert reaches gives the dropless result bitwise,
 //    tokens that lost all their experts get exactly the shared-expert output (0 without one), and
 //    routed = kept + dropped on every rank.
@@ -17,6 +21,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "../dispatch/dispatch_harness.hpp"
@@ -70,6 +76,8 @@ struct layer_setup {
   bool shared = true;
   bool losses = true;
   double capacity = 0;  // 0: dropless; else sub-sequence with this factor
+  // Set: the caller's context form with these per-loss seeds, and L weighted by them.
+  std::optional<moe_loss_seeds<double>> seeds{};
 };
 
 std::vector<rank_grads> run(const problem& p, const params& q, const layer_setup& ls) {
@@ -118,13 +126,28 @@ std::vector<rank_grads> run(const problem& p, const params& q, const layer_setup
       const auto& dout = q.dout[static_cast<std::size_t>(r)];
       res.out.resize(x.size());
       res.dx.resize(x.size());
-      auto stats = layer->forward(p.tokens, x, {}, g, res.out);
-      if (!stats) return unexpected<error>(stats.error());
-      res.report = stats->dropped.to_report();
-      res.kept.assign(layer->last_kept_experts().begin(), layer->last_kept_experts().end());
-      res.loss = stats->aux_loss + stats->seq_aux_loss + stats->global_aux_loss + stats->z_loss;
-      for (std::size_t i = 0; i < x.size(); ++i) res.loss += dout[i] * res.out[i];
-      if (auto s = layer->backward(dout, 1.0, g, res.dx); !s) return s;
+      if (ls.seeds) {  // L = sum of each loss times its seed
+        const moe_loss_seeds<double>& sd = *ls.seeds;
+        typename layer_t::context_type ctx;
+        const auto sb = layer->saved_sizes();
+        std::vector<std::byte> saved(sb.saved), host(sb.host);
+        auto stats =
+            layer->forward({.num_tokens = p.tokens, .x = x}, g, res.out, ctx, {saved, host});
+        if (!stats) return unexpected<error>(stats.error());
+        res.report = stats->dropped.to_report();
+        res.loss = sd.aux * stats->aux_loss + sd.seq_aux * stats->seq_aux_loss +
+                   sd.global_aux * stats->global_aux_loss + sd.z * stats->z_loss;
+        for (std::size_t i = 0; i < x.size(); ++i) res.loss += sd.output * dout[i] * res.out[i];
+        if (auto s = layer->backward(ctx, dout, sd, g, res.dx); !s) return s;
+      } else {
+        auto stats = layer->forward(p.tokens, x, {}, g, res.out);
+        if (!stats) return unexpected<error>(stats.error());
+        res.report = stats->dropped.to_report();
+        res.kept.assign(layer->last_kept_experts().begin(), layer->last_kept_experts().end());
+        res.loss = stats->aux_loss + stats->seq_aux_loss + stats->global_aux_loss + stats->z_loss;
+        for (std::size_t i = 0; i < x.size(); ++i) res.loss += dout[i] * res.out[i];
+        if (auto s = layer->backward(dout, 1.0, g, res.dx); !s) return s;
+      }
       if (auto s = layer->reduce_gradients(
               stage, edp, {layer->experts().grads_fc1(), layer->experts().grads_fc2()}, &dp_cp);
           !s)
@@ -166,7 +189,7 @@ std::pair<int, std::size_t> fc2_slot(int H, int F, int parts, int c, int h) {
   return {c / fs, static_cast<std::size_t>((c % fs) * H + h)};
 }
 
-void gradcheck(const problem& p) {
+void gradcheck(const problem& p, const layer_setup& ls = {}, int every_input = -1) {
   CAPTURE(p.fold.world);
   CAPTURE(p.fold.tp);
   CAPTURE(p.fold.cp);
@@ -176,7 +199,6 @@ void gradcheck(const problem& p) {
   const megatron_groups groups(fold);
   const int W = fold.world_size(), H = p.hidden, F = p.ffn, L = p.experts / fold.ep();
   const params q = make_params(p, W);
-  const layer_setup ls{};
   const auto base = run(p, q, ls);
   const double eps = 1e-6;
   int checked = 0;
@@ -205,7 +227,8 @@ void gradcheck(const problem& p) {
     CAPTURE(r);
     fd([&](params& v, double d) { v.x[r][j] += d; }, base[r].dx[j]);
   }
-  for (int j = 0; j < p.tokens * H; ++j)  // every input of the last rank
+  const int all_inputs = every_input < 0 ? p.tokens * H : every_input;
+  for (int j = 0; j < all_inputs; ++j)  // every input of the last rank
     fd([&](params& v, double d) { v.x[W - 1][j] += d; }, base[W - 1].dx[j]);
   for (int i = 0; i < 4; ++i) {  // router weight (reduced: the same on every rank)
     const int j = (i * 5 + 1) % (p.experts * H);
@@ -233,7 +256,7 @@ void gradcheck(const problem& p) {
        base[tp_owner(s2)].s2[o2]);
     fd([&](params& v, double d) { v.sg[static_cast<std::size_t>(h)] += d; }, base[0].sg[h]);
   }
-  CHECK(checked >= 16);
+  CHECK(checked >= 16 - (p.tokens * H - all_inputs));
 }
 
 }  // namespace
@@ -254,6 +277,27 @@ TEST_CASE("MoE layer gradients equal central finite differences of the whole pip
   }
 }
 
+TEST_CASE(
+    "MoE layer per-loss seeds: gradients of the seed-weighted loss equal finite differences") {
+  // Each loss weighted by its own seed, one dropped (0) and the main output scaled, on a fold with
+  // TP, EP, ETP and EDP; then the same with the seeds permuted, so a seed applied to the wrong
+  // loss shows.
+  const fold_config f{.world = 8, .tp = 2, .ep = 2, .etp = 2};
+  const auto fold = make_folded(f).value();
+  problem p{.fold = f, .experts = 2 * fold.ep(), .topk = 2, .hidden = 3, .tokens = 4};
+  p.ffn = 2 * fold.etp();
+  gradcheck(p,
+            {.seeds =
+                 moe_loss_seeds<double>{
+                     .output = 0.5, .aux = 3.0, .seq_aux = 0.0, .global_aux = 2.0, .z = 7.0}},
+            4);
+  gradcheck(p,
+            {.seeds =
+                 moe_loss_seeds<double>{
+                     .output = 1.5, .aux = 0.0, .seq_aux = 5.0, .global_aux = 0.25, .z = 0.0}},
+            4);
+}
+
 TEST_CASE("MoE layer: two runs are bitwise identical (invariant 14)") {
   problem p{.fold = {.world = 8, .tp = 2, .cp = 2, .ep = 4, .etp = 1},
             .experts = 8,
@@ -269,6 +313,271 @@ TEST_CASE("MoE layer: two runs are bitwise identical (invariant 14)") {
         CHECK(std::memcmp((a[r].*m).data(), (b[r].*m).data(), (a[r].*m).size() * sizeof(double)) ==
               0);
       }
+  }
+}
+
+// ---- Forwards in flight ----------------------------------------------------------------------
+
+namespace {
+
+// One step of a schedule: forward, backward, or drop the activations, poison their storage and
+// recompute into fresh storage, then backward.
+struct op {
+  char kind;  // 'F', 'B', 'R'
+  int mb;     // micro-batch
+};
+
+struct micro_result {
+  std::vector<double> out, dx, router, w1, w2, s1, s2, sg;
+  double loss = 0;
+  bool operator==(const micro_result&) const = default;
+};
+
+// Micro-batch m's input and output gradient on rank r: the rank's data, scaled and shifted by m
+// (so each micro-batch routes differently).
+std::vector<double> micro_input(const std::vector<double>& v, int m) {
+  std::vector<double> out(v);
+  for (std::size_t i = 0; i < out.size(); ++i)
+    out[i] = out[i] * (1.0 + 0.25 * m) + 0.1 * m * unit(21, static_cast<std::uint64_t>(m), i);
+  return out;
+}
+
+// Runs `schedule` on every rank with a context and storage per micro-batch; results per rank and
+// micro-batch. The gradients are read and zeroed after each backward.
+std::vector<std::vector<micro_result>> run_schedule(const problem& p, const params& q,
+                                                    const std::vector<op>& schedule, int micro,
+                                                    double capacity, bool pad = false) {
+  const auto fold = make_folded(p.fold).value();
+  const megatron_groups groups(fold);
+  std::vector<std::vector<micro_result>> results(
+      static_cast<std::size_t>(fold.world_size()),
+      std::vector<micro_result>(static_cast<std::size_t>(micro)));
+  const auto st = run_thread_world(fold.world_size(), [&](thread_communicator& world) -> status {
+    const int r = world.rank();
+    auto get = [&](group_kind k) { return group_communicator(world, groups, {k}).value(); };
+    auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep);
+    auto tp_cp = get(group_kind::tp_cp), stage = get(group_kind::tp_dp_cp),
+         tp = get(group_kind::tp);
+    const moe_layer_options o{
+        .hidden = p.hidden,
+        .max_tokens = p.tokens,
+        .ep = fold.ep(),
+        .etp = fold.etp(),
+        .router = {.num_experts = p.experts, .topk = p.topk},
+        .aux_loss_coeff = 0.05,
+        .z_loss_coeff = 0.01,
+        .seq_aux_loss_coeff = 0.04,
+        .global_aux_loss_coeff = 0.03,
+        .batch = kBatch,
+        .shared_expert = {.ffn = kShared,
+                          .gate = true,
+                          .tp = fold.tp(),
+                          .tp_rank = groups(group_kind::tp).find(r).position}};
+    const moe_layer_groups<thread_communicator> g{
+        .tp_cp = tp_cp, .dispatch = {ep, etp, tp_ep}, .tp = &tp, .tp_dp_cp = &stage};
+    using layer_t =
+        moe_layer<double, thread_communicator, sub_sequence,
+                  all_to_all_dispatcher<double, thread_communicator>, reference_mlp<double>>;
+    auto layer = layer_t::make(o, sub_sequence{.capacity_factor = capacity, .pad_to_capacity = pad},
+                               rank_experts<double>(p, fold, r, q.w1, q.w2).value());
+    if (!layer) return unexpected<error>(layer.error());
+    std::copy(q.router.begin(), q.router.end(), layer->router_weight().begin());
+    auto* se = layer->shared();
+    if (auto s = se->mlp().load_full(0, q.s1, q.s2); !s) return s;
+    std::copy(q.sg.begin(), q.sg.end(), se->gate_weight().begin());
+    // Pad mode: the storage and the shared scratch sized for the policy's capacity up front.
+    std::optional<int> c;
+    if (pad) {
+      c = expert_capacity(static_cast<long long>(p.tokens) * p.topk, p.experts, capacity).value();
+      layer->reserve(*c);
+    }
+    const auto sb = layer->saved_sizes(c);
+    const auto M = static_cast<std::size_t>(micro);
+    std::vector<typename layer_t::context_type> ctx(M);
+    std::vector<std::vector<std::byte>> saved(M, std::vector<std::byte>(sb.saved)),
+        host(M, std::vector<std::byte>(sb.host));
+    std::vector<std::vector<double>> x(M), dout(M);
+    for (std::size_t m = 0; m < M; ++m) {
+      x[m] = micro_input(q.x[static_cast<std::size_t>(r)], static_cast<int>(m));
+      dout[m] = micro_input(q.dout[static_cast<std::size_t>(r)], static_cast<int>(m) + 7);
+    }
+    auto& res = results[static_cast<std::size_t>(r)];
+    auto take = [](std::span<double> v) {
+      std::vector<double> c(v.begin(), v.end());
+      std::fill(v.begin(), v.end(), 0.0);  // zeroed: the next backward starts from 0
+      return c;
+    };
+    for (const op& step : schedule) {
+      const auto m = static_cast<std::size_t>(step.mb);
+      auto& mr = res[m];
+      const moe_forward_input<double> in{.num_tokens = p.tokens, .x = x[m]};
+      if (step.kind == 'F') {
+        mr.out.resize(x[m].size());
+        auto stats = layer->forward(in, g, mr.out, ctx[m], {saved[m], host[m]});
+        if (!stats) return unexpected<error>(stats.error());
+        mr.loss = stats->aux_loss + stats->seq_aux_loss + stats->global_aux_loss + stats->z_loss;
+        continue;
+      }
+      if (step.kind == 'R') {  // the trainer dropped the activations: recompute into new storage
+        ctx[m].drop_activations();
+        std::fill(saved[m].begin(), saved[m].end(), std::byte{0xff});
+        std::fill(host[m].begin(), host[m].end(), std::byte{0xff});
+        std::vector<std::byte> saved2(sb.saved), host2(sb.host);
+        std::vector<double> out2(x[m].size());
+        if (auto s = layer->recompute(ctx[m], in, g, out2, {saved2, host2}); !s) return s;
+        if (out2 != mr.out)
+          return make_error(errc::invalid_argument, "test: recompute changed the output");
+        saved[m].swap(saved2);  // the storage stays until the backward
+        host[m].swap(host2);
+      }
+      mr.dx.resize(x[m].size());
+      if (auto s = layer->backward(ctx[m], dout[m], {}, g, mr.dx); !s) return s;
+      mr.router = take(layer->router_weight_grad());
+      mr.w1 = take(layer->experts().grads_fc1());
+      mr.w2 = take(layer->experts().grads_fc2());
+      mr.s1 = take(se->mlp().grads_fc1());
+      mr.s2 = take(se->mlp().grads_fc2());
+      mr.sg = take(se->gate_grad());
+    }
+    return {};
+  });
+  for (const auto& s : st) REQUIRE_MESSAGE(s.has_value(), s.error().message);
+  return results;
+}
+
+std::vector<op> sequential(int micro) {
+  std::vector<op> s;
+  for (int m = 0; m < micro; ++m) s.insert(s.end(), {{'F', m}, {'B', m}});
+  return s;
+}
+
+void check_same(const std::vector<std::vector<micro_result>>& a,
+                const std::vector<std::vector<micro_result>>& b) {
+  REQUIRE(a.size() == b.size());
+  for (std::size_t r = 0; r < a.size(); ++r)
+    for (std::size_t m = 0; m < a[r].size(); ++m) {
+      CAPTURE(r);
+      CAPTURE(m);
+      const auto& x = a[r][m];
+      const auto& y = b[r][m];
+      CHECK(!x.dx.empty());
+      CHECK(x.loss == y.loss);
+      for (auto f :
+           {&micro_result::out, &micro_result::dx, &micro_result::router, &micro_result::w1,
+            &micro_result::w2, &micro_result::s1, &micro_result::s2, &micro_result::sg}) {
+        REQUIRE((x.*f).size() == (y.*f).size());
+        CHECK(std::memcmp((x.*f).data(), (y.*f).data(), (x.*f).size() * sizeof(double)) == 0);
+      }
+    }
+}
+
+const problem in_flight_problem = [] {
+  problem p{.fold = {.world = 8, .tp = 2, .ep = 2, .etp = 2}, .experts = 4, .topk = 2};
+  p.ffn = 4;
+  p.tokens = 6;
+  return p;
+}();
+
+}  // namespace
+
+TEST_CASE("MoE layer forwards in flight: F1 F2 B2 B1 and 1F1B equal the sequential run bitwise") {
+  // EP 2 x ETP 2 x EDP 2 over TP 2 (a folded mapping), a gated shared expert, every loss, tokens
+  // dropped by capacity; the global aux loss's running counts make micro-batch order matter.
+  const problem& p = in_flight_problem;
+  const params q = make_params(p, 8);
+  for (auto [cap, pad] : {std::pair{0.75, false}, {2.0, false}, {0.75, true}}) {
+    CAPTURE(cap);
+    CAPTURE(pad);
+    const auto seq2 = run_schedule(p, q, sequential(2), 2, cap, pad);
+    check_same(run_schedule(p, q, {{'F', 0}, {'F', 1}, {'B', 1}, {'B', 0}}, 2, cap, pad), seq2);
+    // 1F1B for 4 micro-batches on the second of two pipeline stages: warm-up of one, steady
+    // state F B F B, cool-down.
+    const std::vector<op> one_f_one_b{{'F', 0}, {'F', 1}, {'B', 0}, {'F', 2},
+                                      {'B', 1}, {'F', 3}, {'B', 2}, {'B', 3}};
+    check_same(run_schedule(p, q, one_f_one_b, 4, cap, pad),
+               run_schedule(p, q, sequential(4), 4, cap, pad));
+    // The micro-batches differ (a schedule that mixed them up would show).
+    const auto& r0 = seq2[0];
+    CHECK(r0[0].out != r0[1].out);
+    CHECK(r0[0].w1 != r0[1].w1);
+  }
+}
+
+TEST_CASE("MoE layer recomputation: forward again from the input equals the stored backward") {
+  // Micro-batch 0's activations are dropped (their storage poisoned) while micro-batch 1 is in
+  // flight, then recomputed into new storage inside its backward.
+  const problem& p = in_flight_problem;
+  const params q = make_params(p, 8);
+  const auto stored = run_schedule(p, q, {{'F', 0}, {'F', 1}, {'B', 1}, {'B', 0}}, 2, 0.75);
+  check_same(run_schedule(p, q, {{'F', 0}, {'F', 1}, {'B', 1}, {'R', 0}}, 2, 0.75), stored);
+  check_same(run_schedule(p, q, {{'F', 0}, {'F', 1}, {'R', 0}, {'R', 1}}, 2, 0.75), stored);
+}
+
+TEST_CASE("MoE layer forward contexts: misuse is refused with the rule broken, on every rank") {
+  problem p{.fold = {.world = 2, .ep = 2, .etp = 1}, .experts = 4, .topk = 2};
+  p.ffn = 2;
+  p.tokens = 4;
+  const auto fold = make_folded(p.fold).value();
+  const megatron_groups groups(fold);
+  const params q = make_params(p, 2);
+  std::vector<std::string> errors[2];
+  const auto st = run_thread_world(2, [&](thread_communicator& world) -> status {
+    const int r = world.rank();
+    auto get = [&](group_kind k) { return group_communicator(world, groups, {k}).value(); };
+    auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep),
+         tp_cp = get(group_kind::tp_cp);
+    using layer_t =
+        moe_layer<double, thread_communicator, sub_sequence,
+                  all_to_all_dispatcher<double, thread_communicator>, reference_mlp<double>>;
+    auto layer = layer_t::make({.hidden = p.hidden,
+                                .max_tokens = p.tokens,
+                                .ep = 2,
+                                .router = {.num_experts = p.experts, .topk = p.topk}},
+                               sub_sequence{.capacity_factor = 2.0},
+                               rank_experts<double>(p, fold, r, q.w1, q.w2).value());
+    if (!layer) return unexpected<error>(layer.error());
+    std::copy(q.router.begin(), q.router.end(), layer->router_weight().begin());
+    const moe_layer_groups<thread_communicator> g{.tp_cp = tp_cp, .dispatch = {ep, etp, tp_ep}};
+    const auto sb = layer->saved_sizes();
+    std::vector<std::byte> s1(sb.saved), h1(sb.host), s2(sb.saved), h2(sb.host);
+    const auto& x = q.x[static_cast<std::size_t>(r)];
+    std::vector<double> out(x.size()), dx(x.size());
+    const moe_forward_input<double> in{.num_tokens = p.tokens, .x = x};
+    auto& errs = errors[r];
+    auto note = [&](const auto& s) { errs.push_back(s ? "ok" : s.error().message); };
+    typename layer_t::context_type a, b;
+    note(layer->backward(a, x, {}, g, dx));  // nothing forwarded
+    std::vector<std::byte> small(sb.saved / 2);
+    note(layer->forward(in, g, out, a, {small, h1}));
+    // Two forwards given the same storage: the first one's backward is refused.
+    if (auto f = layer->forward(in, g, out, a, {s1, h1}); !f) return unexpected<error>(f.error());
+    if (auto f = layer->forward(in, g, out, b, {s1, h1}); !f) return unexpected<error>(f.error());
+    note(layer->backward(a, x, {}, g, dx));
+    note(layer->backward(b, x, {}, g, dx));
+    note(layer->backward(b, x, {}, g, dx));  // consumed
+    if (auto f = layer->forward(in, g, out, a, {s2, h2}); !f) return unexpected<error>(f.error());
+    a.drop_activations();
+    note(layer->backward(a, x, {}, g, dx));  // dropped, not recomputed
+    note(layer->recompute(a, {.num_tokens = p.tokens - 1, .x = std::span(x).first(x.size() - 3)}, g,
+                          std::span(out).first(out.size() - 3), {s2, h2}));
+    note(layer->recompute(a, in, g, out, {s2, h2}));
+    note(layer->backward(a, x, {.aux = std::nan("")}, g, dx));
+    note(layer->backward(a, x, {}, g, dx));
+    note(layer->recompute(a, in, g, out, {s2, h2}));  // consumed: nothing to recompute
+    return {};
+  });
+  for (const auto& s : st) REQUIRE_MESSAGE(s.has_value(), s.error().message);
+  CHECK(errors[0] == errors[1]);  // the same outcome on every rank, in the same words
+  const std::vector<std::string> want = {"no forward filled",          "saved_sizes() asks for",
+                                         "reused by a later dispatch", "ok",
+                                         "whose backward already ran", "activations were dropped",
+                                         "recompute with N = 3",       "ok",
+                                         "loss seeds must be finite",  "ok",
+                                         "recompute needs a context"};
+  REQUIRE(errors[0].size() == want.size());
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    CAPTURE(errors[0][i]);
+    CHECK(errors[0][i].find(want[i]) != std::string::npos);
   }
 }
 

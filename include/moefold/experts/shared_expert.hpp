@@ -63,107 +63,162 @@ class shared_expert {
   [[nodiscard]] std::span<T> gate_weight() noexcept { return gate_w_; }
   [[nodiscard]] std::span<T> gate_grad() noexcept { return gate_g_; }
 
-  //! Bytes of workspace forward() and backward() need (kept between them).
-  [[nodiscard]] std::size_t workspace_bytes() const {
+  //! Bytes a forward keeps for its backward (the gathered input, the ungated output, the gates,
+  //! the TP group's token counts): one such part per forward in flight.
+  [[nodiscard]] std::size_t saved_bytes() const {
     workspace_carver c;
-    (void)carve(c);
+    (void)carve_saved(c);
     return c.required();
   }
+  //! Bytes of scratch each call needs (dead after it; forwards in flight may share one).
+  [[nodiscard]] std::size_t scratch_bytes() const {
+    workspace_carver c;
+    (void)carve_scratch(c);
+    return c.required();
+  }
+  //! Bytes of the one-buffer form: its saved part, then its scratch part.
+  [[nodiscard]] std::size_t workspace_bytes() const { return saved_bytes() + scratch_bytes(); }
 
   //! out [N, H] = gate * mlp(x) for x [N, H]; `tp` is this rank's attention TP communicator.
+  //! `saved` (saved_bytes()) must stay intact until this forward's backward; `scratch`
+  //! (scratch_bytes()) is free after the call.
   [[nodiscard]] status forward(int n, std::span<const T> x, Comm& tp, std::span<T> out,
-                               std::span<std::byte> workspace) {
+                               std::span<std::byte> saved, std::span<std::byte> scratch) {
     if (auto st = check(n, x.size(), out.size(), tp); !st) return st;
-    workspace_carver c(workspace);
-    bufs_ = carve(c);
-    if (!c.fits())
+    workspace_carver cs(saved), cx(scratch);
+    const saved_buffers sv = carve_saved(cs);
+    const scratch_buffers sc = carve_scratch(cx);
+    if (!cs.fits() || !cx.fits())
       return make_error(errc::workspace_too_small,
-                        "shared_expert: workspace smaller than "
-                        "workspace_bytes()");
+                        "shared_expert: saved part smaller than saved_bytes() or scratch smaller "
+                        "than scratch_bytes()");
     const auto H = detail::uz(s_.hidden);
-    if (auto st = tp.template all_gather<int>(std::span<const int>(&n, 1), bufs_.tokens); !st)
+    if (auto st = tp.template all_gather<int>(std::span<const int>(&n, 1), sv.tokens); !st)
       return st;
-    long long total = 0;
-    for (int v : bufs_.tokens) total += v;
-    n_ = n;
-    gathered_ = static_cast<int>(total);
-    const auto G = detail::uz(gathered_);
-    auto xg = bufs_.x_gathered.first(G * H);
-    if (auto st = tp.template all_gather_v<T>(x, xg, elements(s_.hidden)); !st) return st;
-    for (auto& v : bufs_.ones.first(G)) v = T(1);
-    auto yp = bufs_.y_partial.first(G * H);
-    if (auto st = mlp_.forward(batch(), yp); !st) return st;
-    auto y = bufs_.y.first(detail::uz(n) * H);  // the ungated output, kept for the gate's gradient
-    if (auto st = tp.template reduce_scatter_v<T>(std::span<const T>(yp), elements(s_.hidden), y,
-                                                  reduce_op::sum);
+    const int gathered = gathered_of(sv);
+    const auto G = detail::uz(gathered);
+    auto xg = sv.x_gathered.first(G * H);
+    if (auto st = tp.template all_gather_v<T>(x, xg, elements(sv, sc, s_.hidden)); !st) return st;
+    auto yp = sc.y_partial.first(G * H);
+    int count = gathered;
+    if (auto st = mlp_.forward(batch(sv, sc, count), yp); !st) return st;
+    auto y = sv.y.first(detail::uz(n) * H);  // the ungated output, kept for the gate's gradient
+    if (auto st = tp.template reduce_scatter_v<T>(std::span<const T>(yp),
+                                                  elements(sv, sc, s_.hidden), y, reduce_op::sum);
         !st)
       return st;
     for (std::size_t t = 0; t < detail::uz(n); ++t) {
       const T g = s_.gate ? sigmoid(t, x) : T(1);
-      bufs_.gates[t] = g;
+      sv.gates[t] = g;
       for (std::size_t h = 0; h < H; ++h) out[t * H + h] = g * y[t * H + h];
     }
-    // This rank's rows inside the gathered input (kept for the gate's backward).
-    long long before = 0;
-    for (int r = 0; r < tp.rank(); ++r) before += bufs_.tokens[detail::uz(r)];
-    mine_ = detail::uz(before);
     return {};
   }
 
-  //! dx [N, H] from dout [N, H] of the last forward (its workspace must be intact); adds the MLP
-  //! weight gradients (this TP shard's) and the gate's.
-  [[nodiscard]] status backward(std::span<const T> dout, Comm& tp, std::span<T> dx) {
-    if (auto st = check(n_, dout.size(), dx.size(), tp); !st) return st;
-    const auto H = detail::uz(s_.hidden), N = detail::uz(n_), G = detail::uz(gathered_);
-    auto dy = bufs_.y_partial.first(N * H);  // gradient at the ungated output
+  //! dx [N, H] from dout [N, H] of the forward that filled `saved`; adds the MLP weight gradients
+  //! (this TP shard's) and the gate's.
+  [[nodiscard]] status backward(std::span<const T> dout, Comm& tp, std::span<T> dx,
+                                std::span<std::byte> saved, std::span<std::byte> scratch) {
+    workspace_carver cs(saved), cx(scratch);  // saved is only read
+    const saved_buffers sv = carve_saved(cs);
+    const scratch_buffers sc = carve_scratch(cx);
+    if (!cs.fits() || !cx.fits())
+      return make_error(errc::workspace_too_small,
+                        "shared_expert: saved part smaller than saved_bytes() or scratch smaller "
+                        "than scratch_bytes()");
+    if (tp.size() != s_.tp)
+      return make_error(errc::shape_mismatch, "shared_expert: the TP communicator has " +
+                                                  detail::to_decimal(tp.size()) +
+                                                  " ranks, the shape " + detail::to_decimal(s_.tp));
+    // This rank's token count and its rows inside the gathered input, from the saved counts.
+    const int n = sv.tokens[detail::uz(tp.rank())];
+    if (auto st = check(n, dout.size(), dx.size(), tp); !st) return st;
+    const int gathered = gathered_of(sv);
+    std::size_t mine = 0;
+    for (int r = 0; r < tp.rank(); ++r) mine += detail::uz(sv.tokens[detail::uz(r)]);
+    const auto H = detail::uz(s_.hidden), N = detail::uz(n), G = detail::uz(gathered);
+    auto dy = sc.y_partial.first(N * H);  // gradient at the ungated output
     for (std::size_t t = 0; t < N; ++t) {
-      const T g = bufs_.gates[t];
+      const T g = sv.gates[t];
       T dg = T(0);
       for (std::size_t h = 0; h < H; ++h) {
         dy[t * H + h] = g * dout[t * H + h];
-        dg += dout[t * H + h] * bufs_.y[t * H + h];
+        dg += dout[t * H + h] * sv.y[t * H + h];
       }
       if (s_.gate) {
         const T dpre = dg * g * (T(1) - g);
-        for (std::size_t h = 0; h < H; ++h)
-          gate_g_[h] += dpre * bufs_.x_gathered[(mine_ + t) * H + h];
-        bufs_.gate_dpre[t] = dpre;
+        for (std::size_t h = 0; h < H; ++h) gate_g_[h] += dpre * sv.x_gathered[(mine + t) * H + h];
+        sc.gate_dpre[t] = dpre;
       }
     }
     // Reduce-scatter backward = all-gather; then the shard's backward; then the all-gather's
     // backward = reduce-scatter (sums the column-parallel partials of dx).
-    auto dyg = bufs_.dy_gathered.first(G * H);
-    if (auto st = tp.template all_gather_v<T>(std::span<const T>(dy), dyg, elements(s_.hidden));
+    auto dyg = sc.dy_gathered.first(G * H);
+    if (auto st =
+            tp.template all_gather_v<T>(std::span<const T>(dy), dyg, elements(sv, sc, s_.hidden));
         !st)
       return st;
-    auto dxg = bufs_.dx_gathered.first(G * H);
-    auto dprobs = bufs_.dprobs.first(G);
-    if (auto st = mlp_.backward(batch(), dyg, dxg, dprobs); !st) return st;
-    if (auto st = tp.template reduce_scatter_v<T>(std::span<const T>(dxg), elements(s_.hidden), dx,
-                                                  reduce_op::sum);
+    auto dxg = sc.dx_gathered.first(G * H);
+    auto dprobs = sc.dprobs.first(G);
+    int count = gathered;
+    if (auto st = mlp_.backward(batch(sv, sc, count), dyg, dxg, dprobs); !st) return st;
+    if (auto st = tp.template reduce_scatter_v<T>(std::span<const T>(dxg),
+                                                  elements(sv, sc, s_.hidden), dx, reduce_op::sum);
         !st)
       return st;
     if (s_.gate)
       for (std::size_t t = 0; t < N; ++t)
-        for (std::size_t h = 0; h < H; ++h) dx[t * H + h] += bufs_.gate_dpre[t] * gate_w_[h];
+        for (std::size_t h = 0; h < H; ++h) dx[t * H + h] += sc.gate_dpre[t] * gate_w_[h];
     return {};
   }
 
+  //! The one-buffer form: `workspace` (workspace_bytes()) holds the saved part, then the
+  //! scratch; it must stay intact until the backward, which then takes the last forward's.
+  [[nodiscard]] status forward(int n, std::span<const T> x, Comm& tp, std::span<T> out,
+                               std::span<std::byte> workspace) {
+    last_ws_ = {};
+    const std::size_t sb = saved_bytes();
+    if (workspace.size() < workspace_bytes())
+      return make_error(errc::workspace_too_small,
+                        "shared_expert: workspace smaller than "
+                        "workspace_bytes()");
+    if (auto st = forward(n, x, tp, out, workspace.first(sb), workspace.subspan(sb)); !st)
+      return st;
+    last_ws_ = workspace;
+    return {};
+  }
+  //! dx [N, H] from dout [N, H] of the last one-buffer forward (its workspace must be intact).
+  [[nodiscard]] status backward(std::span<const T> dout, Comm& tp, std::span<T> dx) {
+    if (last_ws_.empty())
+      return make_error(errc::invalid_argument, "shared_expert: backward before forward");
+    const std::size_t sb = saved_bytes();
+    return backward(dout, tp, dx, last_ws_.first(sb), last_ws_.subspan(sb));
+  }
+
  private:
-  struct buffers {
-    std::span<int> tokens, counts;
-    std::span<T> x_gathered, y_partial, y, gates, gate_dpre, ones, dy_gathered, dx_gathered, dprobs;
+  struct saved_buffers {
+    std::span<int> tokens;  // [TP] every TP rank's N
+    std::span<T> x_gathered, y, gates;
+  };
+  struct scratch_buffers {
+    std::span<int> counts;
+    std::span<T> y_partial, gate_dpre, ones, dy_gathered, dx_gathered, dprobs;
   };
 
-  buffers carve(workspace_carver& c) const {
-    buffers b;
+  saved_buffers carve_saved(workspace_carver& c) const {
+    saved_buffers b;
     const auto P = detail::uz(s_.tp), N = detail::uz(s_.max_tokens), H = detail::uz(s_.hidden);
     b.tokens = c.take<int>(P);
-    b.counts = c.take<int>(P);
     b.x_gathered = c.take<T>(P * N * H);
-    b.y_partial = c.take<T>(P * N * H);
     b.y = c.take<T>(N * H);
     b.gates = c.take<T>(N);
+    return b;
+  }
+  scratch_buffers carve_scratch(workspace_carver& c) const {
+    scratch_buffers b;
+    const auto P = detail::uz(s_.tp), N = detail::uz(s_.max_tokens), H = detail::uz(s_.hidden);
+    b.counts = c.take<int>(P);
+    b.y_partial = c.take<T>(P * N * H);
     b.gate_dpre = c.take<T>(N);
     b.ones = c.take<T>(P * N);
     b.dy_gathered = c.take<T>(P * N * H);
@@ -171,18 +226,26 @@ class shared_expert {
     b.dprobs = c.take<T>(P * N);
     return b;
   }
-  expert_batch<T> batch() const {
-    const auto G = detail::uz(gathered_), H = detail::uz(s_.hidden);
-    count_ = gathered_;
+  static int gathered_of(const saved_buffers& sv) {
+    long long total = 0;
+    for (int v : sv.tokens) total += v;
+    return static_cast<int>(total);
+  }
+  // The gathered rows as one expert's batch of probability 1 (`count` holds its row count).
+  expert_batch<T> batch(const saved_buffers& sv, const scratch_buffers& sc,
+                        const int& count) const {
+    const auto G = detail::uz(count), H = detail::uz(s_.hidden);
+    for (auto& v : sc.ones.first(G)) v = T(1);
     const expert_batch<T> b{.hidden = s_.hidden,
-                            .counts = std::span<const int>(&count_, 1),
-                            .x = bufs_.x_gathered.first(G * H),
-                            .probs = bufs_.ones.first(G)};
+                            .counts = std::span<const int>(&count, 1),
+                            .x = sv.x_gathered.first(G * H),
+                            .probs = sc.ones.first(G)};
     return b;
   }
-  std::span<const int> elements(int width) {
-    for (std::size_t i = 0; i < bufs_.tokens.size(); ++i) bufs_.counts[i] = bufs_.tokens[i] * width;
-    return bufs_.counts;
+  static std::span<const int> elements(const saved_buffers& sv, const scratch_buffers& sc,
+                                       int width) {
+    for (std::size_t i = 0; i < sv.tokens.size(); ++i) sc.counts[i] = sv.tokens[i] * width;
+    return sc.counts;
   }
   T sigmoid(std::size_t t, std::span<const T> x) const {
     T z = T(0);
@@ -208,10 +271,7 @@ class shared_expert {
   shared_expert_shape s_{};
   reference_mlp<T> mlp_{};
   std::vector<T> gate_w_, gate_g_;
-  buffers bufs_{};
-  std::size_t mine_ = 0;
-  int n_ = 0, gathered_ = 0;
-  mutable int count_ = 0;
+  std::span<std::byte> last_ws_{};  // the one-buffer form's last forward
 };
 
 }  // namespace v0_1

@@ -2,9 +2,15 @@
 //! @brief One MoE layer on the host: gating -> router -> drop policy -> dispatcher -> experts ->
 //! combine (+ an optional shared expert), forward and backward, with the load-balancing losses
 //! (per micro-batch, per sequence, per global batch), the z-loss and the expert bias. It owns its
-//! router weight, its experts, its running statistics and its workspace, and nothing global;
+//! router weight, its experts, its running statistics and its scratch, and nothing global;
 //! gradient reduction across ranks is an explicit step (reduce_gradients), with the group of each
 //! parameter stated, and so is the end of a global batch (end_global_batch).
+//!
+//! Forwards in flight: forward(input, groups, out, context, storage) fills a moe_forward_context
+//! whose saved activations live in the caller's storage (saved_sizes() tells how much), and
+//! backward(context, ...) consumes it, in any order; recompute() refills a context whose
+//! activations were dropped. forward(n, x, ...) / backward(dout, ...) are the one-in-flight
+//! convenience over a context and storage the layer holds.
 //!
 //! Gradient groups (the class of bug users hit in Megatron-Core with ETP > 1 is reducing expert
 //! gradients over the wrong group):
@@ -14,6 +20,7 @@
 //!   - shared-expert gate: tp-dp-cp (replicated over TP, saw only this rank's tokens)
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstddef>
@@ -28,6 +35,7 @@
 #include "../core/expected.hpp"
 #include "../core/row_view.hpp"
 #include "../core/size.hpp"
+#include "../core/workspace.hpp"
 #include "../dispatch/dispatch_args.hpp"
 #include "../dispatch/drop_policy.hpp"
 #include "../experts/expert_fn.hpp"
@@ -39,6 +47,7 @@
 #include "../routing/group_losses.hpp"
 #include "../routing/routing_view.hpp"
 #include "../routing/topk_router.hpp"
+#include "moe_forward_context.hpp"
 
 namespace moefold {
 inline namespace v0_1 {
@@ -79,15 +88,13 @@ struct moe_layer_groups {
   Comm* tp_dp_cp = nullptr;          //!< the pipeline stage's data ranks (the global aux loss)
 };
 
-//! What a forward reports: this rank's partial losses (each sums over tp-cp to the layer's; zero
-//! in evaluation) and what the drop policy dropped (views of the layer's counts, valid until its
-//! next forward; `dropped.to_report()` copies them).
-struct moe_forward_stats {
-  double aux_loss = 0.0;         //!< per micro-batch
-  double seq_aux_loss = 0.0;     //!< per sequence
-  double global_aux_loss = 0.0;  //!< per global batch (running average of the counts)
-  double z_loss = 0.0;
-  drop_counts dropped{};
+//! One forward's input: x [N, H] and, for full-sequence dropping by position, the tokens' true
+//! sequence positions `order_keys` [N] (or empty; see sequence_order_keys).
+template <class T>
+struct moe_forward_input {
+  int num_tokens = 0;                          //!< N <= max_tokens
+  std::span<const T> x{};                      //!< [N, H]
+  std::span<const std::int64_t> order_keys{};  //!< [N] or empty
 };
 
 //! The gradient group of each parameter kind of an MoE layer.
@@ -101,8 +108,12 @@ requires expert_fn<Experts, T> && drop_policy<Policy, T, Comm> &&
     communicator_for<Comm, typename Dispatcher::exec_type, T>
 class moe_layer {
  public:
+  using value_type = T;
+  using dispatcher_type = Dispatcher;
   //! The execution context the layer's row operations run on (its dispatcher's).
   using exec_type = typename Dispatcher::exec_type;
+  //! One forward in flight (see moe_forward_context).
+  using context_type = moe_forward_context<moe_layer>;
 
   [[nodiscard]] static expected<moe_layer> make(const moe_layer_options& o, Policy policy,
                                                 Experts experts) {
@@ -153,21 +164,20 @@ class moe_layer {
     const auto N = detail::uz(o.max_tokens);
     l.w_.assign(E * H, T(0));
     l.dw_.assign(E * H, T(0));
-    const dispatch_workspace_bytes wsb = l.disp_.workspace_sizes();
-    l.saved_ws_.resize(wsb.saved);
-    l.scratch_ws_.resize(wsb.scratch);
-    l.host_ws_.resize(wsb.host);
     if (o.router.expert_bias) l.bias_ = expert_bias_state::zeros(o.router.num_experts);
     if (shared) {
       l.shared_ = std::move(shared);
-      l.shared_ws_.resize(l.shared_->workspace_bytes());
+      l.shared_scratch_.resize(l.shared_->scratch_bytes());
       l.shared_out_.reserve(N * H);
     }
-    // Saved between forward and backward, sized once (nothing is allocated per step here; the
-    // router and policy reference code allocate their own records).
-    l.x_.reserve(N * H);
-    l.logits_.reserve(N * E);
-    // The experts' output rows: at most the receive bound (pad mode may grow them).
+    // Sized once (nothing is allocated per step here; the router and policy reference code
+    // allocate their own records): the dispatcher's scratch, the one-in-flight form's storage,
+    // the experts' output rows (at most the receive bound; pad mode may grow them).
+    l.scratch_ws_.resize(l.disp_.workspace_sizes().scratch);
+    l.logits_.resize(N * E);
+    const moe_saved_bytes sb = l.saved_sizes();
+    l.own_saved_.resize(sb.saved);
+    l.own_host_.resize(sb.host);
     l.y_.reserve(detail::uz(o.max_recv_rows.value_or(detail::worst_recv_rows(l.disp_.shape()))) *
                  H);
     return l;
@@ -192,10 +202,25 @@ class moe_layer {
     if (!d) return unexpected<error>(d.error());
     return d->workspace_sizes(capacity);
   }
-  //! What this layer's dispatcher workspace holds now, per part (pad mode grows it).
+  //! What this layer's one-in-flight form holds now, per part (pad mode grows it).
   [[nodiscard]] dispatch_workspace_bytes workspace_sizes() const noexcept {
-    return {saved_ws_.size(), scratch_ws_.size(), host_ws_.size()};
+    return {own_saved_.size(), scratch_ws_.size(), own_host_.size()};
   }
+  //! The storage one forward in flight needs until its backward: the input copy [N, H], the
+  //! logits [N, E], the dispatcher's saved and host parts and the shared expert's saved part, for
+  //! N = max_tokens. In pad mode pass the capacity C the drop policy reports
+  //! (drop_counts::pad_rows): the dispatched rows grow with it.
+  [[nodiscard]] moe_saved_bytes saved_sizes(std::optional<int> capacity = {}) const {
+    const dispatch_workspace_bytes d = disp_.workspace_sizes(capacity);
+    workspace_carver c;
+    (void)carve_saved(c, d);
+    return {c.required(), d.host};
+  }
+
+  //! Pad mode with forwards in flight: sizes the scratch the forwards share for capacity C up
+  //! front. The scratch grows when a forward's C exceeds every C before, and a forward already in
+  //! flight then refuses its backward (it holds views of the old scratch).
+  void reserve(int capacity) { grow_scratch(disp_.workspace_sizes(capacity).scratch); }
 
   //! The router weight [E, H] (logits = x W^T) and its gradient.
   [[nodiscard]] std::span<T> router_weight() noexcept { return w_; }
@@ -209,13 +234,16 @@ class moe_layer {
   //! The running counts of the global load-balancing loss.
   [[nodiscard]] const global_aux_state& global_aux() const noexcept { return global_; }
   [[nodiscard]] const Dispatcher& dispatcher() const noexcept { return disp_; }
-  //! The dispatch handle of the last forward (rows per local expert, byte accounting).
-  [[nodiscard]] const auto& last_dispatch() const noexcept { return *handle_; }
-  //! The routing of the last forward (every selected expert), its keep mask [N*k] (what the drop
-  //! policy kept) and the record the dispatcher took: expert [N*k], -1 for a dropped pair.
-  [[nodiscard]] const topk_routing<T>& last_routing() const noexcept { return routing_; }
-  [[nodiscard]] std::span<const std::uint8_t> last_keep() const noexcept { return keep_; }
-  [[nodiscard]] std::span<const int> last_kept_experts() const noexcept { return kept_experts_; }
+  //! The dispatch handle of the last one-in-flight forward (rows per local expert, bytes).
+  [[nodiscard]] const auto& last_dispatch() const noexcept { return own_ctx_.dispatch(); }
+  //! The routing of the last one-in-flight forward (every selected expert), its keep mask [N*k]
+  //! (what the drop policy kept) and the record the dispatcher took: expert [N*k], -1 for a
+  //! dropped pair. A caller's context has the same accessors.
+  [[nodiscard]] const topk_routing<T>& last_routing() const noexcept { return own_ctx_.routing(); }
+  [[nodiscard]] std::span<const std::uint8_t> last_keep() const noexcept { return own_ctx_.keep(); }
+  [[nodiscard]] std::span<const int> last_kept_experts() const noexcept {
+    return own_ctx_.kept_experts();
+  }
 
   //! Training (default) or evaluation. In evaluation the forward computes no auxiliary losses
   //! and does not count tokens for the expert bias (Megatron-Core does both only with gradients
@@ -223,131 +251,59 @@ class moe_layer {
   void set_training(bool training) noexcept { training_ = training; }
   [[nodiscard]] bool training() const noexcept { return training_; }
 
-  //! out [N, H] for x [N, H]. `order_keys` [N] (or empty) are the tokens' true sequence positions
-  //! for full-sequence dropping by position (see sequence_order_keys).
-  [[nodiscard]] expected<moe_forward_stats> forward(int n, std::span<const T> x,
-                                                    std::span<const std::int64_t> order_keys,
+  //! out [N, H] for x [N, H], into `ctx`, whose saved activations go to `storage` (see
+  //! saved_sizes()); `ctx` and `storage` stay with this forward until its backward. In training
+  //! it adds the routed counts to the expert bias and the global aux loss's running counts.
+  [[nodiscard]] expected<moe_forward_stats> forward(const moe_forward_input<T>& in,
                                                     const moe_layer_groups<Comm>& g,
-                                                    std::span<T> out) {
-    const int E = o_.router.num_experts;
-    const auto H = detail::uz(o_.hidden);
-    if (n < 0 || n > o_.max_tokens || x.size() != detail::uz(n) * H ||
-        out.size() != detail::uz(n) * H)
-      return make_error(errc::shape_mismatch,
-                        "moe_layer: x and out must be [N, H] with N <= "
-                        "max_tokens");
-    if (shared_ && g.tp == nullptr)
-      return make_error(errc::invalid_argument,
-                        "moe_layer: the layer has a shared expert; pass the attention TP "
-                        "communicator in moe_layer_groups::tp");
-    if (training_ && o_.global_aux_loss_coeff > 0 && g.tp_dp_cp == nullptr)
-      return make_error(errc::invalid_argument,
-                        "moe_layer: the global load-balancing loss needs the tp-dp-cp "
-                        "communicator in moe_layer_groups::tp_dp_cp");
-    handle_.reset();  // a failed forward leaves nothing for backward to use
-    n_ = n;
-    x_.assign(x.begin(), x.end());
-    logits_.resize(detail::uz(n) * detail::uz(E));
-    moe_forward_stats stats;
-    const gating_shape gs{.num_tokens = n, .hidden = o_.hidden, .num_experts = E};
-    if (auto st = gating_forward<T, T, T>(gs, x, std::span<const T>(w_), {}, logits_); !st)
-      return unexpected<error>(st.error());
-    if (auto st = router_.route(logits_, routing_, std::span<const float>(bias_.bias), router_ws_);
-        !st)
-      return unexpected<error>(st.error());
-    // Load-balancing losses: each on its own statistics group, all on the same aux scores.
-    aux_active_ = {};
-    z_active_ = training_ && o_.z_loss_coeff > 0;
-    const bool any_aux = training_ && (o_.aux_loss_coeff > 0 || o_.seq_aux_loss_coeff > 0 ||
-                                       o_.global_aux_loss_coeff > 0);
-    if (any_aux)
-      if (auto st = compute_aux_scores<T>(o_.router.score, o_.router.topk, E, logits_, {}, aux_);
-          !st)
-        return unexpected<error>(st.error());
-    if (any_aux && o_.aux_loss_coeff > 0) {
-      if (auto st = load_balancing_loss(g.tp_cp, aux_, o_.aux_loss_coeff, aux_terms_[0]); !st)
-        return unexpected<error>(st.error());
-      aux_active_[0] = true;
-      stats.aux_loss = static_cast<double>(aux_terms_[0].loss);
-    }
-    if (any_aux && o_.seq_aux_loss_coeff > 0) {
-      if (auto st = seq_load_balancing_loss(g.tp_cp, aux_, o_.batch, o_.seq_aux_loss_coeff,
-                                            aux_terms_[1]);
-          !st)
-        return unexpected<error>(st.error());
-      aux_active_[1] = true;
-      stats.seq_aux_loss = static_cast<double>(aux_terms_[1].loss);
-    }
-    if (any_aux && o_.global_aux_loss_coeff > 0) {
-      if (auto st = global_load_balancing_loss(*g.tp_dp_cp, aux_, o_.global_aux_loss_coeff, global_,
-                                               aux_terms_[2]);
-          !st)
-        return unexpected<error>(st.error());
-      aux_active_[2] = true;
-      stats.global_aux_loss = static_cast<double>(aux_terms_[2].loss);
-    }
-    if (z_active_) {
-      auto z = group_z_loss(g.tp_cp, std::span<const T>(logits_), E, o_.z_loss_coeff);
-      if (!z) return unexpected<error>(z.error());
-      stats.z_loss = static_cast<double>(*z);
-    }
-    // The drop policy marks what each expert keeps in the routing record's mask; the selection
-    // stays whole for the router backward.
-    const auto pairs = routing_.indices.size();
-    keep_.resize(pairs);
-    const routing_view<T> rv = view_of(routing_, std::span<std::uint8_t>(keep_));
-    drop_counts counts = counts_into(report_, E);
-    if (auto st = policy_.apply(g.tp_cp, order_keys, rv, counts, drop_ws_); !st)
-      return unexpected<error>(st.error());
-    stats.dropped = counts;
-    // The bias learns from what was dispatched (the post-drop map), once per training forward.
-    if (training_ && o_.router.expert_bias)
-      if (auto st = add_dispatched_counts(counts, bias_.local_tokens_per_expert); !st)
-        return unexpected<error>(st.error());
-    kept_experts_.resize(pairs);
-    kept_probs_.resize(pairs);
-    detail::write_kept_pairs(rv, std::span<int>(kept_experts_), std::span<T>(kept_probs_));
-    const host_dispatch_input<T> din{.num_tokens = n,
-                                     .x = x,
-                                     .expert = kept_experts_,
-                                     .probs = kept_probs_,
-                                     .capacity = counts.pad_rows};
-    // Pad mode sizes the rows from the capacity (the workspace grows to the largest one seen),
-    // once the capacity is known to be sane.
-    if (auto st =
-            detail::check_dispatch_input(disp_.shape(), din.to_views(o_.hidden, o_.router.topk));
-        !st)
-      return unexpected<error>(st.error());
-    const auto need = disp_.workspace_sizes(counts.pad_rows);
-    if (saved_ws_.size() < need.saved) saved_ws_.resize(need.saved);
-    if (scratch_ws_.size() < need.scratch) scratch_ws_.resize(need.scratch);
-    if (host_ws_.size() < need.host) host_ws_.resize(need.host);
-    const dispatch_workspace dws{.saved = saved_ws_, .scratch = scratch_ws_, .host = host_ws_};
-    auto h = disp_.dispatch(din, g.dispatch, dws);
-    if (!h) return unexpected<error>(h.error());
-    handle_.emplace(std::move(*h));
-    y_.resize(detail::uz(handle_->num_rows()) * H);
-    if (auto st = experts_.forward(handle_->batch(), y_); !st) return unexpected<error>(st.error());
-    if (auto st = disp_.combine(*handle_, y_, g.dispatch, out); !st)
-      return unexpected<error>(st.error());
-    if (shared_) {  // out += shared(x), the sum Megatron-Core forms in combine_postprocess
-      shared_out_.resize(detail::uz(n) * H);
-      if (auto st = shared_->forward(n, x, *g.tp, shared_out_, shared_ws_); !st)
-        return unexpected<error>(st.error());
-      if (auto st = exec_.template add<T>(rows(std::span<const T>(shared_out_)), rows(out)); !st)
-        return unexpected<error>(st.error());
-    }
-    return stats;
+                                                    std::span<T> out, context_type& ctx,
+                                                    const moe_saved_storage& storage) {
+    return run_forward(in, g, out, ctx, storage, /*recompute=*/false);
   }
 
-  //! dx [N, H] from dout [N, H] of the last forward; `loss_seed` is d(training loss) / d(each
-  //! auxiliary loss) (Megatron's aux-loss scale). Adds the router weight, expert and shared-expert
-  //! gradients. After an evaluation forward no auxiliary loss contributes.
-  [[nodiscard]] status backward(std::span<const T> dout, T loss_seed,
-                                const moe_layer_groups<Comm>& g, std::span<T> dx) {
-    if (!handle_) return make_error(errc::invalid_argument, "moe_layer: backward before forward");
+  //! Activation recomputation: refills `ctx` (a forward whose activations were dropped, or
+  //! whose storage is to be replaced) from the same input, into `storage`, before its backward.
+  //! It changes no layer state (bias counts, running counts) and reuses the losses' terms the
+  //! forward kept in `ctx`, so the backward equals the stored-activation one bitwise; `out` is
+  //! written again. Every rank of the layer's groups recomputes together (it is collective).
+  [[nodiscard]] status recompute(context_type& ctx, const moe_forward_input<T>& in,
+                                 const moe_layer_groups<Comm>& g, std::span<T> out,
+                                 const moe_saved_storage& storage) {
+    if (!ctx.filled_)
+      return make_error(errc::invalid_argument,
+                        "moe_layer: recompute needs a context its forward filled and its backward "
+                        "has not consumed");
+    if (in.num_tokens != ctx.n_)
+      return make_error(errc::shape_mismatch,
+                        "moe_layer: recompute with N = " + detail::to_decimal(in.num_tokens) +
+                            " of a forward of N = " + detail::to_decimal(ctx.n_) +
+                            " (recompute from the forward's own input)");
+    auto st = run_forward(in, g, out, ctx, storage, /*recompute=*/true);
+    if (!st) return unexpected<error>(st.error());
+    return {};
+  }
+
+  //! dx [N, H] from dout [N, H] of the forward in `ctx`, which it consumes; `seeds` weight each
+  //! loss (see moe_loss_seeds). Adds the router weight, expert and shared-expert gradients.
+  //! After an evaluation forward no auxiliary loss contributes.
+  [[nodiscard]] status backward(context_type& ctx, std::span<const T> dout,
+                                const moe_loss_seeds<T>& seeds, const moe_layer_groups<Comm>& g,
+                                std::span<T> dx) {
+    if (!ctx.ready())
+      return make_error(errc::invalid_argument,
+                        ctx.filled_ ? "moe_layer: the context's activations were dropped; "
+                                      "recompute() refills them before the backward"
+                                    : "moe_layer: backward of a context no forward filled (or "
+                                      "whose backward already ran)");
+    const std::array<T, 5> all_seeds{seeds.output, seeds.aux, seeds.seq_aux, seeds.global_aux,
+                                     seeds.z};
+    if (!std::all_of(all_seeds.begin(), all_seeds.end(),
+                     [](T v) { return std::isfinite(static_cast<double>(v)); }))
+      return make_error(errc::invalid_argument, "moe_layer: loss seeds must be finite");
     const int E = o_.router.num_experts;
-    const auto H = detail::uz(o_.hidden), M = detail::uz(handle_->num_rows()), N = detail::uz(n_),
+    const typename Dispatcher::handle_type& hd = *ctx.handle_;
+    const int n = ctx.n_;
+    const auto H = detail::uz(o_.hidden), M = detail::uz(hd.num_rows()), N = detail::uz(n),
                K = detail::uz(o_.router.topk);
     if (dout.size() != N * H || dx.size() != N * H)
       return make_error(errc::shape_mismatch, "moe_layer: dout and dx must be [N, H]");
@@ -357,60 +313,104 @@ class moe_layer {
                         "communicator in moe_layer_groups::tp");
     // Experts' path. The scratch buffers are members, zeroed each step: their capacity is reused,
     // so steady-state steps allocate nothing here.
-    auto& [dy, dx_rows, dp_rows, dprobs, dx_experts, dlogits, dx_router, dw, dx_shared, rows_e] =
-        scratch_;
+    auto& [dy, dx_rows, dp_rows, dprobs, dx_experts, dlogits, dx_router, dw, dx_shared, rows_e,
+           dout_seeded] = scratch_;
+    std::span<const T> dmain = dout;  // the main output's gradient, times its seed
+    if (seeds.output != T(1)) {
+      dout_seeded.resize(N * H);
+      if (auto st = exec_.copy(rows(dout), rows(std::span<T>(dout_seeded))); !st) return st;
+      if (auto st = exec_.template scale<T>(rows(std::span<T>(dout_seeded)), seeds.output); !st)
+        return st;
+      dmain = dout_seeded;
+    }
     dy.assign(M * H, T(0));
     dx_rows.assign(M * H, T(0));
     dp_rows.assign(M, T(0));
     dprobs.assign(N * K, T(0));
     dx_experts.assign(N * H, T(0));
-    if (auto st = disp_.combine_backward(*handle_, dout, g.dispatch, dy); !st) return st;
-    if (auto st = experts_.backward(handle_->batch(), dy, dx_rows, dp_rows); !st) return st;
-    if (auto st =
-            disp_.dispatch_backward(*handle_, dx_rows, dp_rows, g.dispatch, dx_experts, dprobs);
+    if (ctx.scratch_epoch_ != scratch_epoch_)
+      return make_error(errc::invalid_argument,
+                        "moe_layer: the layer's scratch grew (a pad-mode capacity above any "
+                        "before) while this forward was in flight; size it first with "
+                        "reserve(capacity)");
+    if (auto st = disp_.combine_backward(hd, dmain, g.dispatch, dy); !st) return st;
+    ctx.filled_ = false;  // from here the backward has begun: the context is consumed
+    if (auto st = experts_.backward(hd.batch(), dy, dx_rows, dp_rows); !st) return done(ctx, st);
+    if (auto st = disp_.dispatch_backward(hd, dx_rows, dp_rows, g.dispatch, dx_experts, dprobs);
         !st)
-      return st;
+      return done(ctx, st);
     // Router's path: dropped pairs have no gradient (their probabilities were not renormalised),
     // then the router Jacobian, the auxiliary losses, the gating GEMM.
+    const std::span<const T> logits = ctx.logits_.first(N * detail::uz(E));
+    const std::span<const T> x = ctx.x_.first(N * H);
     dlogits.assign(N * detail::uz(E), T(0));
     dx_router.assign(N * H, T(0));
     dw.assign(detail::uz(E) * H, T(0));
-    if (auto st = router_.backward(logits_, routing_, dprobs, dlogits, router_ws_); !st) return st;
+    if (auto st = router_.backward(logits, ctx.routing_, dprobs, dlogits, router_ws_); !st)
+      return done(ctx, st);
     rows_e.resize(3 * detail::uz(E));  // the loss gradients' per-token rows
-    const gating_shape gbs{.num_tokens = n_, .hidden = o_.hidden, .num_experts = E};
+    const gating_shape gbs{.num_tokens = n, .hidden = o_.hidden, .num_experts = E};
     // The three load-balancing terms (micro-batch, per sequence, global), each when active.
     // (dlogits is passed, not captured: clang 14 cannot capture a structured binding.)
+    const std::array<T, 3> term_seeds{seeds.aux, seeds.seq_aux, seeds.global_aux};
     const auto add_term = [&](std::size_t i, std::vector<T>& dl, std::vector<T>& work) -> status {
-      if (!aux_active_[i]) return {};
-      return add_aux_loss_gradient<T>(o_.router.score, logits_, E, {}, aux_terms_[i], loss_seed, dl,
-                                      work);
+      if (!ctx.aux_active_[i]) return {};
+      return add_aux_loss_gradient<T>(o_.router.score, logits, E, {}, ctx.aux_terms_[i],
+                                      term_seeds[i], dl, work);
     };
-    if (auto st = add_term(0, dlogits, rows_e); !st) return st;
-    if (auto st = add_term(1, dlogits, rows_e); !st) return st;
-    if (auto st = add_term(2, dlogits, rows_e); !st) return st;
-    if (z_active_)
-      if (auto st =
-              add_group_z_loss_gradient(g.tp_cp, std::span<const T>(logits_), E, o_.z_loss_coeff,
-                                        {}, loss_seed, std::span<T>(dlogits), std::span<T>(rows_e));
+    if (auto st = add_term(0, dlogits, rows_e); !st) return done(ctx, st);
+    if (auto st = add_term(1, dlogits, rows_e); !st) return done(ctx, st);
+    if (auto st = add_term(2, dlogits, rows_e); !st) return done(ctx, st);
+    if (ctx.z_active_)
+      if (auto st = add_group_z_loss_gradient(g.tp_cp, logits, E, o_.z_loss_coeff, {}, seeds.z,
+                                              std::span<T>(dlogits), std::span<T>(rows_e));
           !st)
-        return st;
+        return done(ctx, st);
     if (auto st =
-            gating_backward<T, T, T>(gbs, x_, std::span<const T>(w_), dlogits, dx_router, dw, {});
+            gating_backward<T, T, T>(gbs, x, std::span<const T>(w_), dlogits, dx_router, dw, {});
         !st)
-      return st;
+      return done(ctx, st);
     if (auto st = exec_.template add<T>(rows(std::span<const T>(dw)), rows(std::span<T>(dw_))); !st)
-      return st;
+      return done(ctx, st);
     // dx = dx_experts + dx_router (+ dx_shared).
-    if (auto st = exec_.copy(rows(std::span<const T>(dx_experts)), rows(dx)); !st) return st;
+    if (auto st = exec_.copy(rows(std::span<const T>(dx_experts)), rows(dx)); !st)
+      return done(ctx, st);
     if (auto st = exec_.template add<T>(rows(std::span<const T>(dx_router)), rows(dx)); !st)
-      return st;
+      return done(ctx, st);
     if (shared_) {
       dx_shared.assign(N * H, T(0));
-      if (auto st = shared_->backward(dout, *g.tp, dx_shared); !st) return st;
+      if (auto st = shared_->backward(dmain, *g.tp, dx_shared, ctx.shared_saved_, shared_scratch_);
+          !st)
+        return done(ctx, st);
       if (auto st = exec_.template add<T>(rows(std::span<const T>(dx_shared)), rows(dx)); !st)
-        return st;
+        return done(ctx, st);
     }
-    return {};
+    return done(ctx, {});
+  }
+
+  //! The one-in-flight form: out [N, H] for x [N, H] into the layer's own context and storage.
+  //! `order_keys` [N] (or empty) are the tokens' true sequence positions for full-sequence
+  //! dropping by position (see sequence_order_keys).
+  [[nodiscard]] expected<moe_forward_stats> forward(int n, std::span<const T> x,
+                                                    std::span<const std::int64_t> order_keys,
+                                                    const moe_layer_groups<Comm>& g,
+                                                    std::span<T> out) {
+    return run_forward({.num_tokens = n, .x = x, .order_keys = order_keys}, g, out, own_ctx_,
+                       {own_saved_, own_host_}, /*recompute=*/false, /*grow=*/true);
+  }
+
+  //! dx [N, H] from dout [N, H] of the last one-in-flight forward; `loss_seed` is d(training
+  //! loss) / d(each auxiliary loss) (Megatron's aux-loss scale).
+  [[nodiscard]] status backward(std::span<const T> dout, T loss_seed,
+                                const moe_layer_groups<Comm>& g, std::span<T> dx) {
+    if (!own_ctx_.ready())
+      return make_error(errc::invalid_argument, "moe_layer: backward before forward");
+    const moe_loss_seeds<T> seeds{.output = T(1),
+                                  .aux = loss_seed,
+                                  .seq_aux = loss_seed,
+                                  .global_aux = loss_seed,
+                                  .z = loss_seed};
+    return backward(own_ctx_, dout, seeds, g, dx);
   }
 
   //! Sums the local gradients over their groups: the router weight over tp-dp-cp, the experts'
@@ -457,10 +457,226 @@ class moe_layer {
         disp_(std::move(d)),
         experts_(std::move(e)) {}
 
+  // The saved part of one forward in flight, carved by one function for its size and its views.
+  struct saved_views {
+    std::span<T> x, logits;                    // [max_tokens, H], [max_tokens, E]
+    std::span<std::byte> dispatch, shared_ex;  // the dispatcher's and the shared expert's parts
+  };
+  saved_views carve_saved(workspace_carver& c, const dispatch_workspace_bytes& d) const {
+    const auto N = detail::uz(o_.max_tokens), H = detail::uz(o_.hidden),
+               E = detail::uz(o_.router.num_experts);
+    saved_views v;
+    v.x = c.take<T>(N * H);
+    v.logits = c.take<T>(N * E);
+    v.dispatch = c.take<std::byte>(d.saved);
+    v.shared_ex = c.take<std::byte>(shared_ ? shared_->saved_bytes() : 0);
+    return v;
+  }
+
+  // The forward, or (recompute) its side-effect-free repetition into a filled context. With
+  // `grow` the storage is the layer's own, grown to what pad mode needs.
+  [[nodiscard]] expected<moe_forward_stats> run_forward(const moe_forward_input<T>& in,
+                                                        const moe_layer_groups<Comm>& g,
+                                                        std::span<T> out, context_type& ctx,
+                                                        moe_saved_storage storage, bool recompute,
+                                                        bool grow = false) {
+    const int E = o_.router.num_experts, n = in.num_tokens;
+    const auto H = detail::uz(o_.hidden);
+    const std::span<const T> x = in.x;
+    if (n < 0 || n > o_.max_tokens || x.size() != detail::uz(n) * H ||
+        out.size() != detail::uz(n) * H)
+      return make_error(errc::shape_mismatch,
+                        "moe_layer: x and out must be [N, H] with N <= "
+                        "max_tokens");
+    if (shared_ && g.tp == nullptr)
+      return make_error(errc::invalid_argument,
+                        "moe_layer: the layer has a shared expert; pass the attention TP "
+                        "communicator in moe_layer_groups::tp");
+    const bool training = recompute ? ctx.training_ : training_;
+    if (!recompute && training && o_.global_aux_loss_coeff > 0 && g.tp_dp_cp == nullptr)
+      return make_error(errc::invalid_argument,
+                        "moe_layer: the global load-balancing loss needs the tp-dp-cp "
+                        "communicator in moe_layer_groups::tp_dp_cp");
+    // A failed forward leaves nothing for a backward; a failed recompute leaves the forward's
+    // terms for another try.
+    ctx.drop_activations();
+    if (!recompute) ctx.filled_ = false;
+    // The saved part: its own pieces checked before anything runs, then, once the drop policy
+    // has given the capacity (pad mode), with the dispatcher's part, before any side effect.
+    const auto carve = [&](const dispatch_workspace_bytes& d) -> expected<saved_views> {
+      if (grow) {
+        workspace_carver m;
+        (void)carve_saved(m, d);
+        if (own_saved_.size() < m.required()) own_saved_.resize(m.required());
+        if (own_host_.size() < d.host) own_host_.resize(d.host);
+        storage = {own_saved_, own_host_};
+      }
+      workspace_carver c(storage.saved);
+      saved_views v = carve_saved(c, d);
+      if (!c.fits() || storage.host.size() < d.host)
+        return make_error(
+            errc::workspace_too_small,
+            "moe_layer: the saved storage has " + detail::to_decimal(storage.saved.size()) +
+                " saved and " + detail::to_decimal(storage.host.size()) +
+                " host bytes; saved_sizes() asks for " + detail::to_decimal(c.required()) +
+                " and " + detail::to_decimal(d.host));
+      return v;
+    };
+    if (auto pre = carve({}); !pre) return unexpected<error>(pre.error());
+    // The logits go to the layer's scratch first and to the saved part once it is sized.
+    const std::span<T> logits = std::span<T>(logits_).first(detail::uz(n) * detail::uz(E));
+    const gating_shape gs{.num_tokens = n, .hidden = o_.hidden, .num_experts = E};
+    if (auto st = gating_forward<T, T, T>(gs, x, std::span<const T>(w_), {}, logits); !st)
+      return unexpected<error>(st.error());
+    if (auto st = router_.route(std::span<const T>(logits), ctx.routing_,
+                                std::span<const float>(bias_.bias), router_ws_);
+        !st)
+      return unexpected<error>(st.error());
+    // The drop policy marks what each expert keeps in the routing record's mask; the selection
+    // stays whole for the router backward.
+    const auto pairs = ctx.routing_.indices.size();
+    ctx.keep_.resize(pairs);
+    const routing_view<T> rv = view_of(ctx.routing_, std::span<std::uint8_t>(ctx.keep_));
+    drop_counts counts = counts_into(ctx.report_, E);
+    if (auto st = policy_.apply(g.tp_cp, in.order_keys, rv, counts, drop_ws_); !st)
+      return unexpected<error>(st.error());
+    ctx.kept_experts_.resize(pairs);
+    ctx.kept_probs_.resize(pairs);
+    detail::write_kept_pairs(rv, std::span<int>(ctx.kept_experts_), std::span<T>(ctx.kept_probs_));
+    const host_dispatch_input<T> din{.num_tokens = n,
+                                     .x = x,
+                                     .expert = ctx.kept_experts_,
+                                     .probs = ctx.kept_probs_,
+                                     .capacity = counts.pad_rows};
+    // Pad mode sizes the rows from the capacity, once the capacity is known to be sane.
+    if (counts.pad_rows)
+      if (auto st =
+              detail::check_dispatch_input(disp_.shape(), din.to_views(o_.hidden, o_.router.topk));
+          !st)
+        return unexpected<error>(st.error());
+    const dispatch_workspace_bytes need = disp_.workspace_sizes(counts.pad_rows);
+    auto sv = carve(need);
+    if (!sv) return unexpected<error>(sv.error());
+    grow_scratch(need.scratch);
+    // The losses (a training forward adds to the global aux loss's running counts) and the
+    // expert bias's counts of what was dispatched (the post-drop map), once per training forward;
+    // a recompute reuses the forward's terms.
+    moe_forward_stats stats;
+    if (!recompute) {
+      if (auto st = forward_losses(ctx, g, logits, training, stats); !st)
+        return unexpected<error>(st.error());
+      if (training && o_.router.expert_bias)
+        if (auto st = add_dispatched_counts(counts, bias_.local_tokens_per_expert); !st)
+          return unexpected<error>(st.error());
+    } else {
+      stats = ctx.stats_;
+    }
+    stats.dropped = counts;
+    if (auto st = exec_.copy(rows(x), rows(sv->x.first(x.size()))); !st)
+      return unexpected<error>(st.error());
+    if (auto st = exec_.copy(rows(std::span<const T>(logits), E),
+                             rows(sv->logits.first(logits.size()), E));
+        !st)
+      return unexpected<error>(st.error());
+    const dispatch_workspace dws{
+        .saved = sv->dispatch, .scratch = scratch_ws_, .host = storage.host};
+    auto h = disp_.dispatch(din, g.dispatch, dws);
+    if (!h) return unexpected<error>(h.error());
+    ctx.handle_.emplace(std::move(*h));
+    const auto& hd = *ctx.handle_;
+    y_.resize(detail::uz(hd.num_rows()) * H);
+    if (auto st = experts_.forward(hd.batch(), y_); !st) return fail(ctx, st);
+    if (auto st = disp_.combine(*ctx.handle_, y_, g.dispatch, out); !st) return fail(ctx, st);
+    if (shared_) {  // out += shared(x), the sum Megatron-Core forms in combine_postprocess
+      shared_out_.resize(detail::uz(n) * H);
+      if (auto st = shared_->forward(n, x, *g.tp, shared_out_, sv->shared_ex, shared_scratch_); !st)
+        return fail(ctx, st);
+      if (auto st = exec_.template add<T>(rows(std::span<const T>(shared_out_)), rows(out)); !st)
+        return fail(ctx, st);
+    }
+    ctx.n_ = n;
+    ctx.scratch_epoch_ = scratch_epoch_;
+    ctx.x_ = sv->x;
+    ctx.logits_ = sv->logits;
+    ctx.shared_saved_ = sv->shared_ex;
+    if (!recompute) {
+      ctx.training_ = training;
+      ctx.stats_ = stats;
+    }
+    ctx.stats_.dropped = counts;
+    ctx.filled_ = true;
+    return stats;
+  }
+
+  // The load-balancing losses and the z-loss of a forward, their terms kept in ctx: each on its
+  // own statistics group, all on the same aux scores.
+  [[nodiscard]] status forward_losses(context_type& ctx, const moe_layer_groups<Comm>& g,
+                                      std::span<const T> logits, bool training,
+                                      moe_forward_stats& stats) {
+    const int E = o_.router.num_experts;
+    ctx.aux_active_ = {};
+    ctx.z_active_ = training && o_.z_loss_coeff > 0;
+    const bool any_aux = training && (o_.aux_loss_coeff > 0 || o_.seq_aux_loss_coeff > 0 ||
+                                      o_.global_aux_loss_coeff > 0);
+    if (any_aux)
+      if (auto st = compute_aux_scores<T>(o_.router.score, o_.router.topk, E, logits, {}, aux_);
+          !st)
+        return st;
+    if (any_aux && o_.aux_loss_coeff > 0) {
+      if (auto st = load_balancing_loss(g.tp_cp, aux_, o_.aux_loss_coeff, ctx.aux_terms_[0]); !st)
+        return st;
+      ctx.aux_active_[0] = true;
+      stats.aux_loss = static_cast<double>(ctx.aux_terms_[0].loss);
+    }
+    if (any_aux && o_.seq_aux_loss_coeff > 0) {
+      if (auto st = seq_load_balancing_loss(g.tp_cp, aux_, o_.batch, o_.seq_aux_loss_coeff,
+                                            ctx.aux_terms_[1]);
+          !st)
+        return st;
+      ctx.aux_active_[1] = true;
+      stats.seq_aux_loss = static_cast<double>(ctx.aux_terms_[1].loss);
+    }
+    if (any_aux && o_.global_aux_loss_coeff > 0) {
+      if (auto st = global_load_balancing_loss(*g.tp_dp_cp, aux_, o_.global_aux_loss_coeff, global_,
+                                               ctx.aux_terms_[2]);
+          !st)
+        return st;
+      ctx.aux_active_[2] = true;
+      stats.global_aux_loss = static_cast<double>(ctx.aux_terms_[2].loss);
+    }
+    if (ctx.z_active_) {
+      auto z = group_z_loss(g.tp_cp, logits, E, o_.z_loss_coeff);
+      if (!z) return unexpected<error>(z.error());
+      stats.z_loss = static_cast<double>(*z);
+    }
+    return {};
+  }
+
+  // The shared scratch only grows; in-flight handles keep views of it, so a growth is counted
+  // and their backward refuses (see reserve).
+  void grow_scratch(std::size_t bytes) {
+    if (scratch_ws_.size() >= bytes) return;
+    scratch_ws_.resize(bytes);
+    ++scratch_epoch_;
+  }
+
+  // A forward that failed after its dispatch leaves no handle behind.
+  static unexpected<error> fail(context_type& ctx, const status& st) {
+    ctx.handle_.reset();
+    return unexpected<error>(st.error());
+  }
+  // The end of a backward: the context's views are released whatever the outcome.
+  static status done(context_type& ctx, status st) {
+    ctx.drop_activations();
+    ctx.filled_ = false;
+    return st;
+  }
+
   // A buffer of the layer ([N, H] or [E, H]) as a row view in its context's space.
+  // (or of another row width: the logits [N, E]).
   template <class U>
-  row_view<U, typename exec_type::memory_space> rows(std::span<U> v) const {
-    const int width = o_.hidden;
+  row_view<U, typename exec_type::memory_space> rows(std::span<U> v, int width = 0) const {
+    if (width == 0) width = o_.hidden;
     return {v.data(), static_cast<int>(v.size() / detail::uz(width)), width};
   }
 
@@ -472,27 +688,23 @@ class moe_layer {
   Experts experts_;
   std::optional<shared_expert<T, Comm>> shared_;
   std::vector<T> w_, dw_;
-  std::vector<std::byte> saved_ws_, scratch_ws_, host_ws_, shared_ws_;
+  // Scratch, dead after each call (shared by the forwards in flight).
+  std::vector<std::byte> scratch_ws_, shared_scratch_;
+  std::uint64_t scratch_epoch_ = 0;  // growths of scratch_ws_
+  // The one-in-flight form's context and storage.
+  context_type own_ctx_{};
+  std::vector<std::byte> own_saved_, own_host_;
   expert_bias_state bias_{};
   global_aux_state global_{};
   bool training_ = true;
-  // Saved by forward for backward.
-  int n_ = 0;
-  std::vector<T> x_, logits_, y_, shared_out_;
-  topk_routing<T> routing_{};
-  aux_scores<T> aux_{};
-  std::array<aux_loss_term<T>, 3> aux_terms_{};  // micro-batch, per sequence, global
-  std::array<bool, 3> aux_active_{};
-  bool z_active_ = false;
-  std::vector<std::uint8_t> keep_;  // [N*k] the drop policy's mask of routing_
-  drop_report report_{};            // what the policy counted (its vectors sized once)
+  // Forward scratch: the logits [N, E] (until the saved part is sized), the experts' rows, the
+  // shared output.
+  std::vector<T> logits_, y_, shared_out_;
+  aux_scores<T> aux_{};  // forward scratch: the aux losses' scores
   drop_scratch<T> drop_ws_{};
-  std::vector<int> kept_experts_;
-  std::vector<T> kept_probs_;
-  std::optional<typename Dispatcher::handle_type> handle_;
   struct backward_scratch {
     std::vector<T> dy, dx_rows, dp_rows, dprobs, dx_experts, dlogits, dx_router, dw, dx_shared,
-        rows_e;
+        rows_e, dout_seeded;
   } scratch_;
   topk_router_scratch<T> router_ws_{};
 };
