@@ -538,3 +538,99 @@ TEST_CASE("MoE layer: the expert bias counts the pairs that survive the drop pol
   });
   for (const auto& s : st) CHECK_MESSAGE(s.has_value(), s.error().message);
 }
+
+TEST_CASE("MoE layer state: save, load into a fresh layer, and the run continues bitwise") {
+  // The expert bias (after one update and with this global batch's counts) and the global aux
+  // loss's running counts, saved mid global batch; a fresh layer that loads them computes the
+  // next micro-batch and the next bias update exactly as the original; one that does not,
+  // differs.
+  using layer_t =
+      moe_layer<double, thread_communicator, sub_sequence,
+                all_to_all_dispatcher<double, thread_communicator>, reference_mlp<double>>;
+  const int E = 4, H = 3, N = 8, K = 2;
+  const moe_layer_options o{.hidden = H,
+                            .max_tokens = N,
+                            .router = {.num_experts = E,
+                                       .topk = K,
+                                       .score = score_function::sigmoid,
+                                       .expert_bias = true},
+                            .global_aux_loss_coeff = 0.05,
+                            .expert_bias_update_rate = 0.05f};
+  const auto st = run_thread_world(1, [&](thread_communicator& world) -> status {
+    auto self = world.split(0, 0).value();
+    const moe_layer_groups<thread_communicator> g{
+        .tp_cp = self, .dispatch = {self, self, self}, .tp_dp_cp = &self};
+    auto make = [&] {
+      auto l =
+          layer_t::make(
+              o, sub_sequence{.capacity_factor = 1.0},
+              reference_mlp<double>::make({.hidden = H, .ffn = 2, .num_local_experts = E}).value())
+              .value();
+      for (std::size_t i = 0; i < l.router_weight().size(); ++i)
+        l.router_weight()[i] = unit(30, i, 0);
+      auto w1 = l.experts().weights_fc1(), w2 = l.experts().weights_fc2();
+      for (std::size_t i = 0; i < w1.size(); ++i) w1[i] = 0.5 * unit(31, i, 0);
+      for (std::size_t i = 0; i < w2.size(); ++i) w2[i] = 0.5 * unit(32, i, 0);
+      return l;
+    };
+    auto micro = [&](int m) {
+      std::vector<double> x;
+      for (int i = 0; i < N * H; ++i) x.push_back(unit(33, static_cast<std::uint64_t>(m), i));
+      return x;
+    };
+    struct step_out {
+      std::vector<double> out, dx, dw;
+      double global_aux = 0;
+      bool operator==(const step_out&) const = default;
+    };
+    auto step = [&](layer_t& l, int m) -> expected<step_out> {
+      const auto x = micro(m);
+      step_out s{
+          .out = std::vector<double>(x.size()), .dx = std::vector<double>(x.size()), .dw = {}};
+      auto f = l.forward(N, x, {}, g, s.out);
+      if (!f) return unexpected<error>(f.error());
+      s.global_aux = f->global_aux_loss;
+      if (auto b = l.backward(x, 1.0, g, s.dx); !b) return unexpected<error>(b.error());
+      s.dw.assign(l.router_weight_grad().begin(), l.router_weight_grad().end());
+      std::fill(l.router_weight_grad().begin(), l.router_weight_grad().end(), 0.0);
+      return s;
+    };
+    layer_t a = make();
+    for (int m : {0, 1})
+      if (auto s = step(a, m); !s) return unexpected<error>(s.error());
+    if (auto s = a.end_global_batch(self); !s) return s;
+    if (auto s = step(a, 2); !s) return unexpected<error>(s.error());
+    const moe_layer_state saved = a.save_state();
+    CHECK(saved.expert_bias != std::vector<float>(E, 0.f));  // the update happened
+    CHECK(saved.global_aux_steps == 1);
+    CHECK(saved.expert_bias_counts != std::vector<float>(E, 0.f));
+    layer_t b = make(), c = make();
+    if (auto s = b.load_state(saved); !s) return s;
+    CHECK(b.save_state() == saved);
+    const auto sa = step(a, 3), sb = step(b, 3), sc = step(c, 3);
+    if (!sa || !sb || !sc) return make_error(errc::invalid_argument, "test: a step failed");
+    CHECK(*sa == *sb);
+    CHECK(!(*sa == *sc));  // without the state the step differs
+    for (layer_t* l : {&a, &b})
+      if (auto s = l->end_global_batch(self); !s) return s;
+    CHECK(a.save_state() == b.save_state());
+    // Refused states change nothing.
+    const moe_layer_state before = b.save_state();
+    moe_layer_state bad = before;
+    bad.expert_bias.pop_back();
+    CHECK(b.load_state(bad).error().message.find("expert bias and its counts") !=
+          std::string::npos);
+    bad = before;
+    bad.global_aux_counts = {1.0};
+    CHECK(b.load_state(bad).error().code == errc::shape_mismatch);
+    bad = before;
+    bad.expert_bias[0] = std::nanf("");
+    CHECK(b.load_state(bad).error().message.find("finite") != std::string::npos);
+    bad = before;
+    bad.global_aux_steps = -1;
+    CHECK(b.load_state(bad).error().code == errc::invalid_argument);
+    CHECK(b.save_state() == before);
+    return {};
+  });
+  for (const auto& s : st) CHECK_MESSAGE(s.has_value(), s.error().message);
+}

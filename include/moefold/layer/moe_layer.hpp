@@ -38,6 +38,7 @@
 #include "../core/workspace.hpp"
 #include "../dispatch/dispatch_args.hpp"
 #include "../dispatch/drop_policy.hpp"
+#include "../dispatch/token_dispatcher.hpp"
 #include "../experts/expert_fn.hpp"
 #include "../experts/shared_expert.hpp"
 #include "../mesh/groups.hpp"
@@ -45,6 +46,7 @@
 #include "../routing/expert_bias.hpp"
 #include "../routing/gating.hpp"
 #include "../routing/group_losses.hpp"
+#include "../routing/router.hpp"
 #include "../routing/routing_view.hpp"
 #include "../routing/topk_router.hpp"
 #include "moe_forward_context.hpp"
@@ -97,29 +99,69 @@ struct moe_forward_input {
   std::span<const std::int64_t> order_keys{};  //!< [N] or empty
 };
 
+//! A layer's state besides its weights, as plain data for a trainer's checkpoint: the expert
+//! bias and this global batch's routed counts (empty without router.expert_bias), the global
+//! load-balancing loss's running counts and the micro-batches they cover (empty and 0 without
+//! global_aux_loss_coeff). Saved after any backward and loaded into a layer of the same options,
+//! it continues the run exactly (tested bitwise).
+struct moe_layer_state {
+  std::vector<float> expert_bias{};         //!< [E]
+  std::vector<float> expert_bias_counts{};  //!< [E] this global batch's dispatched pairs
+  std::vector<double> global_aux_counts{};  //!< [E] summed over tp-dp-cp
+  int global_aux_steps = 0;                 //!< micro-batches in global_aux_counts
+  bool operator==(const moe_layer_state&) const = default;
+};
+
 //! The gradient group of each parameter kind of an MoE layer.
 inline constexpr group_kind expert_gradient_group = group_kind::edp;
 inline constexpr group_kind router_gradient_group = group_kind::tp_dp_cp;
 inline constexpr group_kind shared_expert_gradient_group = group_kind::dp_cp;
 inline constexpr group_kind shared_gate_gradient_group = group_kind::tp_dp_cp;
 
-template <class T, communicator Comm, class Policy, class Dispatcher, class Experts>
+//! `Router` is any routing::router (moefold's topk_router by default, built from the options) and
+//! `Dispatcher` any token_dispatcher, both of element type T. (A layer type whose T is not a
+//! router type, such as bf16, can be named for its static size queries but not made.)
+template <class T, communicator Comm, class Policy, class Dispatcher, class Experts,
+          class Router = topk_router<T>>
 requires expert_fn<Experts, T> && drop_policy<Policy, T, Comm> &&
+    token_dispatcher<Dispatcher, Comm> && std::same_as<typename Dispatcher::value_type, T> &&
+    std::same_as<typename Router::value_type, T> &&
     communicator_for<Comm, typename Dispatcher::exec_type, T>
 class moe_layer {
  public:
   using value_type = T;
   using dispatcher_type = Dispatcher;
+  using router_type = Router;
   //! The execution context the layer's row operations run on (its dispatcher's).
   using exec_type = typename Dispatcher::exec_type;
   //! One forward in flight (see moe_forward_context).
   using context_type = moe_forward_context<moe_layer>;
 
-  [[nodiscard]] static expected<moe_layer> make(const moe_layer_options& o, Policy policy,
-                                                Experts experts) {
-    using detail::to_decimal;
+  //! A layer with moefold's top-k router made from `o.router`.
+  [[nodiscard]] static expected<moe_layer> make(
+      const moe_layer_options& o, Policy policy,
+      Experts experts) requires std::same_as<Router, topk_router<T>> && routing::router<Router> {
     auto router = topk_router<T>::make(o.router);
     if (!router) return unexpected<error>(router.error());
+    return make(o, std::move(policy), std::move(experts), std::move(*router));
+  }
+
+  //! A layer with the caller's router, which must select `o.router.topk` of
+  //! `o.router.num_experts` experts; the load-balancing losses score the logits with
+  //! `o.router.score`; the expert bias is topk_router's alone.
+  [[nodiscard]] static expected<moe_layer> make(const moe_layer_options& o, Policy policy,
+                                                Experts experts,
+                                                Router router) requires routing::router<Router> {
+    using detail::to_decimal;
+    if (router.num_experts() != o.router.num_experts || router.topk() != o.router.topk)
+      return make_error(errc::shape_mismatch,
+                        "moe_layer: the router selects " + to_decimal(router.topk()) + " of " +
+                            to_decimal(router.num_experts()) + " experts; the options say " +
+                            to_decimal(o.router.topk) + " of " + to_decimal(o.router.num_experts));
+    if (o.router.expert_bias && !std::same_as<Router, topk_router<T>>)
+      return make_error(errc::invalid_argument,
+                        "moe_layer: router.expert_bias needs moefold's topk_router (a user router "
+                        "takes no bias)");
     auto disp = Dispatcher::make(dispatch_shape_of(o));
     if (!disp) return unexpected<error>(disp.error());
     if (experts.hidden() != o.hidden || experts.num_local_experts() * o.ep != o.router.num_experts)
@@ -159,7 +201,7 @@ class moe_layer {
     } else if (o.shared_expert.ffn < 0) {
       return make_error(errc::invalid_size, "moe_layer: shared_expert.ffn must be >= 0");
     }
-    moe_layer l(o, std::move(*router), std::move(policy), std::move(*disp), std::move(experts));
+    moe_layer l(o, std::move(router), std::move(policy), std::move(*disp), std::move(experts));
     const auto E = static_cast<std::size_t>(o.router.num_experts), H = detail::uz(o.hidden);
     const auto N = detail::uz(o.max_tokens);
     l.w_.assign(E * H, T(0));
@@ -173,7 +215,7 @@ class moe_layer {
     // Sized once (nothing is allocated per step here; the router and policy reference code
     // allocate their own records): the dispatcher's scratch, the one-in-flight form's storage,
     // the experts' output rows (at most the receive bound; pad mode may grow them).
-    l.scratch_ws_.resize(l.disp_.workspace_sizes().scratch);
+    l.scratch_ws_.resize(l.disp_.workspace_sizes(std::nullopt).scratch);
     l.logits_.resize(N * E);
     const moe_saved_bytes sb = l.saved_sizes();
     l.own_saved_.resize(sb.saved);
@@ -243,6 +285,50 @@ class moe_layer {
   [[nodiscard]] std::span<const std::uint8_t> last_keep() const noexcept { return own_ctx_.keep(); }
   [[nodiscard]] std::span<const int> last_kept_experts() const noexcept {
     return own_ctx_.kept_experts();
+  }
+
+  //! The state besides the weights (see moe_layer_state).
+  [[nodiscard]] moe_layer_state save_state() const {
+    moe_layer_state st;
+    st.expert_bias = bias_.bias;
+    st.expert_bias_counts = bias_.local_tokens_per_expert;
+    if (o_.global_aux_loss_coeff > 0) {
+      st.global_aux_counts = global_.tokens_per_expert;
+      st.global_aux_steps = global_.steps;
+    }
+    return st;
+  }
+  //! Loads a saved state; checked first (sizes for these options, finite values, counts and steps
+  //! >= 0), so a refused state changes nothing.
+  [[nodiscard]] status load_state(const moe_layer_state& st) {
+    const auto E = detail::uz(o_.router.num_experts);
+    const std::size_t want_bias = o_.router.expert_bias ? E : 0;
+    const bool global_on = o_.global_aux_loss_coeff > 0;
+    if (st.expert_bias.size() != want_bias || st.expert_bias_counts.size() != want_bias)
+      return make_error(errc::shape_mismatch,
+                        "moe_layer: load_state: the expert bias and its counts must have " +
+                            detail::to_decimal(want_bias) +
+                            " entries for these options (E with router.expert_bias, else 0)");
+    if (!(st.global_aux_counts.size() == (global_on ? E : 0) ||
+          (global_on && st.global_aux_counts.empty() && st.global_aux_steps == 0)))
+      return make_error(errc::shape_mismatch,
+                        "moe_layer: load_state: the global aux counts must have E entries with "
+                        "global_aux_loss_coeff > 0 (or none, at the start of a global batch), "
+                        "else none");
+    const auto finite_nonneg = [](auto v) { return std::isfinite(v) && v >= 0; };
+    if (!std::all_of(st.expert_bias.begin(), st.expert_bias.end(),
+                     [](float v) { return std::isfinite(v); }) ||
+        !std::all_of(st.expert_bias_counts.begin(), st.expert_bias_counts.end(), finite_nonneg) ||
+        !std::all_of(st.global_aux_counts.begin(), st.global_aux_counts.end(), finite_nonneg) ||
+        st.global_aux_steps < 0 || (!global_on && st.global_aux_steps != 0))
+      return make_error(errc::invalid_argument,
+                        "moe_layer: load_state: values must be finite, counts and steps >= 0");
+    bias_.bias = st.expert_bias;
+    bias_.local_tokens_per_expert = st.expert_bias_counts;
+    bias_.reduce_scratch.assign(want_bias, 0.f);
+    global_.tokens_per_expert = st.global_aux_counts;
+    global_.steps = st.global_aux_steps;
+    return {};
   }
 
   //! Training (default) or evaluation. In evaluation the forward computes no auxiliary losses
@@ -346,7 +432,10 @@ class moe_layer {
     dlogits.assign(N * detail::uz(E), T(0));
     dx_router.assign(N * H, T(0));
     dw.assign(detail::uz(E) * H, T(0));
-    if (auto st = router_.backward(logits, ctx.routing_, dprobs, dlogits, router_ws_); !st)
+    if (auto st =
+            detail::router_backward_with(router_, logits, ctx.routing_, std::span<const T>(dprobs),
+                                         std::span<T>(dlogits), router_ws_);
+        !st)
       return done(ctx, st);
     rows_e.resize(3 * detail::uz(E));  // the loss gradients' per-token rows
     const gating_shape gbs{.num_tokens = n, .hidden = o_.hidden, .num_experts = E};
@@ -450,7 +539,7 @@ class moe_layer {
   }
 
  private:
-  moe_layer(const moe_layer_options& o, topk_router<T> r, Policy p, Dispatcher d, Experts e)
+  moe_layer(const moe_layer_options& o, Router r, Policy p, Dispatcher d, Experts e)
       : o_(o),
         router_(std::move(r)),
         policy_(std::move(p)),
@@ -528,8 +617,8 @@ class moe_layer {
     const gating_shape gs{.num_tokens = n, .hidden = o_.hidden, .num_experts = E};
     if (auto st = gating_forward<T, T, T>(gs, x, std::span<const T>(w_), {}, logits); !st)
       return unexpected<error>(st.error());
-    if (auto st = router_.route(std::span<const T>(logits), ctx.routing_,
-                                std::span<const float>(bias_.bias), router_ws_);
+    if (auto st = detail::route_with(router_, std::span<const T>(logits), ctx.routing_,
+                                     std::span<const float>(bias_.bias), router_ws_);
         !st)
       return unexpected<error>(st.error());
     // The drop policy marks what each expert keeps in the routing record's mask; the selection
@@ -682,7 +771,7 @@ class moe_layer {
 
   moe_layer_options o_;
   exec_type exec_{};
-  topk_router<T> router_;
+  Router router_;
   Policy policy_;
   Dispatcher disp_;
   Experts experts_;

@@ -39,5 +39,39 @@ static_assert(router<topk_router<float>> && router<topk_router<double>>);
 
 }  // namespace routing
 
+namespace detail {
+//! A router's forward and backward as the layer calls them: moefold's top-k router with the
+//! expert bias and the caller's scratch (no allocation per step); any other router in the
+//! concept's form (it takes no bias: the layer refuses the bias option for it).
+template <class P>
+[[nodiscard]] status route_with(const topk_router<P>& r, std::span<const P> logits,
+                                topk_routing<P>& out, std::span<const float> bias,
+                                topk_router_scratch<P>& ws) {
+  return r.route(logits, out, bias, ws);
+}
+template <routing::router R>
+[[nodiscard]] status route_with(const R& r, std::span<const typename R::value_type> logits,
+                                topk_routing<typename R::value_type>& out,
+                                std::span<const float> /*bias*/,
+                                topk_router_scratch<typename R::value_type>& /*ws*/) {
+  return r.route(logits, out);
+}
+template <class P>
+[[nodiscard]] status router_backward_with(const topk_router<P>& r, std::span<const P> logits,
+                                          const topk_routing<P>& in, std::span<const P> dprobs,
+                                          std::span<P> dlogits, topk_router_scratch<P>& ws) {
+  return r.backward(logits, in, dprobs, dlogits, ws);
+}
+template <routing::router R>
+[[nodiscard]] status router_backward_with(const R& r,
+                                          std::span<const typename R::value_type> logits,
+                                          const topk_routing<typename R::value_type>& in,
+                                          std::span<const typename R::value_type> dprobs,
+                                          std::span<typename R::value_type> dlogits,
+                                          topk_router_scratch<typename R::value_type>& /*ws*/) {
+  return r.backward(logits, in, dprobs, dlogits);
+}
+}  // namespace detail
+
 }  // namespace v0_1
 }  // namespace moefold

@@ -1,0 +1,364 @@
+// The MoE layer over user types, written from the concepts' documentation alone:
+//  - a user router (routing::router) that assigns fixed experts and probabilities whatever the
+//    logits, on EP 2, against the fp64 reference of dispatch_harness.hpp fed that assignment
+//    (outputs, input gradients, expert gradients; the router weight gets no gradient);
+//  - a user dispatcher (token_dispatcher) for one rank that sorts the kept pairs by expert in its
+//    own workspace, against the same layer with all_to_all_dispatcher, dropless and dropping;
+//  - both built-in dispatchers satisfy the concept, and the rules a user router must keep are
+//    errors at make().
+#include <moefold/comm/thread_world.hpp>
+#include <moefold/dispatch/all_gather_dispatcher.hpp>
+#include <moefold/dispatch/all_to_all_dispatcher.hpp>
+#include <moefold/dispatch/drop_policy_local.hpp>
+#include <moefold/dispatch/token_dispatcher.hpp>
+#include <moefold/layer/moe_layer.hpp>
+
+#include <doctest/doctest.h>
+
+#include <string>
+#include <vector>
+
+#include "../dispatch/dispatch_harness.hpp"
+
+using namespace moefold;
+using namespace moefold::test;
+
+static_assert(
+    token_dispatcher<all_to_all_dispatcher<float, thread_communicator>, thread_communicator>);
+static_assert(
+    token_dispatcher<all_gather_dispatcher<double, thread_communicator>, thread_communicator>);
+static_assert(!token_dispatcher<reference_mlp<float>, thread_communicator>);
+
+namespace {
+
+// Token t of every rank goes to experts t % E, (t + 1) % E, ... with probabilities 0.7 and the
+// rest shared equally; the logits are ignored, so their gradient is 0.
+struct fixed_router {
+  using value_type = double;
+  int experts = 0, k = 0;
+  [[nodiscard]] int num_experts() const { return experts; }
+  [[nodiscard]] int topk() const { return k; }
+  [[nodiscard]] status route(std::span<const double> logits, topk_routing<double>& out) const {
+    const auto n = logits.size() / static_cast<std::size_t>(experts);
+    out.num_tokens = static_cast<int>(n);
+    out.num_experts = experts;
+    out.topk = k;
+    out.indices.resize(n * static_cast<std::size_t>(k));
+    out.probs.resize(out.indices.size());
+    for (std::size_t t = 0; t < n; ++t)
+      for (int j = 0; j < k; ++j) {
+        const auto i = t * static_cast<std::size_t>(k) + static_cast<std::size_t>(j);
+        out.indices[i] =
+            static_cast<int>((t + static_cast<std::size_t>(j)) % static_cast<std::size_t>(experts));
+        out.probs[i] = j == 0 ? 0.7 : 0.3 / (k - 1);
+      }
+    return {};
+  }
+  [[nodiscard]] status backward(std::span<const double>, const topk_routing<double>&,
+                                std::span<const double>, std::span<double> dlogits) const {
+    std::fill(dlogits.begin(), dlogits.end(), 0.0);
+    return {};
+  }
+};
+static_assert(routing::router<fixed_router>);
+
+// A dispatcher for a single rank (EP = ETP = 1): the kept pairs, sorted by expert (token order
+// within one), become the rows; a token's rows are summed back in slot order.
+template <class T, class Comm>
+class local_dispatcher {
+ public:
+  using value_type = T;
+  using exec_type = host_exec;
+
+  class handle_type {
+   public:
+    [[nodiscard]] expert_batch<T> batch() const {
+      return {.hidden = hidden_, .counts = counts_, .x = x_, .probs = p_};
+    }
+    [[nodiscard]] int num_rows() const { return static_cast<int>(p_.size()); }
+
+   private:
+    friend local_dispatcher;
+    const local_dispatcher* owner_ = nullptr;
+    int hidden_ = 0, tokens_ = 0, k_ = 0;
+    std::span<const int> counts_, row_of_, token_of_;  // [E], [N*k] (-1: dropped), [M]
+    std::span<const T> x_, p_;                         // [M, H], [M]
+  };
+
+  [[nodiscard]] static expected<local_dispatcher> make(const dispatch_shape& s) {
+    if (s.ep != 1 || s.etp != 1)
+      return make_error(errc::invalid_argument, "local_dispatcher: one rank (EP = ETP = 1) only");
+    local_dispatcher d;
+    d.s_ = s;
+    return d;
+  }
+  [[nodiscard]] const dispatch_shape& shape() const { return s_; }
+  [[nodiscard]] dispatch_workspace_bytes workspace_sizes(std::optional<int>) const {
+    workspace_carver c;
+    (void)carve(c);
+    return {c.required(), 0, 0};
+  }
+
+  [[nodiscard]] expected<handle_type> dispatch(const host_dispatch_input<T>& in,
+                                               const dispatch_groups<Comm>&,
+                                               const dispatch_workspace& ws) {
+    const int N = in.num_tokens, K = s_.topk, H = s_.hidden, E = s_.num_experts;
+    if (in.capacity) return make_error(errc::invalid_argument, "local_dispatcher: no pad mode");
+    const auto pairs = static_cast<std::size_t>(N) * static_cast<std::size_t>(K);
+    if (N < 0 || N > s_.max_tokens || in.x.size() != static_cast<std::size_t>(N) * H ||
+        in.expert.size() != pairs || in.probs.size() != pairs)
+      return make_error(errc::shape_mismatch, "local_dispatcher: x [N, H], expert/probs [N, k]");
+    for (int e : in.expert)
+      if (e < -1 || e >= E)
+        return make_error(errc::invalid_argument, "local_dispatcher: expert outside [-1, E)");
+    workspace_carver c(ws.saved);
+    bufs b = carve(c);
+    if (!c.fits()) return make_error(errc::workspace_too_small, "local_dispatcher: workspace");
+    std::fill(b.counts.begin(), b.counts.end(), 0);
+    for (int e : in.expert)
+      if (e >= 0) ++b.counts[static_cast<std::size_t>(e)];
+    std::vector<int> next(static_cast<std::size_t>(E), 0);  // first row of each expert
+    for (int e = 1; e < E; ++e)
+      next[static_cast<std::size_t>(e)] =
+          next[static_cast<std::size_t>(e - 1)] + b.counts[static_cast<std::size_t>(e - 1)];
+    int m = 0;
+    for (std::size_t i = 0; i < pairs; ++i) {
+      const int e = in.expert[i];
+      b.row_of[i] = -1;
+      if (e < 0) continue;
+      const int r = next[static_cast<std::size_t>(e)]++;
+      b.row_of[i] = r;
+      const std::size_t t = i / static_cast<std::size_t>(K);
+      b.token_of[static_cast<std::size_t>(r)] = static_cast<int>(t);
+      for (int h = 0; h < H; ++h) b.x[static_cast<std::size_t>(r) * H + h] = in.x[t * H + h];
+      b.p[static_cast<std::size_t>(r)] = in.probs[i];
+      ++m;
+    }
+    handle_type hd;
+    hd.owner_ = this;
+    hd.hidden_ = H;
+    hd.tokens_ = N;
+    hd.k_ = K;
+    hd.counts_ = b.counts;
+    hd.row_of_ = b.row_of.first(pairs);
+    hd.token_of_ = b.token_of.first(static_cast<std::size_t>(m));
+    hd.x_ = b.x.first(static_cast<std::size_t>(m) * H);
+    hd.p_ = b.p.first(static_cast<std::size_t>(m));
+    return hd;
+  }
+  [[nodiscard]] status combine(handle_type& h, std::span<const T> y, const dispatch_groups<Comm>&,
+                               std::span<T> out) const {
+    if (auto st = check(h, y.size(), out.size()); !st) return st;
+    sum_rows(h, y, out);
+    return {};
+  }
+  [[nodiscard]] status combine_backward(const handle_type& h, std::span<const T> dout,
+                                        const dispatch_groups<Comm>&, std::span<T> dy) const {
+    if (auto st = check(h, dy.size(), dout.size()); !st) return st;
+    const auto H = static_cast<std::size_t>(h.hidden_);
+    for (std::size_t r = 0; r < h.token_of_.size(); ++r)
+      for (std::size_t c = 0; c < H; ++c)
+        dy[r * H + c] = dout[static_cast<std::size_t>(h.token_of_[r]) * H + c];
+    return {};
+  }
+  [[nodiscard]] status dispatch_backward(const handle_type& h, std::span<const T> dx_rows,
+                                         std::span<const T> dprob_rows,
+                                         const dispatch_groups<Comm>&, std::span<T> dx,
+                                         std::span<T> dprobs) const {
+    if (auto st = check(h, dx_rows.size(), dx.size()); !st) return st;
+    if (dprob_rows.size() != h.p_.size() || dprobs.size() != h.row_of_.size())
+      return make_error(errc::shape_mismatch, "local_dispatcher: dprob rows [M], dprobs [N, k]");
+    sum_rows(h, dx_rows, dx);
+    for (std::size_t i = 0; i < h.row_of_.size(); ++i)
+      dprobs[i] = h.row_of_[i] < 0 ? T(0) : dprob_rows[static_cast<std::size_t>(h.row_of_[i])];
+    return {};
+  }
+
+ private:
+  struct bufs {
+    std::span<int> counts, row_of, token_of;
+    std::span<T> x, p;
+  };
+  bufs carve(workspace_carver& c) const {
+    const auto P = static_cast<std::size_t>(s_.max_tokens) * static_cast<std::size_t>(s_.topk);
+    return {c.take<int>(static_cast<std::size_t>(s_.num_experts)), c.take<int>(P), c.take<int>(P),
+            c.take<T>(P * static_cast<std::size_t>(s_.hidden)), c.take<T>(P)};
+  }
+  [[nodiscard]] status check(const handle_type& h, std::size_t rows_size,
+                             std::size_t tokens_size) const {
+    if (h.owner_ != this)
+      return make_error(errc::invalid_argument, "local_dispatcher: a handle of another dispatcher");
+    const auto H = static_cast<std::size_t>(h.hidden_);
+    if (rows_size != h.p_.size() * H || tokens_size != static_cast<std::size_t>(h.tokens_) * H)
+      return make_error(errc::shape_mismatch, "local_dispatcher: rows [M, H], tokens [N, H]");
+    return {};
+  }
+  // out[t] = the sum of token t's rows, in slot order.
+  static void sum_rows(const handle_type& h, std::span<const T> rows, std::span<T> out) {
+    const auto H = static_cast<std::size_t>(h.hidden_), K = static_cast<std::size_t>(h.k_);
+    std::fill(out.begin(), out.end(), T(0));
+    for (std::size_t t = 0; t < static_cast<std::size_t>(h.tokens_); ++t)
+      for (std::size_t j = 0; j < K; ++j) {
+        const int r = h.row_of_[t * K + j];
+        if (r < 0) continue;
+        for (std::size_t c = 0; c < H; ++c)
+          out[t * H + c] += rows[static_cast<std::size_t>(r) * H + c];
+      }
+  }
+
+  dispatch_shape s_{};
+};
+static_assert(token_dispatcher<local_dispatcher<float, thread_communicator>, thread_communicator>);
+
+struct run_out {
+  std::vector<double> out, dx, router_grad, w1, w2;
+};
+
+// One rank's forward and backward with the given layer type (router made by `make_router`).
+template <class Layer, class Make>
+expected<run_out> run_rank(const problem& p, thread_communicator& world, const Make& make_layer) {
+  const auto fold = make_folded(p.fold).value();
+  const megatron_groups groups(fold);
+  const int r = world.rank();
+  auto get = [&](group_kind k) { return group_communicator(world, groups, {k}).value(); };
+  auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep),
+       tp_cp = get(group_kind::tp_cp);
+  const data w = make_weights(p);
+  auto layer = make_layer(rank_experts<double>(p, fold, r, w.w1, w.w2).value());
+  if (!layer) return unexpected<error>(layer.error());
+  for (std::size_t i = 0; i < layer->router_weight().size(); ++i)
+    layer->router_weight()[i] = unit(9, static_cast<std::uint64_t>(i), 0);
+  std::vector<double> x, dout;
+  for (int t = 0; t < p.tokens; ++t) {
+    const auto d = make_token(p, r, t);
+    x.insert(x.end(), d.x.begin(), d.x.end());
+    dout.insert(dout.end(), d.dout.begin(), d.dout.end());
+  }
+  const moe_layer_groups<thread_communicator> g{.tp_cp = tp_cp, .dispatch = {ep, etp, tp_ep}};
+  run_out res;
+  res.out.resize(x.size());
+  res.dx.resize(x.size());
+  if (auto f = layer->forward(p.tokens, x, {}, g, res.out); !f) return unexpected<error>(f.error());
+  if (auto b = layer->backward(dout, 1.0, g, res.dx); !b) return unexpected<error>(b.error());
+  auto take = [](std::span<double> v) { return std::vector<double>(v.begin(), v.end()); };
+  res.router_grad = take(layer->router_weight_grad());
+  res.w1 = take(layer->experts().grads_fc1());
+  res.w2 = take(layer->experts().grads_fc2());
+  return res;
+}
+
+template <class Layer, class Make>
+std::vector<run_out> run_world(const problem& p, const Make& make_layer) {
+  std::vector<run_out> res(static_cast<std::size_t>(p.fold.world));
+  const auto st = run_thread_world(p.fold.world, [&](thread_communicator& world) -> status {
+    auto r = run_rank<Layer>(p, world, make_layer);
+    if (!r) return unexpected<error>(r.error());
+    res[static_cast<std::size_t>(world.rank())] = std::move(*r);
+    return {};
+  });
+  for (const auto& s : st) REQUIRE_MESSAGE(s.has_value(), s.error().message);
+  return res;
+}
+
+}  // namespace
+
+TEST_CASE("MoE layer with a user router: fixed experts against the fp64 reference") {
+  problem p{.fold = {.world = 2, .ep = 2, .etp = 1}, .experts = 4, .topk = 2};
+  p.tokens = 6;
+  using layer_t = moe_layer<double, thread_communicator, dropless,
+                            all_to_all_dispatcher<double, thread_communicator>,
+                            reference_mlp<double>, fixed_router>;
+  const moe_layer_options o{.hidden = p.hidden,
+                            .max_tokens = p.tokens,
+                            .ep = 2,
+                            .router = {.num_experts = p.experts, .topk = p.topk}};
+  const fixed_router router{.experts = p.experts, .k = p.topk};
+  const auto res = run_world<layer_t>(p, [&](reference_mlp<double> mlp) {
+    return layer_t::make(o, dropless{}, std::move(mlp), router);
+  });
+  // The reference, fed the router's assignment.
+  const data w = make_weights(p);
+  reference_grads g;
+  const int L = p.experts / 2, H = p.hidden, F = p.ffn;
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    std::vector<double> out, dx;
+    for (int t = 0; t < p.tokens; ++t) {
+      token_data d = make_token(p, r, t);
+      d.expert = {t % p.experts, (t + 1) % p.experts};
+      d.prob = {0.7, 0.3};
+      std::vector<double> o1, dx1, dp;
+      reference_token(w, d, o1, dx1, dp, g);
+      out.insert(out.end(), o1.begin(), o1.end());
+      dx.insert(dx.end(), dx1.begin(), dx1.end());
+    }
+    const auto& got = res[static_cast<std::size_t>(r)];
+    CHECK(rel_err(got.out, out) <= 1e-12);
+    CHECK(rel_err(got.dx, dx) <= 1e-12);  // no router part: the assignment ignores the logits
+    CHECK(got.router_grad == std::vector<double>(got.router_grad.size(), 0.0));
+  }
+  for (int r = 0; r < 2; ++r) {  // each rank's experts saw both ranks' tokens (EDP = 1)
+    std::vector<double> want1, want2;
+    for (int l = 0; l < L; ++l) {
+      auto d1 = g.dw1[r * L + l], d2 = g.dw2[r * L + l];
+      d1.resize(static_cast<std::size_t>(H * 2 * F), 0.0);
+      d2.resize(static_cast<std::size_t>(F * H), 0.0);
+      want1.insert(want1.end(), d1.begin(), d1.end());
+      want2.insert(want2.end(), d2.begin(), d2.end());
+    }
+    CHECK(rel_err(res[static_cast<std::size_t>(r)].w1, want1) <= 1e-12);
+    CHECK(rel_err(res[static_cast<std::size_t>(r)].w2, want2) <= 1e-12);
+  }
+}
+
+TEST_CASE("MoE layer with a user dispatcher equals the built-in one") {
+  problem p{.fold = {.world = 1}, .experts = 4, .topk = 2};
+  p.tokens = 8;
+  const moe_layer_options o{.hidden = p.hidden,
+                            .max_tokens = p.tokens,
+                            .router = {.num_experts = p.experts, .topk = p.topk},
+                            .aux_loss_coeff = 0.01,
+                            .z_loss_coeff = 0.001};
+  for (double cap : {0.0, 0.5}) {
+    CAPTURE(cap);
+    const sub_sequence policy{.capacity_factor = cap > 0 ? cap : 100.0};
+    using user_t = moe_layer<double, thread_communicator, sub_sequence,
+                             local_dispatcher<double, thread_communicator>, reference_mlp<double>>;
+    using builtin_t =
+        moe_layer<double, thread_communicator, sub_sequence,
+                  all_to_all_dispatcher<double, thread_communicator>, reference_mlp<double>>;
+    const auto a = run_world<user_t>(
+        p, [&](reference_mlp<double> mlp) { return user_t::make(o, policy, std::move(mlp)); });
+    const auto b = run_world<builtin_t>(
+        p, [&](reference_mlp<double> mlp) { return builtin_t::make(o, policy, std::move(mlp)); });
+    CHECK(rel_err(a[0].out, b[0].out) <= 1e-13);
+    CHECK(rel_err(a[0].dx, b[0].dx) <= 1e-13);
+    CHECK(rel_err(a[0].router_grad, b[0].router_grad) <= 1e-13);
+    CHECK(rel_err(a[0].w1, b[0].w1) <= 1e-13);
+    CHECK(rel_err(a[0].w2, b[0].w2) <= 1e-13);
+    CHECK(a[0].out != std::vector<double>(a[0].out.size(), 0.0));
+  }
+}
+
+TEST_CASE("MoE layer with a user router: the rules it must keep are errors at make()") {
+  problem p{.fold = {.world = 1}, .experts = 4, .topk = 2};
+  using layer_t = moe_layer<double, thread_communicator, dropless,
+                            all_to_all_dispatcher<double, thread_communicator>,
+                            reference_mlp<double>, fixed_router>;
+  const fold_config f{.world = 1};
+  const auto fold = make_folded(f).value();
+  const data w = make_weights(p);
+  moe_layer_options o{
+      .hidden = p.hidden, .max_tokens = 4, .router = {.num_experts = p.experts, .topk = p.topk}};
+  auto experts = [&] { return rank_experts<double>(p, fold, 0, w.w1, w.w2).value(); };
+  const auto wrong_k = layer_t::make(o, dropless{}, experts(), fixed_router{.experts = 4, .k = 3});
+  REQUIRE(!wrong_k);
+  CHECK(wrong_k.error().code == errc::shape_mismatch);
+  CHECK(wrong_k.error().message.find("selects 3 of 4") != std::string::npos);
+  o.router.expert_bias = true;
+  const auto bias = layer_t::make(o, dropless{}, experts(), fixed_router{.experts = 4, .k = 2});
+  REQUIRE(!bias);
+  CHECK(bias.error().message.find("expert_bias needs moefold's topk_router") != std::string::npos);
+  o.router.expert_bias = false;
+  CHECK(layer_t::make(o, dropless{}, experts(), fixed_router{.experts = 4, .k = 2}).has_value());
+}
