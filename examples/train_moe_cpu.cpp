@@ -11,7 +11,6 @@
 // batch is the same global set of tokens whatever the mapping (token t of the step goes to rank
 // t / (tokens per rank)), so in dropless fp64 mode without auxiliary loss the loss curve does not
 // depend on the mapping (tests/examples run it under several).
-#include <moefold/comm/group_communicator.hpp>
 #include <moefold/comm/thread_world.hpp>
 #include <moefold/dispatch/all_to_all_dispatcher.hpp>
 #include <moefold/dispatch/drop_policy_full_sequence.hpp>
@@ -110,12 +109,9 @@ int train(const options& o, const Policy& policy) {
   std::mutex m;
   const auto st = run_thread_world(o.world, [&](thread_communicator& world) -> status {
     const int r = world.rank();
-    auto get = [&](group_kind k) { return group_communicator(world, groups, {k}); };
-    auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep),
-         tp_cp = get(group_kind::tp_cp), stage = get(group_kind::tp_dp_cp),
-         edp = get(group_kind::edp), tp = get(group_kind::tp), dp_cp = get(group_kind::dp_cp);
-    for (auto* c : {&ep, &etp, &tp_ep, &tp_cp, &stage, &edp, &tp, &dp_cp})
-      if (!*c) return unexpected<error>(c->error());
+    // This rank's groups of the layer, by name (tp, tp-cp, tp-dp-cp, dp-cp, ep, etp, tp-ep, edp).
+    auto comms = make_layer_communicators(world, groups);
+    if (!comms) return unexpected<error>(comms.error());
     const int L = o.experts / fold->ep();
     const auto mc = fold->moe_coord_of(r);
     auto mlp = reference_mlp<T>::make({.hidden = H,
@@ -137,10 +133,9 @@ int train(const options& o, const Policy& policy) {
     }
     using layer_t = moe_layer<T, thread_communicator, Policy,
                               all_to_all_dispatcher<T, thread_communicator>, reference_mlp<T>>;
+    // EP, ETP, TP and this rank's TP position come from the communicators.
     moe_layer_options lo{.hidden = H,
                          .max_tokens = per_rank,
-                         .ep = fold->ep(),
-                         .etp = fold->etp(),
                          .router = {.num_experts = o.experts, .topk = o.topk},
                          .aux_loss_coeff = o.aux,
                          .z_loss_coeff = o.z,
@@ -150,12 +145,8 @@ int train(const options& o, const Policy& policy) {
       lo.router.score = score_function::sigmoid;
       lo.router.expert_bias = true;
     }
-    if (o.shared_ffn > 0)
-      lo.shared_expert = {.ffn = o.shared_ffn,
-                          .gate = o.shared_gate,
-                          .tp = fold->tp(),
-                          .tp_rank = groups(group_kind::tp).find(r).position};
-    auto layer = layer_t::make(lo, policy, std::move(*mlp));
+    if (o.shared_ffn > 0) lo.shared_expert = {.ffn = o.shared_ffn, .gate = o.shared_gate};
+    auto layer = layer_t::make(lo, policy, std::move(*mlp), *comms);
     if (!layer) return unexpected<error>(layer.error());
     if (auto* se = layer->shared()) {  // random fc1, zero fc2 and gate (from the full weights)
       std::vector<T> w1, w2(static_cast<std::size_t>(o.shared_ffn * H), T(0));
@@ -165,8 +156,7 @@ int train(const options& o, const Policy& policy) {
     }
     for (int i = 0; i < o.experts * H; ++i)
       layer->router_weight()[static_cast<std::size_t>(i)] = static_cast<T>(0.1 * rnd(400, i, 0));
-    const moe_layer_groups<thread_communicator> g{
-        .tp_cp = *tp_cp, .dispatch = {*ep, *etp, *tp_ep}, .tp = &*tp, .tp_dp_cp = &*stage};
+    const moe_layer_groups<thread_communicator> g = comms->groups();
     std::vector<T> x(static_cast<std::size_t>(per_rank * H)), out(x.size()), dout(x.size()),
         dx(x.size());
     std::vector<double> y(static_cast<std::size_t>(H)), xd(static_cast<std::size_t>(H));
@@ -190,9 +180,7 @@ int train(const options& o, const Policy& policy) {
       }
       if (auto s = layer->backward(dout, T(1) / static_cast<T>(fold->dp()), g, dx); !s) return s;
       auto& ex = layer->experts();
-      if (auto s = layer->reduce_gradients(*stage, *edp, {ex.grads_fc1(), ex.grads_fc2()}, &*dp_cp);
-          !s)
-        return s;
+      if (auto s = layer->reduce_gradients(*comms, {ex.grads_fc1(), ex.grads_fc2()}); !s) return s;
       // SGD; every replica applies the same reduced gradient.
       std::vector<std::pair<std::span<T>, std::span<T>>> params = {
           {layer->router_weight(), layer->router_weight_grad()},
@@ -209,7 +197,7 @@ int train(const options& o, const Policy& policy) {
           gr[i] = T(0);
         }
       // One micro-batch per global batch here: update the expert bias, restart the global counts.
-      if (auto s = layer->end_global_batch(*stage); !s) return s;
+      if (auto s = layer->end_global_batch(*comms); !s) return s;
       // Step statistics, summed over the world (one pipeline stage).
       // The micro-batch and per-sequence partials sum to each tp-cp group's loss (reported as the
       // mean over DP); the global partials sum over the whole stage to its one loss.

@@ -362,3 +362,129 @@ TEST_CASE("MoE layer with a user router: the rules it must keep are errors at ma
   o.router.expert_bias = false;
   CHECK(layer_t::make(o, dropless{}, experts(), fixed_router{.experts = 4, .k = 2}).has_value());
 }
+
+TEST_CASE("MoE layer communicators: one named bundle from a world and a fold runs the layer") {
+  // EP 2 x ETP 2 x EDP 2 over TP 2 on 8 ranks with a shared expert: the bundle's groups have the
+  // sizes and rank orders of megatron_groups, and the layer made from it (EP, ETP, TP and the TP
+  // position taken from it) equals the one made with them spelled out, reduced positionally.
+  problem p{.fold = {.world = 8, .tp = 2, .ep = 2, .etp = 2}, .experts = 4, .topk = 2};
+  p.ffn = 4;
+  p.tokens = 4;
+  const auto fold = make_folded(p.fold).value();
+  const megatron_groups groups(fold);
+  const data w = make_weights(p);
+  using layer_t =
+      moe_layer<double, thread_communicator, dropless,
+                all_to_all_dispatcher<double, thread_communicator>, reference_mlp<double>>;
+  struct both {
+    run_out bundle, spelled;
+    std::vector<std::string> errors;
+  };
+  std::vector<both> res(8);
+  const auto st = run_thread_world(8, [&](thread_communicator& world) -> status {
+    const int r = world.rank();
+    auto comms = make_layer_communicators(world, groups);
+    if (!comms) return unexpected<error>(comms.error());
+    const std::pair<thread_communicator*, group_kind> named[] = {
+        {&comms->tp, group_kind::tp},
+        {&comms->tp_cp, group_kind::tp_cp},
+        {&comms->tp_dp_cp, group_kind::tp_dp_cp},
+        {&comms->dp_cp, group_kind::dp_cp},
+        {&comms->ep, group_kind::ep},
+        {&comms->etp, group_kind::etp},
+        {&comms->tp_ep, group_kind::tp_ep},
+        {&comms->edp, group_kind::edp}};
+    for (auto [c, k] : named) {
+      const auto at = groups(k).find(r);
+      CHECK(c->rank() == at.position);
+      CHECK(c->size() == groups(k)[at.group].size());
+    }
+    const moe_layer_options base{.hidden = p.hidden,
+                                 .max_tokens = p.tokens,
+                                 .router = {.num_experts = p.experts, .topk = p.topk},
+                                 .aux_loss_coeff = 0.01,
+                                 .shared_expert = {.ffn = 4, .gate = true}};
+    auto& out = res[static_cast<std::size_t>(r)];
+    auto run = [&](layer_t& layer, const moe_layer_groups<thread_communicator>& g,
+                   auto&& reduce) -> expected<run_out> {
+      for (std::size_t i = 0; i < layer.router_weight().size(); ++i)
+        layer.router_weight()[i] = unit(9, static_cast<std::uint64_t>(i), 0);
+      auto* se = layer.shared();
+      for (std::size_t i = 0; i < se->gate_weight().size(); ++i)
+        se->gate_weight()[i] = unit(10, i, 0);
+      std::vector<double> s1, s2;
+      for (int i = 0; i < p.hidden * 2 * 4; ++i) s1.push_back(0.5 * unit(11, 0, i));
+      for (int i = 0; i < 4 * p.hidden; ++i) s2.push_back(0.5 * unit(12, 0, i));
+      if (auto s = se->mlp().load_full(0, s1, s2); !s) return unexpected<error>(s.error());
+      std::vector<double> x, dout;
+      for (int t = 0; t < p.tokens; ++t) {
+        const auto d = make_token(p, r, t);
+        x.insert(x.end(), d.x.begin(), d.x.end());
+        dout.insert(dout.end(), d.dout.begin(), d.dout.end());
+      }
+      run_out ro;
+      ro.out.resize(x.size());
+      ro.dx.resize(x.size());
+      if (auto f = layer.forward(p.tokens, x, {}, g, ro.out); !f)
+        return unexpected<error>(f.error());
+      if (auto b = layer.backward(dout, 1.0, g, ro.dx); !b) return unexpected<error>(b.error());
+      if (auto s = reduce(); !s) return unexpected<error>(s.error());
+      auto take = [](std::span<double> v) { return std::vector<double>(v.begin(), v.end()); };
+      ro.router_grad = take(layer.router_weight_grad());
+      ro.w1 = take(layer.experts().grads_fc1());
+      ro.w2 = take(layer.experts().grads_fc2());
+      ro.w1.insert(ro.w1.end(), se->mlp().grads_fc1().begin(), se->mlp().grads_fc1().end());
+      ro.w2.insert(ro.w2.end(), se->gate_grad().begin(), se->gate_grad().end());
+      return ro;
+    };
+    {
+      auto layer = layer_t::make(base, dropless{},
+                                 rank_experts<double>(p, fold, r, w.w1, w.w2).value(), *comms);
+      if (!layer) return unexpected<error>(layer.error());
+      auto ro = run(*layer, comms->groups(), [&] {
+        return layer->reduce_gradients(
+            *comms, {layer->experts().grads_fc1(), layer->experts().grads_fc2()});
+      });
+      if (!ro) return unexpected<error>(ro.error());
+      out.bundle = std::move(*ro);
+    }
+    {
+      moe_layer_options o = base;
+      o.ep = fold.ep();
+      o.etp = fold.etp();
+      o.shared_expert.tp = fold.tp();
+      o.shared_expert.tp_rank = groups(group_kind::tp).find(r).position;
+      auto layer =
+          layer_t::make(o, dropless{}, rank_experts<double>(p, fold, r, w.w1, w.w2).value());
+      if (!layer) return unexpected<error>(layer.error());
+      const moe_layer_groups<thread_communicator> g{
+          .tp_cp = comms->tp_cp,
+          .dispatch = {comms->ep, comms->etp, comms->tp_ep},
+          .tp = &comms->tp,
+          .tp_dp_cp = &comms->tp_dp_cp};
+      auto ro = run(*layer, g, [&] {
+        return layer->reduce_gradients(comms->tp_dp_cp, comms->edp,
+                                       {layer->experts().grads_fc1(), layer->experts().grads_fc2()},
+                                       &comms->dp_cp);
+      });
+      if (!ro) return unexpected<error>(ro.error());
+      out.spelled = std::move(*ro);
+    }
+    moe_layer_options wrong = base;
+    wrong.ep = 4;
+    const auto e = layer_t::options_for(wrong, *comms);
+    out.errors.push_back(e ? "ok" : e.error().message);
+    return {};
+  });
+  for (const auto& s : st) REQUIRE_MESSAGE(s.has_value(), s.error().message);
+  for (const auto& b : res) {
+    CHECK(b.bundle.out == b.spelled.out);
+    CHECK(b.bundle.dx == b.spelled.dx);
+    CHECK(b.bundle.router_grad == b.spelled.router_grad);
+    CHECK(b.bundle.w1 == b.spelled.w1);
+    CHECK(b.bundle.w2 == b.spelled.w2);
+    CHECK(b.bundle.out != std::vector<double>(b.bundle.out.size(), 0.0));
+    REQUIRE(b.errors.size() == 1);
+    CHECK(b.errors[0] == "moe_layer: the options say ep = 4, the communicators 2");
+  }
+}

@@ -28,6 +28,7 @@
 #include <initializer_list>
 #include <optional>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -50,6 +51,7 @@
 #include "../routing/routing_view.hpp"
 #include "../routing/topk_router.hpp"
 #include "moe_forward_context.hpp"
+#include "moe_layer_communicators.hpp"
 
 namespace moefold {
 inline namespace v0_1 {
@@ -78,16 +80,6 @@ struct moe_layer_options {
   int batch = 1;                          //!< B sequences per micro-batch: token n = s*B + b
   float expert_bias_update_rate = 1e-3f;  //!< u of the bias update (with router.expert_bias)
   moe_shared_expert_options shared_expert{};
-};
-
-//! This rank's communicators for one layer. `tp` is needed with a shared expert, `tp_dp_cp` with
-//! the global load-balancing loss.
-template <class Comm>
-struct moe_layer_groups {
-  Comm& tp_cp;                       //!< router statistics and full-sequence dropping
-  dispatch_groups<Comm> dispatch{};  //!< ep, etp, tp-ep
-  Comm* tp = nullptr;                //!< attention TP (the shared expert)
-  Comm* tp_dp_cp = nullptr;          //!< the pipeline stage's data ranks (the global aux loss)
 };
 
 //! One forward's input: x [N, H] and, for full-sequence dropping by position, the tokens' true
@@ -223,6 +215,41 @@ class moe_layer {
     l.y_.reserve(detail::uz(o.max_recv_rows.value_or(detail::worst_recv_rows(l.disp_.shape()))) *
                  H);
     return l;
+  }
+
+  //! `o` with EP, ETP, the attention TP and this rank's TP position taken from the communicators
+  //! (options left at their defaults take them; a differing value is an error naming both).
+  [[nodiscard]] static expected<moe_layer_options> options_for(
+      moe_layer_options o, const moe_layer_communicators<Comm>& c) {
+    using detail::to_decimal;
+    const auto take = [](int& field, int value, const char* name) -> status {
+      if (field != 1 && field != value)
+        return make_error(errc::shape_mismatch, std::string("moe_layer: the options say ") + name +
+                                                    " = " + to_decimal(field) +
+                                                    ", the communicators " + to_decimal(value));
+      field = value;
+      return {};
+    };
+    if (auto st = take(o.ep, c.ep.size(), "ep"); !st) return unexpected<error>(st.error());
+    if (auto st = take(o.etp, c.etp.size(), "etp"); !st) return unexpected<error>(st.error());
+    if (auto st = take(o.shared_expert.tp, c.tp.size(), "shared_expert.tp"); !st)
+      return unexpected<error>(st.error());
+    if (o.shared_expert.tp_rank != 0 && o.shared_expert.tp_rank != c.tp.rank())
+      return make_error(errc::shape_mismatch,
+                        "moe_layer: the options say shared_expert.tp_rank = " +
+                            to_decimal(o.shared_expert.tp_rank) + ", the TP communicator " +
+                            to_decimal(c.tp.rank()));
+    o.shared_expert.tp_rank = c.tp.rank();
+    return o;
+  }
+  //! A layer with moefold's top-k router on the communicators' mapping (see options_for).
+  [[nodiscard]] static expected<moe_layer> make(const moe_layer_options& o, Policy policy,
+                                                Experts experts,
+                                                const moe_layer_communicators<Comm>& c) requires
+      std::same_as<Router, topk_router<T>> && routing::router<Router> {
+    auto full = options_for(o, c);
+    if (!full) return unexpected<error>(full.error());
+    return make(*full, std::move(policy), std::move(experts));
   }
 
   //! The dispatcher shape of a layer.
@@ -525,6 +552,16 @@ class moe_layer {
           return st;
     }
     return {};
+  }
+
+  //! reduce_gradients over the bundle's groups (tp-dp-cp, edp, dp-cp).
+  [[nodiscard]] status reduce_gradients(moe_layer_communicators<Comm>& c,
+                                        std::initializer_list<std::span<T>> expert_grads) {
+    return reduce_gradients(c.tp_dp_cp, c.edp, expert_grads, &c.dp_cp);
+  }
+  //! end_global_batch over the bundle's tp-dp-cp.
+  [[nodiscard]] status end_global_batch(moe_layer_communicators<Comm>& c) {
+    return end_global_batch(c.tp_dp_cp);
   }
 
   //! Once per global batch, after the last backward: updates the expert bias from the counts of
