@@ -121,11 +121,13 @@ int train(const options& o, const Policy& policy) {
                                        .etp_rank = mc.etp});
     if (!mlp) return unexpected<error>(mlp.error());
     // The student's initial weights, from the global expert index (the same on every mapping).
+    // load_full takes fc1 as [2F, H] with rows [gate; up]: entry (j, h) is the teacher's (h, j).
     for (int l = 0; l < L; ++l) {
       const int e = mc.ep * L + l;
       std::vector<T> w1, w2;
-      for (int i = 0; i < H * 2 * o.ffn; ++i)
-        w1.push_back(static_cast<T>(3.0 * rnd(200 + e, i, 0) / std::sqrt(H)));
+      for (int j = 0; j < 2 * o.ffn; ++j)
+        for (int h = 0; h < H; ++h)
+          w1.push_back(static_cast<T>(3.0 * rnd(200 + e, h * 2 * o.ffn + j, 0) / std::sqrt(H)));
       // fc2 starts at zero (the usual init of an output projection): the first steps fit fc2 on
       // the random fc1 features, then fc1 follows.
       w2.assign(static_cast<std::size_t>(o.ffn * H), T(0));
@@ -149,9 +151,11 @@ int train(const options& o, const Policy& policy) {
     auto layer = layer_t::make(lo, policy, std::move(*mlp), *comms);
     if (!layer) return unexpected<error>(layer.error());
     if (auto* se = layer->shared()) {  // random fc1, zero fc2 and gate (from the full weights)
+      // fc1 [2F, H] rows [gate; up]; entry (j, h) drawn at h * 2F + j.
       std::vector<T> w1, w2(static_cast<std::size_t>(o.shared_ffn * H), T(0));
-      for (int i = 0; i < H * 2 * o.shared_ffn; ++i)
-        w1.push_back(static_cast<T>(3.0 * rnd(300, i, 0) / std::sqrt(H)));
+      for (int j = 0; j < 2 * o.shared_ffn; ++j)
+        for (int h = 0; h < H; ++h)
+          w1.push_back(static_cast<T>(3.0 * rnd(300, h * 2 * o.shared_ffn + j, 0) / std::sqrt(H)));
       if (auto s = se->mlp().load_full(0, w1, w2); !s) return s;
     }
     for (int i = 0; i < o.experts * H; ++i)

@@ -18,6 +18,8 @@
 #include <optional>
 #include <vector>
 
+#include "../support/mlp_layout.hpp"
+
 namespace moefold::test {
 
 struct problem {
@@ -167,7 +169,9 @@ inline double rel_err(const std::vector<double>& a, const std::vector<double>& b
 
 struct rank_result {
   std::vector<double> out, dx, dprob;
-  std::vector<double> dw1, dw2;  // after the EDP reduction, this rank's shards of all local experts
+  // After the EDP reduction, this rank's shards of all local experts, in the library's layout
+  // ([L, 2Fs, H] and [L, H, Fs]).
+  std::vector<double> dw1, dw2;
   long long a2a_rows = 0, count_gather_rows = 0;
   int rows = 0;                 // M, the rows of the experts' batch
   std::vector<int> per_expert;  // [L] rows per local expert
@@ -185,7 +189,8 @@ struct all_gather_path {
 };
 
 //! Rank r's shard of the routed experts in T: its E / EP local experts, ETP-sharded, loaded from
-//! the full weights w1 (per expert [H, 2F]) and w2 (per expert [F, H]).
+//! the full weights w1 (per expert [H, 2F], columns [gate | up]) and w2 (per expert [F, H]), the
+//! reference's layout, converted to load_full's (support/mlp_layout.hpp).
 template <class T>
 expected<reference_mlp<T>> rank_experts(const problem& p, const dynamic_folded_mesh& fold, int r,
                                         const std::vector<double>& w1,
@@ -204,10 +209,11 @@ expected<reference_mlp<T>> rank_experts(const problem& p, const dynamic_folded_m
   const std::vector<T> t1(w1.begin(), w1.end()), t2(w2.begin(), w2.end());
   for (int l = 0; l < L; ++l) {
     const auto e = static_cast<std::size_t>(mc.ep * L + l);
-    if (auto st = mlp->load_full(l, std::span<const T>(t1).subspan(e * n1, n1),
-                                 std::span<const T>(t2).subspan(e * n2, n2));
-        !st)
-      return unexpected<error>(st.error());
+    const auto f1 =
+        megatron_fc1_from_columns(std::span<const T>(t1).subspan(e * n1, n1), p.hidden, 2, p.ffn);
+    const auto f2 =
+        megatron_fc2_from_rows(std::span<const T>(t2).subspan(e * n2, n2), p.ffn, p.hidden);
+    if (auto st = mlp->load_full(l, f1, f2); !st) return unexpected<error>(st.error());
   }
   return mlp;
 }
@@ -346,19 +352,14 @@ inline rank_result expected_for_rank(const problem& p, int r) {
       for (int e : d.expert) want.a2a_rows += (e >= 0 && e / L != fold.moe_coord_of(r).ep) ? 1 : 0;
     }
   const auto mc = fold.moe_coord_of(r);
-  const int fs = p.ffn / fold.etp();
   for (int l = 0; l < L; ++l) {
     auto d1 = g.dw1[mc.ep * L + l], d2 = g.dw2[mc.ep * L + l];
     d1.resize(static_cast<std::size_t>(p.hidden * 2 * p.ffn), 0.0);
     d2.resize(static_cast<std::size_t>(p.ffn * p.hidden), 0.0);
-    for (int h = 0; h < p.hidden; ++h)
-      for (int gu = 0; gu < 2; ++gu)  // this shard's [gate | up] columns
-        for (int c = 0; c < fs; ++c)
-          want.dw1.push_back(
-              d1[static_cast<std::size_t>(h * 2 * p.ffn + gu * p.ffn + mc.etp * fs + c)]);
-    for (int c = 0; c < fs; ++c)  // this shard's fc2 rows
-      for (int h = 0; h < p.hidden; ++h)
-        want.dw2.push_back(d2[static_cast<std::size_t>((mc.etp * fs + c) * p.hidden + h)]);
+    // This shard of the reference's full gradients, in the library's layout: fc1 [2Fs, H] (the
+    // shard's gate rows, then its up rows), fc2 [H, Fs].
+    append_fc1_shard<double>(d1, p.hidden, 2, p.ffn, fold.etp(), mc.etp, want.dw1);
+    append_fc2_shard<double>(d2, p.ffn, p.hidden, fold.etp(), mc.etp, want.dw2);
   }
   return want;
 }

@@ -4,11 +4,15 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
 
+#include "../support/mlp_layout.hpp"
+
 using namespace moefold;
+using namespace moefold::test;
 
 static_assert(expert_fn<reference_mlp<double>, double>);
 static_assert(expert_fn<reference_mlp<float>, float>);
@@ -22,8 +26,15 @@ std::vector<double> random_vec(std::mt19937& rng, std::size_t n, double scale = 
   return v;
 }
 
+// The full weights in this test's layout, converted to load_full's (rows [gate; up] [G*F, H],
+// [H, F]) by support/mlp_layout.hpp.
 struct full_expert {
   std::vector<double> fc1, fc2;  // [H, G*F] with columns [gate | up], [F, H]
+  int H, G, F;
+  status load_into(reference_mlp<double>& m) const {
+    return m.load_full(0, megatron_fc1_from_columns(fc1, H, G, F),
+                       megatron_fc2_from_rows(fc2, F, H));
+  }
 };
 
 double act_ref(activation a, double x) {  // written from the definitions
@@ -49,11 +60,11 @@ TEST_CASE("the unsharded expert computes fc2(act(fc1 x) * p) as written out") {
   for (activation act : all_acts) {
     CAPTURE(to_string(act));
     const int G = is_gated(act) ? 2 : 1;
-    full_expert w{random_vec(rng, H * G * F), random_vec(rng, F * H)};
+    full_expert w{random_vec(rng, H * G * F), random_vec(rng, F * H), H, G, F};
     auto m =
         reference_mlp<double>::make({.hidden = H, .ffn = F, .num_local_experts = 1, .act = act})
             .value();
-    REQUIRE(m.load_full(0, w.fc1, w.fc2));
+    REQUIRE(w.load_into(m));
     const int M = 4;
     const auto x = random_vec(rng, M * H);
     const auto p = random_vec(rng, M);
@@ -86,8 +97,16 @@ TEST_CASE("backward equals fp64 finite differences, for every activation") {
         reference_mlp<double>::make(
             {.hidden = H, .ffn = F, .num_local_experts = L, .etp = 2, .etp_rank = 1, .act = act})
             .value();
-    for (auto& v : m.weights_fc1()) v = std::uniform_real_distribution<double>(-1, 1)(rng);
-    for (auto& v : m.weights_fc2()) v = std::uniform_real_distribution<double>(-1, 1)(rng);
+    // Random weights drawn in the order of the reference's shard layout ([L, H, F1], [L, Fs, H]),
+    // placed in the library's (support/mlp_layout.hpp).
+    const int G = is_gated(act) ? 2 : 1, Fs = F / 2;
+    std::vector<double> v1(m.weights_fc1().size()), v2(m.weights_fc2().size());
+    for (auto& v : v1) v = std::uniform_real_distribution<double>(-1, 1)(rng);
+    for (auto& v : v2) v = std::uniform_real_distribution<double>(-1, 1)(rng);
+    const auto c1 = fc1_shards_from_columns<double>(v1, L, H, G * Fs);
+    const auto c2 = fc2_shards_from_rows<double>(v2, L, Fs, H);
+    std::copy(c1.begin(), c1.end(), m.weights_fc1().begin());
+    std::copy(c2.begin(), c2.end(), m.weights_fc2().begin());
     const std::vector<int> counts = {2, 3};  // M = 5
     const int M = 5;
     auto x = random_vec(rng, M * H);
@@ -137,7 +156,7 @@ TEST_CASE("ETP shards: partial outputs and gradients add up to the unsharded exp
   const int H = 4, F = 6, M = 7;
   for (activation act : {activation::swiglu, activation::gelu}) {
     const int G = is_gated(act) ? 2 : 1;
-    full_expert w{random_vec(rng, H * G * F), random_vec(rng, F * H)};
+    full_expert w{random_vec(rng, H * G * F), random_vec(rng, F * H), H, G, F};
     const auto x = random_vec(rng, M * H);
     const auto p = random_vec(rng, M);
     const auto dy = random_vec(rng, M * H);
@@ -146,7 +165,7 @@ TEST_CASE("ETP shards: partial outputs and gradients add up to the unsharded exp
     auto whole =
         reference_mlp<double>::make({.hidden = H, .ffn = F, .num_local_experts = 1, .act = act})
             .value();
-    REQUIRE(whole.load_full(0, w.fc1, w.fc2));
+    REQUIRE(w.load_into(whole));
     std::vector<double> y1(M * H), dx1(M * H), dp1(M);
     REQUIRE(whole.forward(b, y1));
     REQUIRE(whole.backward(b, dy, dx1, dp1));
@@ -160,7 +179,7 @@ TEST_CASE("ETP shards: partial outputs and gradients add up to the unsharded exp
                                                   .etp_rank = r,
                                                   .act = act})
                          .value();
-        REQUIRE(shard.load_full(0, w.fc1, w.fc2));
+        REQUIRE(w.load_into(shard));
         std::vector<double> yr(M * H), dxr(M * H), dpr(M);
         REQUIRE(shard.forward(b, yr));
         REQUIRE(shard.backward(b, dy, dxr, dpr));
@@ -169,12 +188,13 @@ TEST_CASE("ETP shards: partial outputs and gradients add up to the unsharded exp
           dx[i] += dxr[i];
         }
         for (int i = 0; i < M; ++i) dp[i] += dpr[i];
-        // The shard's fc2 gradient is the matching row block of the whole expert's.
+        // The shard's fc2 gradient is the matching block (rows of [F, H]: columns of the
+        // library's [H, F]) of the whole expert's.
         const int fs = F / etp;
         for (int c = 0; c < fs; ++c)
           for (int h = 0; h < H; ++h)
-            CHECK(shard.fc2_grad(0)[c * H + h] ==
-                  doctest::Approx(whole.fc2_grad(0)[(r * fs + c) * H + h]).epsilon(1e-12));
+            CHECK(shard.fc2_grad(0)[fc2_offset(c, h, fs)] ==
+                  doctest::Approx(whole.fc2_grad(0)[fc2_offset(r * fs + c, h, F)]).epsilon(1e-12));
       }
       for (int i = 0; i < M * H; ++i) {
         CHECK(y[i] == doctest::Approx(y1[i]).epsilon(1e-12));

@@ -11,7 +11,10 @@
 #include <cmath>
 #include <vector>
 
+#include "../support/mlp_layout.hpp"
+
 using namespace moefold;
+using namespace moefold::test;
 
 namespace {
 
@@ -127,7 +130,10 @@ TEST_CASE("the shared expert under TP x DP equals the single-rank reference, gat
                                                                   .tp_rank = tp_rank,
                                                                   .gate = gate})
                     .value();
-      if (auto e = se.mlp().load_full(0, s.w1, s.w2); !e) return e;
+      if (auto e = se.mlp().load_full(0, megatron_fc1_from_columns(s.w1, s.H, 2, s.F),
+                                      megatron_fc2_from_rows(s.w2, s.F, s.H));
+          !e)
+        return e;
       for (int h = 0; h < s.H; ++h) se.gate_weight()[h] = s.wg[h];
       std::vector<double> x, dout, out(s.tokens * s.H), dx(s.tokens * s.H);
       for (int t = 0; t < s.tokens; ++t)
@@ -146,15 +152,16 @@ TEST_CASE("the shared expert under TP x DP equals the single-rank reference, gat
         CHECK(out[i] == doctest::Approx(ref_out[r][i]).epsilon(1e-12));
         CHECK(dx[i] == doctest::Approx(ref_dx[r][i]).epsilon(1e-12));
       }
+      // The shard's entries, found in the library's layout (support/mlp_layout.hpp).
       const int fs = s.F / tp;
       for (int h = 0; h < s.H; ++h)
         for (int gu = 0; gu < 2; ++gu)
           for (int c = 0; c < fs; ++c)
-            CHECK(se.mlp().fc1_grad(0)[h * 2 * fs + gu * fs + c] ==
+            CHECK(se.mlp().fc1_grad(0)[fc1_offset(h, gu * fs + c, s.H)] ==
                   doctest::Approx(dw1[h * 2 * s.F + gu * s.F + tp_rank * fs + c]).epsilon(1e-12));
       for (int c = 0; c < fs; ++c)
         for (int h = 0; h < s.H; ++h)
-          CHECK(se.mlp().fc2_grad(0)[c * s.H + h] ==
+          CHECK(se.mlp().fc2_grad(0)[fc2_offset(c, h, fs)] ==
                 doctest::Approx(dw2[(tp_rank * fs + c) * s.H + h]).epsilon(1e-12));
       for (int h = 0; h < s.H; ++h)
         CHECK(se.gate_grad()[h] == doctest::Approx(dwg[h]).epsilon(1e-12));

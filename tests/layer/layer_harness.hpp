@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "../dispatch/dispatch_harness.hpp"
+#include "../support/mlp_layout.hpp"
 
 namespace moefold::test {
 
@@ -243,21 +244,15 @@ long long check_layer_results(const problem& p, const std::vector<layer_result>&
       CHECK(rel_err(got.dx, dx_ref[r]) <= tol);
       CHECK(rel_err(got.dw_router, dw_router) <= tol);
       // Expert shards (edp-reduced) against the reference's slices.
+      // (In the library's layout: support/mlp_layout.hpp.)
       const auto mc = fold.moe_coord_of(r);
-      const int fs = p.ffn / fold.etp();
       std::vector<double> want1, want2;
       for (int l = 0; l < L; ++l) {
         auto d1 = g.dw1[mc.ep * L + l], d2 = g.dw2[mc.ep * L + l];
         d1.resize(static_cast<std::size_t>(H * 2 * p.ffn), 0.0);
         d2.resize(static_cast<std::size_t>(p.ffn * H), 0.0);
-        for (int h = 0; h < H; ++h)
-          for (int gu = 0; gu < 2; ++gu)
-            for (int c = 0; c < fs; ++c)
-              want1.push_back(
-                  d1[static_cast<std::size_t>(h * 2 * p.ffn + gu * p.ffn + mc.etp * fs + c)]);
-        for (int c = 0; c < fs; ++c)
-          for (int h = 0; h < H; ++h)
-            want2.push_back(d2[static_cast<std::size_t>((mc.etp * fs + c) * H + h)]);
+        append_fc1_shard<double>(d1, H, 2, p.ffn, fold.etp(), mc.etp, want1);
+        append_fc2_shard<double>(d2, p.ffn, H, fold.etp(), mc.etp, want2);
       }
       CHECK(rel_err(got.dw1, want1) <= tol);
       CHECK(rel_err(got.dw2, want2) <= tol);

@@ -10,11 +10,13 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <vector>
 
 #include "../dispatch/dispatch_harness.hpp"
+#include "../support/mlp_layout.hpp"
 
 using namespace moefold;
 using namespace moefold::test;
@@ -105,7 +107,10 @@ std::vector<rank_out> run(const problem& p, variant v) {
     if (!layer) return unexpected<error>(layer.error());
     std::copy(wr.begin(), wr.end(), layer->router_weight().begin());
     if (auto* se = layer->shared()) {
-      if (auto s = se->mlp().load_full(0, ws.w1, ws.w2); !s) return s;
+      if (auto s = se->mlp().load_full(0, megatron_fc1_from_columns(ws.w1, p.hidden, 2, shared_ffn),
+                                       megatron_fc2_from_rows(ws.w2, shared_ffn, p.hidden));
+          !s)
+        return s;
       std::copy(wg.begin(), wg.end(), se->gate_weight().begin());
     }
     if (v == variant::expert_bias) layer->expert_bias().bias = bias_values(p.experts);
@@ -343,17 +348,12 @@ void check(const problem& p, variant v) {
           dw_router[e * H + h] +=
               dlogits[static_cast<std::size_t>(i * E + e)] * toks[static_cast<std::size_t>(i)].x[h];
   }
-  // Gradients after reduce_gradients, summed over both micro-batches.
+  // Gradients after reduce_gradients, summed over both micro-batches; the reference's shards in
+  // the library's layout (support/mlp_layout.hpp).
   auto shard = [](const std::vector<double>& d1, const std::vector<double>& d2, int Hh, int F,
                   int parts, int part, std::vector<double>& w1, std::vector<double>& w2) {
-    const int fs = F / parts;
-    for (int h = 0; h < Hh; ++h)
-      for (int gu = 0; gu < 2; ++gu)
-        for (int c = 0; c < fs; ++c)
-          w1.push_back(d1[static_cast<std::size_t>(h * 2 * F + gu * F + part * fs + c)]);
-    for (int c = 0; c < fs; ++c)
-      for (int h = 0; h < Hh; ++h)
-        w2.push_back(d2[static_cast<std::size_t>((part * fs + c) * Hh + h)]);
+    append_fc1_shard<double>(d1, Hh, 2, F, parts, part, w1);
+    append_fc2_shard<double>(d2, F, Hh, parts, part, w2);
   };
   for (int r = 0; r < W; ++r) {
     CAPTURE(r);
@@ -568,9 +568,16 @@ TEST_CASE("MoE layer state: save, load into a fresh layer, and the run continues
               .value();
       for (std::size_t i = 0; i < l.router_weight().size(); ++i)
         l.router_weight()[i] = unit(30, i, 0);
+      // Values by position in the reference's shard layout ([E, H, 2F], [E, F, H] with F = 2),
+      // converted to the library's (support/mlp_layout.hpp).
       auto w1 = l.experts().weights_fc1(), w2 = l.experts().weights_fc2();
-      for (std::size_t i = 0; i < w1.size(); ++i) w1[i] = 0.5 * unit(31, i, 0);
-      for (std::size_t i = 0; i < w2.size(); ++i) w2[i] = 0.5 * unit(32, i, 0);
+      std::vector<double> v1(w1.size()), v2(w2.size());
+      for (std::size_t i = 0; i < v1.size(); ++i) v1[i] = 0.5 * unit(31, i, 0);
+      for (std::size_t i = 0; i < v2.size(); ++i) v2[i] = 0.5 * unit(32, i, 0);
+      const auto c1 = fc1_shards_from_columns<double>(v1, E, H, 2 * 2);
+      const auto c2 = fc2_shards_from_rows<double>(v2, E, 2, H);
+      std::copy(c1.begin(), c1.end(), w1.begin());
+      std::copy(c2.begin(), c2.end(), w2.begin());
       return l;
     };
     auto micro = [&](int m) {

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "../dispatch/dispatch_harness.hpp"
+#include "../support/mlp_layout.hpp"
 
 using namespace moefold;
 using namespace moefold::test;
@@ -297,14 +298,14 @@ TEST_CASE("MoE layer with a user router: fixed experts against the fp64 referenc
     CHECK(rel_err(got.dx, dx) <= 1e-12);  // no router part: the assignment ignores the logits
     CHECK(got.router_grad == std::vector<double>(got.router_grad.size(), 0.0));
   }
-  for (int r = 0; r < 2; ++r) {  // each rank's experts saw both ranks' tokens (EDP = 1)
-    std::vector<double> want1, want2;
+  for (int r = 0; r < 2; ++r) {        // each rank's experts saw both ranks' tokens (EDP = 1)
+    std::vector<double> want1, want2;  // in the library's layout (support/mlp_layout.hpp)
     for (int l = 0; l < L; ++l) {
       auto d1 = g.dw1[r * L + l], d2 = g.dw2[r * L + l];
       d1.resize(static_cast<std::size_t>(H * 2 * F), 0.0);
       d2.resize(static_cast<std::size_t>(F * H), 0.0);
-      want1.insert(want1.end(), d1.begin(), d1.end());
-      want2.insert(want2.end(), d2.begin(), d2.end());
+      append_fc1_shard<double>(d1, H, 2, F, 1, 0, want1);
+      append_fc2_shard<double>(d2, F, H, 1, 0, want2);
     }
     CHECK(rel_err(res[static_cast<std::size_t>(r)].w1, want1) <= 1e-12);
     CHECK(rel_err(res[static_cast<std::size_t>(r)].w2, want2) <= 1e-12);
@@ -412,10 +413,13 @@ TEST_CASE("MoE layer communicators: one named bundle from a world and a fold run
       auto* se = layer.shared();
       for (std::size_t i = 0; i < se->gate_weight().size(); ++i)
         se->gate_weight()[i] = unit(10, i, 0);
-      std::vector<double> s1, s2;
+      std::vector<double> s1, s2;  // [H, 2F] [gate | up], [F, H]; load_full's layout below
       for (int i = 0; i < p.hidden * 2 * 4; ++i) s1.push_back(0.5 * unit(11, 0, i));
       for (int i = 0; i < 4 * p.hidden; ++i) s2.push_back(0.5 * unit(12, 0, i));
-      if (auto s = se->mlp().load_full(0, s1, s2); !s) return unexpected<error>(s.error());
+      if (auto s = se->mlp().load_full(0, megatron_fc1_from_columns(s1, p.hidden, 2, 4),
+                                       megatron_fc2_from_rows(s2, 4, p.hidden));
+          !s)
+        return unexpected<error>(s.error());
       std::vector<double> x, dout;
       for (int t = 0; t < p.tokens; ++t) {
         const auto d = make_token(p, r, t);

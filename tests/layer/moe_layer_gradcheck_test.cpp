@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "../dispatch/dispatch_harness.hpp"
+#include "../support/mlp_layout.hpp"
 
 using namespace moefold;
 using namespace moefold::test;
@@ -35,7 +36,9 @@ namespace {
 constexpr int kShared = 4;  // shared-expert FFN size
 constexpr int kBatch = 2;   // sequences per micro-batch
 
-// Every parameter of the layer in its full (unsharded) form, and every rank's input.
+// Every parameter of the layer in its full (unsharded) form, and every rank's input. The MLP
+// weights are in the tests' reference layout; they are converted to the library's when loaded
+// (support/mlp_layout.hpp).
 struct params {
   std::vector<double> router;      // [E, H]
   std::vector<double> w1, w2;      // routed experts, per expert [H, 2F] [gate | up], [F, H]
@@ -63,6 +66,13 @@ params make_params(const problem& p, int world) {
     }
   }
   return q;
+}
+
+// The shared expert's TP shard, from q.s1 [H, 2Fs] [gate | up] and q.s2 [Fs, H].
+template <class Mlp>
+status load_shared(Mlp& mlp, const problem& p, const params& q) {
+  return mlp.load_full(0, megatron_fc1_from_columns(q.s1, p.hidden, 2, kShared),
+                       megatron_fc2_from_rows(q.s2, kShared, p.hidden));
 }
 
 struct rank_grads {
@@ -119,7 +129,7 @@ std::vector<rank_grads> run(const problem& p, const params& q, const layer_setup
       if (!layer) return unexpected<error>(layer.error());
       std::copy(q.router.begin(), q.router.end(), layer->router_weight().begin());
       if (auto* se = layer->shared()) {
-        if (auto s = se->mlp().load_full(0, q.s1, q.s2); !s) return s;
+        if (auto s = load_shared(se->mlp(), p, q); !s) return s;
         std::copy(q.sg.begin(), q.sg.end(), se->gate_weight().begin());
       }
       const auto& x = q.x[static_cast<std::size_t>(r)];
@@ -177,16 +187,17 @@ double total_loss(const std::vector<rank_grads>& res) {
 }
 
 // Where the gradient of full fc1 entry (h, c) of an MLP with F columns per half, sharded over
-// `parts`, sits: the shard index and the offset inside that shard's [H, 2F/parts] block.
+// `parts`, sits: the shard index and the offset inside that shard's block in the library's layout
+// ([2F/parts, H]; column half * fs + col % fs of the reference's [H, 2F/parts] shard).
 std::pair<int, std::size_t> fc1_slot(int H, int F, int parts, int h, int c) {
   const int fs = F / parts, half = c / F, col = c % F;
-  (void)H;
-  return {col / fs, static_cast<std::size_t>(h * 2 * fs + half * fs + col % fs)};
+  return {col / fs, fc1_offset(h, half * fs + col % fs, H)};
 }
+// The same for full fc2 entry (c, h): the offset inside the shard's [H, F/parts] block.
 std::pair<int, std::size_t> fc2_slot(int H, int F, int parts, int c, int h) {
   const int fs = F / parts;
-  (void)F;
-  return {c / fs, static_cast<std::size_t>((c % fs) * H + h)};
+  (void)H;
+  return {c / fs, fc2_offset(c % fs, h, fs)};
 }
 
 void gradcheck(const problem& p, const layer_setup& ls = {}, int every_input = -1) {
@@ -383,7 +394,7 @@ std::vector<std::vector<micro_result>> run_schedule(const problem& p, const para
     if (!layer) return unexpected<error>(layer.error());
     std::copy(q.router.begin(), q.router.end(), layer->router_weight().begin());
     auto* se = layer->shared();
-    if (auto s = se->mlp().load_full(0, q.s1, q.s2); !s) return s;
+    if (auto s = load_shared(se->mlp(), p, q); !s) return s;
     std::copy(q.sg.begin(), q.sg.end(), se->gate_weight().begin());
     // Pad mode: the storage and the shared scratch sized for the policy's capacity up front.
     std::optional<int> c;

@@ -21,9 +21,11 @@
 #pragma once
 
 #include <concepts>
+#include <cstdint>
 #include <initializer_list>
 #include <span>
 
+#include "../core/dtype.hpp"
 #include "../core/exec.hpp"
 #include "../core/expected.hpp"
 #include "../core/memory_space.hpp"
@@ -39,8 +41,35 @@ enum class reduce_op { sum, max };
   return op == reduce_op::sum ? "sum" : "max";
 }
 
-//! Host-buffer collectives. Counts are in elements, one per peer (size() of them). Element types
-//! at least float, double, int, std::int64_t and moefold::bfloat16 / float16 (core/dtype.hpp).
+namespace detail {
+
+//! The span forms that move elements of type T, with T deduced and with T explicit.
+template <class C, class T>
+concept span_transfers_of = requires(C& c, std::span<const T> s, std::span<T> r,
+                                     std::span<const int> n) {
+  { c.all_gather(s, r) } -> std::same_as<status>;
+  { c.template all_gather<T>(s, r) } -> std::same_as<status>;
+  { c.all_gather_v(s, r, n) } -> std::same_as<status>;
+  { c.template all_gather_v<T>(s, r, n) } -> std::same_as<status>;
+  { c.all_to_all_v(s, n, r, n) } -> std::same_as<status>;
+  { c.template all_to_all_v<T>(s, n, r, n) } -> std::same_as<status>;
+  { c.broadcast(r, 0) } -> std::same_as<status>;
+  { c.template broadcast<T>(r, 0) } -> std::same_as<status>;
+};
+
+//! Every span form of T: the moves and the reductions, with T deduced and with T explicit.
+template <class C, class T>
+concept span_collectives_of = span_transfers_of<C, T> &&
+    requires(C& c, std::span<const T> s, std::span<T> r, std::span<const int> n) {
+  { c.all_reduce(r, reduce_op::sum) } -> std::same_as<status>;
+  { c.template all_reduce<T>(r, reduce_op::sum) } -> std::same_as<status>;
+  { c.reduce_scatter_v(s, n, r, reduce_op::sum) } -> std::same_as<status>;
+  { c.template reduce_scatter_v<T>(s, n, r, reduce_op::sum) } -> std::same_as<status>;
+};
+
+}  // namespace detail
+
+//! Host-buffer collectives. Counts are in elements, one per peer (size() of them).
 //!
 //! - all_reduce(buf, op): in place, every rank ends with the element-wise reduction.
 //! - all_gather(s, r): r.size() >= size() * s.size(); rank i's s lands at r[i * s.size()].
@@ -55,17 +84,27 @@ enum class reduce_op { sum, max };
 //! - barrier(): returns when every rank has entered it.
 //!
 //! Buffers may be larger than the counts require; the rest is left untouched.
+//!
+//! The concept checks every call form the library makes, so that a communicator lacking one is
+//! rejected here rather than inside a layer. Each collective is a member template over the
+//! element type T, callable with T deduced from the spans, `c.all_gather(s, r)`, and with T
+//! explicit, `c.template all_gather<T>(s, r)` (shared_expert, moe_layer::reduce_gradients and
+//! all_reduce_each name it), with s a std::span<const T>, r a std::span<T>, counts a
+//! std::span<const int>, returning moefold::status:
+//! - T = int and std::int64_t (counts, headers, expert ids, sequence keys): all_gather,
+//!   all_gather_v, all_to_all_v, broadcast (detail::span_transfers_of);
+//! - T = float, double, moefold::bfloat16 and moefold::float16 (core/dtype.hpp; the values a
+//!   layer of element type T moves and the statistics it sums): those, all_reduce and
+//!   reduce_scatter_v (detail::span_collectives_of);
+//! - and rank(), size() (int, on a const communicator) and barrier().
+//! The backends take any transferable type (reducible for the reductions).
 template <class C>
-concept communicator = std::movable<C> && requires(C& c, const C& cc, std::span<const float> s,
-                                                   std::span<float> r, std::span<const int> n) {
+concept communicator = std::movable<C> && detail::span_transfers_of<C, int> &&
+    detail::span_transfers_of<C, std::int64_t> && detail::span_collectives_of<C, float> &&
+    detail::span_collectives_of<C, double> && detail::span_collectives_of<C, bfloat16> &&
+    detail::span_collectives_of<C, float16> && requires(C& c, const C& cc) {
   { cc.rank() } -> std::same_as<int>;
   { cc.size() } -> std::same_as<int>;
-  { c.all_reduce(r, reduce_op::sum) } -> std::same_as<status>;
-  { c.all_gather(s, r) } -> std::same_as<status>;
-  { c.all_gather_v(s, r, n) } -> std::same_as<status>;
-  { c.all_to_all_v(s, n, r, n) } -> std::same_as<status>;
-  { c.reduce_scatter_v(s, n, r, reduce_op::sum) } -> std::same_as<status>;
-  { c.broadcast(r, 0) } -> std::same_as<status>;
   { c.barrier() } -> std::same_as<status>;
 };
 
@@ -89,6 +128,8 @@ concept has_memory_space = memory_space<typename C::memory_space>;
 //! The constraint of every dispatcher and layer: a communicator of another memory space than the
 //! context (NCCL with host_exec, the host thread world with cpu_exec) is rejected here, naming
 //! both types.
+//! The row forms the library calls are the dispatchers': of their T (tokens, probabilities and
+//! their gradients) and of int (counts, expert ids); they require both (the layer its T).
 template <class C, class Exec, class T = float>
 concept communicator_for = execution_context<Exec> && has_memory_space<C> &&
     std::same_as<typename C::memory_space, typename Exec::memory_space> &&

@@ -7,17 +7,28 @@
 //! Gradient reduction: the TP-sharded MLP weights see every token of their TP group, so they are
 //! summed over the attention data groups (dp-cp); the gate weight is replicated over TP and sees
 //! only this rank's tokens, so it is summed over tp-dp-cp (like the router weight).
+//!
+//! Parameters: the shared expert owns its weights and gradients (mlp(), gate_weight(),
+//! gate_grad()) until bind() points it at a caller's (shared_expert_params): then it reads the
+//! caller's weights and accumulates (beta = 1) into the caller's gradient buffers, and copies
+//! nothing. The MLP's layout is the routed experts' (experts/mlp_params.hpp) for one expert with
+//! the attention TP as its ETP: fc1 [2F/TP, H] (gate rows, then up rows), fc2 [H, F/TP].
 #pragma once
 
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
+#include <utility>
+#include <vector>
 
 #include "../comm/communicator.hpp"
 #include "../core/expected.hpp"
 #include "../core/size.hpp"
 #include "../core/workspace.hpp"
+#include "grouped_mlp.hpp"
+#include "mlp_params.hpp"
 #include "reference_mlp.hpp"
 
 namespace moefold {
@@ -33,35 +44,80 @@ struct shared_expert_shape {
   bool gate = false;  //!< multiply by sigmoid(x . w_g)
 };
 
-template <class T, communicator Comm>
+//! A caller's parameters of one rank's shared expert: the TP shard of its MLP, the gate weight
+//! [H] (empty without a gate) and their gradient buffers, accumulated into.
+template <class T, class Grad = main_grad_t<T>>
+struct shared_expert_params {
+  mlp_weights<T> mlp{};     //!< fc1 [F1, H], fc2 [H, F/TP]
+  mlp_grads<Grad> mlp_grad{};  //!< the same layouts
+  std::span<T> gate{};      //!< [H], read only (mutable so the owning form can hand it out)
+  std::span<Grad> gate_grad{};  //!< [H]
+};
+
+template <class T, communicator Comm, class Grad = main_grad_t<T>>
 class shared_expert {
  public:
+  using value_type = T;
+  using grad_type = Grad;
+
   [[nodiscard]] static expected<shared_expert> make(const shared_expert_shape& s) {
     if (s.max_tokens < 0)
       return make_error(errc::invalid_size, "shared_expert: max_tokens must be >= 0");
     if (static_cast<long long>(s.max_tokens) * s.tp * s.hidden > max_int)
       return make_error(errc::overflow, "shared_expert: max_tokens * tp * hidden exceeds 2^31-1");
-    const mlp_shape shape{.hidden = s.hidden,
-                          .ffn = s.ffn,
-                          .num_local_experts = 1,
-                          .etp = s.tp,
-                          .etp_rank = s.tp_rank,
-                          .act = s.act};
-    auto mlp = reference_mlp<T>::make(shape);
+    auto mlp = reference_mlp<T, Grad>::make(mlp_shape_of(s));
     if (!mlp) return unexpected<error>(mlp.error());
     shared_expert e;
     e.s_ = s;
-    e.mlp_ = std::move(*mlp);
-    e.gate_w_.assign(static_cast<std::size_t>(s.hidden), T(0));
-    e.gate_g_.assign(static_cast<std::size_t>(s.hidden), T(0));
+    e.own_mlp_ = std::move(*mlp);
+    e.own_gate_w_.assign(static_cast<std::size_t>(s.hidden), T(0));
+    e.own_gate_g_.assign(static_cast<std::size_t>(s.hidden), Grad(0));
+    e.gate_w_ = e.own_gate_w_;
+    e.gate_g_ = e.own_gate_g_;
     return e;
   }
 
-  //! The TP shard of the MLP (load it with mlp().load_full(0, fc1, fc2)).
-  [[nodiscard]] reference_mlp<T>& mlp() noexcept { return mlp_; }
-  //! The gate weight [H] and its gradient (unused without a gate).
+  // Views point into this object's own buffers (whose storage a move keeps): no copies.
+  shared_expert() = default;
+  shared_expert(const shared_expert&) = delete;
+  shared_expert& operator=(const shared_expert&) = delete;
+  shared_expert(shared_expert&&) noexcept = default;
+  shared_expert& operator=(shared_expert&&) noexcept = default;
+  ~shared_expert() = default;
+
+  //! The element counts a caller's buffers need: the MLP's (mlp_sizes) and the gate's (H, or 0
+  //! without a gate).
+  [[nodiscard]] mlp_param_sizes mlp_sizes_needed() const noexcept { return mlp_sizes(mlp_shape_of(s_)); }
+
+  //! Runs on the caller's parameters from now on (checked: sizes; a refused binding changes
+  //! nothing); the owning buffers are released.
+  [[nodiscard]] status bind(const shared_expert_params<T, Grad>& p) {
+    const std::size_t gate_n = s_.gate ? detail::uz(s_.hidden) : 0;
+    if (p.gate.size() != gate_n || p.gate_grad.size() != gate_n)
+      return make_error(errc::shape_mismatch,
+                        "shared_expert: the gate weight and its gradient must have " +
+                            detail::to_decimal(gate_n) + " elements (H with a gate, else 0)");
+    auto v = grouped_mlp<T, Grad>::make(mlp_shape_of(s_), p.mlp, p.mlp_grad);
+    if (!v) return unexpected<error>(v.error());
+    bound_.emplace(std::move(*v));
+    gate_w_ = p.gate;
+    gate_g_ = p.gate_grad;
+    own_mlp_ = reference_mlp<T, Grad>{};
+    own_gate_w_ = {};
+    own_gate_g_ = {};
+    return {};
+  }
+  //! Whether bind() gave it a caller's parameters.
+  [[nodiscard]] bool bound() const noexcept { return bound_.has_value(); }
+
+  //! The owning form's TP shard of the MLP (load it with mlp().load_full(0, fc1, fc2)); empty
+  //! after bind().
+  [[nodiscard]] reference_mlp<T, Grad>& mlp() noexcept { return own_mlp_; }
+  //! The gate weight [H] and its gradient (the caller's after bind(); unused without a gate).
   [[nodiscard]] std::span<T> gate_weight() noexcept { return gate_w_; }
-  [[nodiscard]] std::span<T> gate_grad() noexcept { return gate_g_; }
+  [[nodiscard]] std::span<Grad> gate_grad() noexcept { return gate_g_; }
+  //! The MLP's gradient buffers, whoever owns them (for the reduction over dp-cp).
+  [[nodiscard]] mlp_grads<Grad> mlp_grad() noexcept { return functor().grads(); }
 
   //! Bytes a forward keeps for its backward (the gathered input, the ungated output, the gates,
   //! the TP group's token counts): one such part per forward in flight.
@@ -101,7 +157,7 @@ class shared_expert {
     if (auto st = tp.template all_gather_v<T>(x, xg, elements(sv, sc, s_.hidden)); !st) return st;
     auto yp = sc.y_partial.first(G * H);
     int count = gathered;
-    if (auto st = mlp_.forward(batch(sv, sc, count), yp); !st) return st;
+    if (auto st = functor().forward(batch(sv, sc, count), yp); !st) return st;
     auto y = sv.y.first(detail::uz(n) * H);  // the ungated output, kept for the gate's gradient
     if (auto st = tp.template reduce_scatter_v<T>(std::span<const T>(yp),
                                                   elements(sv, sc, s_.hidden), y, reduce_op::sum);
@@ -147,7 +203,8 @@ class shared_expert {
       }
       if (s_.gate) {
         const T dpre = dg * g * (T(1) - g);
-        for (std::size_t h = 0; h < H; ++h) gate_g_[h] += dpre * sv.x_gathered[(mine + t) * H + h];
+        for (std::size_t h = 0; h < H; ++h)
+          gate_g_[h] += static_cast<Grad>(dpre * sv.x_gathered[(mine + t) * H + h]);
         sc.gate_dpre[t] = dpre;
       }
     }
@@ -161,7 +218,7 @@ class shared_expert {
     auto dxg = sc.dx_gathered.first(G * H);
     auto dprobs = sc.dprobs.first(G);
     int count = gathered;
-    if (auto st = mlp_.backward(batch(sv, sc, count), dyg, dxg, dprobs); !st) return st;
+    if (auto st = functor().backward(batch(sv, sc, count), dyg, dxg, dprobs); !st) return st;
     if (auto st = tp.template reduce_scatter_v<T>(std::span<const T>(dxg),
                                                   elements(sv, sc, s_.hidden), dx, reduce_op::sum);
         !st)
@@ -196,6 +253,16 @@ class shared_expert {
   }
 
  private:
+  static mlp_shape mlp_shape_of(const shared_expert_shape& s) noexcept {
+    return {.hidden = s.hidden,
+            .ffn = s.ffn,
+            .num_local_experts = 1,
+            .etp = s.tp,
+            .etp_rank = s.tp_rank,
+            .act = s.act};
+  }
+  grouped_mlp<T, Grad>& functor() noexcept { return bound_ ? *bound_ : own_mlp_.view(); }
+
   struct saved_buffers {
     std::span<int> tokens;  // [TP] every TP rank's N
     std::span<T> x_gathered, y, gates;
@@ -269,8 +336,12 @@ class shared_expert {
   }
 
   shared_expert_shape s_{};
-  reference_mlp<T> mlp_{};
-  std::vector<T> gate_w_, gate_g_;
+  reference_mlp<T, Grad> own_mlp_{};  // the owning form's parameters
+  std::vector<T> own_gate_w_;
+  std::vector<Grad> own_gate_g_;
+  std::optional<grouped_mlp<T, Grad>> bound_{};  // the caller's MLP parameters after bind()
+  std::span<T> gate_w_{};                     // [H] the own or the caller's
+  std::span<Grad> gate_g_{};
   std::span<std::byte> last_ws_{};  // the one-buffer form's last forward
 };
 

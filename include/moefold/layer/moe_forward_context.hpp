@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../dispatch/drop_policy.hpp"
@@ -63,6 +65,41 @@ class moe_forward_context {
  public:
   using value_type = typename Layer::value_type;
   using handle_type = typename Layer::dispatcher_type::handle_type;
+
+  // Move-only: a copy would let one forward be backwarded twice (its gradients counted twice).
+  // A moved-from context holds no forward.
+  moe_forward_context() = default;
+  moe_forward_context(const moe_forward_context&) = delete;
+  moe_forward_context& operator=(const moe_forward_context&) = delete;
+  moe_forward_context(moe_forward_context&& o) noexcept(
+      std::is_nothrow_move_constructible_v<topk_routing<value_type>>)
+      : moe_forward_context() {
+    *this = std::move(o);
+  }
+  moe_forward_context& operator=(moe_forward_context&& o) noexcept(
+      std::is_nothrow_move_assignable_v<topk_routing<value_type>>) {
+    if (this == &o) return *this;
+    filled_ = std::exchange(o.filled_, false);
+    training_ = o.training_;
+    n_ = std::exchange(o.n_, 0);
+    scratch_epoch_ = o.scratch_epoch_;
+    x_ = std::exchange(o.x_, {});
+    logits_ = std::exchange(o.logits_, {});
+    shared_saved_ = std::exchange(o.shared_saved_, {});
+    handle_ = std::move(o.handle_);
+    o.handle_.reset();
+    routing_ = std::move(o.routing_);
+    keep_ = std::move(o.keep_);
+    kept_experts_ = std::move(o.kept_experts_);
+    kept_probs_ = std::move(o.kept_probs_);
+    report_ = std::move(o.report_);
+    stats_ = o.stats_;
+    aux_terms_ = std::move(o.aux_terms_);
+    aux_active_ = o.aux_active_;
+    z_active_ = o.z_active_;
+    return *this;
+  }
+  ~moe_forward_context() = default;
 
   //! True between a forward (or a recompute) and its backward.
   [[nodiscard]] bool ready() const noexcept { return handle_.has_value(); }

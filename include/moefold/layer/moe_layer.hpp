@@ -1,8 +1,10 @@
 //! @file moe_layer.hpp
 //! @brief One MoE layer on the host: gating -> router -> drop policy -> dispatcher -> experts ->
 //! combine (+ an optional shared expert), forward and backward, with the load-balancing losses
-//! (per micro-batch, per sequence, per global batch), the z-loss and the expert bias. It owns its
-//! router weight, its experts, its running statistics and its scratch, and nothing global;
+//! (per micro-batch, per sequence, per global batch), the z-loss and the expert bias. It holds its
+//! experts functor, its running statistics and its scratch, and nothing global; its router and
+//! shared-expert parameters are its own until bind_parameters() points it at a caller's
+//! (moe_layer_params: read in place, gradients accumulated into the caller's buffers);
 //! gradient reduction across ranks is an explicit step (reduce_gradients), with the group of each
 //! parameter stated, and so is the end of a global batch (end_global_batch).
 //!
@@ -52,6 +54,7 @@
 #include "../routing/topk_router.hpp"
 #include "moe_forward_context.hpp"
 #include "moe_layer_communicators.hpp"
+#include "moe_layer_params.hpp"
 
 namespace moefold {
 inline namespace v0_1 {
@@ -122,6 +125,9 @@ requires expert_fn<Experts, T> && drop_policy<Policy, T, Comm> &&
 class moe_layer {
  public:
   using value_type = T;
+  //! The element type of the router's and the shared expert's gradients (fp32 for bf16 weights).
+  using grad_type = main_grad_t<T>;
+  using params_type = moe_layer_params<T, grad_type>;
   using dispatcher_type = Dispatcher;
   using router_type = Router;
   //! The execution context the layer's row operations run on (its dispatcher's).
@@ -196,8 +202,10 @@ class moe_layer {
     moe_layer l(o, std::move(router), std::move(policy), std::move(*disp), std::move(experts));
     const auto E = static_cast<std::size_t>(o.router.num_experts), H = detail::uz(o.hidden);
     const auto N = detail::uz(o.max_tokens);
-    l.w_.assign(E * H, T(0));
-    l.dw_.assign(E * H, T(0));
+    l.own_w_.assign(E * H, T(0));
+    l.own_dw_.assign(E * H, grad_type(0));
+    l.w_ = l.own_w_;
+    l.dw_ = l.own_dw_;
     if (o.router.expert_bias) l.bias_ = expert_bias_state::zeros(o.router.num_experts);
     if (shared) {
       l.shared_ = std::move(shared);
@@ -291,9 +299,52 @@ class moe_layer {
   //! flight then refuses its backward (it holds views of the old scratch).
   void reserve(int capacity) { grow_scratch(disp_.workspace_sizes(capacity).scratch); }
 
-  //! The router weight [E, H] (logits = x W^T) and its gradient.
+  //! The router weight [E, H] (logits = x W^T) and its gradient: the layer's own, or the caller's
+  //! after bind_parameters().
   [[nodiscard]] std::span<T> router_weight() noexcept { return w_; }
-  [[nodiscard]] std::span<T> router_weight_grad() noexcept { return dw_; }
+  [[nodiscard]] std::span<grad_type> router_weight_grad() noexcept { return dw_; }
+
+  //! The element counts bind_parameters() expects.
+  [[nodiscard]] moe_layer_param_sizes param_sizes() const noexcept {
+    moe_layer_param_sizes n;
+    n.router = detail::uz(o_.router.num_experts) * detail::uz(o_.hidden);
+    if (shared_) {
+      n.shared = shared_->mlp_sizes_needed();
+      n.shared_gate = o_.shared_expert.gate ? detail::uz(o_.hidden) : 0;
+    }
+    return n;
+  }
+  //! Runs on the caller's parameters from now on: reads the router weight and the shared expert's
+  //! weights in place and accumulates (beta = 1) into the caller's gradient buffers, copying
+  //! nothing per step; the layer's own parameter buffers are released. Checked against
+  //! param_sizes() first: a refused binding changes nothing. Not while forwards are in flight (a
+  //! backward uses the weights its forward used).
+  [[nodiscard]] status bind_parameters(const params_type& p) {
+    const moe_layer_param_sizes n = param_sizes();
+    using detail::to_decimal;
+    if (p.router_weight.size() != n.router || p.router_grad.size() != n.router)
+      return make_error(errc::shape_mismatch,
+                        "moe_layer: bind_parameters: the router weight and its gradient must be "
+                        "[E, H] = " +
+                            to_decimal(n.router) + " elements; got " +
+                            to_decimal(p.router_weight.size()) + " and " +
+                            to_decimal(p.router_grad.size()));
+    const auto& sp = p.shared;
+    const bool any_shared = !sp.mlp.fc1.empty() || !sp.mlp.fc2.empty() ||
+                            !sp.mlp_grad.fc1.empty() || !sp.mlp_grad.fc2.empty() ||
+                            !sp.gate.empty() || !sp.gate_grad.empty();
+    if (!shared_ && any_shared)
+      return make_error(errc::invalid_argument,
+                        "moe_layer: bind_parameters: shared-expert parameters given to a layer "
+                        "without a shared expert");
+    if (shared_)
+      if (auto st = shared_->bind(sp); !st) return st;  // checks its sizes before changing
+    w_ = p.router_weight;
+    dw_ = p.router_grad;
+    own_w_ = {};
+    own_dw_ = {};
+    return {};
+  }
   [[nodiscard]] Experts& experts() noexcept { return experts_; }
   //! The shared expert, or nullptr without one.
   [[nodiscard]] shared_expert<T, Comm>* shared() noexcept { return shared_ ? &*shared_ : nullptr; }
@@ -426,7 +477,7 @@ class moe_layer {
                         "communicator in moe_layer_groups::tp");
     // Experts' path. The scratch buffers are members, zeroed each step: their capacity is reused,
     // so steady-state steps allocate nothing here.
-    auto& [dy, dx_rows, dp_rows, dprobs, dx_experts, dlogits, dx_router, dw, dx_shared, rows_e,
+    auto& [dy, dx_rows, dp_rows, dprobs, dx_experts, dlogits, dx_router, dx_shared, rows_e,
            dout_seeded] = scratch_;
     std::span<const T> dmain = dout;  // the main output's gradient, times its seed
     if (seeds.output != T(1)) {
@@ -458,7 +509,6 @@ class moe_layer {
     const std::span<const T> x = ctx.x_.first(N * H);
     dlogits.assign(N * detail::uz(E), T(0));
     dx_router.assign(N * H, T(0));
-    dw.assign(detail::uz(E) * H, T(0));
     if (auto st =
             detail::router_backward_with(router_, logits, ctx.routing_, std::span<const T>(dprobs),
                                          std::span<T>(dlogits), router_ws_);
@@ -482,11 +532,13 @@ class moe_layer {
                                               std::span<T>(dlogits), std::span<T>(rows_e));
           !st)
         return done(ctx, st);
-    if (auto st =
-            gating_backward<T, T, T>(gbs, x, std::span<const T>(w_), dlogits, dx_router, dw, {});
+    // The router weight's gradient goes straight into its (caller's) buffer, beta = 1.
+    if (auto st = gating_backward<T, T, T>(gbs, x, std::span<const T>(w_), dlogits, dx_router, {},
+                                           {});
         !st)
       return done(ctx, st);
-    if (auto st = exec_.template add<T>(rows(std::span<const T>(dw)), rows(std::span<T>(dw_))); !st)
+    if (auto st = add_gating_weight_grad<T, T, grad_type>(gbs, x, std::span<const T>(dlogits), dw_);
+        !st)
       return done(ctx, st);
     // dx = dx_experts + dx_router (+ dx_shared).
     if (auto st = exec_.copy(rows(std::span<const T>(dx_experts)), rows(dx)); !st)
@@ -533,22 +585,21 @@ class moe_layer {
   //! over edp, and with a shared expert its MLP over `dp_cp` and its gate over tp-dp-cp.
   //! `expert_grads` lists the experts' gradient buffers (e.g. {grads_fc1, grads_fc2}).
   [[nodiscard]] status reduce_gradients(Comm& tp_dp_cp, Comm& edp,
-                                        std::initializer_list<std::span<T>> expert_grads,
+                                        std::initializer_list<std::span<grad_type>> expert_grads,
                                         Comm* dp_cp = nullptr) {
     if (shared_ && dp_cp == nullptr)
       return make_error(errc::invalid_argument,
                         "moe_layer: the shared expert's gradients are reduced over dp-cp; pass "
                         "that communicator");
-    if (auto st = tp_dp_cp.template all_reduce<T>(std::span<T>(dw_), reduce_op::sum); !st)
-      return st;
-    if (auto st = all_reduce_each<T>(edp, expert_grads, reduce_op::sum); !st) return st;
+    if (auto st = tp_dp_cp.template all_reduce<grad_type>(dw_, reduce_op::sum); !st) return st;
+    if (auto st = all_reduce_each<grad_type>(edp, expert_grads, reduce_op::sum); !st) return st;
     if (shared_) {
-      if (auto st = all_reduce_each<T>(
-              *dp_cp, {shared_->mlp().grads_fc1(), shared_->mlp().grads_fc2()}, reduce_op::sum);
-          !st)
+      const mlp_grads<grad_type> sg = shared_->mlp_grad();
+      if (auto st = all_reduce_each<grad_type>(*dp_cp, {sg.fc1, sg.fc2}, reduce_op::sum); !st)
         return st;
       if (o_.shared_expert.gate)
-        if (auto st = tp_dp_cp.template all_reduce<T>(shared_->gate_grad(), reduce_op::sum); !st)
+        if (auto st = tp_dp_cp.template all_reduce<grad_type>(shared_->gate_grad(), reduce_op::sum);
+            !st)
           return st;
     }
     return {};
@@ -556,7 +607,7 @@ class moe_layer {
 
   //! reduce_gradients over the bundle's groups (tp-dp-cp, edp, dp-cp).
   [[nodiscard]] status reduce_gradients(moe_layer_communicators<Comm>& c,
-                                        std::initializer_list<std::span<T>> expert_grads) {
+                                        std::initializer_list<std::span<grad_type>> expert_grads) {
     return reduce_gradients(c.tp_dp_cp, c.edp, expert_grads, &c.dp_cp);
   }
   //! end_global_batch over the bundle's tp-dp-cp.
@@ -813,7 +864,11 @@ class moe_layer {
   Dispatcher disp_;
   Experts experts_;
   std::optional<shared_expert<T, Comm>> shared_;
-  std::vector<T> w_, dw_;
+  // The router weight [E, H] and its gradient: views of the own buffers or of the caller's.
+  std::vector<T> own_w_;
+  std::vector<grad_type> own_dw_;
+  std::span<T> w_{};
+  std::span<grad_type> dw_{};
   // Scratch, dead after each call (shared by the forwards in flight).
   std::vector<std::byte> scratch_ws_, shared_scratch_;
   std::uint64_t scratch_epoch_ = 0;  // growths of scratch_ws_
@@ -829,8 +884,8 @@ class moe_layer {
   aux_scores<T> aux_{};  // forward scratch: the aux losses' scores
   drop_scratch<T> drop_ws_{};
   struct backward_scratch {
-    std::vector<T> dy, dx_rows, dp_rows, dprobs, dx_experts, dlogits, dx_router, dw, dx_shared,
-        rows_e, dout_seeded;
+    std::vector<T> dy, dx_rows, dp_rows, dprobs, dx_experts, dlogits, dx_router, dx_shared, rows_e,
+        dout_seeded;
   } scratch_;
   topk_router_scratch<T> router_ws_{};
 };

@@ -62,15 +62,17 @@ template <class T, class In, class W>
 }
 
 //! Backward of gating_forward: dx [N, H] = dlogits W, dweight [E, H] = dlogits^T x, dbias [E] =
-//! column sums (empty: no bias). Outputs are overwritten, computed in T.
+//! column sums (empty: no bias). Outputs are overwritten, computed in T. An empty dweight skips
+//! the weight gradient (add_gating_weight_grad accumulates it into a caller's buffer instead).
 template <class T, class In, class W>
 [[nodiscard]] status gating_backward(const gating_shape& g, std::span<const In> x,
                                      std::span<const W> weight, std::span<const T> dlogits,
                                      std::span<T> dx, std::span<T> dweight, std::span<T> dbias) {
   if (auto s = detail::check_gating(g, x.size(), weight.size(), dbias.size(), dlogits.size()); !s)
     return s;
-  if (dx.size() != x.size() || dweight.size() != weight.size())
-    return make_error(errc::shape_mismatch, "gating backward: dx and dweight must match x, weight");
+  if (dx.size() != x.size() || (!dweight.empty() && dweight.size() != weight.size()))
+    return make_error(errc::shape_mismatch,
+                      "gating backward: dx must match x, and dweight weight (or be empty)");
   const std::size_t N = static_cast<std::size_t>(g.num_tokens),
                     H = static_cast<std::size_t>(g.hidden),
                     E = static_cast<std::size_t>(g.num_experts);
@@ -82,7 +84,7 @@ template <class T, class In, class W>
       dx[n * H + h] = acc;
     }
   for (std::size_t e = 0; e < E; ++e) {
-    for (std::size_t h = 0; h < H; ++h) {
+    for (std::size_t h = 0; h < H && !dweight.empty(); ++h) {
       T acc = 0;
       for (std::size_t n = 0; n < N; ++n) acc += dlogits[n * E + e] * static_cast<T>(x[n * H + h]);
       dweight[e * H + h] = acc;
@@ -93,6 +95,25 @@ template <class T, class In, class W>
       dbias[e] = acc;
     }
   }
+  return {};
+}
+
+//! dweight [E, H] += dlogits^T x: each element's sum formed in T as gating_backward forms it,
+//! then added once into the caller's gradient buffer (beta = 1; G may be wider than T, as an fp32
+//! main_grad is under a bf16 weight).
+template <class T, class In, class G>
+[[nodiscard]] status add_gating_weight_grad(const gating_shape& g, std::span<const In> x,
+                                            std::span<const T> dlogits, std::span<G> dweight) {
+  const std::size_t N = static_cast<std::size_t>(g.num_tokens),
+                    H = static_cast<std::size_t>(g.hidden),
+                    E = static_cast<std::size_t>(g.num_experts);
+  if (auto s = detail::check_gating(g, x.size(), dweight.size(), 0, dlogits.size()); !s) return s;
+  for (std::size_t e = 0; e < E; ++e)
+    for (std::size_t h = 0; h < H; ++h) {
+      T acc = 0;
+      for (std::size_t n = 0; n < N; ++n) acc += dlogits[n * E + e] * static_cast<T>(x[n * H + h]);
+      dweight[e * H + h] += static_cast<G>(acc);
+    }
   return {};
 }
 

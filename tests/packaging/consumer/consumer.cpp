@@ -49,9 +49,13 @@ std::vector<double> run_layer(int world_size, std::string& failure) {
     if (!mlp) return unexpected<error>(mlp.error());
     for (int l = 0; l < L; ++l) {
       const int e = fold->moe_coord_of(r).ep * L + l;
+      // Full fc1 [2F, H] (rows [gate; up]) and fc2 [H, F]; entry (j, h) of fc1 takes the value
+      // at h * 2F + j, entry (h, c) of fc2 the value at c * H + h.
       std::vector<double> w1, w2;
-      for (int i = 0; i < H * 2 * F; ++i) w1.push_back(weight(0, e, i));
-      for (int i = 0; i < F * H; ++i) w2.push_back(weight(1, e, i));
+      for (int j = 0; j < 2 * F; ++j)
+        for (int h = 0; h < H; ++h) w1.push_back(weight(0, e, h * 2 * F + j));
+      for (int h = 0; h < H; ++h)
+        for (int c = 0; c < F; ++c) w2.push_back(weight(1, e, c * H + h));
       if (auto s = mlp->load_full(l, w1, w2); !s) return s;
     }
     using layer_t =
