@@ -65,9 +65,10 @@ moe_layer_options base_options() {
 struct rank_params {
   std::vector<double> router, router_g, fc1, fc2, fc1_g, fc2_g, s1, s2, s1_g, s2_g, gate, gate_g;
   moe_layer_params<double> views() {
-    return {.router_weight = router,
-            .router_grad = router_g,
-            .shared = {.mlp = {s1, s2}, .mlp_grad = {s1_g, s2_g}, .gate = gate, .gate_grad = gate_g}};
+    return {
+        .router_weight = router,
+        .router_grad = router_g,
+        .shared = {.mlp = {s1, s2}, .mlp_grad = {s1_g, s2_g}, .gate = gate, .gate_grad = gate_g}};
   }
   void zero_grads() {
     for (auto* v : {&router_g, &fc1_g, &fc2_g, &s1_g, &s2_g, &gate_g})

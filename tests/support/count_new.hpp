@@ -26,7 +26,7 @@ struct tracked_block {
   std::size_t n = 0;
 };
 inline std::atomic<bool> tracking{false};
-inline std::atomic<bool> tracked_any{false};  // a block was ever tracked (delete's fast path)
+inline std::atomic<bool> tracked_any{false};       // a block was ever tracked (delete's fast path)
 inline std::atomic<bool> tracked_overflow{false};  // more live blocks than the table holds
 inline std::array<tracked_block, 1 << 15> tracked{};
 inline std::atomic_flag tracked_lock = ATOMIC_FLAG_INIT;

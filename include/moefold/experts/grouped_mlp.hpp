@@ -76,14 +76,13 @@ class grouped_mlp {
     const mlp_param_sizes n = mlp_sizes(s_);
     if (w.fc1.size() != n.fc1 || w.fc2.size() != n.fc2 || g.fc1.size() != n.fc1 ||
         g.fc2.size() != n.fc2)
-      return make_error(errc::shape_mismatch,
-                        "grouped_mlp: weights and gradients must hold fc1 [L, F1, H] = " +
-                            detail::to_decimal(n.fc1) + " and fc2 [L, H, F/ETP] = " +
-                            detail::to_decimal(n.fc2) + " elements; got " +
-                            detail::to_decimal(w.fc1.size()) + ", " +
-                            detail::to_decimal(w.fc2.size()) + " and gradients " +
-                            detail::to_decimal(g.fc1.size()) + ", " +
-                            detail::to_decimal(g.fc2.size()));
+      return make_error(
+          errc::shape_mismatch,
+          "grouped_mlp: weights and gradients must hold fc1 [L, F1, H] = " +
+              detail::to_decimal(n.fc1) + " and fc2 [L, H, F/ETP] = " + detail::to_decimal(n.fc2) +
+              " elements; got " + detail::to_decimal(w.fc1.size()) + ", " +
+              detail::to_decimal(w.fc2.size()) + " and gradients " +
+              detail::to_decimal(g.fc1.size()) + ", " + detail::to_decimal(g.fc2.size()));
     w_ = w;
     g_ = g;
     return {};

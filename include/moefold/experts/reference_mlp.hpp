@@ -113,8 +113,7 @@ class reference_mlp {
     const int c0 = s.etp_rank * Fs;
     for (int g = 0; g < G; ++g)  // gate shard rows, then up shard rows
       for (int c = 0; c < Fs; ++c)
-        for (int h = 0; h < H; ++h)
-          w1[idx(g * Fs + c, h, H)] = full_fc1[idx(g * F + c0 + c, h, H)];
+        for (int h = 0; h < H; ++h) w1[idx(g * Fs + c, h, H)] = full_fc1[idx(g * F + c0 + c, h, H)];
     for (int h = 0; h < H; ++h)
       for (int c = 0; c < Fs; ++c) w2[idx(h, c, Fs)] = full_fc2[idx(h, c0 + c, F)];
     return {};

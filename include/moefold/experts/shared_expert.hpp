@@ -48,9 +48,9 @@ struct shared_expert_shape {
 //! [H] (empty without a gate) and their gradient buffers, accumulated into.
 template <class T, class Grad = main_grad_t<T>>
 struct shared_expert_params {
-  mlp_weights<T> mlp{};     //!< fc1 [F1, H], fc2 [H, F/TP]
-  mlp_grads<Grad> mlp_grad{};  //!< the same layouts
-  std::span<T> gate{};      //!< [H], read only (mutable so the owning form can hand it out)
+  mlp_weights<T> mlp{};         //!< fc1 [F1, H], fc2 [H, F/TP]
+  mlp_grads<Grad> mlp_grad{};   //!< the same layouts
+  std::span<T> gate{};          //!< [H], read only (mutable so the owning form can hand it out)
   std::span<Grad> gate_grad{};  //!< [H]
 };
 
@@ -87,7 +87,9 @@ class shared_expert {
 
   //! The element counts a caller's buffers need: the MLP's (mlp_sizes) and the gate's (H, or 0
   //! without a gate).
-  [[nodiscard]] mlp_param_sizes mlp_sizes_needed() const noexcept { return mlp_sizes(mlp_shape_of(s_)); }
+  [[nodiscard]] mlp_param_sizes mlp_sizes_needed() const noexcept {
+    return mlp_sizes(mlp_shape_of(s_));
+  }
 
   //! Runs on the caller's parameters from now on (checked: sizes; a refused binding changes
   //! nothing); the owning buffers are released.
@@ -340,7 +342,7 @@ class shared_expert {
   std::vector<T> own_gate_w_;
   std::vector<Grad> own_gate_g_;
   std::optional<grouped_mlp<T, Grad>> bound_{};  // the caller's MLP parameters after bind()
-  std::span<T> gate_w_{};                     // [H] the own or the caller's
+  std::span<T> gate_w_{};                        // [H] the own or the caller's
   std::span<Grad> gate_g_{};
   std::span<std::byte> last_ws_{};  // the one-buffer form's last forward
 };

@@ -533,8 +533,8 @@ class moe_layer {
           !st)
         return done(ctx, st);
     // The router weight's gradient goes straight into its (caller's) buffer, beta = 1.
-    if (auto st = gating_backward<T, T, T>(gbs, x, std::span<const T>(w_), dlogits, dx_router, {},
-                                           {});
+    if (auto st =
+            gating_backward<T, T, T>(gbs, x, std::span<const T>(w_), dlogits, dx_router, {}, {});
         !st)
       return done(ctx, st);
     if (auto st = add_gating_weight_grad<T, T, grad_type>(gbs, x, std::span<const T>(dlogits), dw_);

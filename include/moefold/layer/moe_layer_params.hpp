@@ -20,8 +20,8 @@ inline namespace v0_1 {
 
 //! The element counts a layer's caller-owned buffers must have (moe_layer::param_sizes).
 struct moe_layer_param_sizes {
-  std::size_t router = 0;      //!< E * H
-  mlp_param_sizes shared{};    //!< the shared expert's TP shard (zeros without one)
+  std::size_t router = 0;       //!< E * H
+  mlp_param_sizes shared{};     //!< the shared expert's TP shard (zeros without one)
   std::size_t shared_gate = 0;  //!< H with a gated shared expert, else 0
 };
 
@@ -29,9 +29,9 @@ struct moe_layer_param_sizes {
 //! shared expert.
 template <class T, class G = main_grad_t<T>>
 struct moe_layer_params {
-  std::span<T> router_weight{};          //!< [E, H], logits = x W^T (Megatron's router.weight)
-  std::span<G> router_grad{};            //!< [E, H]
-  shared_expert_params<T, G> shared{};   //!< see shared_expert_params
+  std::span<T> router_weight{};         //!< [E, H], logits = x W^T (Megatron's router.weight)
+  std::span<G> router_grad{};           //!< [E, H]
+  shared_expert_params<T, G> shared{};  //!< see shared_expert_params
 };
 
 }  // namespace v0_1
