@@ -30,7 +30,15 @@ struct problem {
   int capacity = -1;        // >= 0: pairs beyond it per (rank, expert) in token order are dropped
   bool pad = false;         // dispatch in pad mode with that capacity
   std::optional<int> max_recv_rows{};  // the dispatcher's receive bound (unset: the worst case)
+  bool bf16_values = false;  // every generated value rounded to bf16 (the reference is fed the
+                             // same values as a bf16 implementation)
 };
+
+// v, or v rounded to the nearest bf16 when the problem asks for bf16 values.
+inline double value_of(const problem& p, double v) {
+  return p.bf16_values ? static_cast<double>(static_cast<float>(bfloat16(static_cast<float>(v))))
+                       : v;
+}
 
 // E 256, k 8 over EP 64 on 64 ranks (DeepSeek-V3's routing at small H and F): 256 tokens per
 // rank, so each EP rank receives about 2,048 rows; the receive bound is twice that, far below the
@@ -78,8 +86,8 @@ struct token_data {
 inline token_data make_token(const problem& p, int rank, int t) {
   token_data d;
   for (int h = 0; h < p.hidden; ++h) {
-    d.x.push_back(unit(1, rank * 1000 + t, h));
-    d.dout.push_back(unit(2, rank * 1000 + t, h));
+    d.x.push_back(value_of(p, unit(1, rank * 1000 + t, h)));
+    d.dout.push_back(value_of(p, unit(2, rank * 1000 + t, h)));
   }
   // Distinct experts: a rotation of a hashed start.
   const int start =
@@ -102,8 +110,8 @@ inline token_data make_token(const problem& p, int rank, int t) {
 inline data make_weights(const problem& p) {
   data w{p.hidden, p.ffn, p.experts, p.topk, {}, {}};
   for (int e = 0; e < p.experts; ++e) {
-    for (int i = 0; i < p.hidden * 2 * p.ffn; ++i) w.w1.push_back(0.5 * unit(7, e, i));
-    for (int i = 0; i < p.ffn * p.hidden; ++i) w.w2.push_back(0.5 * unit(8, e, i));
+    for (int i = 0; i < p.hidden * 2 * p.ffn; ++i) w.w1.push_back(value_of(p, 0.5 * unit(7, e, i)));
+    for (int i = 0; i < p.ffn * p.hidden; ++i) w.w2.push_back(value_of(p, 0.5 * unit(8, e, i)));
   }
   return w;
 }

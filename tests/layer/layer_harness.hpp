@@ -28,7 +28,7 @@ constexpr double aux_coeff = 0.01, z_coeff = 0.001;
 inline std::vector<double> router_weight(const problem& p) {  // [E, H]
   std::vector<double> w;
   for (int e = 0; e < p.experts; ++e)
-    for (int h = 0; h < p.hidden; ++h) w.push_back(2.0 * unit(9, e, h));
+    for (int h = 0; h < p.hidden; ++h) w.push_back(value_of(p, 2.0 * unit(9, e, h)));
   return w;
 }
 
@@ -45,10 +45,18 @@ std::vector<T> cast(const std::vector<double>& v) {
 }
 template <class T>
 std::vector<double> widen(std::span<const T> v) {
-  return std::vector<double>(v.begin(), v.end());
+  std::vector<double> w;
+  w.reserve(v.size());
+  for (const T& x : v) w.push_back(static_cast<double>(detail::widen(x)));  // bf16 via fp32
+  return w;
+}
+template <class T>
+std::vector<double> widen(std::span<T> v) {
+  return widen(std::span<const T>(v));
 }
 
-// One rank's layer in T (double or float) on any communicator; results widened to double.
+// One rank's layer in T (double, float, or bf16 with its default fp32 router) on any
+// communicator; results widened to double.
 template <class T, class Policy, class Dispatcher, class Comm>
 expected<layer_result> run_layer_rank(const problem& p, const Policy& policy, Comm& world) {
   const auto fold = make_folded(p.fold).value();
@@ -72,12 +80,13 @@ expected<layer_result> run_layer_rank(const problem& p, const Policy& policy, Co
                               .z_loss_coeff = z_coeff},
                              policy, std::move(mlp));
   if (!layer) return unexpected<error>(layer.error());
-  std::copy(wr.begin(), wr.end(), layer->router_weight().begin());
+  std::transform(wr.begin(), wr.end(), layer->router_weight().begin(),
+                 [](double v) { return static_cast<T>(v); });
   std::vector<T> x, dout;
   for (int t = 0; t < p.tokens; ++t) {
     const auto d = make_token(p, r, t);
-    x.insert(x.end(), d.x.begin(), d.x.end());
-    dout.insert(dout.end(), d.dout.begin(), d.dout.end());
+    for (double v : d.x) x.push_back(static_cast<T>(v));
+    for (double v : d.dout) dout.push_back(static_cast<T>(v));
   }
   const moe_layer_groups<Comm> g{tp_cp, {ep, etp, tp_ep}};
   layer_result res;
@@ -89,16 +98,17 @@ expected<layer_result> run_layer_rank(const problem& p, const Policy& policy, Co
   res.dropped = stats->dropped.dropped_pairs;
   res.indices = layer->last_routing().indices;
   res.kept.assign(layer->last_kept_experts().begin(), layer->last_kept_experts().end());
-  if (auto s = layer->backward(dout, T(1), g, dx); !s) return unexpected<error>(s.error());
+  using R = typename layer_t::router_value_type;
+  if (auto s = layer->backward(dout, R(1), g, dx); !s) return unexpected<error>(s.error());
   if (auto s = layer->reduce_gradients(
           stage, edp, {layer->experts().grads_fc1(), layer->experts().grads_fc2()});
       !s)
     return unexpected<error>(s.error());
-  res.out = widen<T>(out);
-  res.dx = widen<T>(dx);
-  res.dw_router = widen<T>(layer->router_weight_grad());
-  res.dw1 = widen<T>(layer->experts().grads_fc1());
-  res.dw2 = widen<T>(layer->experts().grads_fc2());
+  res.out = widen(std::span<const T>(out));
+  res.dx = widen(std::span<const T>(dx));
+  res.dw_router = widen(layer->router_weight_grad());
+  res.dw1 = widen(layer->experts().grads_fc1());
+  res.dw2 = widen(layer->experts().grads_fc2());
   return res;
 }
 
@@ -106,13 +116,28 @@ expected<layer_result> run_layer_rank(const problem& p, const Policy& policy, Co
 // in rank order (full sequence), or none.
 enum class drop_mode { none, per_rank, per_sequence };
 
-// Checks the layer in T against the fp64 reference: relative errors <= 1e-12 in double and
-// <= 1e-5 in float. In float the reference takes the implementation's routing and drop decisions
-// (an fp32 score may order two near-equal experts differently) and recomputes their
+// How check_layer_results judges: with `assert_each` it CHECKs every quantity against its
+// tolerance; it always records the worst normwise error of the outputs and gradients (a test that
+// plants a defect asks for the value without the CHECKs).
+struct layer_check {
+  bool assert_each = true;
+  double worst = 0;  // max over ranks of the normwise errors of out, dx and the weight gradients
+};
+
+// Checks the layer in T against the fp64 reference: normwise relative errors <= 1e-12 in double,
+// <= 1e-5 in float, <= 1e-2 in bf16 (whose reference is fed the same bf16-rounded values:
+// problem::bf16_values). Below double the reference takes the implementation's routing and drop
+// decisions (an fp32 score may order two near-equal experts differently) and recomputes their
 // probabilities in fp64.
 template <class T>
 long long check_layer_results(const problem& p, const std::vector<layer_result>& res,
-                              drop_mode mode) {
+                              drop_mode mode, layer_check* judge = nullptr) {
+  layer_check own;
+  layer_check& jc = judge ? *judge : own;
+  const auto expect_le = [&](double err, double bound) {
+    jc.worst = std::max(jc.worst, err);
+    if (jc.assert_each) CHECK(err <= bound);
+  };
   CAPTURE(p.fold.world);
   CAPTURE(p.fold.tp);
   CAPTURE(p.fold.cp);
@@ -122,7 +147,7 @@ long long check_layer_results(const problem& p, const std::vector<layer_result>&
   CAPTURE(static_cast<int>(mode));
   REQUIRE(res.size() == static_cast<std::size_t>(make_folded(p.fold).value().world_size()));
   constexpr bool fp64 = std::is_same_v<T, double>;
-  const double tol = fp64 ? 1e-12 : 1e-5;
+  const double tol = fp64 ? 1e-12 : std::is_same_v<T, float> ? 1e-5 : 1e-2;
   const auto fold = make_folded(p.fold).value();
   const megatron_groups groups(fold);
   const data w = make_weights(p);
@@ -204,8 +229,11 @@ long long check_layer_results(const problem& p, const std::vector<layer_result>&
         aux_sum += res[static_cast<std::size_t>(q)].aux;
         z_sum += res[static_cast<std::size_t>(q)].z;
       }
-      CHECK(aux_sum == doctest::Approx(term.loss).epsilon(tol));
-      CHECK(z_sum == doctest::Approx(z_loss<double>(logits, E, z_coeff, {}).value()).epsilon(tol));
+      if (jc.assert_each) {
+        CHECK(aux_sum == doctest::Approx(term.loss).epsilon(tol));
+        CHECK(z_sum ==
+              doctest::Approx(z_loss<double>(logits, E, z_coeff, {}).value()).epsilon(tol));
+      }
       // Per token: experts' output and gradients with the kept pairs, then the router's chain.
       std::vector<double> dprobs(static_cast<std::size_t>(NG * K), 0.0);
       std::vector<std::vector<double>> dx_tok(static_cast<std::size_t>(NG));
@@ -240,9 +268,9 @@ long long check_layer_results(const problem& p, const std::vector<layer_result>&
     for (int r : stage) {
       CAPTURE(r);
       const auto& got = res[static_cast<std::size_t>(r)];
-      CHECK(rel_err(got.out, out_ref[r]) <= tol);
-      CHECK(rel_err(got.dx, dx_ref[r]) <= tol);
-      CHECK(rel_err(got.dw_router, dw_router) <= tol);
+      expect_le(rel_err(got.out, out_ref[r]), tol);
+      expect_le(rel_err(got.dx, dx_ref[r]), tol);
+      expect_le(rel_err(got.dw_router, dw_router), tol);
       // Expert shards (edp-reduced) against the reference's slices.
       // (In the library's layout: support/mlp_layout.hpp.)
       const auto mc = fold.moe_coord_of(r);
@@ -254,8 +282,8 @@ long long check_layer_results(const problem& p, const std::vector<layer_result>&
         append_fc1_shard<double>(d1, H, 2, p.ffn, fold.etp(), mc.etp, want1);
         append_fc2_shard<double>(d2, p.ffn, H, fold.etp(), mc.etp, want2);
       }
-      CHECK(rel_err(got.dw1, want1) <= tol);
-      CHECK(rel_err(got.dw2, want2) <= tol);
+      expect_le(rel_err(got.dw1, want1), tol);
+      expect_le(rel_err(got.dw2, want2), tol);
     }
   }
   long long dropped = 0;

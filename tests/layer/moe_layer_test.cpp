@@ -184,3 +184,57 @@ TEST_CASE(
   CHECK(check_layer<sub_sequence, all_to_all_path<thread_communicator>>(
             p, sub_sequence{.capacity_factor = 1.0}, drop_mode::per_rank) > 0);
 }
+
+TEST_CASE("bf16 tokens with an fp32 router equal the fp64 reference fed the same bf16 values") {
+  // moe_router_dtype = fp32: bf16 tokens, experts and router weight (fp32 main_grad gradients),
+  // logits, probabilities and losses in fp32. The reference is fed the same bf16-rounded inputs
+  // and weights and computes in fp64; normwise <= 1e-2 for out, dx and every weight gradient.
+  using layer_bf16 =
+      moe_layer<bfloat16, thread_communicator, dropless,
+                all_to_all_dispatcher<bfloat16, thread_communicator>, reference_mlp<bfloat16>>;
+  static_assert(std::same_as<layer_bf16::router_value_type, float>);
+  static_assert(std::same_as<layer_bf16::grad_type, float>);
+  const fold_config folds[] = {
+      {.world = 4, .tp = 2, .ep = 2, .etp = 2},
+      {.world = 8, .tp = 2, .ep = 4, .etp = 1},
+      {.world = 8, .tp = 4, .ep = 2, .etp = 2},
+  };
+  int dropping_runs = 0;
+  for (const auto& f : folds) {
+    const auto fold = make_folded(f).value();
+    problem p{.fold = f};
+    p.experts = 2 * fold.ep();
+    p.topk = 2;
+    p.hidden = 16;
+    p.ffn = 4 * fold.etp();
+    p.tokens = 6;
+    p.bf16_values = true;
+    using a2a = all_to_all_dispatcher<bfloat16, thread_communicator>;
+    using ag = all_gather_dispatcher<bfloat16, thread_communicator>;
+    const auto res = run_layer<bfloat16, dropless, a2a>(p, dropless{});
+    layer_check judge;
+    CHECK(check_layer_results<bfloat16>(p, res, drop_mode::none, &judge) == 0);
+    MESSAGE("bf16 layer, worst normwise error ", judge.worst);
+    CHECK(judge.worst > 0);  // bf16 is not exact: the comparison is not vacuous
+    // A planted defect: each local expert's fc1 gradient with its gate and up rows swapped.
+    auto swapped = res;
+    const int fs = p.ffn / fold.etp(), L = p.experts / fold.ep();
+    for (auto& r : swapped)
+      for (int l = 0; l < L; ++l)
+        for (int i = 0; i < fs * p.hidden; ++i)
+          std::swap(r.dw1[static_cast<std::size_t>(l * 2 * fs * p.hidden + i)],
+                    r.dw1[static_cast<std::size_t>((l * 2 + 1) * fs * p.hidden + i)]);
+    layer_check planted{.assert_each = false};
+    check_layer_results<bfloat16>(p, swapped, drop_mode::none, &planted);
+    MESSAGE("with gate and up gradients swapped: ", planted.worst);
+    CHECK(planted.worst > 1e-2);
+    // Dropping on both paths (the reference takes the implementation's decisions).
+    dropping_runs += check_layer_results<bfloat16>(
+                         p, run_layer<bfloat16, sub_sequence, a2a>(p, {.capacity_factor = 1.0}),
+                         drop_mode::per_rank) > 0;
+    dropping_runs += check_layer_results<bfloat16>(
+                         p, run_layer<bfloat16, full_sequence, ag>(p, {.capacity_factor = 1.0}),
+                         drop_mode::per_sequence) > 0;
+  }
+  CHECK(dropping_runs >= 3);
+}

@@ -13,6 +13,7 @@
 #include <string>
 #include <type_traits>
 
+#include "dtype.hpp"
 #include "exec.hpp"
 #include "expected.hpp"
 #include "memory_space.hpp"
@@ -164,7 +165,40 @@ struct host_memory_ops {
     for (int r = 0; r < dst.rows(); ++r) {
       const T* s = src.row_data(r);
       T* d = dst.row_data(r);
-      for (int c = 0; c < dst.width(); ++c) d[c] += s[c];
+      for (int c = 0; c < dst.width(); ++c)
+        d[c] = detail::narrow<T>(detail::widen(d[c]) + detail::widen(s[c]));  // 16-bit: in fp32
+    }
+    return {};
+  }
+
+  //! dst += src converted to T, element by element: the sum formed in accumulator_t<T> (fp32 for
+  //! 16-bit T) and rounded to T once (an R-typed gradient added into a T-typed one).
+  //! src [n, w] of U, dst [n, w] of T
+  template <class T, class U>
+  [[nodiscard]] status add_converted(std::type_identity_t<row_view<const U, S>> src,
+                                     row_view<T, S> dst) const {
+    if (src.rows() != dst.rows() || src.width() != dst.width())
+      return op_shape_error(Derived::name, "add_converted", "src and dst must have one shape");
+    for (int r = 0; r < dst.rows(); ++r) {
+      const U* s = src.row_data(r);
+      T* d = dst.row_data(r);
+      for (int c = 0; c < dst.width(); ++c)
+        d[c] = detail::narrow<T>(detail::widen(d[c]) +
+                                 static_cast<accumulator_t<T>>(detail::widen(s[c])));
+    }
+    return {};
+  }
+
+  //! dst = src converted to T (widened, or rounded to nearest once).   src [n, w] of U
+  template <class T, class U>
+  [[nodiscard]] status convert(std::type_identity_t<row_view<const U, S>> src,
+                               row_view<T, S> dst) const {
+    if (src.rows() != dst.rows() || src.width() != dst.width())
+      return op_shape_error(Derived::name, "convert", "src and dst must have one shape");
+    for (int r = 0; r < dst.rows(); ++r) {
+      const U* s = src.row_data(r);
+      T* d = dst.row_data(r);
+      for (int c = 0; c < dst.width(); ++c) d[c] = static_cast<T>(detail::widen(s[c]));
     }
     return {};
   }
@@ -174,7 +208,8 @@ struct host_memory_ops {
   [[nodiscard]] status scale(row_view<T, S> dst, std::type_identity_t<T> s) const {
     for (int r = 0; r < dst.rows(); ++r) {
       T* d = dst.row_data(r);
-      for (int c = 0; c < dst.width(); ++c) d[c] *= s;
+      for (int c = 0; c < dst.width(); ++c)
+        d[c] = detail::narrow<T>(detail::widen(d[c]) * detail::widen(s));
     }
     return {};
   }

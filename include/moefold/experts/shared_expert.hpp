@@ -168,7 +168,8 @@ class shared_expert {
     for (std::size_t t = 0; t < detail::uz(n); ++t) {
       const T g = s_.gate ? sigmoid(t, x) : T(1);
       sv.gates[t] = g;
-      for (std::size_t h = 0; h < H; ++h) out[t * H + h] = g * y[t * H + h];
+      for (std::size_t h = 0; h < H; ++h)
+        out[t * H + h] = detail::narrow<T>(w(g) * w(y[t * H + h]));
     }
     return {};
   }
@@ -197,17 +198,17 @@ class shared_expert {
     const auto H = detail::uz(s_.hidden), N = detail::uz(n), G = detail::uz(gathered);
     auto dy = sc.y_partial.first(N * H);  // gradient at the ungated output
     for (std::size_t t = 0; t < N; ++t) {
-      const T g = sv.gates[t];
-      T dg = T(0);
+      const A g = w(sv.gates[t]);
+      A dg = A(0);
       for (std::size_t h = 0; h < H; ++h) {
-        dy[t * H + h] = g * dout[t * H + h];
-        dg += dout[t * H + h] * sv.y[t * H + h];
+        dy[t * H + h] = detail::narrow<T>(g * w(dout[t * H + h]));
+        dg += w(dout[t * H + h]) * w(sv.y[t * H + h]);
       }
       if (s_.gate) {
-        const T dpre = dg * g * (T(1) - g);
+        const A dpre = dg * g * (A(1) - g);
         for (std::size_t h = 0; h < H; ++h)
-          gate_g_[h] += static_cast<Grad>(dpre * sv.x_gathered[(mine + t) * H + h]);
-        sc.gate_dpre[t] = dpre;
+          gate_g_[h] += static_cast<Grad>(dpre * w(sv.x_gathered[(mine + t) * H + h]));
+        sc.gate_dpre[t] = detail::narrow<T>(dpre);
       }
     }
     // Reduce-scatter backward = all-gather; then the shard's backward; then the all-gather's
@@ -227,7 +228,8 @@ class shared_expert {
       return st;
     if (s_.gate)
       for (std::size_t t = 0; t < N; ++t)
-        for (std::size_t h = 0; h < H; ++h) dx[t * H + h] += sc.gate_dpre[t] * gate_w_[h];
+        for (std::size_t h = 0; h < H; ++h)
+          dx[t * H + h] = detail::narrow<T>(w(dx[t * H + h]) + w(sc.gate_dpre[t]) * w(gate_w_[h]));
     return {};
   }
 
@@ -316,11 +318,14 @@ class shared_expert {
     for (std::size_t i = 0; i < sv.tokens.size(); ++i) sc.counts[i] = sv.tokens[i] * width;
     return sc.counts;
   }
+  // 16-bit values compute in fp32 (accumulator_t), rounded once where they are stored.
+  using A = accumulator_t<T>;
+  static A w(const T& v) noexcept { return detail::widen(v); }
   T sigmoid(std::size_t t, std::span<const T> x) const {
-    T z = T(0);
+    A z = A(0);
     for (std::size_t h = 0; h < detail::uz(s_.hidden); ++h)
-      z += x[t * detail::uz(s_.hidden) + h] * gate_w_[h];
-    return T(1) / (T(1) + std::exp(-z));
+      z += w(x[t * detail::uz(s_.hidden) + h]) * w(gate_w_[h]);
+    return detail::narrow<T>(A(1) / (A(1) + std::exp(-z)));
   }
   status check(int n, std::size_t in, std::size_t out, const Comm& tp) const {
     using detail::to_decimal;

@@ -63,7 +63,8 @@ struct moe_loss_seeds {
 template <class Layer>
 class moe_forward_context {
  public:
-  using value_type = typename Layer::value_type;
+  using value_type = typename Layer::value_type;                // tokens
+  using router_value_type = typename Layer::router_value_type;  // logits, probabilities, losses
   using handle_type = typename Layer::dispatcher_type::handle_type;
 
   // Move-only: a copy would let one forward be backwarded twice (its gradients counted twice).
@@ -72,12 +73,12 @@ class moe_forward_context {
   moe_forward_context(const moe_forward_context&) = delete;
   moe_forward_context& operator=(const moe_forward_context&) = delete;
   moe_forward_context(moe_forward_context&& o) noexcept(
-      std::is_nothrow_move_constructible_v<topk_routing<value_type>>)
+      std::is_nothrow_move_constructible_v<topk_routing<router_value_type>>)
       : moe_forward_context() {
     *this = std::move(o);
   }
   moe_forward_context& operator=(moe_forward_context&& o) noexcept(
-      std::is_nothrow_move_assignable_v<topk_routing<value_type>>) {
+      std::is_nothrow_move_assignable_v<topk_routing<router_value_type>>) {
     if (this == &o) return *this;
     filled_ = std::exchange(o.filled_, false);
     training_ = o.training_;
@@ -112,7 +113,7 @@ class moe_forward_context {
   [[nodiscard]] const moe_forward_stats& stats() const noexcept { return stats_; }
   //! The routing (every selected expert), its keep mask [N*k] and the record the dispatcher
   //! took: expert [N*k], -1 for a dropped pair.
-  [[nodiscard]] const topk_routing<value_type>& routing() const noexcept { return routing_; }
+  [[nodiscard]] const topk_routing<router_value_type>& routing() const noexcept { return routing_; }
   [[nodiscard]] std::span<const std::uint8_t> keep() const noexcept { return keep_; }
   [[nodiscard]] std::span<const int> kept_experts() const noexcept { return kept_experts_; }
   //! Its dispatch handle (rows per local expert, byte accounting); only while ready().
@@ -132,17 +133,19 @@ class moe_forward_context {
   bool filled_ = false;   // a forward ran and its backward has not
   bool training_ = true;  // the mode of that forward
   int n_ = 0;
-  std::uint64_t scratch_epoch_ = 0;       // the layer's scratch growths at its forward
-  std::span<value_type> x_{}, logits_{};  // saved: [N, H] input, [N, E] logits
-  std::span<std::byte> shared_saved_{};   // saved: the shared expert's part
+  std::uint64_t scratch_epoch_ = 0;        // the layer's scratch growths at its forward
+  std::span<value_type> x_{};              // saved: [N, H] input
+  std::span<router_value_type> logits_{};  // saved: [N, E] logits
+  std::span<std::byte> shared_saved_{};    // saved: the shared expert's part
   std::optional<handle_type> handle_{};
-  topk_routing<value_type> routing_{};
-  std::vector<std::uint8_t> keep_;  // [N*k] the drop policy's mask of routing_
-  std::vector<int> kept_experts_;   // [N*k] expert or -1
-  std::vector<value_type> kept_probs_;
-  drop_report report_{};  // what the policy counted (its vectors sized once)
+  topk_routing<router_value_type> routing_{};
+  std::vector<std::uint8_t> keep_;      // [N*k] the drop policy's mask of routing_
+  std::vector<int> kept_experts_;       // [N*k] expert or -1
+  std::vector<value_type> kept_probs_;  // [N*k] rounded to the dispatcher's type
+  drop_report report_{};                // what the policy counted (its vectors sized once)
   moe_forward_stats stats_{};
-  std::array<aux_loss_term<value_type>, 3> aux_terms_{};  // micro-batch, per sequence, global
+  std::array<aux_loss_term<router_value_type>, 3>
+      aux_terms_{};  // micro-batch, per sequence, global
   std::array<bool, 3> aux_active_{};
   bool z_active_ = false;
 };

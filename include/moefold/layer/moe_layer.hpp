@@ -113,18 +113,31 @@ inline constexpr group_kind router_gradient_group = group_kind::tp_dp_cp;
 inline constexpr group_kind shared_expert_gradient_group = group_kind::dp_cp;
 inline constexpr group_kind shared_gate_gradient_group = group_kind::tp_dp_cp;
 
-//! `Router` is any routing::router (moefold's topk_router by default, built from the options) and
-//! `Dispatcher` any token_dispatcher, both of element type T. (A layer type whose T is not a
-//! router type, such as bf16, can be named for its static size queries but not made.)
+//! Types: `T` is the tokens' and the experts' element type (bf16, float, double); `Router` is any
+//! routing::router, moefold's topk_router by default, whose element type R (`router_value_type`)
+//! is the type of the logits, the scores, the probabilities the router gives and the losses
+//! (Megatron-Core's moe_router_dtype; the default, accumulator_t<T>, is fp32 for bf16 tokens).
+//! The gating GEMM reads the T tokens and weight and accumulates in R; the kept probabilities are
+//! rounded to T once, where they join their rows for the dispatcher (its rows and probabilities
+//! are of one type); their gradients come back in T and the router's backward runs in R. The
+//! router weight is a T parameter with a main_grad_t<T> gradient. `Dispatcher` is any
+//! token_dispatcher of element type T.
 template <class T, communicator Comm, class Policy, class Dispatcher, class Experts,
-          class Router = topk_router<T>>
-requires expert_fn<Experts, T> && drop_policy<Policy, T, Comm> &&
+          class Router = topk_router<accumulator_t<T>>>
+requires expert_fn<Experts, T> && drop_policy<Policy, typename Router::value_type, Comm> &&
     token_dispatcher<Dispatcher, Comm> && std::same_as<typename Dispatcher::value_type, T> &&
-    std::same_as<typename Router::value_type, T> &&
+    std::floating_point<typename Router::value_type> &&
     communicator_for<Comm, typename Dispatcher::exec_type, T>
 class moe_layer {
  public:
   using value_type = T;
+  //! The router's element type R: logits, scores, probabilities, losses and their gradients.
+  using router_value_type = typename Router::value_type;
+
+ private:
+  using R = router_value_type;
+
+ public:
   //! The element type of the router's and the shared expert's gradients (fp32 for bf16 weights).
   using grad_type = main_grad_t<T>;
   using params_type = moe_layer_params<T, grad_type>;
@@ -136,10 +149,10 @@ class moe_layer {
   using context_type = moe_forward_context<moe_layer>;
 
   //! A layer with moefold's top-k router made from `o.router`.
-  [[nodiscard]] static expected<moe_layer> make(
-      const moe_layer_options& o, Policy policy,
-      Experts experts) requires std::same_as<Router, topk_router<T>> && routing::router<Router> {
-    auto router = topk_router<T>::make(o.router);
+  [[nodiscard]] static expected<moe_layer> make(const moe_layer_options& o, Policy policy,
+                                                Experts experts) requires
+      std::same_as<Router, topk_router<typename Router::value_type>> && routing::router<Router> {
+    auto router = Router::make(o.router);
     if (!router) return unexpected<error>(router.error());
     return make(o, std::move(policy), std::move(experts), std::move(*router));
   }
@@ -156,7 +169,7 @@ class moe_layer {
                         "moe_layer: the router selects " + to_decimal(router.topk()) + " of " +
                             to_decimal(router.num_experts()) + " experts; the options say " +
                             to_decimal(o.router.topk) + " of " + to_decimal(o.router.num_experts));
-    if (o.router.expert_bias && !std::same_as<Router, topk_router<T>>)
+    if (o.router.expert_bias && !std::same_as<Router, topk_router<R>>)
       return make_error(errc::invalid_argument,
                         "moe_layer: router.expert_bias needs moefold's topk_router (a user router "
                         "takes no bias)");
@@ -254,7 +267,7 @@ class moe_layer {
   [[nodiscard]] static expected<moe_layer> make(const moe_layer_options& o, Policy policy,
                                                 Experts experts,
                                                 const moe_layer_communicators<Comm>& c) requires
-      std::same_as<Router, topk_router<T>> && routing::router<Router> {
+      std::same_as<Router, topk_router<typename Router::value_type>> && routing::router<Router> {
     auto full = options_for(o, c);
     if (!full) return unexpected<error>(full.error());
     return make(*full, std::move(policy), std::move(experts));
@@ -359,7 +372,7 @@ class moe_layer {
   //! The routing of the last one-in-flight forward (every selected expert), its keep mask [N*k]
   //! (what the drop policy kept) and the record the dispatcher took: expert [N*k], -1 for a
   //! dropped pair. A caller's context has the same accessors.
-  [[nodiscard]] const topk_routing<T>& last_routing() const noexcept { return own_ctx_.routing(); }
+  [[nodiscard]] const topk_routing<R>& last_routing() const noexcept { return own_ctx_.routing(); }
   [[nodiscard]] std::span<const std::uint8_t> last_keep() const noexcept { return own_ctx_.keep(); }
   [[nodiscard]] std::span<const int> last_kept_experts() const noexcept {
     return own_ctx_.kept_experts();
@@ -451,7 +464,7 @@ class moe_layer {
   //! loss (see moe_loss_seeds). Adds the router weight, expert and shared-expert gradients.
   //! After an evaluation forward no auxiliary loss contributes.
   [[nodiscard]] status backward(context_type& ctx, std::span<const T> dout,
-                                const moe_loss_seeds<T>& seeds, const moe_layer_groups<Comm>& g,
+                                const moe_loss_seeds<R>& seeds, const moe_layer_groups<Comm>& g,
                                 std::span<T> dx) {
     if (!ctx.ready())
       return make_error(errc::invalid_argument,
@@ -459,10 +472,10 @@ class moe_layer {
                                       "recompute() refills them before the backward"
                                     : "moe_layer: backward of a context no forward filled (or "
                                       "whose backward already ran)");
-    const std::array<T, 5> all_seeds{seeds.output, seeds.aux, seeds.seq_aux, seeds.global_aux,
+    const std::array<R, 5> all_seeds{seeds.output, seeds.aux, seeds.seq_aux, seeds.global_aux,
                                      seeds.z};
     if (!std::all_of(all_seeds.begin(), all_seeds.end(),
-                     [](T v) { return std::isfinite(static_cast<double>(v)); }))
+                     [](R v) { return std::isfinite(static_cast<double>(v)); }))
       return make_error(errc::invalid_argument, "moe_layer: loss seeds must be finite");
     const int E = o_.router.num_experts;
     const typename Dispatcher::handle_type& hd = *ctx.handle_;
@@ -477,13 +490,15 @@ class moe_layer {
                         "communicator in moe_layer_groups::tp");
     // Experts' path. The scratch buffers are members, zeroed each step: their capacity is reused,
     // so steady-state steps allocate nothing here.
-    auto& [dy, dx_rows, dp_rows, dprobs, dx_experts, dlogits, dx_router, dx_shared, rows_e,
-           dout_seeded] = scratch_;
+    auto& [dy, dx_rows, dp_rows, dprobs, dx_experts, dx_shared, dout_seeded] = scratch_;
+    auto& [dprobs_r, dlogits, dx_router, rows_e] = router_scratch_;
     std::span<const T> dmain = dout;  // the main output's gradient, times its seed
-    if (seeds.output != T(1)) {
+    if (seeds.output != R(1)) {
       dout_seeded.resize(N * H);
       if (auto st = exec_.copy(rows(dout), rows(std::span<T>(dout_seeded))); !st) return st;
-      if (auto st = exec_.template scale<T>(rows(std::span<T>(dout_seeded)), seeds.output); !st)
+      if (auto st = exec_.template scale<T>(rows(std::span<T>(dout_seeded)),
+                                            detail::narrow<T>(seeds.output));
+          !st)
         return st;
       dmain = dout_seeded;
     }
@@ -505,23 +520,29 @@ class moe_layer {
       return done(ctx, st);
     // Router's path: dropped pairs have no gradient (their probabilities were not renormalised),
     // then the router Jacobian, the auxiliary losses, the gating GEMM.
-    const std::span<const T> logits = ctx.logits_.first(N * detail::uz(E));
+    const std::span<const R> logits = ctx.logits_.first(N * detail::uz(E));
     const std::span<const T> x = ctx.x_.first(N * H);
-    dlogits.assign(N * detail::uz(E), T(0));
-    dx_router.assign(N * H, T(0));
-    if (auto st =
-            detail::router_backward_with(router_, logits, ctx.routing_, std::span<const T>(dprobs),
-                                         std::span<T>(dlogits), router_ws_);
+    dlogits.assign(N * detail::uz(E), R(0));
+    dx_router.assign(N * H, R(0));
+    // The kept pairs' probability gradients [N, k], widened from T to R for the router.
+    dprobs_r.resize(N * K);
+    if (auto st = exec_.template convert<R, T>(rows(std::span<const T>(dprobs), o_.router.topk),
+                                               rows(std::span<R>(dprobs_r), o_.router.topk));
+        !st)
+      return done(ctx, st);
+    if (auto st = detail::router_backward_with(router_, logits, ctx.routing_,
+                                               std::span<const R>(dprobs_r), std::span<R>(dlogits),
+                                               router_ws_);
         !st)
       return done(ctx, st);
     rows_e.resize(3 * detail::uz(E));  // the loss gradients' per-token rows
     const gating_shape gbs{.num_tokens = n, .hidden = o_.hidden, .num_experts = E};
     // The three load-balancing terms (micro-batch, per sequence, global), each when active.
     // (dlogits is passed, not captured: clang 14 cannot capture a structured binding.)
-    const std::array<T, 3> term_seeds{seeds.aux, seeds.seq_aux, seeds.global_aux};
-    const auto add_term = [&](std::size_t i, std::vector<T>& dl, std::vector<T>& work) -> status {
+    const std::array<R, 3> term_seeds{seeds.aux, seeds.seq_aux, seeds.global_aux};
+    const auto add_term = [&](std::size_t i, std::vector<R>& dl, std::vector<R>& work) -> status {
       if (!ctx.aux_active_[i]) return {};
-      return add_aux_loss_gradient<T>(o_.router.score, logits, E, {}, ctx.aux_terms_[i],
+      return add_aux_loss_gradient<R>(o_.router.score, logits, E, {}, ctx.aux_terms_[i],
                                       term_seeds[i], dl, work);
     };
     if (auto st = add_term(0, dlogits, rows_e); !st) return done(ctx, st);
@@ -529,21 +550,23 @@ class moe_layer {
     if (auto st = add_term(2, dlogits, rows_e); !st) return done(ctx, st);
     if (ctx.z_active_)
       if (auto st = add_group_z_loss_gradient(g.tp_cp, logits, E, o_.z_loss_coeff, {}, seeds.z,
-                                              std::span<T>(dlogits), std::span<T>(rows_e));
+                                              std::span<R>(dlogits), std::span<R>(rows_e));
           !st)
         return done(ctx, st);
     // The router weight's gradient goes straight into its (caller's) buffer, beta = 1.
     if (auto st =
-            gating_backward<T, T, T>(gbs, x, std::span<const T>(w_), dlogits, dx_router, {}, {});
+            gating_backward<R, T, T>(gbs, x, std::span<const T>(w_), std::span<const R>(dlogits),
+                                     std::span<R>(dx_router), {}, {});
         !st)
       return done(ctx, st);
-    if (auto st = add_gating_weight_grad<T, T, grad_type>(gbs, x, std::span<const T>(dlogits), dw_);
+    if (auto st = add_gating_weight_grad<R, T, grad_type>(gbs, x, std::span<const R>(dlogits), dw_);
         !st)
       return done(ctx, st);
     // dx = dx_experts + dx_router (+ dx_shared).
     if (auto st = exec_.copy(rows(std::span<const T>(dx_experts)), rows(dx)); !st)
       return done(ctx, st);
-    if (auto st = exec_.template add<T>(rows(std::span<const T>(dx_router)), rows(dx)); !st)
+    if (auto st = exec_.template add_converted<T, R>(rows(std::span<const R>(dx_router)), rows(dx));
+        !st)
       return done(ctx, st);
     if (shared_) {
       dx_shared.assign(N * H, T(0));
@@ -569,11 +592,11 @@ class moe_layer {
 
   //! dx [N, H] from dout [N, H] of the last one-in-flight forward; `loss_seed` is d(training
   //! loss) / d(each auxiliary loss) (Megatron's aux-loss scale).
-  [[nodiscard]] status backward(std::span<const T> dout, T loss_seed,
+  [[nodiscard]] status backward(std::span<const T> dout, R loss_seed,
                                 const moe_layer_groups<Comm>& g, std::span<T> dx) {
     if (!own_ctx_.ready())
       return make_error(errc::invalid_argument, "moe_layer: backward before forward");
-    const moe_loss_seeds<T> seeds{.output = T(1),
+    const moe_loss_seeds<R> seeds{.output = R(1),
                                   .aux = loss_seed,
                                   .seq_aux = loss_seed,
                                   .global_aux = loss_seed,
@@ -636,7 +659,8 @@ class moe_layer {
 
   // The saved part of one forward in flight, carved by one function for its size and its views.
   struct saved_views {
-    std::span<T> x, logits;                    // [max_tokens, H], [max_tokens, E]
+    std::span<T> x;                            // [max_tokens, H]
+    std::span<R> logits;                       // [max_tokens, E]
     std::span<std::byte> dispatch, shared_ex;  // the dispatcher's and the shared expert's parts
   };
   saved_views carve_saved(workspace_carver& c, const dispatch_workspace_bytes& d) const {
@@ -644,7 +668,7 @@ class moe_layer {
                E = detail::uz(o_.router.num_experts);
     saved_views v;
     v.x = c.take<T>(N * H);
-    v.logits = c.take<T>(N * E);
+    v.logits = c.take<R>(N * E);
     v.dispatch = c.take<std::byte>(d.saved);
     v.shared_ex = c.take<std::byte>(shared_ ? shared_->saved_bytes() : 0);
     return v;
@@ -701,11 +725,11 @@ class moe_layer {
     };
     if (auto pre = carve({}); !pre) return unexpected<error>(pre.error());
     // The logits go to the layer's scratch first and to the saved part once it is sized.
-    const std::span<T> logits = std::span<T>(logits_).first(detail::uz(n) * detail::uz(E));
+    const std::span<R> logits = std::span<R>(logits_).first(detail::uz(n) * detail::uz(E));
     const gating_shape gs{.num_tokens = n, .hidden = o_.hidden, .num_experts = E};
-    if (auto st = gating_forward<T, T, T>(gs, x, std::span<const T>(w_), {}, logits); !st)
+    if (auto st = gating_forward<R, T, T>(gs, x, std::span<const T>(w_), {}, logits); !st)
       return unexpected<error>(st.error());
-    if (auto st = detail::route_with(router_, std::span<const T>(logits), ctx.routing_,
+    if (auto st = detail::route_with(router_, std::span<const R>(logits), ctx.routing_,
                                      std::span<const float>(bias_.bias), router_ws_);
         !st)
       return unexpected<error>(st.error());
@@ -713,7 +737,7 @@ class moe_layer {
     // stays whole for the router backward.
     const auto pairs = ctx.routing_.indices.size();
     ctx.keep_.resize(pairs);
-    const routing_view<T> rv = view_of(ctx.routing_, std::span<std::uint8_t>(ctx.keep_));
+    const routing_view<R> rv = view_of(ctx.routing_, std::span<std::uint8_t>(ctx.keep_));
     drop_counts counts = counts_into(ctx.report_, E);
     if (auto st = policy_.apply(g.tp_cp, in.order_keys, rv, counts, drop_ws_); !st)
       return unexpected<error>(st.error());
@@ -751,7 +775,7 @@ class moe_layer {
     stats.dropped = counts;
     if (auto st = exec_.copy(rows(x), rows(sv->x.first(x.size()))); !st)
       return unexpected<error>(st.error());
-    if (auto st = exec_.copy(rows(std::span<const T>(logits), E),
+    if (auto st = exec_.copy(rows(std::span<const R>(logits), E),
                              rows(sv->logits.first(logits.size()), E));
         !st)
       return unexpected<error>(st.error());
@@ -788,7 +812,7 @@ class moe_layer {
   // The load-balancing losses and the z-loss of a forward, their terms kept in ctx: each on its
   // own statistics group, all on the same aux scores.
   [[nodiscard]] status forward_losses(context_type& ctx, const moe_layer_groups<Comm>& g,
-                                      std::span<const T> logits, bool training,
+                                      std::span<const R> logits, bool training,
                                       moe_forward_stats& stats) {
     const int E = o_.router.num_experts;
     ctx.aux_active_ = {};
@@ -796,7 +820,7 @@ class moe_layer {
     const bool any_aux = training && (o_.aux_loss_coeff > 0 || o_.seq_aux_loss_coeff > 0 ||
                                       o_.global_aux_loss_coeff > 0);
     if (any_aux)
-      if (auto st = compute_aux_scores<T>(o_.router.score, o_.router.topk, E, logits, {}, aux_);
+      if (auto st = compute_aux_scores<R>(o_.router.score, o_.router.topk, E, logits, {}, aux_);
           !st)
         return st;
     if (any_aux && o_.aux_loss_coeff > 0) {
@@ -880,14 +904,17 @@ class moe_layer {
   bool training_ = true;
   // Forward scratch: the logits [N, E] (until the saved part is sized), the experts' rows, the
   // shared output.
-  std::vector<T> logits_, y_, shared_out_;
-  aux_scores<T> aux_{};  // forward scratch: the aux losses' scores
-  drop_scratch<T> drop_ws_{};
+  std::vector<R> logits_;
+  std::vector<T> y_, shared_out_;
+  aux_scores<R> aux_{};  // forward scratch: the aux losses' scores
+  drop_scratch<R> drop_ws_{};
   struct backward_scratch {
-    std::vector<T> dy, dx_rows, dp_rows, dprobs, dx_experts, dlogits, dx_router, dx_shared, rows_e,
-        dout_seeded;
+    std::vector<T> dy, dx_rows, dp_rows, dprobs, dx_experts, dx_shared, dout_seeded;
   } scratch_;
-  topk_router_scratch<T> router_ws_{};
+  struct router_backward_scratch {  // in R
+    std::vector<R> dprobs_r, dlogits, dx_router, rows_e;
+  } router_scratch_;
+  topk_router_scratch<R> router_ws_{};
 };
 
 }  // namespace v0_1

@@ -56,12 +56,13 @@ template <class P>
 
 namespace detail {
 //! The dispatcher's record form of a kept routing (host): expert [N*k] with -1 for a dropped
-//! pair, probs [N*k] with 0 for one. Sizes are the caller's to match (r.pairs() each).
-template <class P>
-void write_kept_pairs(const routing_view<P>& r, std::span<int> expert, std::span<P> probs) {
+//! pair, probs [N*k] with 0 for one, converted to Q (the dispatcher's element type) once. Sizes
+//! are the caller's to match (r.pairs() each).
+template <class P, class Q = P>
+void write_kept_pairs(const routing_view<P>& r, std::span<int> expert, std::span<Q> probs) {
   for (std::size_t p = 0; p < r.pairs(); ++p) {
     expert[p] = r.kept(p) ? r.expert_of(p) : -1;
-    probs[p] = r.kept(p) ? r.prob(p) : P(0);
+    probs[p] = r.kept(p) ? static_cast<Q>(r.prob(p)) : Q(0);
   }
 }
 }  // namespace detail
