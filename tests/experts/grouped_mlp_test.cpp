@@ -19,7 +19,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "../support/activation_ref.hpp"
+
 using namespace moefold;
+using moefold::test::act_ref;
+using moefold::test::all_acts;
 
 static_assert(expert_fn<grouped_mlp<double>, double>);
 static_assert(expert_fn<grouped_mlp<float>, float>);
@@ -40,21 +44,6 @@ std::vector<double> random_vec(std::mt19937& rng, std::size_t n, double scale = 
   for (auto& x : v) x = u(rng);
   return v;
 }
-
-double act_ref(activation a, double x) {  // written from the definitions
-  switch (a) {
-    case activation::swiglu:
-    case activation::silu: return x / (1 + std::exp(-x));
-    case activation::geglu:
-    case activation::gelu: return 0.5 * x * (1 + std::erf(x / std::sqrt(2.0)));
-    case activation::relu: return std::max(x, 0.0);
-    case activation::squared_relu: return x > 0 ? x * x : 0.0;
-  }
-  return x;
-}
-
-const activation all_acts[] = {activation::swiglu, activation::geglu, activation::gelu,
-                               activation::silu,   activation::relu,  activation::squared_relu};
 
 // One expert's full (unsharded) weights in Hugging Face's layout: gate_proj [F, H] (gated only),
 // up_proj [F, H], down_proj [H, F].

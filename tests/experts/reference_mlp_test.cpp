@@ -9,6 +9,7 @@
 #include <random>
 #include <vector>
 
+#include "../support/activation_ref.hpp"
 #include "../support/mlp_layout.hpp"
 
 using namespace moefold;
@@ -36,21 +37,6 @@ struct full_expert {
                        megatron_fc2_from_rows(fc2, F, H));
   }
 };
-
-double act_ref(activation a, double x) {  // written from the definitions
-  switch (a) {
-    case activation::swiglu:
-    case activation::silu: return x / (1 + std::exp(-x));
-    case activation::geglu:
-    case activation::gelu: return 0.5 * x * (1 + std::erf(x / std::sqrt(2.0)));
-    case activation::relu: return std::max(x, 0.0);
-    case activation::squared_relu: return x > 0 ? x * x : 0.0;
-  }
-  return x;
-}
-
-const activation all_acts[] = {activation::swiglu, activation::geglu, activation::gelu,
-                               activation::silu,   activation::relu,  activation::squared_relu};
 
 }  // namespace
 

@@ -159,7 +159,7 @@ void take_grads(Layer& l, step_out& o) {
   o.gate_g = v(l.shared()->gate_grad());
 }
 
-expected<bound_t> make_bound(const moe_layer_communicators<Comm>& c, int r, rank_params& q) {
+expected<bound_t> make_bound(const moe_layer_communicators<Comm>& c, rank_params& q) {
   const problem& p = the_problem();
   const auto fold = make_folded(p.fold).value();
   const mlp_shape shape{.hidden = p.hidden,
@@ -167,7 +167,6 @@ expected<bound_t> make_bound(const moe_layer_communicators<Comm>& c, int r, rank
                         .num_local_experts = p.experts / fold.ep(),
                         .etp = fold.etp(),
                         .etp_rank = c.etp.rank()};
-  (void)r;
   auto experts = grouped_mlp<double>::make(shape, {q.fc1, q.fc2}, {q.fc1_g, q.fc2_g});
   if (!experts) return unexpected<error>(experts.error());
   auto l = bound_t::make(base_options(), dropless{}, std::move(*experts), c);
@@ -212,7 +211,7 @@ TEST_CASE("caller-owned parameters: bitwise the owning layer, beta = 1, read in 
     if (auto s = step(*own, *comms, in, R.owning, true); !s) return s;
     take_grads(*own, R.owning);
 
-    auto bound = make_bound(*comms, r, q);
+    auto bound = make_bound(*comms, q);
     if (!bound) return unexpected<error>(bound.error());
     if (auto s = step(*bound, *comms, in, R.bound, true); !s) return s;
     take_grads(*bound, R.bound);
@@ -245,7 +244,7 @@ TEST_CASE("caller-owned parameters: bitwise the owning layer, beta = 1, read in 
     take_grads(*bound, R.changed_bound);
     rank_params fresh = q;  // a copy of the changed weights, bound to a new layer
     fresh.zero_grads();
-    auto other = make_bound(*comms, r, fresh);
+    auto other = make_bound(*comms, fresh);
     if (!other) return unexpected<error>(other.error());
     if (auto s = step(*other, *comms, in, R.changed_fresh, false); !s) return s;
     take_grads(*other, R.changed_fresh);
@@ -288,9 +287,16 @@ long long count_copies(const std::vector<needle>& needles) {
   return found;
 }
 
-// Runs five training steps on every rank, the layer made after `tracking` began; returns how many
-// live heap blocks hold a copy of a weight tensor or of the first step's gradient.
-long long copies_in_heap(bool caller_owned) {
+struct heap_report {
+  long long copies = -1;  // live heap blocks holding a copy of a weight or a step's gradient
+  long long news = -1;    // operator new calls in steps 3-5 (steps 1-2 size every buffer)
+};
+
+// Runs five training steps on every rank (step 1 without the gradient reduction, steps 2-5 with
+// it), the layer made after `tracking` began; counts the heap blocks that hold a copy of a weight
+// tensor or of the first step's gradient, and the allocations of the steps after the first
+// reduction.
+heap_report copies_in_heap(bool caller_owned) {
   const problem& p = the_problem();
   const auto fold = make_folded(p.fold).value();
   const megatron_groups groups(fold);
@@ -303,7 +309,7 @@ long long copies_in_heap(bool caller_owned) {
   std::vector<rank_params> params(8);
   std::vector<step_inputs> inputs(8);
   for (int r = 0; r < 8; ++r) inputs[static_cast<std::size_t>(r)] = inputs_of(r);
-  long long found = -1;
+  heap_report rep;
   const auto st = run_thread_world(8, [&](Comm& world) -> status {
     const int r = world.rank();
     const auto ur = static_cast<std::size_t>(r);
@@ -331,7 +337,7 @@ long long copies_in_heap(bool caller_owned) {
     std::optional<owning_t> owning;
     std::optional<bound_t> bound;
     if (caller_owned) {
-      auto l = make_bound(*comms, r, q);
+      auto l = make_bound(*comms, q);
       if (!l) return unexpected<error>(l.error());
       bound.emplace(std::move(*l));
     } else {
@@ -342,6 +348,12 @@ long long copies_in_heap(bool caller_owned) {
       fill_owning(*owning, r);
     }
     for (int s = 0; s < 5; ++s) {
+      if (auto b = world.barrier(); !b) return b;  // rank 0 starts counting when all are here
+      if (r == 0 && s == 2) {
+        news.store(0);
+        counting.store(true);
+      }
+      if (auto b = world.barrier(); !b) return b;
       const auto run = [&](auto& l) { return step(l, *comms, inputs[ur], o, s > 0); };
       // (step 0 is not reduced, so its gradient is this rank's own)
       if (auto e = caller_owned ? run(*bound) : run(*owning); !e) return e;
@@ -355,8 +367,10 @@ long long copies_in_heap(bool caller_owned) {
     }
     if (auto s = world.barrier(); !s) return s;
     if (r == 0) {
+      counting.store(false);
+      rep.news = news.load();
       tracking.store(false);
-      found = count_copies(needles);
+      rep.copies = count_copies(needles);
     }
     if (auto s = world.barrier(); !s) return s;
     return {};
@@ -364,15 +378,18 @@ long long copies_in_heap(bool caller_owned) {
   for (const auto& s : st) REQUIRE_MESSAGE(s.has_value(), s.error().message);
   CHECK_FALSE(tracked_overflow.load());
   for (const needle& n : needles) CHECK(n != needle{});  // no needle matches mere zeros
-  return found;
+  return rep;
 }
 
 }  // namespace
 
-TEST_CASE("caller-owned parameters: no live heap block holds a copy of a parameter") {
-  const long long owned = copies_in_heap(false);
-  const long long bound = copies_in_heap(true);
-  MESSAGE("heap blocks holding a parameter: owning layer ", owned, ", caller-owned ", bound);
-  CHECK(owned >= 8 * 6);  // the control: the owning layers hold every tensor of every rank
-  CHECK(bound == 0);
+TEST_CASE("caller-owned parameters: no live heap block holds a copy, no step allocates") {
+  const heap_report owned = copies_in_heap(false);
+  const heap_report bound = copies_in_heap(true);
+  MESSAGE("heap blocks holding a parameter: owning layer ", owned.copies, ", caller-owned ",
+          bound.copies, "; operator new in steps 3-5: ", owned.news, ", ", bound.news);
+  CHECK(owned.copies >= 8 * 6);  // the control: the owning layers hold every tensor of every rank
+  CHECK(bound.copies == 0);
+  CHECK(owned.news == 0);
+  CHECK(bound.news == 0);
 }

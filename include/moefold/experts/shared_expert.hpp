@@ -143,13 +143,9 @@ class shared_expert {
   [[nodiscard]] status forward(int n, std::span<const T> x, Comm& tp, std::span<T> out,
                                std::span<std::byte> saved, std::span<std::byte> scratch) {
     if (auto st = check(n, x.size(), out.size(), tp); !st) return st;
-    workspace_carver cs(saved), cx(scratch);
-    const saved_buffers sv = carve_saved(cs);
-    const scratch_buffers sc = carve_scratch(cx);
-    if (!cs.fits() || !cx.fits())
-      return make_error(errc::workspace_too_small,
-                        "shared_expert: saved part smaller than saved_bytes() or scratch smaller "
-                        "than scratch_bytes()");
+    const auto parts = carve_parts(saved, scratch);
+    if (!parts) return unexpected<error>(parts.error());
+    const auto& [sv, sc] = *parts;
     const auto H = detail::uz(s_.hidden);
     if (auto st = tp.template all_gather<int>(std::span<const int>(&n, 1), sv.tokens); !st)
       return st;
@@ -178,13 +174,9 @@ class shared_expert {
   //! (this TP shard's) and the gate's.
   [[nodiscard]] status backward(std::span<const T> dout, Comm& tp, std::span<T> dx,
                                 std::span<std::byte> saved, std::span<std::byte> scratch) {
-    workspace_carver cs(saved), cx(scratch);  // saved is only read
-    const saved_buffers sv = carve_saved(cs);
-    const scratch_buffers sc = carve_scratch(cx);
-    if (!cs.fits() || !cx.fits())
-      return make_error(errc::workspace_too_small,
-                        "shared_expert: saved part smaller than saved_bytes() or scratch smaller "
-                        "than scratch_bytes()");
+    const auto parts = carve_parts(saved, scratch);  // saved is only read
+    if (!parts) return unexpected<error>(parts.error());
+    const auto& [sv, sc] = *parts;
     if (tp.size() != s_.tp)
       return make_error(errc::shape_mismatch, "shared_expert: the TP communicator has " +
                                                   detail::to_decimal(tp.size()) +
@@ -296,6 +288,17 @@ class shared_expert {
     b.dx_gathered = c.take<T>(P * N * H);
     b.dprobs = c.take<T>(P * N);
     return b;
+  }
+  // Both parts carved from the caller's buffers, or the error naming the one too small.
+  expected<std::pair<saved_buffers, scratch_buffers>> carve_parts(
+      std::span<std::byte> saved, std::span<std::byte> scratch) const {
+    workspace_carver cs(saved), cx(scratch);
+    std::pair<saved_buffers, scratch_buffers> p{carve_saved(cs), carve_scratch(cx)};
+    if (!cs.fits() || !cx.fits())
+      return make_error(errc::workspace_too_small,
+                        "shared_expert: saved part smaller than saved_bytes() or scratch smaller "
+                        "than scratch_bytes()");
+    return p;
   }
   static int gathered_of(const saved_buffers& sv) {
     long long total = 0;
