@@ -27,9 +27,10 @@ using namespace moefold::test;
 namespace {
 
 // What one rank computed, copied back to the host.
-template <class T>
+template <class T, class P = T>
 struct trip {
-  std::vector<T> batch_x, batch_p, out, dy, dx, dprobs;
+  std::vector<T> batch_x, out, dy, dx;
+  std::vector<P> batch_p, dprobs;
   std::vector<int> counts;
   copy_counts dispatch_copies{}, later_copies{};  // cpu_exec only
 };
@@ -81,26 +82,28 @@ expected<rank_groups<Comm>> groups_of(const problem& p, Comm& world) {
 }
 
 // Dispatch, "experts" (a fixed function of the batch, on the host), combine, and the backward,
-// every buffer of the dispatcher in Exec's memory.
-template <template <class, class, class> class Disp, class T, class Exec, class Comm>
-expected<trip<T>> round_trip(const problem& p, Comm& world) {
+// every buffer of the dispatcher in Exec's memory; probabilities in P.
+template <template <class, class, class, class> class Disp, class T, class P, class Exec,
+          class Comm>
+expected<trip<T, P>> round_trip(const problem& p, Comm& world) {
   TRY_ASSIGN(rg, groups_of(p, world));
   const auto& fold = rg->fold;
   const dispatch_groups<Comm> g = rg->dispatch();
   const rank_inputs in = inputs_of(p, rg->groups, world.rank());
   auto cast = [](const std::vector<double>& v) { return std::vector<T>(v.begin(), v.end()); };
+  auto cast_p = [](const std::vector<double>& v) { return std::vector<P>(v.begin(), v.end()); };
   const int n = in.n, H = p.hidden, K = p.topk;
   Exec x{};
   TRY_ASSIGN(dx_in, upload(x, cast(in.x), n, H));
   TRY_ASSIGN(de_in, upload(x, in.expert, n, K));
-  TRY_ASSIGN(dp_in, upload(x, cast(in.probs), n, K));
+  TRY_ASSIGN(dp_in, upload(x, cast_p(in.probs), n, K));
   TRY_ASSIGN(ddout, upload(x, cast(in.dout), n, H));
-  auto disp = Disp<T, Comm, Exec>::make({.max_tokens = p.tokens,
-                                         .hidden = H,
-                                         .topk = K,
-                                         .num_experts = p.experts,
-                                         .ep = fold.ep(),
-                                         .etp = fold.etp()});
+  auto disp = Disp<T, Comm, Exec, P>::make({.max_tokens = p.tokens,
+                                            .hidden = H,
+                                            .topk = K,
+                                            .num_experts = p.experts,
+                                            .ep = fold.ep(),
+                                            .etp = fold.etp()});
   if (!disp) return unexpected<error>(disp.error());
   const std::optional<int> cap = p.pad ? std::optional<int>(p.capacity) : std::nullopt;
   const dispatch_workspace_bytes sizes = disp->workspace_sizes(cap);
@@ -113,27 +116,28 @@ expected<trip<T>> round_trip(const problem& p, Comm& world) {
                               .scratch = {scratch->view().data(), sizes.scratch},
                               .host = host};
   using S = typename Exec::memory_space;
-  const dispatch_input<T, S> din{.num_tokens = n,
-                                 .x = dx_in->cview(),
-                                 .expert = de_in->cview(),
-                                 .probs = dp_in->cview(),
-                                 .capacity = cap};
-  trip<T> res;
+  const dispatch_input<T, S, P> din{.num_tokens = n,
+                                    .x = dx_in->cview(),
+                                    .expert = de_in->cview(),
+                                    .probs = dp_in->cview(),
+                                    .capacity = cap};
+  trip<T, P> res;
   if constexpr (std::is_same_v<Exec, cpu_exec>) x.reset_copies();
   TRY_ASSIGN(h, disp->dispatch(x, din, g, ws));
   if constexpr (std::is_same_v<Exec, cpu_exec>) res.dispatch_copies = x.copies();
   TRY_ASSIGN(bx, (download<T>(x, h->batch_rows())));
-  TRY_ASSIGN(bp, (download<T>(x, h->batch_probs())));
+  TRY_ASSIGN(bp, (download<P>(x, h->batch_probs())));
   res.batch_x = *bx;
   res.batch_p = *bp;
   res.counts.assign(h->batch_counts().begin(), h->batch_counts().end());
   // The "experts": y = x / 2 + p, dx_rows = x - 1, dprob_rows = 2 p (the same on both contexts).
   const int M = h->num_rows();
-  std::vector<T> y(res.batch_x.size()), dxr(res.batch_x.size()), dpr(res.batch_p.size());
+  std::vector<T> y(res.batch_x.size()), dxr(res.batch_x.size());
+  std::vector<P> dpr(res.batch_p.size());
   for (int m = 0; m < M; ++m) {
     const double pm =
         static_cast<double>(static_cast<float>(res.batch_p[static_cast<std::size_t>(m)]));
-    dpr[static_cast<std::size_t>(m)] = static_cast<T>(2 * pm);
+    dpr[static_cast<std::size_t>(m)] = static_cast<P>(2 * pm);
     for (int c = 0; c < H; ++c) {
       const auto i =
           static_cast<std::size_t>(m) * static_cast<std::size_t>(H) + static_cast<std::size_t>(c);
@@ -148,7 +152,7 @@ expected<trip<T>> round_trip(const problem& p, Comm& world) {
   TRY_ASSIGN(out, (exec_buffer<T, Exec>::make(x, n, H)));
   TRY_ASSIGN(dy, (exec_buffer<T, Exec>::make(x, M, H)));
   TRY_ASSIGN(dx, (exec_buffer<T, Exec>::make(x, n, H)));
-  TRY_ASSIGN(dprobs, (exec_buffer<T, Exec>::make(x, n, K)));
+  TRY_ASSIGN(dprobs, (exec_buffer<P, Exec>::make(x, n, K)));
   if constexpr (std::is_same_v<Exec, cpu_exec>) x.reset_copies();
   TRY(disp->combine(x, *h, dy_ex->cview(), g, out->view()));
   TRY(disp->combine_backward(x, *h, ddout->cview(), g, dy->view()));
@@ -158,7 +162,7 @@ expected<trip<T>> round_trip(const problem& p, Comm& world) {
   TRY_ASSIGN(o, (download<T>(x, out->cview())));
   TRY_ASSIGN(gy, (download<T>(x, dy->cview())));
   TRY_ASSIGN(gx, (download<T>(x, dx->cview())));
-  TRY_ASSIGN(gp, (download<T>(x, dprobs->cview())));
+  TRY_ASSIGN(gp, (download<P>(x, dprobs->cview())));
   res.out = *o;
   res.dy = *gy;
   res.dx = *gx;
@@ -172,19 +176,19 @@ bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
          (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
 }
 
-template <template <class, class, class> class Disp, class T>
+template <template <class, class, class, class> class Disp, class T, class P = T>
 void host_equals_device(const problem& p, bool all_to_all) {
   const int W = p.fold.world;
-  std::vector<trip<T>> host(static_cast<std::size_t>(W)), dev(static_cast<std::size_t>(W));
+  std::vector<trip<T, P>> host(static_cast<std::size_t>(W)), dev(static_cast<std::size_t>(W));
   const auto hs = run_thread_world(W, [&](thread_communicator& world) -> status {
-    auto t = round_trip<Disp, T, host_exec>(p, world);
+    auto t = round_trip<Disp, T, P, host_exec>(p, world);
     if (!t) return unexpected<error>(t.error());
     host[static_cast<std::size_t>(world.rank())] = std::move(*t);
     return {};
   });
   const auto ds = run_thread_world(W, [&](thread_communicator& world) -> status {
     auto dw = std::move(world).in_space<cpu_device_space>();
-    auto t = round_trip<Disp, T, cpu_exec>(p, dw);
+    auto t = round_trip<Disp, T, P, cpu_exec>(p, dw);
     if (!t) return unexpected<error>(t.error());
     dev[static_cast<std::size_t>(dw.rank())] = std::move(*t);
     return {};
@@ -194,7 +198,7 @@ void host_equals_device(const problem& p, bool all_to_all) {
     const auto i = static_cast<std::size_t>(r);
     REQUIRE_MESSAGE(hs[i].has_value(), hs[i].error().message);
     REQUIRE_MESSAGE(ds[i].has_value(), ds[i].error().message);
-    const trip<T>&a = host[i], &b = dev[i];
+    const trip<T, P>&a = host[i], &b = dev[i];
     CHECK(!a.batch_x.empty());  // every rank's experts receive rows in these problems
     CHECK(a.counts == b.counts);
     CHECK(same_bits(a.batch_x, b.batch_x));
@@ -228,15 +232,23 @@ problem folded_problem(bool pad) {
 
 }  // namespace
 
-// fp64 (the packed backward, as fp32 takes) and bf16 (16-bit T: the probability gradients keep
-// their own reduction).
-TEST_CASE_TEMPLATE("both dispatchers on cpu_exec equal host_exec bitwise, EP 4 x ETP 2", T, double,
-                   bfloat16) {
+// fp64 (the packed backward, as fp32 takes), bf16 (16-bit T: the probability gradients keep
+// their own reduction), and bf16 tokens with fp32 probabilities (H 5: a gap column before them,
+// two columns each, their own reduction in fp32).
+template <class Tokens, class Probs>
+struct types {
+  using T = Tokens;
+  using P = Probs;
+};
+TEST_CASE_TEMPLATE("both dispatchers on cpu_exec equal host_exec bitwise, EP 4 x ETP 2", Ty,
+                   types<double, double>, types<bfloat16, bfloat16>, types<bfloat16, float>) {
+  using T = typename Ty::T;
+  using P = typename Ty::P;
   for (bool pad : {false, true}) {
     CAPTURE(pad);
     const problem p = folded_problem(pad);
-    host_equals_device<all_to_all_dispatcher, T>(p, true);
-    host_equals_device<all_gather_dispatcher, T>(p, false);
+    host_equals_device<all_to_all_dispatcher, T, P>(p, true);
+    host_equals_device<all_gather_dispatcher, T, P>(p, false);
   }
 }
 

@@ -198,19 +198,21 @@ struct all_gather_path {
 
 //! Rank r's shard of the routed experts in T: its E / EP local experts, ETP-sharded, loaded from
 //! the full weights w1 (per expert [H, 2F], columns [gate | up]) and w2 (per expert [F, H]), the
-//! reference's layout, converted to load_full's (support/mlp_layout.hpp).
-template <class T>
-expected<reference_mlp<T>> rank_experts(const problem& p, const dynamic_folded_mesh& fold, int r,
-                                        const std::vector<double>& w1,
-                                        const std::vector<double>& w2) {
+//! reference's layout, converted to load_full's (support/mlp_layout.hpp). P: the probabilities'
+//! type the experts take.
+template <class T, class P = T>
+expected<reference_mlp<T, main_grad_t<T>, P>> rank_experts(const problem& p,
+                                                           const dynamic_folded_mesh& fold, int r,
+                                                           const std::vector<double>& w1,
+                                                           const std::vector<double>& w2) {
   const int L = p.experts / fold.ep();
   const auto mc = fold.moe_coord_of(r);
-  auto mlp = reference_mlp<T>::make({.hidden = p.hidden,
-                                     .ffn = p.ffn,
-                                     .num_local_experts = L,
-                                     .etp = fold.etp(),
-                                     .etp_rank = mc.etp,
-                                     .act = activation::swiglu});
+  auto mlp = reference_mlp<T, main_grad_t<T>, P>::make({.hidden = p.hidden,
+                                                        .ffn = p.ffn,
+                                                        .num_local_experts = L,
+                                                        .etp = fold.etp(),
+                                                        .etp_rank = mc.etp,
+                                                        .act = activation::swiglu});
   if (!mlp) return mlp;
   const auto n1 = static_cast<std::size_t>(p.hidden * 2 * p.ffn),
              n2 = static_cast<std::size_t>(p.ffn * p.hidden);

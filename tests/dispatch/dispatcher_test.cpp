@@ -688,13 +688,15 @@ struct call_record {
 
 // A communicator that forwards to a thread_communicator and records each collective: its kind,
 // element type, width, the rows it sent to other ranks, and, for packed rows (width `packed`),
-// the bytes of the padding columns [used, packed) of what it sent and received. The thread world
-// copies bytes, so a padding element left unwritten would show here.
+// the bytes of the padding columns [used, packed) and of the gap [gap_from, gap_to) before the
+// probabilities of what it sent and received. The thread world copies bytes, so a padding
+// element left unwritten would show here.
 struct recording_comm {
   using memory_space = host_space;
   thread_communicator* c = nullptr;
   std::vector<call_record>* log = nullptr;
   int packed = 0, used = 0;
+  int gap_from = 0, gap_to = 0;
 
   int rank() const { return c->rank(); }
   int size() const { return c->size(); }
@@ -702,15 +704,18 @@ struct recording_comm {
   template <class T>
   void note(const char* kind, row_view<const T> s, row_view<const T> r, long long remote) {
     call_record rec{kind, sizeof(T), std::is_same_v<T, int>, s.width(), remote, 0, 0};
-    if (!rec.is_int && s.width() == packed && packed > used)
+    auto check_columns = [&](int from, int to) {
       for (const row_view<const T>* v : {&s, &r})
         for (int i = 0; i < v->rows(); ++i) {
-          const auto* b = reinterpret_cast<const unsigned char*>(v->row_data(i) + used);
-          for (std::size_t q = 0; q < sizeof(T) * static_cast<std::size_t>(packed - used); ++q) {
+          const auto* b = reinterpret_cast<const unsigned char*>(v->row_data(i) + from);
+          for (std::size_t q = 0; q < sizeof(T) * static_cast<std::size_t>(to - from); ++q) {
             ++rec.pad_bytes;
             rec.pad_nonzero += b[q] != 0;
           }
         }
+    };
+    if (!rec.is_int && s.width() == packed && packed > used) check_columns(used, packed);
+    if (!rec.is_int && s.width() == packed && gap_to > gap_from) check_columns(gap_from, gap_to);
     log->push_back(rec);
   }
   template <class T>
@@ -796,9 +801,10 @@ struct recorded {
   dispatch_volume volume;
   int packed_width = 0;
 };
-template <bool AllToAll, class T = double>
-using recorded_dispatcher = std::conditional_t<AllToAll, all_to_all_dispatcher<T, recording_comm>,
-                                               all_gather_dispatcher<T, recording_comm>>;
+template <bool AllToAll, class T = double, class P = T>
+using recorded_dispatcher =
+    std::conditional_t<AllToAll, all_to_all_dispatcher<T, recording_comm, host_exec, P>,
+                       all_gather_dispatcher<T, recording_comm, host_exec, P>>;
 
 // Groups of recording communicators over one fold; `packed`, `used` set once the dispatcher is
 // known.
@@ -811,10 +817,10 @@ struct recording_groups {
         etp(group_communicator(world, groups, {group_kind::etp})),
         tp_ep(group_communicator(world, groups, {group_kind::tp_ep})) {}
   bool ok() const { return ep && etp && tp_ep; }
-  dispatch_groups<recording_comm> make(int packed, int used) {
-    rep = {&*ep, &log, packed, used};
-    retp = {&*etp, &log, packed, used};
-    rtp_ep = {&*tp_ep, &log, packed, used};
+  dispatch_groups<recording_comm> make(int packed, int used, int gap_from = 0, int gap_to = 0) {
+    rep = {&*ep, &log, packed, used, gap_from, gap_to};
+    retp = {&*etp, &log, packed, used, gap_from, gap_to};
+    rtp_ep = {&*tp_ep, &log, packed, used, gap_from, gap_to};
     return {rep, retp, rtp_ep};
   }
 };
@@ -1007,14 +1013,18 @@ namespace {
 
 // A round trip in T with data every 16-bit type holds exactly (small integers, eighths) and
 // sums that stay exact: identity "experts" (y = the batch's rows, dx_rows = dy, dprob_rows = the
-// batch's probabilities). Results as floats, and the collectives of the backward.
+// batch's probabilities). Results as floats, and the collectives of the backward. Probabilities
+// in P; `fine_probs` adds (1 + i % 5) / 4096 to each, which needs more than bf16's 8 bits of
+// mantissa (an fp32 P carries it exactly, a bf16 one cannot).
 struct exact_result {
   std::vector<float> out, dx, dprob, batch_x, batch_p;
   phase_calls dispatch, dispatch_backward;
 };
-template <class T, bool AllToAll>
-expected<exact_result> run_exact(const problem& p, thread_communicator& world) {
-  using D = recorded_dispatcher<AllToAll, T>;
+template <class T, bool AllToAll, class P = T>
+expected<exact_result> run_exact(const problem& p, thread_communicator& world,
+                                 bool fine_probs = false) {
+  using D = recorded_dispatcher<AllToAll, T, P>;
+  using layout = detail::packed_layout<T, P>;
   const auto fold = make_folded(p.fold).value();
   const megatron_groups groups(fold);
   const int r = world.rank();
@@ -1027,11 +1037,16 @@ expected<exact_result> run_exact(const problem& p, thread_communicator& world) {
                        .ep = fold.ep(),
                        .etp = fold.etp()});
   if (!disp) return unexpected<error>(disp.error());
-  const auto g = rg.make(disp->packed_width(), AllToAll ? p.hidden + 1 : p.hidden + p.topk);
+  // Used columns: the token row, the gap up to the probabilities, the probabilities.
+  const int Hp = static_cast<int>(layout::probs_first(p.hidden));
+  const auto g =
+      rg.make(disp->packed_width(),
+              Hp + static_cast<int>(layout::prob_cols) * (AllToAll ? 1 : p.topk), p.hidden, Hp);
   const auto in = inputs_of(p, groups, r);
   const auto N = static_cast<std::size_t>(in.n), H = static_cast<std::size_t>(p.hidden),
              K = static_cast<std::size_t>(p.topk);
-  std::vector<T> x(N * H), dout(N * H), probs(N * K);
+  std::vector<T> x(N * H), dout(N * H);
+  std::vector<P> probs(N * K);
   for (std::size_t i = 0; i < x.size(); ++i) {
     x[i] =
         T(static_cast<float>(static_cast<int>((static_cast<std::size_t>(r) * 7 + i * 3) % 9) - 4));
@@ -1039,7 +1054,8 @@ expected<exact_result> run_exact(const problem& p, thread_communicator& world) {
         T(static_cast<float>(static_cast<int>((static_cast<std::size_t>(r) * 5 + i) % 7) - 3));
   }
   for (std::size_t i = 0; i < probs.size(); ++i)
-    probs[i] = T(static_cast<float>(1 + (static_cast<std::size_t>(r) + i) % 8) / 8.f);
+    probs[i] = P(static_cast<float>(1 + (static_cast<std::size_t>(r) + i) % 8) / 8.f +
+                 (fine_probs ? static_cast<float>(1 + i % 5) / 4096.f : 0.f));
   std::vector<std::byte> ws(disp->workspace_bytes(), std::byte{0xA5});
   auto h = disp->dispatch({.num_tokens = in.n, .x = x, .expert = in.expert, .probs = probs}, g, ws);
   if (!h) return unexpected<error>(h.error());
@@ -1047,17 +1063,18 @@ expected<exact_result> run_exact(const problem& p, thread_communicator& world) {
   res.dispatch = summarize(rg.log);
   const auto b = h->batch();
   const auto M = static_cast<std::size_t>(h->num_rows());
-  std::vector<T> y(b.x.begin(), b.x.end()), out(N * H), dy(M * H), dx(N * H), dprob(N * K);
+  std::vector<T> y(b.x.begin(), b.x.end()), out(N * H), dy(M * H), dx(N * H);
+  std::vector<P> dprob(N * K);
   if (auto st = disp->combine(*h, y, g, out); !st) return unexpected<error>(st.error());
   if (auto st = disp->combine_backward(*h, dout, g, dy); !st) return unexpected<error>(st.error());
   rg.log.clear();
-  const std::vector<T> dp_rows(b.probs.begin(), b.probs.end());
+  const std::vector<P> dp_rows(b.probs.begin(), b.probs.end());
   if (auto st = disp->dispatch_backward(*h, dy, dp_rows, g, dx, dprob); !st)
     return unexpected<error>(st.error());
   res.dispatch_backward = summarize(rg.log);
   auto to_float = [](const auto& v) {
     std::vector<float> f;
-    for (const T& e : v) f.push_back(static_cast<float>(e));
+    for (const auto& e : v) f.push_back(static_cast<float>(e));
     return f;
   };
   res.out = to_float(out);
@@ -1068,12 +1085,12 @@ expected<exact_result> run_exact(const problem& p, thread_communicator& world) {
   return res;
 }
 
-template <class T, bool AllToAll>
-std::vector<exact_result> run_all_exact(const problem& p) {
+template <class T, bool AllToAll, class P = T>
+std::vector<exact_result> run_all_exact(const problem& p, bool fine_probs = false) {
   const int world = make_folded(p.fold).value().world_size();
   std::vector<exact_result> results(static_cast<std::size_t>(world));
   const auto st = run_thread_world(world, [&](thread_communicator& comm) -> status {
-    auto r = run_exact<T, AllToAll>(p, comm);
+    auto r = run_exact<T, AllToAll, P>(p, comm, fine_probs);
     if (!r) return unexpected<error>(r.error());
     results[static_cast<std::size_t>(comm.rank())] = std::move(*r);
     return {};
@@ -1127,6 +1144,72 @@ TEST_CASE(
     CAPTURE(f.ep);
     check_16_bit_backward<true>(f);
     check_16_bit_backward<false>(f);
+  }
+}
+
+namespace {
+
+// bf16 tokens with fp32 probabilities (an fp32 router's, kept in fp32 to the experts as
+// Megatron-Core does with moe_router_dtype='fp32'): H 5, so the probabilities start at the
+// 4-byte boundary Hp = 6 after a one-column gap, and take two bf16 columns each.
+template <bool AllToAll>
+void check_fp32_probs_with_bf16_tokens(const fold_config& f) {
+  problem p{.fold = f, .experts = 8, .topk = 3, .hidden = 5, .ffn = 4, .tokens = 6};
+  const int etp = make_folded(f).value().etp();
+  using layout = detail::packed_layout<bfloat16, float>;
+  static_assert(layout::prob_cols == 2 && layout::probs_first(5) == 6 && layout::width(5, 1) == 8 &&
+                layout::width(5, 3) == 16);
+  const auto want = run_all_exact<float, AllToAll>(p, true);  // fp32 throughout
+  const auto got = run_all_exact<bfloat16, AllToAll, float>(p, true);
+  const auto rounded = run_all_exact<bfloat16, AllToAll>(p, true);  // probabilities in bf16
+  bool rounding_seen = false;
+  for (std::size_t r = 0; r < want.size(); ++r) {
+    CAPTURE(r);
+    // The probabilities arrive and their gradients return at fp32 precision, bit for bit; the
+    // rows are bf16 (exact data).
+    CHECK(got[r].batch_p == want[r].batch_p);
+    CHECK(got[r].dprob == want[r].dprob);
+    CHECK(got[r].batch_x == want[r].batch_x);
+    CHECK(got[r].out == want[r].out);
+    CHECK(got[r].dx == want[r].dx);
+    // The same data with bf16 probabilities loses those bits (so the checks above can fail).
+    rounding_seen =
+        rounding_seen || (!want[r].batch_p.empty() && rounded[r].batch_p != want[r].batch_p);
+    // Still one collective per step in the dispatch, the gap and the padding zero.
+    CHECK(got[r].dispatch.t_calls() == (AllToAll && etp > 1 ? 2 : 1));
+    CHECK(got[r].dispatch.pad_bytes > 0);
+    CHECK(got[r].dispatch.pad_nonzero == 0);
+    CHECK(got[r].dispatch_backward.pad_nonzero == 0);
+    // The backward's reductions keep the fp32 probability gradients apart (never summed as
+    // bf16); without a reduction (All-to-All, ETP 1) the backward stays packed.
+    const auto& b = got[r].dispatch_backward;
+    if (AllToAll) {
+      CHECK(b.rsv == (etp > 1 ? 2 : 0));
+      CHECK(b.a2a == (etp > 1 ? 2 : 1));
+    } else {
+      CHECK(b.rsv == 2);
+    }
+  }
+  CHECK(rounding_seen);
+}
+
+}  // namespace
+
+static_assert(
+    !all_to_all_dispatcher<bfloat16, thread_communicator, host_exec, float>::pack_reductions &&
+    !all_to_all_dispatcher<float, thread_communicator, host_exec, double>::pack_reductions &&
+    std::same_as<all_gather_dispatcher<bfloat16, thread_communicator, host_exec,
+                                       float>::handle_type::prob_type,
+                 float>);
+
+TEST_CASE(
+    "bf16 tokens with fp32 probabilities: packed at a 4-byte column, never rounded to bf16, "
+    "gradients reduced in fp32") {
+  for (const fold_config f : {fold_config{.world = 8, .tp = 2, .ep = 4, .etp = 2},
+                              fold_config{.world = 8, .tp = 2, .ep = 8, .etp = 1}}) {
+    CAPTURE(f.ep);
+    check_fp32_probs_with_bf16_tokens<true>(f);
+    check_fp32_probs_with_bf16_tokens<false>(f);
   }
 }
 

@@ -68,8 +68,9 @@ expected<layer_result> run_layer_rank(const problem& p, const Policy& policy, Co
   auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep);
   auto tp_cp = get(group_kind::tp_cp), stage = get(group_kind::tp_dp_cp),
        edp = get(group_kind::edp);
-  auto mlp = rank_experts<T>(p, fold, r, w.w1, w.w2).value();
-  using layer_t = moe_layer<T, Comm, Policy, Dispatcher, reference_mlp<T>>;
+  using P = typename Dispatcher::prob_type;  // T, or fp32 probabilities with bf16 tokens
+  auto mlp = rank_experts<T, P>(p, fold, r, w.w1, w.w2).value();
+  using layer_t = moe_layer<T, Comm, Policy, Dispatcher, reference_mlp<T, main_grad_t<T>, P>>;
   auto layer = layer_t::make({.hidden = p.hidden,
                               .max_tokens = p.tokens,
                               .max_recv_rows = p.max_recv_rows,

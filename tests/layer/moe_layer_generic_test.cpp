@@ -69,6 +69,7 @@ template <class T, class Comm>
 class local_dispatcher {
  public:
   using value_type = T;
+  using prob_type = T;  // the probabilities travel as T
   using exec_type = host_exec;
 
   class handle_type {

@@ -185,15 +185,22 @@ TEST_CASE(
             p, sub_sequence{.capacity_factor = 1.0}, drop_mode::per_rank) > 0);
 }
 
-TEST_CASE("bf16 tokens with an fp32 router equal the fp64 reference fed the same bf16 values") {
+namespace {
+
+// bf16 tokens with an fp32 router, the kept probabilities travelling to the experts in P (fp32:
+// never rounded to bf16, as Megatron-Core keeps them; bf16: rounded once at the dispatcher).
+template <class P>
+void check_bf16_layer() {
   // moe_router_dtype = fp32: bf16 tokens, experts and router weight (fp32 main_grad gradients),
   // logits, probabilities and losses in fp32. The reference is fed the same bf16-rounded inputs
   // and weights and computes in fp64; normwise <= 1e-2 for out, dx and every weight gradient.
+  using a2a = all_to_all_dispatcher<bfloat16, thread_communicator, host_exec, P>;
+  using ag = all_gather_dispatcher<bfloat16, thread_communicator, host_exec, P>;
   using layer_bf16 =
-      moe_layer<bfloat16, thread_communicator, dropless,
-                all_to_all_dispatcher<bfloat16, thread_communicator>, reference_mlp<bfloat16>>;
-  static_assert(std::same_as<layer_bf16::router_value_type, float>);
-  static_assert(std::same_as<layer_bf16::grad_type, float>);
+      moe_layer<bfloat16, thread_communicator, dropless, a2a, reference_mlp<bfloat16, float, P>>;
+  static_assert(std::same_as<typename layer_bf16::router_value_type, float>);
+  static_assert(std::same_as<typename layer_bf16::grad_type, float>);
+  static_assert(std::same_as<typename layer_bf16::prob_type, P>);
   const fold_config folds[] = {
       {.world = 4, .tp = 2, .ep = 2, .etp = 2},
       {.world = 8, .tp = 2, .ep = 4, .etp = 1},
@@ -209,12 +216,11 @@ TEST_CASE("bf16 tokens with an fp32 router equal the fp64 reference fed the same
     p.ffn = 4 * fold.etp();
     p.tokens = 6;
     p.bf16_values = true;
-    using a2a = all_to_all_dispatcher<bfloat16, thread_communicator>;
-    using ag = all_gather_dispatcher<bfloat16, thread_communicator>;
     const auto res = run_layer<bfloat16, dropless, a2a>(p, dropless{});
     layer_check judge;
     CHECK(check_layer_results<bfloat16>(p, res, drop_mode::none, &judge) == 0);
-    MESSAGE("bf16 layer, worst normwise error ", judge.worst);
+    MESSAGE("bf16 layer, probabilities of ", sizeof(P) * 8, " bits, worst normwise error ",
+            judge.worst);
     CHECK(judge.worst > 0);  // bf16 is not exact: the comparison is not vacuous
     // A planted defect: each local expert's fc1 gradient with its gate and up rows swapped.
     auto swapped = res;
@@ -237,4 +243,13 @@ TEST_CASE("bf16 tokens with an fp32 router equal the fp64 reference fed the same
                          drop_mode::per_sequence) > 0;
   }
   CHECK(dropping_runs >= 3);
+}
+
+}  // namespace
+
+TEST_CASE("bf16 tokens with an fp32 router equal the fp64 reference fed the same bf16 values") {
+  SUBCASE("fp32 probabilities (moe_router_dtype = fp32, as Megatron-Core)") {
+    check_bf16_layer<float>();
+  }
+  SUBCASE("probabilities rounded to bf16 at the dispatcher") { check_bf16_layer<bfloat16>(); }
 }

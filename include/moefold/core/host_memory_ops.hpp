@@ -156,19 +156,12 @@ struct host_memory_ops {
     return {};
   }
 
-  //! dst += src, element by element.   src, dst [n, w]
+  //! dst += src, element by element (16-bit T: the sum in fp32, as add_converted).
+  //! src, dst [n, w]
   template <class T>
   [[nodiscard]] status add(std::type_identity_t<row_view<const T, S>> src,
                            row_view<T, S> dst) const {
-    if (src.rows() != dst.rows() || src.width() != dst.width())
-      return op_shape_error(Derived::name, "add", "src and dst must have one shape");
-    for (int r = 0; r < dst.rows(); ++r) {
-      const T* s = src.row_data(r);
-      T* d = dst.row_data(r);
-      for (int c = 0; c < dst.width(); ++c)
-        d[c] = detail::narrow<T>(detail::widen(d[c]) + detail::widen(s[c]));  // 16-bit: in fp32
-    }
-    return {};
+    return add_converted<T, T>(src, dst);
   }
 
   //! dst += src converted to T, element by element: the sum formed in accumulator_t<T> (fp32 for

@@ -7,11 +7,12 @@
 //! it: same results, more bytes (O(N * ETP * EP * H) per rank, independent of k).
 //!
 //! Probabilities travel with their tokens: packed rows of W elements (the token row in columns
-//! [0, H), its k probabilities in [H, H + k), zeros up to W = round_up((H + k) * sizeof(T), 16) /
-//! sizeof(T)), so the dispatch gathers tokens and probabilities in one AllGather-V (the expert
-//! ids, int, in a second), and the backward's ReduceScatter-V returns the input and probability
-//! gradients in one, when T is at least 32 bits (pack_reductions; for 16-bit T the probability
-//! gradients keep their own reduction).
+//! [0, H), its k probabilities of type Prob from column Hp = probs_first(H), sizeof(Prob) /
+//! sizeof(T) columns each, zeros in between and up to W, a multiple of 16 bytes:
+//! detail::packed_layout), so the dispatch gathers tokens and probabilities in one AllGather-V (the
+//! expert ids, int, in a second), and the backward's ReduceScatter-V returns the input and
+//! probability gradients in one, when Prob is T and at least 32 bits (pack_reductions; otherwise
+//! the probability gradients keep their own reduction, in Prob).
 #pragma once
 
 #include <cstddef>
@@ -36,25 +37,31 @@
 namespace moefold {
 inline namespace v0_1 {
 
-//! The AllGather dispatcher for element type T over communicators of type Comm, run on execution
-//! context Exec: Comm's memory space must be Exec's (communicator_for).
-template <class T, class Comm, class Exec = host_exec>
+//! The AllGather dispatcher for tokens of element type T and probabilities of type Prob (T, or
+//! wider by a whole number of T's: fp32 with bf16) over communicators of type Comm, run on
+//! execution context Exec: Comm's memory space must be Exec's (communicator_for).
+template <class T, class Comm, class Exec = host_exec, class Prob = T>
 requires dispatch_context<Exec> && communicator_for<Comm, Exec, T> &&
-    communicator_for<Comm, Exec, int>
+    communicator_for<Comm, Exec, Prob> && communicator_for<Comm, Exec, int>
 class all_gather_dispatcher
-    : public dispatcher_common<all_gather_dispatcher<T, Comm, Exec>, T, Comm, Exec> {
-  using common = dispatcher_common<all_gather_dispatcher<T, Comm, Exec>, T, Comm, Exec>;
+    : public dispatcher_common<all_gather_dispatcher<T, Comm, Exec, Prob>, T, Comm, Exec, Prob> {
+  using common = dispatcher_common<all_gather_dispatcher<T, Comm, Exec, Prob>, T, Comm, Exec, Prob>;
+  using layout = detail::packed_layout<T, Prob>;
   using common::check_rows;
   using common::columns_of;
+  using common::probs_of;
   using common::rows_of;
-  using common::zero_padding;
+  using common::zero_columns;
 
  public:
   using value_type = T;
+  using prob_type = Prob;
   using exec_type = Exec;
   using space = typename Exec::memory_space;
   using view = row_view<T, space>;
   using const_view = row_view<const T, space>;
+  using prob_view = row_view<Prob, space>;
+  using const_prob_view = row_view<const Prob, space>;
   using handle_type = typename common::handle_type;
   using common::combine;
   using common::combine_backward;
@@ -66,7 +73,8 @@ class all_gather_dispatcher
     std::span<int> tokens;  //!< [EP*ETP]
     int gathered = 0;       //!< sum of tokens
     //! The scratch rows of its dispatch (the context's memory; any later call may reuse them)
-    std::span<T> rows_a, rows_b, probs_a;
+    std::span<T> rows_a, rows_b;
+    std::span<Prob> probs_a;
   };
   //! In pad mode (dispatch_input::capacity set) every local expert gets `capacity` rows from
   //! each rank of the group: its rows are EP*ETP blocks in tp-ep rank order.
@@ -74,9 +82,7 @@ class all_gather_dispatcher
   //! Checks the shape (detail::check_dispatch_shape).
   [[nodiscard]] static expected<all_gather_dispatcher> make(const dispatch_shape& s) {
     if (auto st = detail::check_dispatch_shape(s); !st) return unexpected<error>(st.error());
-    if (auto st = detail::check_packed_width(
-            detail::packed_width<T>(static_cast<std::int64_t>(s.hidden) + s.topk), "H + k");
-        !st)
+    if (auto st = detail::check_packed_width(layout::width(s.hidden, s.topk), "H + k"); !st)
       return unexpected<error>(st.error());
     all_gather_dispatcher d;
     d.s_ = s;
@@ -87,8 +93,7 @@ class all_gather_dispatcher
   //! Elements of a packed token row (token row, its k probabilities, zeros): a multiple of 16
   //! bytes.
   [[nodiscard]] int packed_width() const noexcept {
-    return static_cast<int>(
-        detail::packed_width<T>(static_cast<std::int64_t>(s_.hidden) + s_.topk));
+    return static_cast<int>(layout::width(s_.hidden, s_.topk));
   }
 
   //! Bytes of workspace one round trip (and its backward) needs, per part (dispatch_workspace);
@@ -106,7 +111,7 @@ class all_gather_dispatcher
   }
 
   //! Forward dispatch: gather the group's tokens, keep the rows of this rank's experts.
-  [[nodiscard]] expected<handle_type> dispatch(Exec& x, const dispatch_input<T, space>& in,
+  [[nodiscard]] expected<handle_type> dispatch(Exec& x, const dispatch_input<T, space, Prob>& in,
                                                const dispatch_groups<Comm>& g,
                                                const dispatch_workspace& ws) {
     using detail::to_decimal;
@@ -178,15 +183,14 @@ class all_gather_dispatcher
         return dispatch::receive_bound_error(peak, recv_rows(cap));
     // 3. Tokens and probabilities in packed rows, gathered in one collective; the expert ids in
     //    a second.                   x [n, H], probs [n, k] -> xs [n, W] -> xg [G, W]
-    const int W = packed_width();
+    const int W = packed_width(), Hp = probs_first();
     const auto Wz = detail::uz(W);
     auto xs = b.rows_b.first(detail::uz(n) * Wz);
     if (auto st = x.copy(in.x, columns_of(xs, W, 0, s_.hidden)); !st)
       return unexpected<error>(st.error());
-    if (auto st = x.copy(in.probs, columns_of(xs, W, s_.hidden, s_.topk)); !st)
+    if (auto st = x.copy(in.probs, probs_of(xs, W, Hp, s_.topk)); !st)
       return unexpected<error>(st.error());
-    if (auto st = zero_padding(x, xs, W, s_.hidden + s_.topk); !st)
-      return unexpected<error>(st.error());
+    if (auto st = zero_gaps(x, xs); !st) return unexpected<error>(st.error());
     auto xg = b.rows_a.first(G * Wz);
     auto eg = b.experts.first(G * K);
     const std::span<const int> tokens = b.tokens;  // rows per tp-ep rank
@@ -230,10 +234,10 @@ class all_gather_dispatcher
         !st)
       return unexpected<error>(st.error());
     auto pg = b.probs_a.first(G * K);
-    if (auto st = x.copy(columns_of(xgc, W, s_.hidden, s_.topk), rows_of(pg, s_.topk)); !st)
+    if (auto st = x.copy(probs_of(xgc, W, Hp, s_.topk), rows_of(pg, s_.topk)); !st)
       return unexpected<error>(st.error());
-    if (auto st = x.template gather_rows<T>(rows_of(std::span<const T>(pg), 1), h.plan_.row_slots(),
-                                            1, h.p_);
+    if (auto st = x.template gather_rows<Prob>(rows_of(std::span<const Prob>(pg), 1),
+                                               h.plan_.row_slots(), 1, h.p_);
         !st)
       return unexpected<error>(st.error());
     return h;
@@ -283,8 +287,8 @@ class all_gather_dispatcher
   //! Backward of dispatch: dx_rows [M, H], dprob_rows [M, 1] -> dx [N, H], dprobs [N, k]
   //! (dx and dprobs contiguous).
   [[nodiscard]] status dispatch_backward(Exec& x, const handle_type& h, const_view dx_rows,
-                                         const_view dprob_rows, const dispatch_groups<Comm>& g,
-                                         view dx, view dprobs) {
+                                         const_prob_view dprob_rows, const dispatch_groups<Comm>& g,
+                                         view dx, prob_view dprobs) {
     if (auto st = check_handle(h, g); !st) return st;
     if (auto st = this->check_backward_shapes(h, dx_rows, dprob_rows, dx, dprobs); !st) return st;
     if (pack_reductions) return dispatch_backward_packed(x, h, dx_rows, dprob_rows, g, dx, dprobs);
@@ -297,22 +301,24 @@ class all_gather_dispatcher
   // collectives; the host part holds what the host reads.
   struct buffers {
     std::span<std::byte> plan;                                  // saved, context
-    std::span<T> batch_x, batch_probs;                          // saved, context
+    std::span<T> batch_x;                                       // saved, context
+    std::span<Prob> batch_probs;                                // saved, context
     std::span<int> header_row, header, experts, local_experts;  // scratch, context
-    std::span<T> rows_a, rows_b, probs_a;                       // scratch, context
+    std::span<T> rows_a, rows_b;                                // scratch, context
+    std::span<Prob> probs_a;                                    // scratch, context
     std::span<detail::dispatch_stamp> stamp;                    // host
     std::span<int> header_host, tokens, per_expert;             // host
   };
 
   // Permute backward (a sum per gathered token), then the AllGather backward: a sum over the
   // group, which adds the experts of the other EP ranks and the partials of the ETP peers. Packed:
-  // the input gradients in columns [0, H) and the probability gradients in [H, H + k) of one
-  // ReduceScatter-V (both summed in T).
+  // the input gradients in columns [0, H) and the probability gradients in their columns from Hp
+  // of one ReduceScatter-V (both summed in T: pack_reductions, Prob is T).
   status dispatch_backward_packed(Exec& x, const handle_type& h, const_view dx_rows,
-                                  const_view dprob_rows, const dispatch_groups<Comm>& g, view dx,
-                                  view dprobs) {
+                                  const_prob_view dprob_rows, const dispatch_groups<Comm>& g,
+                                  view dx, prob_view dprobs) {
     const auto K = detail::uz(s_.topk), G = detail::uz(h.st_.gathered);
-    const int W = packed_width();
+    const int W = packed_width(), Hp = probs_first();
     const auto Wz = detail::uz(W);
     auto gx = h.st_.rows_b.first(G * Wz);
     if (auto st = x.template gather_sum_rows<T, T, accumulator_t<T>>(
@@ -320,14 +326,13 @@ class all_gather_dispatcher
         !st)
       return st;
     auto gp = h.st_.probs_a.first(G * K);  // by slot, then into the packed rows' columns
-    if (auto st = x.template gather_rows<T>(dprob_rows, h.plan_.slot_rows(), 1, rows_of(gp, 1));
+    if (auto st = x.template gather_rows<Prob>(dprob_rows, h.plan_.slot_rows(), 1, rows_of(gp, 1));
         !st)
       return st;
-    if (auto st =
-            x.copy(rows_of(std::span<const T>(gp), s_.topk), columns_of(gx, W, s_.hidden, s_.topk));
+    if (auto st = x.copy(rows_of(std::span<const Prob>(gp), s_.topk), probs_of(gx, W, Hp, s_.topk));
         !st)
       return st;
-    if (auto st = zero_padding(x, gx, W, s_.hidden + s_.topk); !st) return st;
+    if (auto st = zero_gaps(x, gx); !st) return st;
     auto rr = h.st_.rows_a.first(detail::uz(h.num_tokens()) * Wz);
     if (auto st = g.tp_ep.reduce_scatter_v(x, rows_of(std::span<const T>(gx), W),
                                            std::span<const int>(h.st_.tokens), rows_of(rr, W),
@@ -336,14 +341,15 @@ class all_gather_dispatcher
       return st;
     const std::span<const T> rrc = rr;
     if (auto st = x.copy(columns_of(rrc, W, 0, s_.hidden), dx); !st) return st;
-    return x.copy(columns_of(rrc, W, s_.hidden, s_.topk), dprobs);
+    return x.copy(probs_of(rrc, W, Hp, s_.topk), dprobs);
   }
 
-  // The backward for 16-bit T (!pack_reductions): the probability gradients keep their own
-  // ReduceScatter-V.
+  // The backward when the probability gradients may not be summed in packed rows
+  // (!pack_reductions: 16-bit T, or Prob other than T): they keep their own ReduceScatter-V, in
+  // Prob.
   status dispatch_backward_separate(Exec& x, const handle_type& h, const_view dx_rows,
-                                    const_view dprob_rows, const dispatch_groups<Comm>& g, view dx,
-                                    view dprobs) {
+                                    const_prob_view dprob_rows, const dispatch_groups<Comm>& g,
+                                    view dx, prob_view dprobs) {
     const auto H = detail::uz(s_.hidden), K = detail::uz(s_.topk), G = detail::uz(h.st_.gathered);
     auto gx = h.st_.rows_b.first(G * H);
     if (auto st = x.template gather_sum_rows<T, T, accumulator_t<T>>(dx_rows, h.plan_.token_rows(),
@@ -355,11 +361,20 @@ class all_gather_dispatcher
         !st)
       return st;
     auto gp = h.st_.probs_a.first(G * K);
-    if (auto st = x.template gather_rows<T>(dprob_rows, h.plan_.slot_rows(), 1, rows_of(gp, 1));
+    if (auto st = x.template gather_rows<Prob>(dprob_rows, h.plan_.slot_rows(), 1, rows_of(gp, 1));
         !st)
       return st;
-    return g.tp_ep.reduce_scatter_v(x, rows_of(std::span<const T>(gp), s_.topk),
+    return g.tp_ep.reduce_scatter_v(x, rows_of(std::span<const Prob>(gp), s_.topk),
                                     std::span<const int>(h.st_.tokens), dprobs, reduce_op::sum);
+  }
+
+  // The first probability column of a packed row, and zeros in the columns that hold neither the
+  // token row nor the probabilities: [H, Hp) and [Hp + k * prob_cols, W).
+  int probs_first() const noexcept { return static_cast<int>(layout::probs_first(s_.hidden)); }
+  status zero_gaps(Exec& x, std::span<T> packed) const {
+    const int W = packed_width(), Hp = probs_first();
+    if (auto st = zero_columns(x, packed, W, s_.hidden, Hp); !st) return st;
+    return zero_columns(x, packed, W, Hp + s_.topk * common::prob_cols, W);
   }
 
   // Rows of the experts' batch at most: the receive bound (by default every routed pair of the
@@ -382,7 +397,7 @@ class all_gather_dispatcher
                           .num_sources = capacity >= 0 ? static_cast<int>(P) : 1};
     b.plan = c.take<std::byte>(permute_plan::workspace_bytes(pa));
     b.batch_x = c.take<T>(M * H);
-    b.batch_probs = c.take<T>(M);
+    b.batch_probs = c.take<Prob>(M);
   }
   // Host (kept with the handle): the gathered header, the token counts, the rows per expert.
   void carve_host(workspace_carver& c, buffers& b) const {
@@ -406,7 +421,7 @@ class all_gather_dispatcher
     b.local_experts = c.take<int>(G * K);
     b.rows_a = c.take<T>(G * W);
     b.rows_b = c.take<T>(G * W);
-    b.probs_a = c.take<T>(G * K);
+    b.probs_a = c.take<Prob>(G * K);
   }
 
   status check_handle(const handle_type& h, const dispatch_groups<Comm>& g) const {

@@ -13,11 +13,13 @@
 //! counts to the host (skipped in pad mode) and the chunk offsets to the context.
 //!
 //! Probabilities travel with their rows: the permute writes packed rows of W elements (the token
-//! row in columns [0, H), its probability in column H, zeros up to W = round_up((H + 1) *
-//! sizeof(T), 16) / sizeof(T)), so the dispatch's All-to-All-V and AllGather-V, and the
-//! backward's ReduceScatter-V and All-to-All-V, are one collective each instead of two. The
-//! backward's ReduceScatter-V packs only when T is at least 32 bits (pack_reductions); for 16-bit
-//! T the probability gradients keep their own reduction.
+//! row in columns [0, H), its probability of type Prob in the columns from Hp = probs_first(H)
+//! (sizeof(Prob) / sizeof(T) of them: one for Prob = T, two for fp32 with bf16 tokens), zeros in
+//! between and up to W, a multiple of 16 bytes: detail::packed_layout), so the dispatch's
+//! All-to-All-V and AllGather-V, and the backward's ReduceScatter-V and All-to-All-V, are one
+//! collective each instead of two. The backward's ReduceScatter-V packs only when Prob is T and at
+//! least 32 bits (pack_reductions); otherwise the probability gradients keep their own reduction,
+//! in Prob.
 #pragma once
 
 #include <cstddef>
@@ -25,6 +27,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "../comm/communicator.hpp"
@@ -46,25 +49,32 @@
 namespace moefold {
 inline namespace v0_1 {
 
-//! The All-to-All dispatcher for element type T over communicators of type Comm, run on
+//! The All-to-All dispatcher for tokens of element type T and probabilities of type Prob (T, or
+//! wider by a whole number of T's: fp32 with bf16) over communicators of type Comm, run on
 //! execution context Exec: Comm's memory space must be Exec's (communicator_for).
-template <class T, class Comm, class Exec = host_exec>
+template <class T, class Comm, class Exec = host_exec, class Prob = T>
 requires dispatch_context<Exec> && communicator_for<Comm, Exec, T> &&
-    communicator_for<Comm, Exec, int>
+    communicator_for<Comm, Exec, Prob> && communicator_for<Comm, Exec, int>
 class all_to_all_dispatcher
-    : public dispatcher_common<all_to_all_dispatcher<T, Comm, Exec>, T, Comm, Exec> {
-  using common = dispatcher_common<all_to_all_dispatcher<T, Comm, Exec>, T, Comm, Exec>;
+    : public dispatcher_common<all_to_all_dispatcher<T, Comm, Exec, Prob>, T, Comm, Exec, Prob> {
+  using common = dispatcher_common<all_to_all_dispatcher<T, Comm, Exec, Prob>, T, Comm, Exec, Prob>;
+  using layout = detail::packed_layout<T, Prob>;
   using common::check_rows;
   using common::columns_of;
+  using common::probs_of;
   using common::rows_of;
-  using common::zero_padding;
+  using common::rows_then_probs;
+  using common::zero_columns;
 
  public:
   using value_type = T;
+  using prob_type = Prob;
   using exec_type = Exec;
   using space = typename Exec::memory_space;
   using view = row_view<T, space>;
   using const_view = row_view<const T, space>;
+  using prob_view = row_view<Prob, space>;
+  using const_prob_view = row_view<const Prob, space>;
   using handle_type = typename common::handle_type;
   using common::combine;
   using common::combine_backward;
@@ -85,7 +95,7 @@ class all_to_all_dispatcher
   //! Checks the shape (detail::check_dispatch_shape).
   [[nodiscard]] static expected<all_to_all_dispatcher> make(const dispatch_shape& s) {
     if (auto st = detail::check_dispatch_shape(s); !st) return unexpected<error>(st.error());
-    if (auto st = detail::check_packed_width(detail::packed_width<T>(s.hidden + 1LL), "H + 1"); !st)
+    if (auto st = detail::check_packed_width(layout::width(s.hidden, 1), "H + 1"); !st)
       return unexpected<error>(st.error());
     all_to_all_dispatcher d;
     d.s_ = s;
@@ -95,7 +105,7 @@ class all_to_all_dispatcher
   [[nodiscard]] const dispatch_shape& shape() const noexcept { return s_; }
   //! Elements of a packed row (token row, probability, zeros): a multiple of 16 bytes.
   [[nodiscard]] int packed_width() const noexcept {
-    return static_cast<int>(detail::packed_width<T>(s_.hidden + 1LL));
+    return static_cast<int>(layout::width(s_.hidden, 1));
   }
 
   //! Bytes of workspace one dispatch/combine round trip (and its backward) needs, per part
@@ -115,7 +125,7 @@ class all_to_all_dispatcher
   //! Forward dispatch: after it, handle.batch_rows() is what the local experts compute.
   //! `ws.saved` and `ws.host` stay with the handle until the backward; `ws.scratch` may be
   //! shared with other layers.
-  [[nodiscard]] expected<handle_type> dispatch(Exec& x, const dispatch_input<T, space>& in,
+  [[nodiscard]] expected<handle_type> dispatch(Exec& x, const dispatch_input<T, space, Prob>& in,
                                                const dispatch_groups<Comm>& g,
                                                const dispatch_workspace& ws) {
     using detail::to_decimal;
@@ -213,20 +223,20 @@ class all_to_all_dispatcher
     const int m_send = h.plan_.num_rows();
     const int m_a2a = dispatch::split_total(h.st_.output_splits);
     const int m_all = dispatch::split_total(h.st_.output_splits_tp);
-    // 3. Permute into packed rows: the token row in columns [0, H), its probability in column H,
-    //    zeros after.                                x [N,H], probs [N,k] -> xp [m_send, W]
-    const int W = packed_width();
+    // 3. Permute into packed rows: the token row in columns [0, H), its probability from column
+    //    Hp, zeros in between and after.            x [N,H], probs [N,k] -> xp [m_send, W]
+    const int W = packed_width(), Hp = probs_first();
     auto xp = b.rows_c.first(detail::uz(m_send) * detail::uz(W));
     if (auto st = x.template gather_rows<T>(in.x, h.plan_.row_slots(), s_.topk,
                                             columns_of(xp, W, 0, s_.hidden));
         !st)
       return unexpected<error>(st.error());
-    const const_view probs_by_slot(in.probs.data(), in.num_tokens * s_.topk, 1);  // [N*k, 1]
-    if (auto st = x.template gather_rows<T>(probs_by_slot, h.plan_.row_slots(), 1,
-                                            columns_of(xp, W, s_.hidden, 1));
+    const const_prob_view probs_by_slot(in.probs.data(), in.num_tokens * s_.topk, 1);  // [N*k, 1]
+    if (auto st = x.template gather_rows<Prob>(probs_by_slot, h.plan_.row_slots(), 1,
+                                               probs_of(xp, W, Hp, 1));
         !st)
       return unexpected<error>(st.error());
-    if (auto st = zero_padding(x, xp, W, s_.hidden + 1); !st) return unexpected<error>(st.error());
+    if (auto st = zero_gaps(x, xp); !st) return unexpected<error>(st.error());
     // 4. All-to-All-V over EP, rows and probabilities in one.   -> [m_a2a, W] ordered (j, l, token)
     auto xr = b.rows_b.first(detail::uz(m_a2a) * detail::uz(W));
     if (auto st = a2a(x, g.ep, xp, h.st_.input_splits, xr, h.st_.output_splits, W); !st)
@@ -246,9 +256,9 @@ class all_to_all_dispatcher
     h.x_ = rows_of(b.batch_x.first(detail::uz(m_all) * H), s_.hidden);
     h.p_ = rows_of(b.batch_probs.first(detail::uz(m_all)), 1);
     const std::span<const T> xgc = xg;
-    if (auto st = sort_chunks(x, h, columns_of(xgc, W, 0, s_.hidden), h.x_); !st)
+    if (auto st = sort_chunks<T>(x, h, columns_of(xgc, W, 0, s_.hidden), h.x_); !st)
       return unexpected<error>(st.error());
-    if (auto st = sort_chunks(x, h, columns_of(xgc, W, s_.hidden, 1), h.p_); !st)
+    if (auto st = sort_chunks<Prob>(x, h, probs_of(xgc, W, Hp, 1), h.p_); !st)
       return unexpected<error>(st.error());
     return h;
   }
@@ -265,7 +275,7 @@ class all_to_all_dispatcher
               m_all = h.num_rows();
     // Unsort (l, t, j) -> (t, j, l).
     auto yu = h.st_.rows_a.first(detail::uz(m_all) * H);
-    if (auto st = unsort_chunks(x, h, y, rows_of(yu, s_.hidden)); !st) return st;
+    if (auto st = unsort_chunks<T>(x, h, y, rows_of(yu, s_.hidden)); !st) return st;
     // ReduceScatter-V over ETP: sums the row-parallel partials, returns each peer its rows.
     std::span<T> yr = yu;
     if (s_.etp > 1) {
@@ -307,18 +317,19 @@ class all_to_all_dispatcher
       gu = h.st_.rows_a.first(detail::uz(m_all) * H);
       if (auto st = agv(x, g.etp, gr, gu, h.st_.output_splits_tp, s_.hidden); !st) return st;
     }
-    return sort_chunks(x, h, rows_of(std::span<const T>(gu), s_.hidden), dy);
+    return sort_chunks<T>(x, h, rows_of(std::span<const T>(gu), s_.hidden), dy);
   }
 
   //! Backward of dispatch: the experts' input and probability gradients (batch order, ETP
   //! partials) dx_rows [M, H], dprob_rows [M, 1] -> dx [N, H] and dprobs [N, k] (0 for dropped
   //! pairs; contiguous).
   [[nodiscard]] status dispatch_backward(Exec& x, const handle_type& h, const_view dx_rows,
-                                         const_view dprob_rows, const dispatch_groups<Comm>& g,
-                                         view dx, view dprobs) {
+                                         const_prob_view dprob_rows, const dispatch_groups<Comm>& g,
+                                         view dx, prob_view dprobs) {
     if (auto st = check_handle(h, g); !st) return st;
     if (auto st = this->check_backward_shapes(h, dx_rows, dprob_rows, dx, dprobs); !st) return st;
-    // Packed unless the ReduceScatter-V over ETP would sum 16-bit probabilities.
+    // Packed unless the ReduceScatter-V over ETP would sum the probabilities as T when they are
+    // not T, or in 16 bits.
     if (pack_reductions || s_.etp == 1)
       return dispatch_backward_packed(x, h, dx_rows, dprob_rows, g, dx, dprobs);
     return dispatch_backward_separate(x, h, dx_rows, dprob_rows, g, dx, dprobs);
@@ -333,7 +344,8 @@ class all_to_all_dispatcher
     // after the sort), the expert batch (the experts read it again in the backward)
     std::span<std::byte> plan;
     std::span<int> chunk_meta;
-    std::span<T> batch_x, batch_probs;
+    std::span<T> batch_x;
+    std::span<Prob> batch_probs;
     // scratch, the context's memory: the gathered counts [EP*ETP, E] and rows reused by every
     // step (packed rows [., W] in dispatch and its backward, plain rows [., H] in combine and
     // its backward)
@@ -347,17 +359,18 @@ class all_to_all_dispatcher
   };
 
   // The backward with packed rows: the row gradients in columns [0, H), the probability
-  // gradients in column H; one ReduceScatter-V over ETP (sums both in T) and one All-to-All-V.
+  // gradients in their column Hp; one ReduceScatter-V over ETP (sums both in T) and one
+  // All-to-All-V. The ReduceScatter-V only runs when ETP > 1, so ETP 1 packs for every Prob.
   status dispatch_backward_packed(Exec& x, const handle_type& h, const_view dx_rows,
-                                  const_view dprob_rows, const dispatch_groups<Comm>& g, view dx,
-                                  view dprobs) {
+                                  const_prob_view dprob_rows, const dispatch_groups<Comm>& g,
+                                  view dx, prob_view dprobs) {
     const int m_a2a = dispatch::split_total(h.st_.output_splits), m_send = h.plan_.num_rows(),
-              m_all = h.num_rows(), W = packed_width();
+              m_all = h.num_rows(), W = packed_width(), Hp = probs_first();
     const auto Wz = detail::uz(W);
     auto gx = h.st_.rows_a.first(detail::uz(m_all) * Wz);  // sort backward = unsort
-    if (auto st = unsort_chunks(x, h, dx_rows, columns_of(gx, W, 0, s_.hidden)); !st) return st;
-    if (auto st = unsort_chunks(x, h, dprob_rows, columns_of(gx, W, s_.hidden, 1)); !st) return st;
-    if (auto st = zero_padding(x, gx, W, s_.hidden + 1); !st) return st;
+    if (auto st = unsort_chunks<T>(x, h, dx_rows, columns_of(gx, W, 0, s_.hidden)); !st) return st;
+    if (auto st = unsort_chunks<Prob>(x, h, dprob_rows, probs_of(gx, W, Hp, 1)); !st) return st;
+    if (auto st = zero_gaps(x, gx); !st) return st;
     std::span<T> rx = gx;  // AllGather backward = ReduceScatter (a sum over ETP)
     if (s_.etp > 1) {
       rx = h.st_.rows_b.first(detail::uz(m_a2a) * Wz);
@@ -371,54 +384,65 @@ class all_to_all_dispatcher
             columns_of(sxc, W, 0, s_.hidden), h.plan_.token_rows(), {}, dx);
         !st)
       return st;
-    return x.template gather_rows<T>(columns_of(sxc, W, s_.hidden, 1), h.plan_.slot_rows(), 1,
-                                     by_slot(dprobs));
+    return x.template gather_rows<Prob>(probs_of(sxc, W, Hp, 1), h.plan_.slot_rows(), 1,
+                                        by_slot(dprobs));
   }
 
-  // The backward for 16-bit T with ETP > 1 (!pack_reductions): the probability gradients keep
-  // their own ReduceScatter-V and All-to-All-V, in plain layouts inside the packed buffers
-  // (W >= H + 1 elements per row leaves room for [rows, H] followed by [rows]).
+  // The backward with ETP > 1 when the probability gradients may not be summed in packed rows
+  // (!pack_reductions: 16-bit T, or Prob other than T): they keep their own ReduceScatter-V and
+  // All-to-All-V in Prob, in plain layouts inside the packed buffers (rows_then_probs: [rows, H]
+  // followed by [rows] of Prob).
   status dispatch_backward_separate(Exec& x, const handle_type& h, const_view dx_rows,
-                                    const_view dprob_rows, const dispatch_groups<Comm>& g, view dx,
-                                    view dprobs) {
+                                    const_prob_view dprob_rows, const dispatch_groups<Comm>& g,
+                                    view dx, prob_view dprobs) {
     const int m_a2a = dispatch::split_total(h.st_.output_splits), m_send = h.plan_.num_rows(),
               m_all = h.num_rows();
-    const auto H = detail::uz(s_.hidden);
-    auto rows_and_probs = [&](std::span<T> buf, int m) {
-      const auto mz = detail::uz(m);
-      return std::pair{buf.first(mz * H), buf.subspan(mz * H, mz)};
-    };
-    auto [gx, gp] = rows_and_probs(h.st_.rows_a, m_all);  // sort backward = unsort
-    if (auto st = unsort_chunks(x, h, dx_rows, rows_of(gx, s_.hidden)); !st) return st;
-    if (auto st = unsort_chunks(x, h, dprob_rows, rows_of(gp, 1)); !st) return st;
-    auto [rx, rp] = rows_and_probs(h.st_.rows_b, m_a2a);  // AllGather backward = ReduceScatter
-    if (auto st = rsv(x, g.etp, gx, rx, h.st_.output_splits_tp, s_.hidden); !st) return st;
-    if (auto st = rsv(x, g.etp, gp, rp, h.st_.output_splits_tp, 1); !st) return st;
-    auto [sx, sp] = rows_and_probs(h.st_.rows_c, m_send);  // All-to-All backward: swap splits
-    if (auto st = a2a(x, g.ep, rx, h.st_.output_splits, sx, h.st_.input_splits, s_.hidden); !st)
+    auto [gx, gp] = rows_then_probs(h.st_.rows_a, m_all, s_.hidden);  // sort backward = unsort
+    if (auto st = unsort_chunks<T>(x, h, dx_rows, rows_of(gx, s_.hidden)); !st) return st;
+    if (auto st = unsort_chunks<Prob>(x, h, dprob_rows, rows_of(gp, 1)); !st) return st;
+    // AllGather backward = ReduceScatter
+    auto [rx, rp] = rows_then_probs(h.st_.rows_b, m_a2a, s_.hidden);
+    if (auto st = rsv<T>(x, g.etp, gx, rx, h.st_.output_splits_tp, s_.hidden); !st) return st;
+    if (auto st = rsv<Prob>(x, g.etp, gp, rp, h.st_.output_splits_tp, 1); !st) return st;
+    // All-to-All backward: swap the splits
+    auto [sx, sp] = rows_then_probs(h.st_.rows_c, m_send, s_.hidden);
+    if (auto st = a2a<T>(x, g.ep, rx, h.st_.output_splits, sx, h.st_.input_splits, s_.hidden); !st)
       return st;
-    if (auto st = a2a(x, g.ep, rp, h.st_.output_splits, sp, h.st_.input_splits, 1); !st) return st;
+    if (auto st = a2a<Prob>(x, g.ep, rp, h.st_.output_splits, sp, h.st_.input_splits, 1); !st)
+      return st;
     if (auto st = x.template gather_sum_rows<T, T, accumulator_t<T>>(
             rows_of(std::span<const T>(sx), s_.hidden), h.plan_.token_rows(), {}, dx);
         !st)
       return st;
-    return x.template gather_rows<T>(rows_of(std::span<const T>(sp), 1), h.plan_.slot_rows(), 1,
-                                     by_slot(dprobs));
+    return x.template gather_rows<Prob>(rows_of(std::span<const Prob>(sp), 1), h.plan_.slot_rows(),
+                                        1, by_slot(dprobs));
   }
 
   // dprobs [N, k] (contiguous) as [N*k, 1], indexed by slot.
-  static view by_slot(view dprobs) noexcept {
-    return view(dprobs.data(), dprobs.rows() * dprobs.width(), 1);
+  static prob_view by_slot(prob_view dprobs) noexcept {
+    return prob_view(dprobs.data(), dprobs.rows() * dprobs.width(), 1);
+  }
+  // The first probability column of a packed row, and zeros in the columns that hold neither
+  // the token row nor the probability: [H, Hp) and [Hp + prob_cols, W).
+  int probs_first() const noexcept { return static_cast<int>(layout::probs_first(s_.hidden)); }
+  status zero_gaps(Exec& x, std::span<T> packed) const {
+    const int W = packed_width(), Hp = probs_first();
+    if (auto st = zero_columns(x, packed, W, s_.hidden, Hp); !st) return st;
+    return zero_columns(x, packed, W, Hp + common::prob_cols, W);
   }
   // Chunk sort (t, j, l) -> (l, t, j) and its inverse: one chunk copy with the offsets the
   // forward planned, swapped for the inverse.   src, dst [rows, width], either may be strided
-  // (the columns of packed rows)
-  static status sort_chunks(Exec& x, const handle_type& h, const_view src, view dst) {
-    return x.template copy_chunks<T>(src, column(h.st_.chunk_sizes), column(h.st_.chunk_from),
+  // (the columns of packed rows); U is T (rows) or Prob (probabilities)
+  template <class U>
+  static status sort_chunks(Exec& x, const handle_type& h, row_view<const U, space> src,
+                            row_view<U, space> dst) {
+    return x.template copy_chunks<U>(src, column(h.st_.chunk_sizes), column(h.st_.chunk_from),
                                      column(h.st_.chunk_to), dst);
   }
-  static status unsort_chunks(Exec& x, const handle_type& h, const_view src, view dst) {
-    return x.template copy_chunks<T>(src, column(h.st_.chunk_sizes), column(h.st_.chunk_to),
+  template <class U>
+  static status unsort_chunks(Exec& x, const handle_type& h, row_view<const U, space> src,
+                              row_view<U, space> dst) {
+    return x.template copy_chunks<U>(src, column(h.st_.chunk_sizes), column(h.st_.chunk_to),
                                      column(h.st_.chunk_from), dst);
   }
   // A row [1, C] of the chunk table as the column [C, 1] copy_chunks takes.
@@ -455,7 +479,7 @@ class all_to_all_dispatcher
     b.plan = c.take<std::byte>(permute_plan::workspace_bytes(pa));
     b.chunk_meta = c.take<int>(3 * ETP * EP * L);
     b.batch_x = c.take<T>(R * H);
-    b.batch_probs = c.take<T>(R);
+    b.batch_probs = c.take<Prob>(R);
   }
   // Host (kept with the handle): the gathered counts, splits, chunk order and chunk table.
   void carve_host(workspace_carver& c, buffers& b) const {
@@ -490,16 +514,20 @@ class all_to_all_dispatcher
 
   // The collectives on row views: counts in rows of `width` elements (the communicator does the
   // 64-bit element arithmetic).
-  static status a2a(Exec& x, Comm& c, std::span<const T> send, std::span<const int> send_rows,
-                    std::span<T> recv, std::span<const int> recv_rows, int width) {
+  // U: T (rows) or Prob (the probabilities of the separate reductions), given, never deduced.
+  template <class U = T>
+  static status a2a(Exec& x, Comm& c, std::type_identity_t<std::span<const U>> send,
+                    std::span<const int> send_rows, std::type_identity_t<std::span<U>> recv,
+                    std::span<const int> recv_rows, int width) {
     return c.all_to_all_v(x, rows_of(send, width), send_rows, rows_of(recv, width), recv_rows);
   }
   static status agv(Exec& x, Comm& c, std::span<const T> send, std::span<T> recv,
                     std::span<const int> rows, int width) {
     return c.all_gather_v(x, rows_of(send, width), rows_of(recv, width), rows);
   }
-  static status rsv(Exec& x, Comm& c, std::span<const T> send, std::span<T> recv,
-                    std::span<const int> rows, int width) {
+  template <class U = T>
+  static status rsv(Exec& x, Comm& c, std::type_identity_t<std::span<const U>> send,
+                    std::type_identity_t<std::span<U>> recv, std::span<const int> rows, int width) {
     return c.reduce_scatter_v(x, rows_of(send, width), rows, rows_of(recv, width), reduce_op::sum);
   }
 

@@ -55,12 +55,14 @@ struct dispatch_workspace_bytes {
 };
 
 //! One rank's inputs to dispatch, as views in the memory space of the dispatcher's context.
-template <class T, memory_space Space = host_space>
+//! T is the tokens' element type, P the probabilities' (P = T, or wider: fp32 probabilities with
+//! bf16 tokens, as Megatron-Core's moe_router_dtype='fp32' keeps them).
+template <class T, memory_space Space = host_space, class P = T>
 struct dispatch_input {
   int num_tokens = 0;                   //!< N <= max_tokens
   row_view<const T, Space> x{};         //!< [N, H] tokens (any row stride)
   row_view<const int, Space> expert{};  //!< [N, k] expert of each pair, -1 = dropped (contiguous)
-  row_view<const T, Space> probs{};     //!< [N, k] router probability of each pair (contiguous)
+  row_view<const P, Space> probs{};     //!< [N, k] router probability of each pair (contiguous)
   //! Pad mode when set (static shapes, docs/dispatch-semantics.md 5.2.1): every expert receives
   //! exactly `capacity` (>= 0) rows from this rank, its kept pairs in token order and then zero
   //! rows of probability 0, so no counts need exchanging. Every rank of the tp-ep group must pass
@@ -72,25 +74,26 @@ struct dispatch_input {
 //! The span form of dispatch_input, for host code and tests (host contexts): x [N*H], expert and
 //! probs [N*k], in element counts. The dispatcher sees it as the views of to_views(H, k); a span
 //! that is not whole rows gives a view of -1 rows, which it refuses as a shape mismatch.
-template <class T>
+template <class T, class P = T>
 struct host_dispatch_input {
   int num_tokens = 0;
   std::span<const T> x{};
   std::span<const int> expert{};
-  std::span<const T> probs{};
+  std::span<const P> probs{};
   std::optional<int> capacity{};
 
-  [[nodiscard]] dispatch_input<T> to_views(int hidden, int topk) const noexcept {
+  [[nodiscard]] dispatch_input<T, host_space, P> to_views(int hidden, int topk) const noexcept {
     auto rows = [](std::size_t n, int w) {
       return w > 0 && n % static_cast<std::size_t>(w) == 0
                  ? static_cast<int>(n / static_cast<std::size_t>(w))
                  : -1;
     };
-    const dispatch_input<T> in{.num_tokens = num_tokens,
-                               .x = {x.data(), rows(x.size(), hidden), hidden},
-                               .expert = {expert.data(), rows(expert.size(), topk), topk},
-                               .probs = {probs.data(), rows(probs.size(), topk), topk},
-                               .capacity = capacity};
+    const dispatch_input<T, host_space, P> in{
+        .num_tokens = num_tokens,
+        .x = {x.data(), rows(x.size(), hidden), hidden},
+        .expert = {expert.data(), rows(expert.size(), topk), topk},
+        .probs = {probs.data(), rows(probs.size(), topk), topk},
+        .capacity = capacity};
     return in;
   }
 };
@@ -168,8 +171,9 @@ template <class Comm>
 }
 
 //! N within the bound and the views shaped x [N, H], expert and probs [N, k] (contiguous).
-template <class T, class S>
-[[nodiscard]] status check_dispatch_input(const dispatch_shape& s, const dispatch_input<T, S>& in) {
+template <class T, class S, class P>
+[[nodiscard]] status check_dispatch_input(const dispatch_shape& s,
+                                          const dispatch_input<T, S, P>& in) {
   if (in.num_tokens < 0 || in.num_tokens > s.max_tokens)
     return make_error(errc::invalid_size,
                       "dispatch: num_tokens = " + to_decimal(in.num_tokens) +

@@ -54,19 +54,22 @@ template <class Dispatcher>
 class dispatch_handle {
  public:
   using value_type = typename Dispatcher::value_type;
+  using prob_type = typename Dispatcher::prob_type;
   using space = typename Dispatcher::space;
 
   //! The rows this rank's local experts compute, grouped by local expert (host memory).
-  [[nodiscard]] expert_batch<value_type> batch() const noexcept requires host_accessible_v<space> {
-    const expert_batch<value_type> b{.hidden = hidden_,
-                                     .counts = per_expert_,
-                                     .x = {x_.data(), detail::uz(x_.rows()) * detail::uz(hidden_)},
-                                     .probs = {p_.data(), detail::uz(p_.rows())}};
+  [[nodiscard]] expert_batch<value_type, prob_type> batch() const noexcept requires
+      host_accessible_v<space> {
+    const expert_batch<value_type, prob_type> b{
+        .hidden = hidden_,
+        .counts = per_expert_,
+        .x = {x_.data(), detail::uz(x_.rows()) * detail::uz(hidden_)},
+        .probs = {p_.data(), detail::uz(p_.rows())}};
     return b;
   }
   //! The batch's rows [M, H] and probabilities [M, 1], in the context's memory space.
   [[nodiscard]] row_view<const value_type, space> batch_rows() const noexcept { return x_; }
-  [[nodiscard]] row_view<const value_type, space> batch_probs() const noexcept { return p_; }
+  [[nodiscard]] row_view<const prob_type, space> batch_probs() const noexcept { return p_; }
   //! Rows per local expert [L] (host memory; rows of local expert l follow those of l - 1).
   [[nodiscard]] std::span<const int> batch_counts() const noexcept { return per_expert_; }
   //! Rows of batch() (M).
@@ -85,7 +88,8 @@ class dispatch_handle {
   int num_tokens_ = 0;
   basic_permute_plan<space> plan_{};
   std::span<const int> per_expert_;
-  row_view<value_type, space> x_{}, p_{};
+  row_view<value_type, space> x_{};
+  row_view<prob_type, space> p_{};
   dispatch_volume volume_{};
   typename Dispatcher::state st_{};
 

@@ -4,7 +4,7 @@
 //! two parts, views of workspace spans in the dispatcher's memory space, and the packed rows in
 //! which probabilities travel with their token rows.
 //!
-//! A dispatcher D derives from dispatcher_common<D, T, Comm, Exec>, implements the view forms
+//! A dispatcher D derives from dispatcher_common<D, T, Comm, Exec, P>, implements the view forms
 //! dispatch(x, dispatch_input, g, dispatch_workspace), combine(x, ...), combine_backward(x, ...),
 //! dispatch_backward(x, ...), shape() and workspace_sizes(capacity), and brings the host forms
 //! here (spans, one workspace buffer, a default context) in with using-declarations.
@@ -16,6 +16,8 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 #include "../core/expected.hpp"
 #include "../core/memory_space.hpp"
@@ -44,6 +46,30 @@ template <class T>
   return (cols * e + packed_row_alignment - 1) / packed_row_alignment * packed_row_alignment / e;
 }
 
+//! Where the probabilities sit in a packed row of T elements. A probability of type P takes
+//! sizeof(P) / sizeof(T) columns (fp32 probabilities in bf16 rows: two), starting at the first
+//! column at or after the token row (H) whose byte offset is a multiple of sizeof(P), so the
+//! columns read as P values in place (the collectives move the row's bytes, whatever they hold).
+template <class T, class P>
+struct packed_layout {
+  static_assert(sizeof(P) >= sizeof(T) && sizeof(P) % sizeof(T) == 0,
+                "packed rows: the probability type P must be T or wider by a whole number of "
+                "T's (fp32 probabilities with bf16 tokens, fp64 with fp32)");
+  static_assert(packed_row_alignment % static_cast<std::int64_t>(sizeof(P)) == 0,
+                "packed rows: sizeof(P) must divide 16");
+  //! Columns of T one probability takes.
+  static constexpr std::int64_t prob_cols = static_cast<std::int64_t>(sizeof(P) / sizeof(T));
+  //! The first probability column of a row whose token part is `hidden` columns wide.
+  [[nodiscard]] static constexpr std::int64_t probs_first(std::int64_t hidden) noexcept {
+    return (hidden + prob_cols - 1) / prob_cols * prob_cols;
+  }
+  //! Elements of a packed row holding `hidden` token columns and `probs` probabilities.
+  [[nodiscard]] static constexpr std::int64_t width(std::int64_t hidden,
+                                                    std::int64_t probs) noexcept {
+    return packed_width<T>(probs_first(hidden) + probs * prob_cols);
+  }
+};
+
 //! A packed width must be a valid row width (below 2^31 elements).
 [[nodiscard]] inline status check_packed_width(std::int64_t width, const char* what) {
   if (width > max_rows)
@@ -54,23 +80,26 @@ template <class T>
 
 }  // namespace detail
 
-template <class D, class T, class Comm, class Exec>
+template <class D, class T, class Comm, class Exec, class P = T>
 class dispatcher_common {
  public:
   using handle_type = dispatch_handle<D>;
   using space = typename Exec::memory_space;
   using view = row_view<T, space>;
   using const_view = row_view<const T, space>;
+  using prob_view = row_view<P, space>;
+  using const_prob_view = row_view<const P, space>;
   //! The forms without a context argument: host memory and a context that carries nothing.
   static constexpr bool host_context = host_accessible_v<space> && std::default_initializable<Exec>;
 
   //! Probabilities travel in the rows of their tokens (one collective instead of two) wherever
-  //! the collective only copies. A reduction of packed rows sums the probability column in T, so
-  //! it is packed only when T is at least 32 bits wide (fp32, fp64: then it is the same sum as a
-  //! separate reduction in T). For 16-bit T the probability gradients keep their own reduction
-  //! (the host communicators accumulate it in fp32, accumulator_t), so that column is never
-  //! summed in 16 bits. Both paths are compiled for every T; this selects one at run time.
-  static constexpr bool pack_reductions = sizeof(T) >= 4;
+  //! the collective only copies. A reduction of packed rows sums every column as T, so it is
+  //! packed only when the probabilities are T values and T is at least 32 bits wide (fp32, fp64:
+  //! then it is the same sum as a separate reduction in T). Otherwise the probability gradients
+  //! keep their own reduction in P: for 16-bit P the host communicators accumulate it in fp32
+  //! (accumulator_t), so it is never summed in 16 bits, and a wider P (fp32 with bf16 tokens) is
+  //! summed as P. Both paths are compiled for every T; this selects one at run time.
+  static constexpr bool pack_reductions = sizeof(T) >= 4 && std::same_as<T, P>;
 
   //! Bytes of one host buffer holding all three workspace parts (see workspace_sizes).
   [[nodiscard]] std::size_t workspace_bytes(std::optional<int> capacity = {}) const {
@@ -82,40 +111,40 @@ class dispatcher_common {
 
   //! Dispatch with one buffer of workspace_bytes(capacity) bytes holding all three parts.
   [[nodiscard]] expected<handle_type> dispatch(
-      Exec& x, const dispatch_input<T, space>& in, const dispatch_groups<Comm>& g,
+      Exec& x, const dispatch_input<T, space, P>& in, const dispatch_groups<Comm>& g,
       std::span<std::byte> workspace) requires host_accessible_v<space> {
     return self().dispatch(x, in, g,
                            detail::split_workspace(workspace, self().workspace_sizes(in.capacity)));
   }
   [[nodiscard]] expected<handle_type> dispatch(
-      Exec& x, const host_dispatch_input<T>& in, const dispatch_groups<Comm>& g,
+      Exec& x, const host_dispatch_input<T, P>& in, const dispatch_groups<Comm>& g,
       const dispatch_workspace& ws) requires host_accessible_v<space> {
     return self().dispatch(x, views_of(in), g, ws);
   }
   [[nodiscard]] expected<handle_type> dispatch(
-      Exec& x, const host_dispatch_input<T>& in, const dispatch_groups<Comm>& g,
+      Exec& x, const host_dispatch_input<T, P>& in, const dispatch_groups<Comm>& g,
       std::span<std::byte> workspace) requires host_accessible_v<space> {
     return dispatch(x, views_of(in), g, workspace);
   }
   [[nodiscard]] expected<handle_type> dispatch(
-      const dispatch_input<T, space>& in, const dispatch_groups<Comm>& g,
+      const dispatch_input<T, space, P>& in, const dispatch_groups<Comm>& g,
       std::span<std::byte> workspace) requires host_context {
     Exec x{};
     return dispatch(x, in, g, workspace);
   }
   [[nodiscard]] expected<handle_type> dispatch(
-      const host_dispatch_input<T>& in, const dispatch_groups<Comm>& g,
+      const host_dispatch_input<T, P>& in, const dispatch_groups<Comm>& g,
       std::span<std::byte> workspace) requires host_context {
     Exec x{};
     return dispatch(x, views_of(in), g, workspace);
   }
-  [[nodiscard]] expected<handle_type> dispatch(const dispatch_input<T, space>& in,
+  [[nodiscard]] expected<handle_type> dispatch(const dispatch_input<T, space, P>& in,
                                                const dispatch_groups<Comm>& g,
                                                const dispatch_workspace& ws) requires host_context {
     Exec x{};
     return self().dispatch(x, in, g, ws);
   }
-  [[nodiscard]] expected<handle_type> dispatch(const host_dispatch_input<T>& in,
+  [[nodiscard]] expected<handle_type> dispatch(const host_dispatch_input<T, P>& in,
                                                const dispatch_groups<Comm>& g,
                                                const dispatch_workspace& ws) requires host_context {
     Exec x{};
@@ -143,16 +172,16 @@ class dispatcher_common {
     return combine_backward(x, h, dout, g, dy);
   }
   [[nodiscard]] status dispatch_backward(Exec& x, const handle_type& h, std::span<const T> dx_rows,
-                                         std::span<const T> dprob_rows,
+                                         std::span<const P> dprob_rows,
                                          const dispatch_groups<Comm>& g, std::span<T> dx,
-                                         std::span<T> dprobs) requires host_accessible_v<space> {
+                                         std::span<P> dprobs) requires host_accessible_v<space> {
     return self().dispatch_backward(x, h, span_rows(dx_rows, hidden()), span_rows(dprob_rows, 1), g,
                                     span_rows(dx, hidden()), span_rows(dprobs, topk()));
   }
   [[nodiscard]] status dispatch_backward(const handle_type& h, std::span<const T> dx_rows,
-                                         std::span<const T> dprob_rows,
+                                         std::span<const P> dprob_rows,
                                          const dispatch_groups<Comm>& g, std::span<T> dx,
-                                         std::span<T> dprobs) requires host_context {
+                                         std::span<P> dprobs) requires host_context {
     Exec x{};
     return dispatch_backward(x, h, dx_rows, dprob_rows, g, dx, dprobs);
   }
@@ -173,11 +202,36 @@ class dispatcher_common {
     return row_view<U, typename Exec::memory_space>(
         rows > 0 ? packed.data() + first : packed.data(), rows, width, stride);
   }
-  //! Zeros in columns [used, stride) of packed rows (the padding), so that no uninitialised byte
-  //! travels in a collective.
-  static status zero_padding(Exec& x, std::span<T> packed, int stride, int used) {
-    if (used >= stride) return {};
-    return x.template fill<T>(columns_of(packed, stride, used, stride - used), T(0));
+  //! Columns of T a probability takes in a packed row (detail::packed_layout).
+  static constexpr int prob_cols = static_cast<int>(detail::packed_layout<T, P>::prob_cols);
+  //! Probabilities [first, first + count) of packed rows [packed.size() / stride, stride] as a
+  //! strided view of P: `first` is a probability column (detail::packed_layout::probs_first), so
+  //! the values are P-aligned.
+  template <class U>
+  static auto probs_of(std::span<U> packed, int stride, int first, int count) noexcept {
+    using Q = std::conditional_t<std::is_const_v<U>, const P, P>;
+    const int rows = stride > 0 ? static_cast<int>(packed.size() / detail::uz(stride)) : 0;
+    U* const base = rows > 0 ? packed.data() + first : packed.data();
+    // The packed buffer is raw storage carved for T rows; these columns hold P values written
+    // and read only as P (what the collectives do in between is byte copies).
+    return row_view<Q, typename Exec::memory_space>(reinterpret_cast<Q*>(base), rows, count,
+                                                    stride / prob_cols);
+  }
+  //! A buffer of T elements as m rows of `width` T's followed by m P values (P-aligned): the
+  //! plain layouts of the separate reductions, inside a packed buffer (W >= probs_first(H) +
+  //! prob_cols columns per row leaves room for both).
+  static std::pair<std::span<T>, std::span<P>> rows_then_probs(std::span<T> buf, int m,
+                                                               int width) noexcept {
+    const auto mz = detail::uz(m), first = mz * detail::uz(width);
+    const auto probs_at = (first + detail::uz(prob_cols) - 1) / detail::uz(prob_cols) *
+                          detail::uz(prob_cols);  // in T's, a multiple of sizeof(P) bytes
+    return {buf.first(first), std::span<P>(reinterpret_cast<P*>(buf.data() + probs_at), mz)};
+  }
+  //! Zeros in columns [from, to) of packed rows (the gap before the probabilities and the
+  //! padding), so that no uninitialised byte travels in a collective.
+  static status zero_columns(Exec& x, std::span<T> packed, int stride, int from, int to) {
+    if (from >= to) return {};
+    return x.template fill<T>(columns_of(packed, stride, from, to - from), T(0));
   }
 
   //! The shape checks of the view forms: rows x width as expected (message names the call).
@@ -192,8 +246,8 @@ class dispatcher_common {
 
   //! The buffers of dispatch_backward: dx_rows [M, H], dprob_rows [M, 1], dx [N, H] and
   //! dprobs [N, k], the last two contiguous (both paths write them as flat rows).
-  status check_backward_shapes(const handle_type& h, const_view dx_rows, const_view dprob_rows,
-                               view dx, view dprobs) const {
+  status check_backward_shapes(const handle_type& h, const_view dx_rows, const_prob_view dprob_rows,
+                               view dx, prob_view dprobs) const {
     if (auto st = check_rows("dispatch_backward: dx_rows", dx_rows, h.num_rows(), hidden()); !st)
       return st;
     if (auto st = check_rows("dispatch_backward: dprob_rows", dprob_rows, h.num_rows(), 1); !st)
@@ -210,7 +264,7 @@ class dispatcher_common {
  private:
   int hidden() const noexcept { return self().shape().hidden; }
   int topk() const noexcept { return self().shape().topk; }
-  dispatch_input<T, space> views_of(const host_dispatch_input<T>& in) const noexcept {
+  dispatch_input<T, space, P> views_of(const host_dispatch_input<T, P>& in) const noexcept {
     return in.to_views(hidden(), topk());
   }
   //! A span as [size / width, width], or -1 rows when it is not whole rows (refused by the

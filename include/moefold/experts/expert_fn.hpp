@@ -16,21 +16,22 @@ inline namespace v0_1 {
 //! What an expert functor provides. `forward` writes y [M, H]; under expert tensor parallelism
 //! it is this shard's partial sum, which the dispatcher's ReduceScatter completes. `backward`
 //! takes dy [M, H] and writes dx [M, H] and dprobs [M] (partials under ETP, summed by the
-//! dispatcher), and adds the weight gradients into the functor's own gradient buffers.
-template <class E, class T>
-concept expert_fn = requires(E& e, const E& ce, const expert_batch<T>& b, std::span<T> out,
-                             std::span<const T> in) {
+//! dispatcher), and adds the weight gradients into the functor's own gradient buffers. P is the
+//! probabilities' element type (the batch's probs and the backward's dprobs [M]).
+template <class E, class T, class P = T>
+concept expert_fn = requires(E& e, const E& ce, const expert_batch<T, P>& b, std::span<T> out,
+                             std::span<const T> in, std::span<P> dprobs) {
   { ce.num_local_experts() } -> std::same_as<int>;
   { ce.hidden() } -> std::same_as<int>;
   { e.forward(b, out) } -> std::same_as<status>;
-  { e.backward(b, in, out, out) } -> std::same_as<status>;
+  { e.backward(b, in, out, dprobs) } -> std::same_as<status>;
 };
 
 //! Checks a batch against an expert functor's shape: L counts >= 0, x [M, H], probs [M], and
 //! outputs of the same sizes. Functors call it first, so every implementation rejects bad input
 //! the same way.
-template <class T>
-[[nodiscard]] status check_expert_batch(const expert_batch<T>& b, int local_experts, int hidden,
+template <class T, class P>
+[[nodiscard]] status check_expert_batch(const expert_batch<T, P>& b, int local_experts, int hidden,
                                         std::span<const std::size_t> output_sizes_in_rows_h,
                                         std::span<const std::size_t> output_sizes_in_rows) {
   using detail::to_decimal;

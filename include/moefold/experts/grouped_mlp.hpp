@@ -29,12 +29,14 @@ namespace moefold {
 inline namespace v0_1 {
 
 //! The expert functor over views. `T` is the element type of the weights and the rows, `G` the
-//! gradients'.
-template <class T, class G = main_grad_t<T>>
+//! gradients', `P` the probabilities' (T, or fp32 with bf16 rows as an fp32 router gives them:
+//! the product act * p is then taken in fp32 and rounded once, and dprobs is written in P).
+template <class T, class G = main_grad_t<T>, class P = T>
 class grouped_mlp {
  public:
   using value_type = T;
   using grad_type = G;
+  using prob_type = P;
 
   //! Checks the shape (sizes >= 1, ETP divides F) and that the views hold exactly
   //! mlp_sizes(s) elements each.
@@ -96,13 +98,13 @@ class grouped_mlp {
 
   //! y = fc2(act(fc1 x) * p) for every row of the batch (a partial sum under ETP).  [M,H]->[M,H]
   //! Not const: it works in the functor's own row scratch (no allocation per call).
-  [[nodiscard]] status forward(const expert_batch<T>& b, std::span<T> y) {
+  [[nodiscard]] status forward(const expert_batch<T, P>& b, std::span<T> y) {
     const std::size_t outs_h[] = {y.size()};
-    if (auto st = check_expert_batch<T>(b, s_.num_local_experts, s_.hidden, outs_h, {}); !st)
+    if (auto st = check_expert_batch(b, s_.num_local_experts, s_.hidden, outs_h, {}); !st)
       return st;
     for_each_row(b, [&](int l, std::size_t r) {
       fc1_row(l, b, r);
-      const A p = detail::widen(b.probs[r]);
+      const A p = prob(b, r);
       for (int c = 0; c < fs_; ++c) h_[detail::uz(c)] = act_out(c) * p;
       fc2_row(l, y, r);
     });
@@ -111,11 +113,11 @@ class grouped_mlp {
 
   //! From dy [M,H]: dx [M,H], dprobs [M] (ETP partials), and += the weight gradients. Recomputes
   //! the activations from x (a reference, not a memory-saving design).
-  [[nodiscard]] status backward(const expert_batch<T>& b, std::span<const T> dy, std::span<T> dx,
-                                std::span<T> dprobs) {
+  [[nodiscard]] status backward(const expert_batch<T, P>& b, std::span<const T> dy, std::span<T> dx,
+                                std::span<P> dprobs) {
     const std::size_t outs_h[] = {dy.size(), dx.size()};
     const std::size_t outs[] = {dprobs.size()};
-    if (auto st = check_expert_batch<T>(b, s_.num_local_experts, s_.hidden, outs_h, outs); !st)
+    if (auto st = check_expert_batch(b, s_.num_local_experts, s_.hidden, outs_h, outs); !st)
       return st;
     const int H = s_.hidden;
     for_each_row(b, [&](int l, std::size_t r) {
@@ -124,7 +126,7 @@ class grouped_mlp {
       const auto w2 = expert(w_.fc2, l, H * fs_);  // [H, Fs]
       const auto g1 = expert(g_.fc1, l, f1_ * H);
       const auto g2 = expert(g_.fc2, l, H * fs_);
-      const A p = detail::widen(b.probs[r]);
+      const A p = prob(b, r);
       A dp = A(0);
       for (int c = 0; c < fs_; ++c) {
         // dh = dy . fc2 (column c); fc2 grad [h, c] += (act * p) dy[h].
@@ -145,7 +147,7 @@ class grouped_mlp {
           da_[detail::uz(c)] = d * activate_derivative(s_.act, a_[detail::uz(c)]);
         }
       }
-      dprobs[r] = detail::narrow<T>(dp);
+      dprobs[r] = static_cast<P>(dp);
       for (int h = 0; h < H; ++h) {
         const A xv = detail::widen(b.x[r * detail::uz(H) + detail::uz(h)]);
         A s = A(0);
@@ -169,15 +171,19 @@ class grouped_mlp {
   static std::span<U> expert(std::span<U> v, int l, int n) noexcept {
     return v.subspan(detail::uz(l) * detail::uz(n), detail::uz(n));
   }
+  // The probability of row r in the arithmetic type.
+  static A prob(const expert_batch<T, P>& b, std::size_t r) noexcept {
+    return static_cast<A>(detail::widen(b.probs[r]));
+  }
   // Calls f(local expert, row) for every row, experts in order.
   template <class F>
-  static void for_each_row(const expert_batch<T>& b, F&& f) {
+  static void for_each_row(const expert_batch<T, P>& b, F&& f) {
     std::size_t r = 0;
     for (std::size_t l = 0; l < b.counts.size(); ++l)
       for (int i = 0; i < b.counts[l]; ++i) f(static_cast<int>(l), r++);
   }
   // a_ = fc1(l) x[r]   [F1]
-  void fc1_row(int l, const expert_batch<T>& b, std::size_t r) {
+  void fc1_row(int l, const expert_batch<T, P>& b, std::size_t r) {
     const int H = s_.hidden;
     const auto w1 = expert(w_.fc1, l, f1_ * H);
     for (auto& v : a_) v = A(0);

@@ -7,7 +7,7 @@
 //! Layouts: experts/mlp_params.hpp (Megatron-Core's TEGroupedMLP per local expert): fc1 of local
 //! expert l is [F1, H] with F1 = (gated ? 2 : 1) * F / ETP (this shard's gate rows, then its up
 //! rows); fc2 is [H, F / ETP]. Gradients have the same layouts, in G (by default T, fp32 for
-//! bf16/fp16 weights), accumulated (+=).
+//! bf16/fp16 weights), accumulated (+=). P is the probabilities' type (grouped_mlp).
 #pragma once
 
 #include <cstddef>
@@ -26,15 +26,16 @@
 namespace moefold {
 inline namespace v0_1 {
 
-template <class T, class Grad = main_grad_t<T>>
+template <class T, class Grad = main_grad_t<T>, class P = T>
 class reference_mlp {
  public:
   using value_type = T;
   using grad_type = Grad;
+  using prob_type = P;
 
   //! Zero-initialised shards of the given shape (checked: sizes >= 1, ETP divides F).
   [[nodiscard]] static expected<reference_mlp> make(const mlp_shape& s) {
-    if (auto st = grouped_mlp<T, Grad>::check_shape(s, "reference_mlp"); !st)
+    if (auto st = grouped_mlp<T, Grad, P>::check_shape(s, "reference_mlp"); !st)
       return unexpected<error>(st.error());
     reference_mlp m;
     const mlp_param_sizes n = mlp_sizes(s);
@@ -42,7 +43,7 @@ class reference_mlp {
     m.fc2_.assign(n.fc2, T(0));
     m.g1_.assign(n.fc1, Grad(0));
     m.g2_.assign(n.fc2, Grad(0));
-    auto v = grouped_mlp<T, Grad>::make(s, {m.fc1_, m.fc2_}, {m.g1_, m.g2_});
+    auto v = grouped_mlp<T, Grad, P>::make(s, {m.fc1_, m.fc2_}, {m.g1_, m.g2_});
     if (!v) return unexpected<error>(v.error());
     m.view_ = std::move(*v);
     return m;
@@ -88,7 +89,7 @@ class reference_mlp {
   [[nodiscard]] std::span<Grad> grads_fc1() noexcept { return g1_; }
   [[nodiscard]] std::span<Grad> grads_fc2() noexcept { return g2_; }
   //! The functor over this object's buffers.
-  [[nodiscard]] grouped_mlp<T, Grad>& view() noexcept { return view_; }
+  [[nodiscard]] grouped_mlp<T, Grad, P>& view() noexcept { return view_; }
   void zero_grad() noexcept {
     for (auto& v : g1_) v = Grad(0);
     for (auto& v : g2_) v = Grad(0);
@@ -120,12 +121,12 @@ class reference_mlp {
   }
 
   //! See grouped_mlp::forward.  [M,H] -> [M,H]
-  [[nodiscard]] status forward(const expert_batch<T>& b, std::span<T> y) {
+  [[nodiscard]] status forward(const expert_batch<T, P>& b, std::span<T> y) {
     return view_.forward(b, y);
   }
   //! See grouped_mlp::backward: dx [M,H], dprobs [M], and += the weight gradients.
-  [[nodiscard]] status backward(const expert_batch<T>& b, std::span<const T> dy, std::span<T> dx,
-                                std::span<T> dprobs) {
+  [[nodiscard]] status backward(const expert_batch<T, P>& b, std::span<const T> dy, std::span<T> dx,
+                                std::span<P> dprobs) {
     return view_.backward(b, dy, dx, dprobs);
   }
 
@@ -145,7 +146,7 @@ class reference_mlp {
 
   std::vector<T> fc1_, fc2_;
   std::vector<Grad> g1_, g2_;
-  grouped_mlp<T, Grad> view_{};
+  grouped_mlp<T, Grad, P> view_{};
 };
 
 }  // namespace v0_1

@@ -139,10 +139,10 @@ class moe_forward_context {
   std::span<std::byte> shared_saved_{};    // saved: the shared expert's part
   std::optional<handle_type> handle_{};
   topk_routing<router_value_type> routing_{};
-  std::vector<std::uint8_t> keep_;      // [N*k] the drop policy's mask of routing_
-  std::vector<int> kept_experts_;       // [N*k] expert or -1
-  std::vector<value_type> kept_probs_;  // [N*k] rounded to the dispatcher's type
-  drop_report report_{};                // what the policy counted (its vectors sized once)
+  std::vector<std::uint8_t> keep_;                     // [N*k] the drop policy's mask of routing_
+  std::vector<int> kept_experts_;                      // [N*k] expert or -1
+  std::vector<typename Layer::prob_type> kept_probs_;  // [N*k] in the dispatcher's prob_type
+  drop_report report_{};  // what the policy counted (its vectors sized once)
   moe_forward_stats stats_{};
   std::array<aux_loss_term<router_value_type>, 3>
       aux_terms_{};  // micro-batch, per sequence, global

@@ -117,15 +117,19 @@ inline constexpr group_kind shared_gate_gradient_group = group_kind::tp_dp_cp;
 //! routing::router, moefold's topk_router by default, whose element type R (`router_value_type`)
 //! is the type of the logits, the scores, the probabilities the router gives and the losses
 //! (Megatron-Core's moe_router_dtype; the default, accumulator_t<T>, is fp32 for bf16 tokens).
-//! The gating GEMM reads the T tokens and weight and accumulates in R; the kept probabilities are
-//! rounded to T once, where they join their rows for the dispatcher (its rows and probabilities
-//! are of one type); their gradients come back in T and the router's backward runs in R. The
-//! router weight is a T parameter with a main_grad_t<T> gradient. `Dispatcher` is any
-//! token_dispatcher of element type T.
+//! The gating GEMM reads the T tokens and weight and accumulates in R. `Dispatcher` is any
+//! token_dispatcher of token type T; its probability type Pt (`prob_type`: T, or wider, e.g.
+//! all_to_all_dispatcher<bf16, Comm, host_exec, float>) is the type the kept probabilities are
+//! converted to once (exactly when Pt is R), travel in to the experts, who apply them (Experts
+//! must be an expert_fn of T and Pt), and whose gradients come back in (widened to R for the
+//! router's backward). With Pt = R = fp32 for bf16 tokens the probabilities are never rounded to
+//! 16 bits, as in Megatron-Core with moe_router_dtype='fp32'. The router weight is a T parameter
+//! with a main_grad_t<T> gradient.
 template <class T, communicator Comm, class Policy, class Dispatcher, class Experts,
           class Router = topk_router<accumulator_t<T>>>
-requires expert_fn<Experts, T> && drop_policy<Policy, typename Router::value_type, Comm> &&
-    token_dispatcher<Dispatcher, Comm> && std::same_as<typename Dispatcher::value_type, T> &&
+requires expert_fn<Experts, T, typename Dispatcher::prob_type> &&
+    drop_policy<Policy, typename Router::value_type, Comm> && token_dispatcher<Dispatcher, Comm> &&
+    std::same_as<typename Dispatcher::value_type, T> &&
     std::floating_point<typename Router::value_type> &&
     communicator_for<Comm, typename Dispatcher::exec_type, T>
 class moe_layer {
@@ -133,9 +137,12 @@ class moe_layer {
   using value_type = T;
   //! The router's element type R: logits, scores, probabilities, losses and their gradients.
   using router_value_type = typename Router::value_type;
+  //! The type the kept probabilities travel to the experts in (the dispatcher's prob_type).
+  using prob_type = typename Dispatcher::prob_type;
 
  private:
   using R = router_value_type;
+  using Pt = prob_type;
 
  public:
   //! The element type of the router's and the shared expert's gradients (fp32 for bf16 weights).
@@ -504,8 +511,8 @@ class moe_layer {
     }
     dy.assign(M * H, T(0));
     dx_rows.assign(M * H, T(0));
-    dp_rows.assign(M, T(0));
-    dprobs.assign(N * K, T(0));
+    dp_rows.assign(M, Pt(0));
+    dprobs.assign(N * K, Pt(0));
     dx_experts.assign(N * H, T(0));
     if (ctx.scratch_epoch_ != scratch_epoch_)
       return make_error(errc::invalid_argument,
@@ -524,10 +531,10 @@ class moe_layer {
     const std::span<const T> x = ctx.x_.first(N * H);
     dlogits.assign(N * detail::uz(E), R(0));
     dx_router.assign(N * H, R(0));
-    // The kept pairs' probability gradients [N, k], widened from T to R for the router.
+    // The kept pairs' probability gradients [N, k], widened from Pt to R for the router.
     dprobs_r.resize(N * K);
-    if (auto st = exec_.template convert<R, T>(rows(std::span<const T>(dprobs), o_.router.topk),
-                                               rows(std::span<R>(dprobs_r), o_.router.topk));
+    if (auto st = exec_.template convert<R, Pt>(rows(std::span<const Pt>(dprobs), o_.router.topk),
+                                                rows(std::span<R>(dprobs_r), o_.router.topk));
         !st)
       return done(ctx, st);
     if (auto st = detail::router_backward_with(router_, logits, ctx.routing_,
@@ -743,12 +750,12 @@ class moe_layer {
       return unexpected<error>(st.error());
     ctx.kept_experts_.resize(pairs);
     ctx.kept_probs_.resize(pairs);
-    detail::write_kept_pairs(rv, std::span<int>(ctx.kept_experts_), std::span<T>(ctx.kept_probs_));
-    const host_dispatch_input<T> din{.num_tokens = n,
-                                     .x = x,
-                                     .expert = ctx.kept_experts_,
-                                     .probs = ctx.kept_probs_,
-                                     .capacity = counts.pad_rows};
+    detail::write_kept_pairs(rv, std::span<int>(ctx.kept_experts_), std::span<Pt>(ctx.kept_probs_));
+    const host_dispatch_input<T, Pt> din{.num_tokens = n,
+                                         .x = x,
+                                         .expert = ctx.kept_experts_,
+                                         .probs = ctx.kept_probs_,
+                                         .capacity = counts.pad_rows};
     // Pad mode sizes the rows from the capacity, once the capacity is known to be sane.
     if (counts.pad_rows)
       if (auto st =
@@ -909,7 +916,9 @@ class moe_layer {
   aux_scores<R> aux_{};  // forward scratch: the aux losses' scores
   drop_scratch<R> drop_ws_{};
   struct backward_scratch {
-    std::vector<T> dy, dx_rows, dp_rows, dprobs, dx_experts, dx_shared, dout_seeded;
+    std::vector<T> dy, dx_rows;
+    std::vector<Pt> dp_rows, dprobs;  // [M], [N, k]
+    std::vector<T> dx_experts, dx_shared, dout_seeded;
   } scratch_;
   struct router_backward_scratch {  // in R
     std::vector<R> dprobs_r, dlogits, dx_router, rows_e;
