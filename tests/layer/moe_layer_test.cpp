@@ -4,6 +4,9 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <vector>
+
 #include "layer_harness.hpp"
 
 using namespace moefold;
@@ -252,4 +255,95 @@ TEST_CASE("bf16 tokens with an fp32 router equal the fp64 reference fed the same
     check_bf16_layer<float>();
   }
   SUBCASE("probabilities rounded to bf16 at the dispatcher") { check_bf16_layer<bfloat16>(); }
+}
+
+namespace {
+
+// Experts that record the probabilities they are given, around the reference MLP.
+template <class P>
+struct recording_experts {
+  reference_mlp<bfloat16, float, P> mlp;
+  std::vector<P> seen{};
+  [[nodiscard]] int num_local_experts() const { return mlp.num_local_experts(); }
+  [[nodiscard]] int hidden() const { return mlp.hidden(); }
+  [[nodiscard]] status forward(const expert_batch<bfloat16, P>& b, std::span<bfloat16> y) {
+    seen.assign(b.probs.begin(), b.probs.end());
+    return mlp.forward(b, y);
+  }
+  [[nodiscard]] status backward(const expert_batch<bfloat16, P>& b, std::span<const bfloat16> dy,
+                                std::span<bfloat16> dx, std::span<P> dprobs) {
+    return mlp.backward(b, dy, dx, dprobs);
+  }
+};
+
+struct probs_trace {
+  std::vector<float> routed, seen;  // over all ranks, sorted
+};
+
+// A dropless forward of a bf16 layer with an fp32 router on EP 2: the probabilities every rank's
+// router gave, and those every rank's experts received (the same multiset when nothing is
+// rounded on the way).
+template <class P>
+probs_trace trace_probs() {
+  problem p{.fold = {.world = 2, .ep = 2, .etp = 1}, .experts = 4, .topk = 2};
+  p.tokens = 6;
+  p.bf16_values = true;
+  using disp_t = all_to_all_dispatcher<bfloat16, thread_communicator, host_exec, P>;
+  using layer_t = moe_layer<bfloat16, thread_communicator, dropless, disp_t, recording_experts<P>>;
+  std::vector<std::vector<float>> routed(2), seen(2);
+  const auto st = run_thread_world(2, [&](thread_communicator& world) -> status {
+    const auto fold = make_folded(p.fold).value();
+    const megatron_groups groups(fold);
+    const int r = world.rank();
+    auto get = [&](group_kind k) { return group_communicator(world, groups, {k}).value(); };
+    auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep),
+         tp_cp = get(group_kind::tp_cp);
+    const data w = make_weights(p);
+    auto mlp = rank_experts<bfloat16, P>(p, fold, r, w.w1, w.w2);
+    if (!mlp) return unexpected<error>(mlp.error());
+    auto layer = layer_t::make({.hidden = p.hidden,
+                                .max_tokens = p.tokens,
+                                .ep = 2,
+                                .router = {.num_experts = p.experts, .topk = p.topk}},
+                               dropless{}, recording_experts<P>{std::move(*mlp)});
+    if (!layer) return unexpected<error>(layer.error());
+    const auto wr = router_weight(p);
+    for (std::size_t i = 0; i < wr.size(); ++i)
+      layer->router_weight()[i] = bfloat16(static_cast<float>(wr[i]));
+    std::vector<bfloat16> x;
+    for (int t = 0; t < p.tokens; ++t)
+      for (double v : make_token(p, r, t).x) x.push_back(bfloat16(static_cast<float>(v)));
+    const moe_layer_groups<thread_communicator> g{.tp_cp = tp_cp, .dispatch = {ep, etp, tp_ep}};
+    std::vector<bfloat16> out(x.size());
+    if (auto f = layer->forward(p.tokens, x, {}, g, out); !f) return unexpected<error>(f.error());
+    const auto& rt = layer->last_routing();
+    routed[static_cast<std::size_t>(r)].assign(rt.probs.begin(), rt.probs.end());
+    for (const P& v : layer->experts().seen)
+      seen[static_cast<std::size_t>(r)].push_back(static_cast<float>(v));
+    return {};
+  });
+  for (const auto& s : st) REQUIRE_MESSAGE(s.has_value(), s.error().message);
+  probs_trace t;
+  for (int r = 0; r < 2; ++r) {
+    t.routed.insert(t.routed.end(), routed[r].begin(), routed[r].end());
+    t.seen.insert(t.seen.end(), seen[r].begin(), seen[r].end());
+  }
+  std::sort(t.routed.begin(), t.routed.end());
+  std::sort(t.seen.begin(), t.seen.end());
+  return t;
+}
+
+}  // namespace
+
+TEST_CASE("a bf16 layer with fp32 probabilities gives its experts the router's fp32 values") {
+  const probs_trace f = trace_probs<float>();
+  REQUIRE(f.routed.size() == 2u * 6u * 2u);  // dropless: every pair of both ranks
+  CHECK(f.seen == f.routed);                 // bit for bit, none rounded on the way
+  const auto in_bf16 = [](float v) { return static_cast<float>(bfloat16(v)) == v; };
+  CHECK(std::count_if(f.routed.begin(), f.routed.end(), in_bf16) < 4);  // they need fp32
+  // The control: through a bf16 dispatcher the same probabilities arrive rounded.
+  const probs_trace b = trace_probs<bfloat16>();
+  CHECK(b.routed == f.routed);
+  CHECK(b.seen != b.routed);
+  CHECK(std::all_of(b.seen.begin(), b.seen.end(), in_bf16));
 }

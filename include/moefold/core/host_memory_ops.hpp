@@ -161,6 +161,8 @@ struct host_memory_ops {
   template <class T>
   [[nodiscard]] status add(std::type_identity_t<row_view<const T, S>> src,
                            row_view<T, S> dst) const {
+    if (src.rows() != dst.rows() || src.width() != dst.width())
+      return op_shape_error(Derived::name, "add", "src and dst must have one shape");
     return add_converted<T, T>(src, dst);
   }
 

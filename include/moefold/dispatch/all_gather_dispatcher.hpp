@@ -82,7 +82,9 @@ class all_gather_dispatcher
   //! Checks the shape (detail::check_dispatch_shape).
   [[nodiscard]] static expected<all_gather_dispatcher> make(const dispatch_shape& s) {
     if (auto st = detail::check_dispatch_shape(s); !st) return unexpected<error>(st.error());
-    if (auto st = detail::check_packed_width(layout::width(s.hidden, s.topk), "H + k"); !st)
+    if (auto st =
+            detail::check_packed_width(layout::width(s.hidden, s.topk), "H + k probabilities");
+        !st)
       return unexpected<error>(st.error());
     all_gather_dispatcher d;
     d.s_ = s;

@@ -95,7 +95,8 @@ class all_to_all_dispatcher
   //! Checks the shape (detail::check_dispatch_shape).
   [[nodiscard]] static expected<all_to_all_dispatcher> make(const dispatch_shape& s) {
     if (auto st = detail::check_dispatch_shape(s); !st) return unexpected<error>(st.error());
-    if (auto st = detail::check_packed_width(layout::width(s.hidden, 1), "H + 1"); !st)
+    if (auto st = detail::check_packed_width(layout::width(s.hidden, 1), "H + its probability");
+        !st)
       return unexpected<error>(st.error());
     all_to_all_dispatcher d;
     d.s_ = s;

@@ -30,7 +30,8 @@ inline namespace v0_1 {
 
 //! The expert functor over views. `T` is the element type of the weights and the rows, `G` the
 //! gradients', `P` the probabilities' (T, or fp32 with bf16 rows as an fp32 router gives them:
-//! the product act * p is then taken in fp32 and rounded once, and dprobs is written in P).
+//! the product act * p is then taken in fp32 and rounded once, and dprobs is written in P). The
+//! arithmetic is accumulator_t<T>: a P wider than that (fp64 with fp32 rows) is narrowed to it.
 template <class T, class G = main_grad_t<T>, class P = T>
 class grouped_mlp {
  public:

@@ -337,8 +337,9 @@ class moe_layer {
   //! Runs on the caller's parameters from now on: reads the router weight and the shared expert's
   //! weights in place and accumulates (beta = 1) into the caller's gradient buffers, copying
   //! nothing per step; the layer's own parameter buffers are released. Checked against
-  //! param_sizes() first: a refused binding changes nothing. Not while forwards are in flight (a
-  //! backward uses the weights its forward used).
+  //! param_sizes() first: a refused binding changes nothing. A backward reads the weights bound
+  //! when it runs, so between a forward and its backward a rebinding must point at the same
+  //! values (FSDP re-gathering into a new buffer is fine; an optimizer step is not).
   [[nodiscard]] status bind_parameters(const params_type& p) {
     const moe_layer_param_sizes n = param_sizes();
     using detail::to_decimal;
