@@ -8,6 +8,7 @@
 #include <span>
 #include <string>
 
+#include "../core/counter_rng.hpp"
 #include "../core/error.hpp"
 #include "../core/expected.hpp"
 
@@ -117,18 +118,8 @@ template <class T, class In, class G>
   return {};
 }
 
-namespace detail {
-// SplitMix64 finaliser: a counter-based generator, so element i's draw depends only on
-// (seed, offset + i), never on thread order or on how many draws happened before.
-[[nodiscard]] constexpr std::uint64_t mix64(std::uint64_t z) noexcept {
-  z += 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-}  // namespace detail
-
-//! Uniform draw in [0, 1) for element `index` of stream `seed` (53 random bits).
+//! Uniform draw in [0, 1) for element `index` of stream `seed` (53 random bits; detail::mix64 is
+//! counter-based, so element i's draw depends only on (seed, offset + i)).
 [[nodiscard]] constexpr double jitter_uniform(std::uint64_t seed, std::uint64_t index) noexcept {
   return static_cast<double>(detail::mix64(detail::mix64(seed) ^ index) >> 11) * 0x1.0p-53;
 }
