@@ -295,9 +295,8 @@ probs_trace trace_probs() {
     const auto fold = make_folded(p.fold).value();
     const megatron_groups groups(fold);
     const int r = world.rank();
-    auto get = [&](group_kind k) { return group_communicator(world, groups, {k}).value(); };
-    auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep),
-         tp_cp = get(group_kind::tp_cp);
+    auto comms = make_layer_communicators(world, groups);
+    if (!comms) return unexpected<error>(comms.error());
     const data w = make_weights(p);
     auto mlp = rank_experts<bfloat16, P>(p, fold, r, w.w1, w.w2);
     if (!mlp) return unexpected<error>(mlp.error());
@@ -313,7 +312,7 @@ probs_trace trace_probs() {
     std::vector<bfloat16> x;
     for (int t = 0; t < p.tokens; ++t)
       for (double v : make_token(p, r, t).x) x.push_back(bfloat16(static_cast<float>(v)));
-    const moe_layer_groups<thread_communicator> g{.tp_cp = tp_cp, .dispatch = {ep, etp, tp_ep}};
+    const moe_layer_groups<thread_communicator> g = comms->groups();
     std::vector<bfloat16> out(x.size());
     if (auto f = layer->forward(p.tokens, x, {}, g, out); !f) return unexpected<error>(f.error());
     const auto& rt = layer->last_routing();
