@@ -11,6 +11,11 @@
 // batch is the same global set of tokens whatever the mapping (token t of the step goes to rank
 // t / (tokens per rank)), so in dropless fp64 mode without auxiliary loss the loss curve does not
 // depend on the mapping (tests/examples run it under several).
+//
+// With --upcycle-from DIR (moefold-upcycle's output for this run's world, EP and ETP, one pipeline
+// stage) the student starts from the upcycled experts and router of the first layer DIR holds, and
+// step 0 compares its output with that dense FFN's on the same tokens, read from the dense
+// checkpoint index.json names (at G = 1 with softmax after top-k they are equal to rounding).
 #include <moefold/comm/thread_world.hpp>
 #include <moefold/dispatch/all_to_all_dispatcher.hpp>
 #include <moefold/dispatch/drop_policy_full_sequence.hpp>
@@ -20,12 +25,18 @@
 #include <moefold/moefold.hpp>
 
 #include "cli_args.hpp"
+#include "dense_checkpoint.hpp"
+#include "json_document.hpp"
+#include "safetensors_file.hpp"
 #include "train_moe_cpu_flags.hpp"
 
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <iostream>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <span>
@@ -80,14 +91,136 @@ struct teacher {
   }
 };
 
+// The upcycled start (--upcycle-from): the layer moefold-upcycle wrote, its options, and that
+// layer's dense FFN in fp64 for the step-0 comparison.
+struct upcycled_start {
+  std::filesystem::path dir;
+  int layer = 0;
+  moefold::activation act = moefold::activation::swiglu;
+  bool pre_softmax = false;
+  int dense_ffn = 0;
+  std::vector<double> gate, up, down;  // [F_d, H] (empty: not gated), [F_d, H], [H, F_d]
+
+  // The dense FFN on one token: down (act(gate x) * up x), or down act(up x). x [H] -> y [H].
+  void dense(const double* x, double* y, int H) const {
+    for (int o = 0; o < H; ++o) y[o] = 0;
+    for (int n = 0; n < dense_ffn; ++n) {
+      double u = 0, g = 0;
+      for (int h = 0; h < H; ++h) {
+        u += up[static_cast<std::size_t>(n) * H + h] * x[h];
+        if (!gate.empty()) g += gate[static_cast<std::size_t>(n) * H + h] * x[h];
+      }
+      const double a = gate.empty() ? moefold::activate(act, u) : moefold::activate(act, g) * u;
+      for (int o = 0; o < H; ++o) y[o] += down[static_cast<std::size_t>(o) * dense_ffn + n] * a;
+    }
+  }
+};
+
+// Reads DIR/index.json, checks its mapping against this run's, and sets the sizes of `o` from it.
+moefold::expected<upcycled_start> load_upcycled(options& o) {
+  using moefold::errc;
+  using moefold::make_error;
+  namespace fs = std::filesystem;
+  upcycled_start u;
+  u.dir = o.upcycle_from;
+  const fs::path index_path = u.dir / "index.json";
+  std::ifstream in(index_path);
+  if (!in) return make_error(errc::invalid_argument, index_path.string() + ": cannot read");
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto doc = moefold::examples::parse_json_document(text);
+  if (!doc)
+    return make_error(errc::invalid_argument, index_path.string() + ": " + doc.error().message);
+  try {
+    const auto& m = doc->at("mapping");
+    const auto& op = doc->at("options");
+    const int etp = o.etp.value_or(o.tp);
+    if (m.at("world").get<int>() != o.world || m.at("ep").get<int>() != o.ep ||
+        m.at("etp").get<int>() != etp || m.at("pp").get<int>() != 1)
+      return make_error(errc::invalid_argument,
+                        index_path.string() + ": upcycled for world " + m.at("world").dump() +
+                            ", ep " + m.at("ep").dump() + ", etp " + m.at("etp").dump() + ", pp " +
+                            m.at("pp").dump() +
+                            " (rule: --world, --ep and --etp must be the upcycled mapping's, with "
+                            "one pipeline stage)");
+    if (doc->at("layers").empty())
+      return make_error(errc::invalid_argument, index_path.string() + ": no layer was upcycled");
+    u.layer = doc->at("layers").at(0).get<int>();
+    u.pre_softmax = op.at("pre_softmax").get<bool>();
+    const std::string act = op.at("activation").get<std::string>();
+    bool known = false;
+    for (auto a :
+         {moefold::activation::swiglu, moefold::activation::geglu, moefold::activation::gelu,
+          moefold::activation::silu, moefold::activation::relu, moefold::activation::squared_relu})
+      if (to_string(a) == act) u.act = a, known = true;
+    if (!known)
+      return make_error(errc::invalid_argument,
+                        index_path.string() + ": unknown activation " + act);
+    o.experts = op.at("experts").get<int>();
+    o.topk = op.at("topk").get<int>();
+    const int G = op.at("granularity").get<int>();
+    auto ckpt =
+        moefold::examples::dense_checkpoint::open(doc->at("dense").at("path").get<std::string>());
+    if (!ckpt) return moefold::unexpected<moefold::error>(ckpt.error());
+    auto l = ckpt->layer(u.layer);
+    if (!l) return moefold::unexpected<moefold::error>(l.error());
+    o.hidden = l->shape.hidden;
+    u.dense_ffn = l->shape.ffn;
+    o.ffn = l->shape.ffn / G;
+    if (static_cast<double>(o.experts) * o.hidden * o.ffn >
+            static_cast<double>(moefold::examples::train_cli::max_values) ||
+        static_cast<double>(o.tokens) * o.hidden >
+            static_cast<double>(moefold::examples::train_cli::max_values))
+      return make_error(errc::invalid_argument,
+                        index_path.string() +
+                            ": the upcycled sizes exceed the example's limit of " +
+                            std::to_string(moefold::examples::train_cli::max_values) + " values");
+    namespace st = moefold::examples::safetensors;
+    for (auto [t, dst] : {std::pair{&l->gate, &u.gate}}) {
+      if (!*t) continue;
+      auto v = st::read_as<double>(*(*t)->file, *(*t)->info);
+      if (!v) return moefold::unexpected<moefold::error>(v.error());
+      *dst = std::move(*v);
+    }
+    for (auto [t, dst] : {std::pair{&l->up, &u.up}, std::pair{&l->down, &u.down}}) {
+      auto v = st::read_as<double>(*t->file, *t->info);
+      if (!v) return moefold::unexpected<moefold::error>(v.error());
+      *dst = std::move(*v);
+    }
+  } catch (const moefold::examples::ordered_json::exception& e) {
+    return make_error(errc::invalid_argument,
+                      index_path.string() + ": not moefold-upcycle's index (" + e.what() + ")");
+  }
+  return u;
+}
+
+// Copies tensor `name` of a rank file into `dst` (converted to T), checking its element count.
+template <class T>
+moefold::status load_tensor(const moefold::examples::safetensors::reader& f,
+                            const std::string& name, std::span<T> dst) {
+  const auto* t = f.find(name);
+  if (t == nullptr)
+    return moefold::make_error(moefold::errc::invalid_argument,
+                               f.path() + ": tensor " + name + " is missing");
+  auto v = moefold::examples::safetensors::read_as<T>(f, *t);
+  if (!v) return moefold::unexpected<moefold::error>(v.error());
+  if (v->size() != dst.size())
+    return moefold::make_error(moefold::errc::shape_mismatch,
+                               f.path() + ": tensor " + name + " holds " +
+                                   std::to_string(v->size()) + " values, the layer needs " +
+                                   std::to_string(dst.size()));
+  std::copy(v->begin(), v->end(), dst.begin());
+  return {};
+}
+
 struct step_log {
   double loss = 0, aux = 0;
+  double dense_error = -1;  // step 0 with --upcycle-from: max |out - dense| / max |dense|
   long long dropped = 0;
   std::vector<long long> load;
 };
 
 template <class T, class Policy>
-int train(const options& o, const Policy& policy) {
+int train(const options& o, const Policy& policy, const upcycled_start* up) {
   using namespace moefold;
   auto fold = make_folded({.world = o.world,
                            .tp = o.tp,
@@ -118,11 +251,12 @@ int train(const options& o, const Policy& policy) {
                                        .ffn = o.ffn,
                                        .num_local_experts = L,
                                        .etp = fold->etp(),
-                                       .etp_rank = mc.etp});
+                                       .etp_rank = mc.etp,
+                                       .act = up ? up->act : activation::swiglu});
     if (!mlp) return unexpected<error>(mlp.error());
     // The student's initial weights, from the global expert index (the same on every mapping).
     // load_full takes fc1 as [2F, H] with rows [gate; up]: entry (j, h) is the teacher's (h, j).
-    for (int l = 0; l < L; ++l) {
+    for (int l = 0; !up && l < L; ++l) {
       const int e = mc.ep * L + l;
       std::vector<T> w1, w2;
       for (int j = 0; j < 2 * o.ffn; ++j)
@@ -136,13 +270,14 @@ int train(const options& o, const Policy& policy) {
     using layer_t = moe_layer<T, thread_communicator, Policy,
                               all_to_all_dispatcher<T, thread_communicator>, reference_mlp<T>>;
     // EP, ETP, TP and this rank's TP position come from the communicators.
-    moe_layer_options lo{.hidden = H,
-                         .max_tokens = per_rank,
-                         .router = {.num_experts = o.experts, .topk = o.topk},
-                         .aux_loss_coeff = o.aux,
-                         .z_loss_coeff = o.z,
-                         .seq_aux_loss_coeff = o.seq_aux,
-                         .global_aux_loss_coeff = o.global_aux};
+    moe_layer_options lo{
+        .hidden = H,
+        .max_tokens = per_rank,
+        .router = {.num_experts = o.experts, .topk = o.topk, .pre_softmax = up && up->pre_softmax},
+        .aux_loss_coeff = o.aux,
+        .z_loss_coeff = o.z,
+        .seq_aux_loss_coeff = o.seq_aux,
+        .global_aux_loss_coeff = o.global_aux};
     if (o.expert_bias) {  // DeepSeek-V3 style: sigmoid scores, the bias steers the selection
       lo.router.score = score_function::sigmoid;
       lo.router.expert_bias = true;
@@ -158,8 +293,27 @@ int train(const options& o, const Policy& policy) {
           w1.push_back(static_cast<T>(3.0 * rnd(300, h * 2 * o.shared_ffn + j, 0) / std::sqrt(H)));
       if (auto s = se->mlp().load_full(0, w1, w2); !s) return s;
     }
-    for (int i = 0; i < o.experts * H; ++i)
+    for (int i = 0; !up && i < o.experts * H; ++i)
       layer->router_weight()[static_cast<std::size_t>(i)] = static_cast<T>(0.1 * rnd(400, i, 0));
+    if (up) {  // this rank's file: the router and its local experts' shards
+      char name[32];
+      std::snprintf(name, sizeof name, "rank-%05d.safetensors", r);
+      auto f = examples::safetensors::reader::open(up->dir / name);
+      if (!f) return unexpected<error>(f.error());
+      const std::string pre = "layers." + std::to_string(up->layer) + ".";
+      if (auto s = load_tensor<T>(*f, pre + "router.weight", layer->router_weight()); !s) return s;
+      auto& ex = layer->experts();
+      const std::size_t n1 = ex.weights_fc1().size() / static_cast<std::size_t>(L),
+                        n2 = ex.weights_fc2().size() / static_cast<std::size_t>(L);
+      for (int l = 0; l < L; ++l) {
+        const std::string e = pre + "experts." + std::to_string(mc.ep * L + l) + ".";
+        const auto k = static_cast<std::size_t>(l);
+        if (auto s = load_tensor<T>(*f, e + "fc1.weight", ex.weights_fc1().subspan(k * n1, n1)); !s)
+          return s;
+        if (auto s = load_tensor<T>(*f, e + "fc2.weight", ex.weights_fc2().subspan(k * n2, n2)); !s)
+          return s;
+      }
+    }
     const moe_layer_groups<thread_communicator> g = comms->groups();
     std::vector<T> x(static_cast<std::size_t>(per_rank * H)), out(x.size()), dout(x.size()),
         dx(x.size());
@@ -175,6 +329,25 @@ int train(const options& o, const Policy& policy) {
       }
       auto stats = layer->forward(per_rank, x, {}, g, out);
       if (!stats) return unexpected<error>(stats.error());
+      if (up && step == 0) {  // the upcycled layer against the dense FFN on the same tokens
+        std::vector<double> worst = {0, 0}, yd(static_cast<std::size_t>(H));
+        for (int t = 0; t < per_rank; ++t) {
+          for (int h = 0; h < H; ++h)
+            xd[static_cast<std::size_t>(h)] =
+                static_cast<double>(x[static_cast<std::size_t>(t * H + h)]);
+          up->dense(xd.data(), yd.data(), H);
+          for (int h = 0; h < H; ++h) {
+            const double o1 = static_cast<double>(out[static_cast<std::size_t>(t * H + h)]);
+            worst[0] = std::max(worst[0], std::fabs(o1 - yd[static_cast<std::size_t>(h)]));
+            worst[1] = std::max(worst[1], std::fabs(yd[static_cast<std::size_t>(h)]));
+          }
+        }
+        if (auto s = world.all_reduce<double>(worst, reduce_op::max); !s) return s;
+        if (r == 0) {
+          std::lock_guard lk(m);
+          log[0].dense_error = worst[1] > 0 ? worst[0] / worst[1] : worst[0];
+        }
+      }
       // Squared error per token (summed over H), averaged over the global batch; its gradient.
       double sq = 0;
       for (std::size_t i = 0; i < out.size(); ++i) {
@@ -243,6 +416,10 @@ int train(const options& o, const Policy& policy) {
     for (long long v : l.load) std::printf(" %lld", v);
     std::printf("\n");
   }
+  if (up && o.steps > 0)
+    std::printf(
+        "step 0 output vs the dense FFN (layer %d): max |moe - dense| / max |dense| = %.3e\n",
+        up->layer, log.front().dense_error);
   if (o.steps > 0) {
     const double ratio = log.back().loss / log.front().loss;
     // The stated target: within the default 300 steps the loss falls below 0.6 of its start.
@@ -259,11 +436,20 @@ int main(int argc, char** argv) {
       rc >= 0)
     return rc;
   using namespace moefold;
+  std::optional<upcycled_start> up;
+  if (!o.upcycle_from.empty()) {
+    auto u = load_upcycled(o);
+    if (!u) return moefold::examples::fail("--upcycle-from: " + u.error().message);
+    up = std::move(*u);
+  }
+  const upcycled_start* start = up ? &*up : nullptr;
   auto run = [&]<class T>(T) {
-    if (o.drop == "dropless") return train<T>(o, dropless{});
+    if (o.drop == "dropless") return train<T>(o, dropless{}, start);
     if (o.drop == "sub_sequence")
-      return train<T>(o, sub_sequence{.capacity_factor = o.capacity, .pad_to_capacity = o.pad});
-    return train<T>(o, full_sequence{.capacity_factor = o.capacity, .pad_to_capacity = o.pad});
+      return train<T>(o, sub_sequence{.capacity_factor = o.capacity, .pad_to_capacity = o.pad},
+                      start);
+    return train<T>(o, full_sequence{.capacity_factor = o.capacity, .pad_to_capacity = o.pad},
+                    start);
   };
   return o.dtype == "fp64" ? run(double{}) : run(float{});
 }

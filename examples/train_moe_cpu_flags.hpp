@@ -27,6 +27,7 @@ struct options {
   bool shared_gate = false;                // its sigmoid gate
   bool expert_bias = false;                // sigmoid routing with aux-loss-free balancing
   bool quiet = false;
+  std::string upcycle_from;  // moefold-upcycle's output folder: start from upcycled weights
 };
 
 inline constexpr const char* usage_text =
@@ -35,7 +36,7 @@ inline constexpr const char* usage_text =
     "fp32|fp64]\n"
     "  [--experts E] [--topk K] [--hidden H] [--ffn F] [--tokens N] [--steps N] [--lr F]\n"
     "  [--aux-loss F] [--seq-aux-loss F] [--global-aux-loss F] [--z-loss F]\n"
-    "  [--shared-ffn F] [--shared-gate] [--expert-bias] [--quiet]\n";
+    "  [--shared-ffn F] [--shared-gate] [--expert-bias] [--quiet] [--upcycle-from DIR]\n";
 
 //! The most simulated ranks (threads) the example starts.
 inline constexpr int max_world = 1024;
@@ -84,6 +85,10 @@ inline parse_outcome parse(int argc, const char* const* argv, options& o) {
       ->multi_option_policy(CLI::MultiOptionPolicy::Throw);
   app.add_flag("--quiet", o.quiet, "print only the last lines")
       ->multi_option_policy(CLI::MultiOptionPolicy::Throw);
+  app.add_option("--upcycle-from", o.upcycle_from,
+                 "start from moefold-upcycle's output (its experts, top-k, sizes and activation "
+                 "replace --experts, --topk, --hidden and --ffn)")
+      ->default_str("none");
   return examples::parse(app, argc, argv, [&] {
     if (app.count("--etp")) o.etp = etp;
     for (const auto& [flag, v] : {std::pair{"--capacity", o.capacity},
@@ -100,6 +105,10 @@ inline parse_outcome parse(int argc, const char* const* argv, options& o) {
     if (o.dtype != "fp32" && o.dtype != "fp64") throw usage_error{"--dtype must be fp32 or fp64"};
     if (o.shared_ffn < 0) throw usage_error{"--shared-ffn must be >= 0 (0: no shared expert)"};
     if (o.shared_gate && o.shared_ffn == 0) throw usage_error{"--shared-gate needs --shared-ffn"};
+    if (!o.upcycle_from.empty() && (o.expert_bias || o.shared_ffn > 0))
+      throw usage_error{
+          "--upcycle-from takes neither --expert-bias nor --shared-ffn (rule: the "
+          "upcycled layer is the dense FFN split into softmax-routed experts)"};
     if (!(o.seq_aux >= 0) || !(o.global_aux >= 0))
       throw usage_error{"--seq-aux-loss and --global-aux-loss must be >= 0"};
     if (o.pp != 1)

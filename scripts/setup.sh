@@ -2,7 +2,8 @@
 # Installs what moefold's build and tests need on a fresh Debian/Ubuntu machine: meson, ninja,
 # doctest, Open MPI, clang-format, clang (a second compiler for the header tests; with its
 # runtime, libFuzzer), CLI11 and
-# nlohmann/json (the tools' flags and JSON), python3-jsonschema (the planner's schema test). The
+# nlohmann/json (the tools' flags and JSON), python3-jsonschema (the planner's schema test), and
+# from PyPI the reference safetensors package (the upcycling tests). The
 # CUDA toolkit (nvcc, NCCL) is used when present.
 set -euo pipefail
 pkgs=(meson ninja-build pkg-config cmake doctest-dev libopenmpi-dev openmpi-bin clang-format python3 g++
@@ -17,5 +18,16 @@ if [ ${#missing[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   $sudo apt-get update -qq >/dev/null
   $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+# The reference safetensors package, which the upcycling tests write dense checkpoints with and
+# read moefold-upcycle's output back with (pinned: its low-level serialize() API changed in 0.6),
+# for the user, beside Debian's python3 packages (which PEP 668 guards; nothing of theirs is
+# replaced: safetensors has no dependencies).
+if ! python3 -c 'import safetensors, sys; sys.exit(safetensors.__version__ != "0.5.3")' 2>/dev/null; then
+  pip_flags=(--quiet --disable-pip-version-check --user)
+  [ -f "$(python3 -c 'import sysconfig; print(sysconfig.get_path("stdlib"))')/EXTERNALLY-MANAGED" ] &&
+    pip_flags+=(--break-system-packages)
+  python3 -m pip install "${pip_flags[@]}" 'safetensors==0.5.3' >/dev/null 2>&1 ||
+    { echo "setup: pip install safetensors==0.5.3 failed"; exit 1; }
 fi
 echo "setup: ok (${#missing[@]} package(s) installed)"

@@ -65,6 +65,8 @@
 #include "routing/score_function.hpp"
 #include "routing/topk.hpp"
 #include "routing/topk_router.hpp"
+#include "upcycle/megatron_source.hpp"
+#include "upcycle/pipeline_layers.hpp"
 #include "upcycle/round_once.hpp"
 #include "upcycle/router_init.hpp"
 #include "upcycle/upcycle_experts.hpp"

@@ -2,7 +2,9 @@
 """Runs one libFuzzer target and replays its corpus through the tool.
 
 Kinds: model and cluster (moefold-plan's file readers; inputs *.json, given to the tool as
---model or --cluster FILE with one mapping's sizes) and flags (a tool's flag parsing, any of the
+--model or --cluster FILE with one mapping's sizes), safetensors (moefold-upcycle's reader;
+inputs *.safetensors, given as --dense FILE with a fresh --out folder, which a refused input must
+leave absent) and flags (a tool's flag parsing, any of the
 three tools; inputs *.args, the tool's arguments each ended by a NUL, as /proc/PID/cmdline).
 1. The fuzzer runs from a copy of the corpus in the tree (valid/ and invalid/ inputs) with a
    fixed seed, until 100,000 runs or 60 s, whichever comes first; any crash, hang, leak,
@@ -39,7 +41,7 @@ def check(name, ok, detail=""):
 
 flags = kind == "flags"
 label = f"{pathlib.Path(tool).name} flags" if flags else kind
-suffix = "args" if flags else "json"
+suffix = "args" if flags else kind if kind == "safetensors" else "json"
 
 
 def split_args(data):
@@ -51,6 +53,9 @@ def split_args(data):
 def tool_args(path):
     if flags:
         return [tool.encode()] + split_args(pathlib.Path(path).read_bytes())
+    if kind == "safetensors":
+        return [tool, "--dense", str(path), "--out", str(work / "out"), "--activation", "relu",
+                "--experts", "2", "--topk", "2", "--world", "1"]
     sizes = ["--tp", "1", "--cp", "1", "--ep", "1", "--etp", "1", "--pp", "1", "--vpp", "1",
              "--mbs", "1", "--format", "json", "--gpus", "1"]
     if kind == "model":
@@ -60,10 +65,14 @@ def tool_args(path):
 
 def replay(path):
     """The tool run on one input: returncode, stdout and stderr as bytes, or None after 20 s."""
+    shutil.rmtree(work / "out", ignore_errors=True)
     try:
-        return subprocess.run(tool_args(path), capture_output=True, timeout=20)
+        r = subprocess.run(tool_args(path), capture_output=True, timeout=20)
     except subprocess.TimeoutExpired:
         return None
+    if kind == "safetensors" and r.returncode != 0 and (work / "out").exists():
+        r.returncode = -1000  # a refused input left output behind
+    return r
 
 
 def one_error(r):

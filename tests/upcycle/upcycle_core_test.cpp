@@ -1,6 +1,8 @@
 // The upcycling core (include/moefold/upcycle/): the option rules, the weight scale of
 // docs/upcycling.md against its formula, rounding once from fp64, the router generator, and each
 // rank's expert shards against slices of the dense weights taken independently here.
+#include <moefold/upcycle/megatron_source.hpp>
+#include <moefold/upcycle/pipeline_layers.hpp>
 #include <moefold/upcycle/router_init.hpp>
 #include <moefold/upcycle/upcycle_experts.hpp>
 
@@ -238,4 +240,111 @@ TEST_CASE(
     CHECK(cover.size() == static_cast<std::size_t>(Fd));
     for (const auto& [k, c] : cover) CHECK(c == E / G);
   }
+}
+
+TEST_CASE(
+    "Megatron-Core TP-sharded source: the pieces of each slice assemble to the Hugging Face "
+    "slice") {
+  const int H = 5, Fd = 24;
+  const dense m = make_dense(H, Fd);
+  for (const bool gated : {true, false}) {
+    const dense_ffn_shape d{.hidden = H, .ffn = Fd, .gated = gated};
+    for (const auto& [tp, E, G, ep, etp] :
+         {std::tuple{4, 4, 2, 2, 1}, std::tuple{3, 8, 2, 4, 2}, std::tuple{2, 4, 1, 2, 3},
+          std::tuple{6, 6, 3, 3, 2}, std::tuple{1, 4, 4, 1, 2}, std::tuple{8, 2, 2, 1, 3}}) {
+      CAPTURE(gated);
+      CAPTURE(tp);
+      CAPTURE(G);
+      CAPTURE(etp);
+      // The TP shards as Megatron-Core stores them, built here from the dense tensors:
+      // fc1_t [(gated ? 2 : 1) F_d / TP, H] = [gate rows of t; up rows of t], fc2_t [H, F_d / TP].
+      const int per = Fd / tp;
+      std::vector<std::vector<double>> fc1(static_cast<std::size_t>(tp)),
+          fc2(static_cast<std::size_t>(tp));
+      for (int t = 0; t < tp; ++t) {
+        auto& a = fc1[static_cast<std::size_t>(t)];
+        for (const auto* src : gated ? std::vector{&m.gate, &m.up} : std::vector{&m.up})
+          for (int n = t * per; n < (t + 1) * per; ++n)
+            for (int h = 0; h < H; ++h) a.push_back((*src)[static_cast<std::size_t>(n) * H + h]);
+        for (int h = 0; h < H; ++h)
+          for (int n = t * per; n < (t + 1) * per; ++n)
+            fc2[static_cast<std::size_t>(t)].push_back(
+                m.down[static_cast<std::size_t>(h) * Fd + n]);
+      }
+      const upcycle_options o{.num_experts = E,
+                              .topk = 2,
+                              .granularity = G,
+                              .act = gated ? activation::swiglu : activation::relu};
+      bool straddles = false;
+      for (int er = 0; er < ep; ++er)
+        for (int tr = 0; tr < etp; ++tr) {
+          const upcycle_rank r{.ep = ep, .ep_rank = er, .etp = etp, .etp_rank = tr};
+          const auto plan = upcycle_slices(d, o, r).value();
+          const auto want = cut(m, plan);
+          for (std::size_t j = 0; j < plan.size(); ++j) {
+            const dense_slice& s = plan[j];
+            auto pieces = megatron_pieces(d, tp, s);
+            REQUIRE(pieces.has_value());
+            straddles = straddles || pieces->size() > 1;
+            std::vector<double> got(static_cast<std::size_t>(s.rows * s.cols), -99.0);
+            std::size_t area = 0;
+            for (const megatron_piece& p : *pieces) {
+              const auto& src =
+                  (p.tensor == megatron_tensor::fc1 ? fc1
+                                                    : fc2)[static_cast<std::size_t>(p.tp_rank)];
+              const int src_cols = p.tensor == megatron_tensor::fc1 ? H : per;
+              CHECK(p.tensor ==
+                    (s.tensor == dense_tensor::down ? megatron_tensor::fc2 : megatron_tensor::fc1));
+              for (int i = 0; i < p.rows; ++i)
+                for (int c = 0; c < p.cols; ++c)
+                  got[static_cast<std::size_t>((p.dst_row + i) * s.cols + p.dst_col + c)] = src.at(
+                      static_cast<std::size_t>((p.first_row + i) * src_cols + p.first_col + c));
+              area += static_cast<std::size_t>(p.rows * p.cols);
+            }
+            CHECK(area == got.size());  // the pieces tile the slice, no byte read twice
+            CHECK(got == want[j]);
+          }
+        }
+      // Slices of F / ETP neurons cross TP shard boundaries whenever F_d / TP does not divide
+      // them evenly; the cases include such crossings.
+      if (tp == 4 || tp == 3 || tp == 8) CHECK(straddles);
+    }
+  }
+  const dense_ffn_shape d{.hidden = H, .ffn = Fd, .gated = false};
+  const auto bad = megatron_pieces(d, 5, {.tensor = dense_tensor::up, .rows = 1, .cols = H});
+  REQUIRE(!bad);
+  CHECK(bad.error().message.find("divide the dense FFN width 24") != std::string::npos);
+  const auto gate = megatron_pieces(d, 2, {.tensor = dense_tensor::gate, .rows = 1, .cols = H});
+  REQUIRE(!gate);
+  CHECK(gate.error().message.find("without a gate") != std::string::npos);
+  const auto out =
+      megatron_pieces(d, 2, {.tensor = dense_tensor::down, .rows = H, .first_col = 20, .cols = 5});
+  REQUIRE(!out);
+  CHECK(out.error().message.find("outside") != std::string::npos);
+}
+
+TEST_CASE(
+    "pipeline stages: Megatron-Core's even split, and a layer off this rank's stage refused") {
+  // 12 layers over 4 stages: [0, 3), [3, 6), [6, 9), [9, 12).
+  for (int stage = 0; stage < 4; ++stage) {
+    const auto s = pipeline_stage_layers(12, 4, stage);
+    REQUIRE(s.has_value());
+    CHECK(s->first == 3 * stage);
+    CHECK(s->count == 3);
+    for (int layer = 0; layer < 12; ++layer)
+      CHECK(check_layer_on_stage(12, 4, stage, layer).has_value() == (layer / 3 == stage));
+  }
+  const auto off = check_layer_on_stage(12, 4, 1, 7);
+  REQUIRE(!off);
+  CHECK(off.error().message.find("layer 7 is on pipeline stage 2, not this rank's stage 1") !=
+        std::string::npos);
+  const auto uneven = pipeline_stage_layers(10, 4, 0);
+  REQUIRE(!uneven);
+  CHECK(uneven.error().message.find("10 layers do not split evenly over pp = 4") !=
+        std::string::npos);
+  const auto range = check_layer_on_stage(12, 4, 0, 12);
+  REQUIRE(!range);
+  CHECK(range.error().message.find("out of range") != std::string::npos);
+  CHECK(!pipeline_stage_layers(12, 4, 4));
+  CHECK(!pipeline_stage_layers(0, 1, 0));
 }
