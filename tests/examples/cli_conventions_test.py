@@ -4,17 +4,26 @@ the usage lines with its default (or REQUIRED; plain switches have none) on stdo
 --version prints the package version; unknown, repeated and value-less flags and values that are
 not numbers exit 2 with one "error:" line and nothing on stdout; inputs that would make a tool run
 or allocate without bound are refused at once with the limit stated.
-Usage: cli_conventions_test.py VERSION MOEFOLD_MESH MOEFOLD_PLAN TRAIN_MOE_CPU"""
+Usage: cli_conventions_test.py VERSION MOEFOLD_MESH MOEFOLD_PLAN TRAIN_MOE_CPU MOEFOLD_UPCYCLE
+       DENSE_SAFETENSORS"""
+import pathlib
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
-version, mesh, plan, train = sys.argv[1:5]
+version, mesh, plan, train, upcycle, dense = sys.argv[1:7]
+# moefold-upcycle writes into a folder that must be new or empty: each run gets a fresh name.
+scratch = pathlib.Path(tempfile.mkdtemp(prefix="moefold-cli-"))
 tools = {
     "moefold-mesh": (mesh, ["--world", "8"], "--tp"),
     "moefold-plan": (plan, ["--model", "mixtral-8x7b", "--cluster", "h100-sxm", "--gpus", "8"], "--tp"),
     "train_moe_cpu": (train, ["--steps", "1", "--quiet"], "--tp"),
+    "moefold-upcycle": (upcycle, ["--dense", dense, "--out", str(scratch / "out"), "--activation",
+                                  "relu", "--experts", "2", "--topk", "2", "--world", "1"],
+                        "--experts"),
 }
 cases = []
 
@@ -25,6 +34,7 @@ def check(name, ok, detail=""):
 
 
 def run(exe, *args, timeout=60):
+    shutil.rmtree(scratch / "out", ignore_errors=True)
     return subprocess.run([exe, *map(str, args)], capture_output=True, text=True, timeout=timeout)
 
 
@@ -82,6 +92,9 @@ for name, exe, args, limit in [
         ("train_moe_cpu --shared-ffn 2147483647", train, ["--shared-ffn", "2147483647"], "1048576"),
         ("train_moe_cpu --steps 2147483647", train, ["--steps", "2147483647"], "100000"),
         ("train_moe_cpu --topk 0", train, ["--topk", "0"], "between 1 and --experts"),
+        ("moefold-upcycle --world 2147483647", upcycle,
+         ["--dense", dense, "--out", str(scratch / "out"), "--experts", "2", "--topk", "2",
+          "--world", "2147483647"], "65536"),
         ("moefold-plan --model /dev/zero", plan,
          ["--model", "/dev/zero", "--cluster", "h100-sxm", "--gpus", "8"], "1048576 bytes")]:
     t = time.monotonic()
@@ -99,6 +112,7 @@ dt = time.monotonic() - t
 check(f"moefold-mesh --world 65536 --format svg in {dt:.2f} s", r.returncode == 0 and dt < 10,
       (r.returncode, r.stderr))
 
+shutil.rmtree(scratch, ignore_errors=True)
 failed = cases.count(False)
 print(f"[doctest] test cases: {len(cases)} | {len(cases) - failed} passed | {failed} failed | 0 skipped")
 sys.exit(1 if failed else 0)

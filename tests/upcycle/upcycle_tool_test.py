@@ -16,7 +16,9 @@ import math
 import os
 import pathlib
 import random
+import resource
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -422,6 +424,28 @@ t = subprocess.run([train, *map(str, ["--upcycle-from", work / "o9", "--world", 
                    capture_output=True, text=True, timeout=60)
 check("train_moe_cpu --upcycle-from on another mapping is refused, naming the rule",
       one_error(t) and "must be the upcycled mapping's" in t.stderr, (t.returncode, t.stderr))
+
+# A run that fails after writing a file removes it: a file-size limit lets rank 0's file (one layer)
+# be written and makes rank 1's (two layers) fail with EFBIG, SIGXFSZ ignored so write(2) reports it.
+args = ["--dense", d1, "--experts", 4, "--topk", 2, "--world", 2, "--pp", 2, "--layers", "1,2,3"]
+r = run_tool(*args, "--out", work / "sizes")
+sizes = [(work / "sizes" / f"rank-{k:05d}.safetensors").stat().st_size for k in (0, 1)] \
+    if r.returncode == 0 else [0, 0]
+limit = (sizes[0] + sizes[1]) // 2
+
+
+def small_files():
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+partial = work / "partial"
+r = subprocess.run([tool, *map(str, args), "--out", str(partial)], capture_output=True, text=True,
+                   timeout=60, preexec_fn=small_files)
+check(f"a run failing at rank 1's file (limit {limit} bytes, files of {sizes}) exits 2 naming "
+      "the file, and removes rank 0's file and the folder it made",
+      sizes[0] < limit < sizes[1] and one_error(r) and "rank-00001.safetensors" in r.stderr and
+      not partial.exists(), (r.returncode, r.stderr, partial.exists() and list(partial.iterdir())))
 
 r = run_tool("--help")
 check("--help exits 0 and shows the usage", r.returncode == 0 and "usage: moefold-upcycle" in r.stdout)
