@@ -21,6 +21,8 @@
 #include <set>
 #include <string>
 #include <string_view>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace moefold::examples {
@@ -36,6 +38,9 @@ struct dense_layer {
   int index = 0;
   std::optional<located_tensor> gate;
   located_tensor up, down;
+  //! Biases, when the checkpoint has them (mlp_bias): gate and up [F_d] (together when gated),
+  //! down [H].
+  std::optional<located_tensor> gate_bias, up_bias, down_bias;
   dense_ffn_shape shape;
   std::string dtype;  //!< F32, BF16, F16 or F64, the same for the layer's tensors
 };
@@ -215,14 +220,12 @@ class dense_checkpoint {
     l.up = *up;
     l.down = *down;
     if (const located_tensor* gate = find(ffn_name(i, "gate_proj"))) l.gate = *gate;
-    for (std::string_view proj : {"gate_proj", "up_proj", "down_proj"}) {
+    for (auto [proj, slot] :
+         {std::pair{"gate_proj", &l.gate_bias}, std::pair{"up_proj", &l.up_bias},
+          std::pair{"down_proj", &l.down_bias}}) {
       std::string bias = ffn_name(i, proj);
       bias.replace(bias.size() - 6, 6, "bias");  // ".weight" -> ".bias"
-      if (const located_tensor* b = find(bias))
-        return make_error(errc::not_supported,
-                          b->file->path() + ": tensor " + bias +
-                              ": FFN biases are not supported (moefold's experts have none, as "
-                              "Megatron-Core's MoE layers by default)");
+      if (const located_tensor* b = find(bias)) *slot = *b;
     }
     const auto where = [](const located_tensor& t) {
       return t.file->path() + ": tensor " + t.info->name;
@@ -263,6 +266,27 @@ class dense_checkpoint {
         return make_error(errc::invalid_argument, where(*l.gate) + ": dtype " + g.dtype +
                                                       " differs from up_proj's " + l.dtype);
     }
+    // Biases: 1-D, the weights' dtype, gate and up [F_d] together (up alone when not gated),
+    // down [H].
+    const auto bias_rule = [&](const located_tensor& t, std::uint64_t n, const std::string& rule) {
+      return make_error(errc::shape_mismatch,
+                        where(t) + ": shape " + shape_text(*t.info) + ", dtype " + t.info->dtype +
+                            " (rule: " + rule + " [" + std::to_string(n) + "] in " + l.dtype + ")");
+    };
+    for (auto [b, n, rule] : {std::tuple{&l.gate_bias, u.shape[0], "gate_proj.bias is"},
+                              std::tuple{&l.up_bias, u.shape[0], "up_proj.bias is"},
+                              std::tuple{&l.down_bias, u.shape[1], "down_proj.bias is"}})
+      if (*b &&
+          ((*b)->info->shape != std::vector<std::uint64_t>{n} || (*b)->info->dtype != l.dtype))
+        return bias_rule(**b, n, rule);
+    if (l.gate_bias && !l.gate)
+      return make_error(errc::invalid_argument,
+                        where(*l.gate_bias) + ": a gate bias without gate_proj.weight");
+    if (l.gate.has_value() && l.gate_bias.has_value() != l.up_bias.has_value())
+      return make_error(errc::invalid_argument,
+                        where(l.gate_bias ? *l.gate_bias : *l.up_bias) +
+                            ": gate_proj and up_proj must both have a bias or neither (rule: "
+                            "they form one fc1)");
     return l;
   }
 

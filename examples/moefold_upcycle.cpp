@@ -12,6 +12,7 @@
 #include <moefold/mesh/fold.hpp>
 #include <moefold/upcycle/pipeline_layers.hpp>
 #include <moefold/upcycle/router_init.hpp>
+#include <moefold/upcycle/upcycle_biases.hpp>
 #include <moefold/upcycle/upcycle_experts.hpp>
 #include <moefold/version.hpp>
 
@@ -157,20 +158,32 @@ ordered_json write_rank(const options& o, const moefold::dynamic_folded_mesh& fo
         (s.tensor == moefold::dense_tensor::down ? fc2_src : fc1_src).push_back(src);
       }
       const std::string ex = layer + ".experts." + std::to_string(e);
-      decls.push_back({ex + ".fc1.weight", l->out_dtype, {f1, H}});
-      tensors.push_back({{"name", decls.back().name},
-                         {"layer", l->dense.index},
-                         {"expert", e},
-                         {"dtype", l->out_dtype},
-                         {"shape", decls.back().shape},
-                         {"sources", fc1_src}});
-      decls.push_back({ex + ".fc2.weight", l->out_dtype, {H, fs_}});
-      tensors.push_back({{"name", decls.back().name},
-                         {"layer", l->dense.index},
-                         {"expert", e},
-                         {"dtype", l->out_dtype},
-                         {"shape", decls.back().shape},
-                         {"sources", fc2_src}});
+      const auto declare = [&](const std::string& name, std::vector<std::uint64_t> shape,
+                               const ordered_json& sources) {
+        decls.push_back({name, l->out_dtype, std::move(shape)});
+        tensors.push_back({{"name", name},
+                           {"layer", l->dense.index},
+                           {"expert", e},
+                           {"dtype", l->out_dtype},
+                           {"shape", decls.back().shape},
+                           {"sources", sources}});
+      };
+      // A bias is read whole (it is F_d or H values): its source is all of it.
+      const auto whole = [&](const std::optional<moefold::examples::located_tensor>& t) {
+        return ordered_json{{"file", fs::path(t->file->path()).filename().string()},
+                            {"tensor", t->info->name},
+                            {"rows", {0, t->info->shape[0]}}};
+      };
+      declare(ex + ".fc1.weight", {f1, H}, fc1_src);
+      if (l->dense.up_bias) {
+        ordered_json src = ordered_json::array();
+        if (l->dense.gate_bias) src.push_back(whole(l->dense.gate_bias));
+        src.push_back(whole(l->dense.up_bias));
+        declare(ex + ".fc1.bias", {f1}, src);
+      }
+      declare(ex + ".fc2.weight", {H, fs_}, fc2_src);
+      if (l->dense.down_bias)
+        declare(ex + ".fc2.bias", {H}, ordered_json::array({whole(l->dense.down_bias)}));
     }
   }
   const fs::path path = fs::path(o.out) / rank_file(rank);
@@ -205,14 +218,33 @@ ordered_json write_rank(const options& o, const moefold::dynamic_folded_mesh& fo
         slice_bytes += buf.size() * sizeof(S);
       }
       for (const auto& b : data) views.emplace_back(b);
+      // The biases, whole and widened exactly to fp64 (empty when absent).
+      std::vector<double> gb, ub, db;
+      for (auto [t, dst] : {std::pair{&l->dense.gate_bias, &gb}, std::pair{&l->dense.up_bias, &ub},
+                            std::pair{&l->dense.down_bias, &db}}) {
+        if (!*t) continue;
+        *dst = value_or_throw(st::read_as<double>(*(*t)->file, *(*t)->info));
+        slice_bytes += dst->size() * sizeof(S);
+      }
       with_type(l->out_dtype, [&]<class T>(T) {
         std::vector<T> fc1(sizes.fc1), fc2(sizes.fc2);
         ok_or_throw(moefold::upcycle_experts<S, T>(d, l->opt, me, views, {fc1, fc2}), where);
         const std::size_t L = static_cast<std::size_t>(l->opt.num_experts / me.ep);
         const std::size_t n1 = sizes.fc1 / L, n2 = sizes.fc2 / L;
+        const std::size_t b1 = ub.empty() ? 0 : n1 / static_cast<std::size_t>(d.hidden),
+                          b2 = db.empty() ? 0 : static_cast<std::size_t>(d.hidden);
+        std::vector<T> bias1(L * b1), bias2(L * b2);
+        ok_or_throw(moefold::upcycle_biases<double, T>(
+                        d, l->opt, me, {.gate = gb, .up = ub, .down = db}, {bias1, bias2}),
+                    where);
+        const auto bytes = [](const std::vector<T>& v, std::size_t at, std::size_t n) {
+          return std::as_bytes(std::span<const T>(v).subspan(at, n));
+        };
         for (std::size_t k = 0; k < L; ++k) {
-          ok_or_throw(w.write(std::as_bytes(std::span<const T>(fc1).subspan(k * n1, n1))));
-          ok_or_throw(w.write(std::as_bytes(std::span<const T>(fc2).subspan(k * n2, n2))));
+          ok_or_throw(w.write(bytes(fc1, k * n1, n1)));
+          if (b1 > 0) ok_or_throw(w.write(bytes(bias1, k * b1, b1)));
+          ok_or_throw(w.write(bytes(fc2, k * n2, n2)));
+          if (b2 > 0) ok_or_throw(w.write(bytes(bias2, k * b2, b2)));
         }
       });
     });

@@ -145,6 +145,13 @@ moefold::expected<upcycled_start> load_upcycled(options& o) {
     if (doc->at("layers").empty())
       return make_error(errc::invalid_argument, index_path.string() + ": no layer was upcycled");
     u.layer = doc->at("layers").at(0).get<int>();
+    for (const auto& rank : doc->at("ranks"))
+      for (const auto& t : rank.at("tensors"))
+        if (t.at("name").get<std::string>().ends_with(".bias"))
+          return make_error(errc::not_supported,
+                            index_path.string() + ": tensor " + t.at("name").get<std::string>() +
+                                ": moefold's experts have no biases (upcycle a checkpoint without "
+                                "FFN biases)");
     u.pre_softmax = op.at("pre_softmax").get<bool>();
     const std::string act = op.at("activation").get<std::string>();
     bool known = false;

@@ -69,6 +69,7 @@
 #include "upcycle/pipeline_layers.hpp"
 #include "upcycle/round_once.hpp"
 #include "upcycle/router_init.hpp"
+#include "upcycle/upcycle_biases.hpp"
 #include "upcycle/upcycle_experts.hpp"
 #include "upcycle/upcycle_options.hpp"
 #include "upcycle/upcycle_scale.hpp"

@@ -42,6 +42,8 @@ valid = {
     "two-layers-bf16": file_bytes(layer(0, "BF16", 2, 6) + layer(1, "BF16", 2, 6)),
     "padded-header-empty-tensor": file_bytes(
         [("model.layers.0.input_layernorm.weight", "F32", [0])] + layer(0, "F16", 4, 2), pad=7),
+    "biases-f32": file_bytes(layer(0) + [("model.layers.0.mlp.up_proj.bias", "F32", [4]),
+                                         ("model.layers.0.mlp.down_proj.bias", "F32", [3])]),
     "f64-attention-too": file_bytes([("model.layers.0.self_attn.q_proj.weight", "F32", [3, 3])] +
                                     layer(0, "F64", 3, 2)),
 }
@@ -86,6 +88,7 @@ invalid = {
     "down-proj-wrong-shape": file_bytes([("model.layers.0.mlp.up_proj.weight", "F32", [4, 3]),
                                          ("model.layers.0.mlp.down_proj.weight", "F32", [4, 3])]),
     "gated-under-relu": file_bytes(layer(0, gated=True)),
+    "bias-wrong-shape": file_bytes(layer(0) + [("model.layers.0.mlp.down_proj.bias", "F32", [4])]),
     "unknown-entry-member": file_bytes([], raw_header=(
         b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": 0}}'), data=bytes(4)),
     "deep-nesting": file_bytes([], raw_header=b'{"__metadata__": ' + b"[" * 200 + b"]" * 200 + b"}",

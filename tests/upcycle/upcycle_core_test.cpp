@@ -4,6 +4,7 @@
 #include <moefold/upcycle/megatron_source.hpp>
 #include <moefold/upcycle/pipeline_layers.hpp>
 #include <moefold/upcycle/router_init.hpp>
+#include <moefold/upcycle/upcycle_biases.hpp>
 #include <moefold/upcycle/upcycle_experts.hpp>
 
 #include <doctest/doctest.h>
@@ -347,4 +348,84 @@ TEST_CASE(
   CHECK(range.error().message.find("out of range") != std::string::npos);
   CHECK(!pipeline_stage_layers(12, 4, 4));
   CHECK(!pipeline_stage_layers(0, 1, 0));
+}
+
+TEST_CASE("upcycled biases: fc1 biases scale as the weights, fc2 biases by t; exact for ReLU") {
+  // ReLU (not gated), F_d 12, H 5, E 4, G 2, k 2: the first virtual group (experts 0, 1) is one
+  // whole dense FFN. With every router logit equal, softmax after top-k gives each 1/2 and
+  // before top-k each 1/E; the experts' outputs (ETP shards summed, the fc2 bias once) weighted
+  // so must equal the dense FFN's, biases included.
+  const int H = 5, Fd = 12, E = 4, G = 2, k = 2;
+  const dense m = make_dense(H, Fd);
+  std::vector<double> b1(Fd), b2(H);
+  for (int i = 0; i < Fd; ++i) b1[static_cast<std::size_t>(i)] = 0.3 * std::sin(1.0 + i);
+  for (int h = 0; h < H; ++h) b2[static_cast<std::size_t>(h)] = 0.7 * std::cos(2.0 + h);
+  const dense_ffn_shape d{.hidden = H, .ffn = Fd, .gated = false};
+  std::vector<double> x(H);
+  for (int h = 0; h < H; ++h) x[static_cast<std::size_t>(h)] = std::cos(0.4 * h) - 0.2;
+  std::vector<double> want(b2);  // the dense FFN: down relu(up x + b1) + b2
+  for (int n = 0; n < Fd; ++n) {
+    double a = b1[static_cast<std::size_t>(n)];
+    for (int h = 0; h < H; ++h)
+      a += m.up[static_cast<std::size_t>(n * H + h)] * x[static_cast<std::size_t>(h)];
+    for (int h = 0; h < H; ++h)
+      want[static_cast<std::size_t>(h)] +=
+          m.down[static_cast<std::size_t>(h * Fd + n)] * std::max(a, 0.0);
+  }
+  for (const bool pre : {false, true})
+    for (const int etp : {1, 2, 3}) {
+      CAPTURE(pre);
+      CAPTURE(etp);
+      const upcycle_options o{.num_experts = E,
+                              .topk = k,
+                              .granularity = G,
+                              .act = activation::relu,
+                              .pre_softmax = pre,
+                              .init = router_init::uniform};
+      const double s = upcycle_weight_scale(d, o).value();
+      const double t = upcycle_fc2_bias_scale(d, o).value();
+      CHECK(t == (pre ? 2.0 : 1.0));  // E / k before top-k, 1 after
+      const double p = pre ? 1.0 / E : 1.0 / k;
+      const int F = Fd / G, Fs = F / etp;
+      std::vector<double> got(H, 0.0);
+      for (int r = 0; r < etp; ++r) {
+        const upcycle_rank rk{.ep = 1, .ep_rank = 0, .etp = etp, .etp_rank = r};
+        const auto plan = upcycle_slices(d, o, rk).value();
+        const auto data = cut(m, plan);
+        std::vector<std::span<const double>> views(data.begin(), data.end());
+        const mlp_param_sizes n = mlp_sizes(upcycled_shape(d, o, rk).value());
+        std::vector<double> fc1(n.fc1), fc2(n.fc2), bias1(static_cast<std::size_t>(E * Fs)),
+            bias2(static_cast<std::size_t>(E * H));
+        REQUIRE(upcycle_experts<double, double>(d, o, rk, views, {fc1, fc2}).has_value());
+        REQUIRE(upcycle_biases<double, double>(d, o, rk, {.up = b1, .down = b2}, {bias1, bias2})
+                    .has_value());
+        for (int e = 0; e < E; ++e)
+          for (int c = 0; c < Fs; ++c)  // the shard's entries of the dense bias, times s
+            CHECK(bias1[static_cast<std::size_t>(e * Fs + c)] ==
+                  b1[static_cast<std::size_t>((e % G) * F + r * Fs + c)] * s);
+        for (int e = 0; e < G; ++e) {  // the chosen experts: 0 .. G-1
+          for (int c = 0; c < Fs; ++c) {
+            double a = bias1[static_cast<std::size_t>(e * Fs + c)];
+            for (int h = 0; h < H; ++h)
+              a += fc1[static_cast<std::size_t>((e * Fs + c) * H + h)] *
+                   x[static_cast<std::size_t>(h)];
+            for (int h = 0; h < H; ++h)
+              got[static_cast<std::size_t>(h)] +=
+                  p * fc2[static_cast<std::size_t>((e * H + h) * Fs + c)] * std::max(a, 0.0);
+          }
+          if (r == 0)  // the fc2 bias once per expert, after the ETP reduction
+            for (int h = 0; h < H; ++h)
+              got[static_cast<std::size_t>(h)] += p * bias2[static_cast<std::size_t>(e * H + h)];
+        }
+      }
+      for (int h = 0; h < H; ++h)
+        CHECK(std::fabs(got[static_cast<std::size_t>(h)] - want[static_cast<std::size_t>(h)]) <=
+              1e-12 * std::fabs(want[static_cast<std::size_t>(h)]) + 1e-14);
+    }
+  // Bias shapes are checked: a gate bias for an FFN without a gate is refused.
+  const upcycle_options o{.num_experts = E, .topk = k, .granularity = G, .act = activation::relu};
+  std::vector<double> bias1(static_cast<std::size_t>(E * Fd / G));
+  const auto st = upcycle_biases<double, double>(d, o, {}, {.gate = b1, .up = b1}, {bias1, {}});
+  REQUIRE(!st);
+  CHECK(st.error().message.find("gate only when gated") != std::string::npos);
 }

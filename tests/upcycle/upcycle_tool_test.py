@@ -86,7 +86,7 @@ TORCH_NAME = {"F32": "float32", "BF16": "bfloat16", "I32": "int32"}
 
 
 def make_dense(folder, *, layers, hidden, ffn, gated, dtype, sharded, hidden_act=None, seed=0,
-               drop=(), extra_dtype=None):
+               drop=(), extra_dtype=None, bias=False):
     """A dense decoder checkpoint in the Hugging Face layout (with attention and norm tensors the
     tool must not copy). Returns {name: (shape, values)} of the FFN tensors."""
     folder.mkdir(parents=True)
@@ -109,6 +109,10 @@ def make_dense(folder, *, layers, hidden, ffn, gated, dtype, sharded, hidden_act
             shape = [hidden, ffn] if p == "down_proj" else [ffn, hidden]
             dt = extra_dtype if (extra_dtype and p == "down_proj") else dtype
             ffn_values[name] = (shape, add(name, shape, dt))
+            if bias:
+                bname = f"model.layers.{i}.mlp.{p}.bias"
+                bshape = [hidden] if p == "down_proj" else [ffn]
+                ffn_values[bname] = (bshape, add(bname, bshape, dt))
     for name in drop:
         del tensors[name]
     if sharded:
@@ -159,7 +163,8 @@ def moe_coord(rank, world, pp, ep, etp):
 
 
 def check_upcycled(label, out, dense, *, world, pp, ep, etp, experts, topk, g, act, pre, seed,
-                   layers, hidden, ffn, gated, out_dtype, uniform=False, only_rank=None):
+                   layers, hidden, ffn, gated, out_dtype, uniform=False, only_rank=None,
+                   bias=False):
     """Every rank's file against the dense values; returns the files' bytes by rank."""
     index = json.loads((out / "index.json").read_text())
     s = index["options"]["weight_scale"]
@@ -203,9 +208,18 @@ def check_upcycled(label, out, dense, *, world, pp, ep, etp, experts, topk, g, a
                 fc2 = [rounded(s * down[h * ffn + n], out_dtype) for h in range(hidden) for n in rows]
                 for n in rows:
                     cover[(i, n)] = cover.get((i, n), 0) + 1
-                for kind, want, shape in (("fc1", fc1, [(2 if gated else 1) * Fs, hidden]),
-                                          ("fc2", fc2, [hidden, Fs])):
-                    name = f"layers.{i}.experts.{e}.{kind}.weight"
+                expected = [("fc1.weight", fc1, [(2 if gated else 1) * Fs, hidden]),
+                            ("fc2.weight", fc2, [hidden, Fs])]
+                if bias:  # fc1 biases scale as the weights; fc2's by E/k before top-k, else 1
+                    t = experts / topk if pre else 1.0
+                    b1 = []
+                    for proj in (["gate_proj"] if gated else []) + ["up_proj"]:
+                        vals = dense[pre_name + proj + ".bias"][1]
+                        b1 += [rounded(s * vals[n], out_dtype) for n in rows]
+                    b2 = [rounded(t * v, out_dtype) for v in dense[pre_name + "down_proj.bias"][1]]
+                    expected += [("fc1.bias", b1, [len(b1)]), ("fc2.bias", b2, [hidden])]
+                for kind, want, shape in expected:
+                    name = f"layers.{i}.experts.{e}.{kind}"
                     names.add(name)
                     t = got.get(name)
                     if t is None or t["dtype"] != out_dtype or t["shape"] != shape:
@@ -275,6 +289,17 @@ for dt_flag, out_dtype in (("same", "BF16"), ("fp32", "F32")):
         check_upcycled(f"bf16 sharded G=2 pre-softmax --dtype {dt_flag}", out, v2, world=6, pp=1,
                        ep=2, etp=3, experts=4, topk=2, g=2, act="squared_relu", pre=True,
                        seed=1234, layers=2, hidden=5, ffn=12, gated=False, out_dtype=out_dtype)
+
+# --- 2b. FFN biases (mlp_bias): gated, bf16, softmax before top-k --------------------------------
+d11, v11 = make_dense(work / "d11", layers=2, hidden=4, ffn=8, gated=True, dtype="BF16",
+                      sharded=False, hidden_act="silu", seed=11, bias=True)
+r = run_tool("--dense", d11, "--out", work / "o11", "--experts", 4, "--topk", 2, "--granularity", 2,
+             "--pre-softmax", "--world", 4, "--ep", 2, "--etp", 2)
+check("biases: exit 0", r.returncode == 0, r.stderr)
+if r.returncode == 0:
+    check_upcycled("biases bf16 G=2 pre-softmax ep2 etp2", work / "o11", v11, world=4, pp=1, ep=2,
+                   etp=2, experts=4, topk=2, g=2, act="swiglu", pre=True, seed=1234, layers=2,
+                   hidden=4, ffn=8, gated=True, out_dtype="BF16", bias=True)
 
 # --- 3. uniform router, --layers, --rank ---------------------------------------------------------
 r = run_tool("--dense", d1, "--out", work / "o3", "--experts", 8, "--topk", 2, "--granularity", 2,
@@ -365,10 +390,10 @@ d10 = work / "d10"
 d10.mkdir()
 (d10 / "model.safetensors").write_bytes(safetensors.serialize({
     "model.layers.0.mlp.up_proj.weight": {"dtype": "float32", "shape": [2, 2], "data": bytes(16)},
-    "model.layers.0.mlp.up_proj.bias": {"dtype": "float32", "shape": [2], "data": bytes(8)},
+    "model.layers.0.mlp.up_proj.bias": {"dtype": "float32", "shape": [3], "data": bytes(12)},
     "model.layers.0.mlp.down_proj.weight": {"dtype": "float32", "shape": [2, 2], "data": bytes(16)}}))
-refused("FFN biases", ["--dense", d10, "--activation", "relu", *base],
-        ["model.layers.0.mlp.up_proj.bias", "biases are not supported"])
+refused("an FFN bias of the wrong shape", ["--dense", d10, "--activation", "relu", *base],
+        ["model.layers.0.mlp.up_proj.bias", "shape [3]", "up_proj.bias is [2]"])
 refused("G not dividing the dense FFN", ["--dense", d1, "--experts", 3, "--topk", 2, "--granularity",
                                          3, "--world", 1], ["model.layers.0.mlp.up_proj.weight",
                                                             "does not divide the dense FFN"])
@@ -419,6 +444,11 @@ for dtype, limit in (("fp64", 1e-12), ("fp32", 1e-6)):
           f"({losses[0] if losses else 0:.4g} -> {losses[-1] if losses else 0:.4g})",
           t.returncode == 0 and err and err[0] <= limit and len(losses) >= 2 and
           losses[-1] < 0.5 * losses[0], (t.returncode, t.stdout[-600:], t.stderr[-400:]))
+t = subprocess.run([train, *map(str, ["--upcycle-from", work / "o11", "--world", 4, "--ep", 2,
+                                      "--etp", 2, "--steps", 1])], capture_output=True, text=True,
+                   timeout=60)
+check("train_moe_cpu --upcycle-from experts with biases is refused (moefold's experts have none)",
+      one_error(t) and "have no biases" in t.stderr, (t.returncode, t.stderr))
 t = subprocess.run([train, *map(str, ["--upcycle-from", work / "o9", "--world", 4, "--ep", 4,
                                       "--steps", 1])],
                    capture_output=True, text=True, timeout=60)
