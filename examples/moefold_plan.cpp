@@ -9,6 +9,7 @@
 // that starts with "error:".
 #include <moefold/plan/plan.hpp>
 
+#include "calibration_file.hpp"
 #include "cli_args.hpp"
 #include "moefold_plan_flags.hpp"
 #include "plan_files.hpp"
@@ -134,19 +135,47 @@ std::string ep_place(const mp::plan_result& r) {
   return g.crosses_nodes() ? std::to_string(g.nodes) + " nodes" : "in node";
 }
 
-void print_header(std::ostream& out, const mp::model_config& m, const mp::cluster_config& c) {
+// What a calibration file changed, for the text and JSON outputs.
+struct calibration_use {
+  std::string file;
+  const mp::calibration* cal = nullptr;
+};
+
+std::string join(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& x : v) s += (s.empty() ? "" : ", ") + x;
+  return s.empty() ? "none" : s;
+}
+
+void print_header(std::ostream& out, const mp::model_config& m, const mp::cluster_config& c,
+                  const calibration_use& u) {
   out << "moefold-plan: " << m.name << " (" << num(m.total_params() / 1e9, 1) << "B params, "
       << num(m.active_params() / 1e9, 1) << "B active, "
       << (m.dtype == mp::precision::fp8 ? "fp8" : "bf16") << ") on " << c.gpus << " x " << c.name
       << " (" << c.gpus_per_node << " per node, " << num(c.memory_gib, 1) << " GiB)\n"
       << "  seq " << m.seq << ", global batch " << m.gbs << " sequences ("
       << static_cast<long long>(m.seq) * m.gbs << " tokens per step)\n";
+  if (u.cal != nullptr)
+    out << "  calibration " << u.file << (u.cal->source.empty() ? "" : " (" + u.cal->source + ")")
+        << "\n    measured: " << join(u.cal->measured_sections())
+        << "\n    built-in: " << join(u.cal->builtin_sections()) << "\n";
+}
+
+std::string calibration_json(const calibration_use& u) {
+  std::string s = "{\"file\": \"" + json_escape(u.file) + "\", \"measured\": [";
+  const auto list = [](const std::vector<std::string>& v) {
+    std::string o;
+    for (std::size_t i = 0; i < v.size(); ++i) o += (i ? ", \"" : "\"") + json_escape(v[i]) + "\"";
+    return o;
+  };
+  return s + list(u.cal->measured_sections()) + "], \"builtin\": [" +
+         list(u.cal->builtin_sections()) + "]}";
 }
 
 void print_one_text(const mp::model_config& m, const mp::cluster_config& c,
-                    const mp::plan_result& r) {
+                    const mp::plan_result& r, const calibration_use& u) {
   std::ostringstream out;
-  print_header(out, m, c);
+  print_header(out, m, c, u);
   out << "\nmapping: " << to_string(r.map) << "\n"
       << (r.feasible ? "feasible: " : "NOT feasible: ") << r.reason << "\n"
       << "MFU " << num(100 * r.mfu, 1) << "%, step " << num(r.step_time_s, 3) << " s, "
@@ -165,9 +194,10 @@ void print_one_text(const mp::model_config& m, const mp::cluster_config& c,
 }
 
 void print_ranked_text(const mp::model_config& m, const mp::cluster_config& c,
-                       const mp::search_result& s, std::size_t top, double seconds) {
+                       const mp::search_result& s, std::size_t top, double seconds,
+                       const calibration_use& u) {
   std::ostringstream out;
-  print_header(out, m, c);
+  print_header(out, m, c, u);
   out << "  searched " << s.legal << " legal folded mappings, " << s.feasible << " fit in memory ("
       << num(seconds, 2) << " s)\n\n";
   out << "rank  tp cp  ep etp pp vpp mbs   dp  edp    MFU  step s  TFLOP/s  GiB  recompute  EP\n";
@@ -271,12 +301,22 @@ int main(int argc, char** argv) {
   options o;
   mp::model_config model;
   mp::cluster_config cluster;
+  mp::calibration cal;
+  calibration_use use;
+  mp::efficiency eff;
   if (const int rc = moefold::examples::report(moefold::examples::plan_cli::parse(argc, argv, o));
       rc >= 0)
     return rc;
   try {
     model = load_model(o.model);
     cluster = load_cluster(o.cluster);
+    if (!o.calibration.empty()) {
+      auto c = moefold::examples::calibration_from_json(read_file(o.calibration, "calibration"));
+      if (!c) throw usage_error{"calibration file '" + o.calibration + "': " + c.error().message};
+      cal = std::move(*c);
+      use = {.file = o.calibration, .cal = &cal};
+      eff.measured = &cal;
+    }
   } catch (const usage_error& e) {
     return moefold::examples::report(e);
   }
@@ -294,16 +334,20 @@ int main(int argc, char** argv) {
                            .etp = *f.etp,
                            .pp = *f.pp,
                            .vpp = *f.vpp,
-                           .mbs = *f.mbs});
+                           .mbs = *f.mbs},
+                          eff);
     if (!r)
       return moefold::examples::fail(r.error().message + " [" +
                                      std::string(to_string(r.error().code)) + "]");
-    if (o.format == "json")
+    if (o.format == "json" && use.cal != nullptr)
+      std::cout << "{\"calibration\": " << calibration_json(use) << ", " << to_json(*r).substr(1)
+                << "\n";
+    else if (o.format == "json")
       std::cout << to_json(*r) << "\n";
     else if (o.format == "svg")
       print_svg(model, cluster, mp::search_result{{*r}, 1, r->feasible ? 1 : 0}, 1);
     else
-      print_one_text(model, cluster, *r);
+      print_one_text(model, cluster, *r, use);
     return 0;
   }
   const auto start = std::chrono::steady_clock::now();
@@ -318,7 +362,7 @@ int main(int argc, char** argv) {
     std::cerr << "moefold-plan: searched " << done << " of " << total << " folds\n";
   };
   const std::size_t keep = std::max<std::size_t>(static_cast<std::size_t>(o.top) + 1, 200);
-  auto s = mp::search(model, cluster, o.fixed, keep, progress);
+  auto s = mp::search(model, cluster, o.fixed, keep, progress, eff);
   if (!s)
     return moefold::examples::fail(s.error().message + " [" +
                                    std::string(to_string(s.error().code)) + "]");
@@ -327,7 +371,8 @@ int main(int argc, char** argv) {
   const std::size_t top = static_cast<std::size_t>(o.top);
   if (o.format == "json") {
     std::ostringstream out;
-    out << "{\"ranked\": [";
+    out << "{" << (use.cal != nullptr ? "\"calibration\": " + calibration_json(use) + ", " : "")
+        << "\"ranked\": [";
     for (std::size_t i = 0; i < std::min(top, s->ranked.size()); ++i)
       out << (i ? ",\n  " : "\n  ") << to_json(s->ranked[i]);
     out << "]}\n";
@@ -335,7 +380,7 @@ int main(int argc, char** argv) {
   } else if (o.format == "svg") {
     print_svg(model, cluster, *s, top);
   } else {
-    print_ranked_text(model, cluster, *s, top, seconds);
+    print_ranked_text(model, cluster, *s, top, seconds, use);
   }
   return 0;
 }

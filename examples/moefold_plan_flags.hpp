@@ -19,7 +19,7 @@ namespace mp = moefold::plan;
 inline constexpr const char* usage_text =
     "usage: moefold-plan --model NAME|FILE --cluster NAME|FILE --gpus N [--gbs N] [--seq N]\n"
     "                    [--tp N --cp N --ep N --etp N --pp N --vpp N --mbs N] [--top N]\n"
-    "                    [--format text|json|svg]\n";
+    "                    [--format text|json|svg] [--calibration FILE]\n";
 
 inline std::string notes_text() {
   std::string models, clusters;
@@ -47,6 +47,7 @@ struct options {
   std::optional<int> gbs, seq;
   mp::search_constraints fixed;
   int top = 5;
+  std::string calibration;  // measured rates (docs/planner.md, "Calibration"); empty: built-in
 };
 
 //! The flags, on CLI11, and the checks after them.
@@ -85,6 +86,10 @@ inline parse_outcome parse(int argc, const char* const* argv, options& o) {
       ->check(int_in(1, 1000, "1..1000"));
   app.add_option("--format", o.format, "output format")
       ->check(CLI::IsMember({"text", "json", "svg"}));
+  app.add_option("--calibration", o.calibration,
+                 "measured rates replacing the built-in curves (JSON; calibration_probe.py's "
+                 "output as it is)")
+      ->default_str("none");
   return examples::parse(app, argc, argv, [&] {
     for (std::size_t i = 0; i < std::size(sizes); ++i)
       if (app.count(sizes[i].flag)) *sizes[i].dst = values[i];

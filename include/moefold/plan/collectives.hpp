@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "calibration.hpp"
 #include "cluster.hpp"
 #include "efficiency.hpp"
 #include "placement.hpp"
@@ -21,6 +22,11 @@ namespace plan {
   if (g.size <= 1 || bytes <= 0) return 0.0;
   const double n = g.size;
   const bool inter = g.crosses_nodes();
+  // Measured bus bandwidth by size (it includes the latency), when calibrated.
+  if (const calibration* cal = e.measured) {
+    const auto& t = inter ? cal->collectives.ring_inter : cal->collectives.ring_intra;
+    if (!t.empty()) return (n - 1) / n * bytes / detail::interpolate_log(t, bytes);
+  }
   const double bw = inter ? c.inter_bw * e.ring_inter : c.intra_bw * e.ring_intra;
   const double lat = inter ? c.inter_latency_s : c.intra_latency_s;
   return (n - 1) / n * bytes / bw + (n - 1) * lat;
@@ -35,10 +41,20 @@ namespace plan {
   const double n = g.size;
   const double leaving = bytes * (n - 1) / n;
   const double off = g.off_node_fraction();
-  const double t_in = leaving * (1.0 - off) / (c.intra_bw * e.a2a_intra);
-  const double t_out = leaving * off / (c.inter_bw * e.a2a_inter);
+  // Measured bus bandwidth by size per link class (latency included), when calibrated; a side
+  // without a table keeps the built-in rate and latency.
+  const calibration* cal = e.measured;
+  const std::vector<sized_rate>* in_t =
+      cal != nullptr && !cal->collectives.a2a_intra.empty() ? &cal->collectives.a2a_intra : nullptr;
+  const std::vector<sized_rate>* out_t =
+      cal != nullptr && !cal->collectives.a2a_inter.empty() ? &cal->collectives.a2a_inter : nullptr;
+  const double t_in = leaving * (1.0 - off) /
+                      (in_t ? detail::interpolate_log(*in_t, bytes) : c.intra_bw * e.a2a_intra);
+  const double t_out =
+      leaving * off / (out_t ? detail::interpolate_log(*out_t, bytes) : c.inter_bw * e.a2a_inter);
+  const bool measured = g.crosses_nodes() ? out_t != nullptr : in_t != nullptr;
   const double lat = g.crosses_nodes() ? c.inter_latency_s : c.intra_latency_s;
-  return std::max(t_in, t_out) + 2 * lat;
+  return std::max(t_in, t_out) + (measured ? 0.0 : 2 * lat);
 }
 
 //! One point-to-point message of `bytes` between neighbouring pipeline stages.

@@ -8,6 +8,8 @@ namespace moefold {
 inline namespace v0_1 {
 namespace plan {
 
+struct calibration;
+
 struct efficiency {
   // GEMM: rate = peak * gemm_max * s(M) * s(N) * s(K), s(x) = x / (x + gemm_half), plus a fixed
   // cost per GEMM call. Fitted (least squares on log rate, 17 shapes, rms error 5.7%) to the
@@ -32,6 +34,9 @@ struct efficiency {
   double a2a_inter = 0.55;
   // FP8 GEMMs reach this fraction of the fp8 peak relative to what bf16 reaches of bf16 peak.
   double fp8_vs_bf16 = 0.85;
+  // Measured rates that replace the curves above where they have data (calibration.hpp;
+  // moefold-plan --calibration). Not owned; null: the built-in curves only.
+  const calibration* measured = nullptr;
 };
 
 }  // namespace plan

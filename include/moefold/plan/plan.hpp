@@ -3,6 +3,7 @@
 //! mapping, and a search over every legal folded mapping (docs/planner.md).
 #pragma once
 
+#include "calibration.hpp"
 #include "cluster.hpp"
 #include "collectives.hpp"
 #include "efficiency.hpp"

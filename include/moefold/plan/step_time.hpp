@@ -19,6 +19,7 @@
 
 #include <algorithm>
 
+#include "calibration.hpp"
 #include "cluster.hpp"
 #include "collectives.hpp"
 #include "efficiency.hpp"
@@ -62,12 +63,29 @@ struct pass_cost {
 
 namespace detail {
 
-//! Rate-limited GEMM: 2*M*N*K FLOPs at peak * gemm_max * s(M) s(N) s(K), plus one call cost.
+//! A measured GEMM table and the bf16 peak of the GPU it was measured on (calibration.hpp).
+struct gemm_table {
+  const std::vector<gemm_rate>* rates = nullptr;
+  double peak = 0;
+};
+
+//! Rate-limited GEMM: 2*M*N*K FLOPs at peak * gemm_max * s(M) s(N) s(K) (or, with a measured
+//! table, that curve corrected by the nearest measured shape), plus one call cost.
 inline double gemm_s(double m, double n, double k, double peak, const efficiency& e,
-                     double calls = 1.0) {
+                     const gemm_table& t = {}) {
   if (m <= 0 || n <= 0 || k <= 0) return 0.0;
-  auto s = [&](double x) { return x / (x + e.gemm_half); };
-  return 2.0 * m * n * k / (peak * e.gemm_max * s(m) * s(n) * s(k)) + calls * e.gemm_call_s;
+  if (t.rates == nullptr) return gemm_builtin_s(m, n, k, peak, e);
+  return 2.0 * m * n * k / (peak * gemm_fraction(m, n, k, peak, e, *t.rates, t.peak));
+}
+
+//! The bandwidth memory-bound kernels reach: the measured fraction of HBM bandwidth when
+//! calibrated, the built-in one otherwise.
+inline double memory_bound_bw(const cluster_config& c, const efficiency& e) {
+  const calibration* cal = e.measured;
+  if (cal != nullptr && cal->copy_bw > 0)
+    return c.memory_bw * cal->copy_bw /
+           (cal->measured_memory_bw > 0 ? cal->measured_memory_bw : c.memory_bw);
+  return c.memory_bw * e.mem;
 }
 
 struct layer_passes {
@@ -83,7 +101,14 @@ inline layer_passes layer_costs(const model_config& m, const mapping& map, const
   const double peak = m.dtype == precision::fp8 && c.peak_fp8_flops > 0
                           ? c.peak_fp8_flops * e.fp8_vs_bf16
                           : c.peak_bf16_flops;
-  const double mem_bw = c.memory_bw * e.mem;
+  const double mem_bw = memory_bound_bw(c, e);
+  // Measured GEMM tables (calibration.hpp), as fractions of the measured GPU's bf16 peak.
+  const calibration* cal = e.measured;
+  const double cal_peak =
+      cal != nullptr && cal->measured_peak_flops > 0 ? cal->measured_peak_flops : c.peak_bf16_flops;
+  const gemm_table dt{cal != nullptr && !cal->gemm.empty() ? &cal->gemm : nullptr, cal_peak};
+  const gemm_table et{cal != nullptr && !cal->expert_gemm.empty() ? &cal->expert_gemm : dt.rates,
+                      cal_peak};
   // Sequence-parallel all-gather before and reduce-scatter after a TP block: T_a x H, bf16.
   const double tp_block = 2.0 * ring_time(2.0 * ta * h, pl.tp, c, e);
 
@@ -93,27 +118,30 @@ inline layer_passes layer_costs(const model_config& m, const mapping& map, const
     double core_flops = 0, kv_bytes = 0;
     if (m.mla()) {
       const double r = m.qk_rope_dim, v = m.v_head_dim;
-      f.gemm += gemm_s(ta, (m.q_lora_rank > 0 ? m.q_lora_rank : 0) + m.kv_lora_rank + r, h, peak,
-                       e);  // down projections (replicated over TP)
+      f.gemm += gemm_s(ta, (m.q_lora_rank > 0 ? m.q_lora_rank : 0) + m.kv_lora_rank + r, h, peak, e,
+                       dt);  // down projections (replicated over TP)
       if (m.q_lora_rank > 0)
-        f.gemm += gemm_s(ta, n * (d + r) / tp, m.q_lora_rank, peak, e);
+        f.gemm += gemm_s(ta, n * (d + r) / tp, m.q_lora_rank, peak, e, dt);
       else
-        f.gemm += gemm_s(ta, n * (d + r) / tp, h, peak, e);
-      f.gemm += gemm_s(ta, n * (d + v) / tp, m.kv_lora_rank, peak, e);  // kv up projection
-      f.gemm += gemm_s(ta, h, n * v / tp, peak, e);                     // output projection
+        f.gemm += gemm_s(ta, n * (d + r) / tp, h, peak, e, dt);
+      f.gemm += gemm_s(ta, n * (d + v) / tp, m.kv_lora_rank, peak, e, dt);  // kv up projection
+      f.gemm += gemm_s(ta, h, n * v / tp, peak, e, dt);                     // output projection
       core_flops = 2.0 * map.mbs * (static_cast<double>(m.seq) * m.seq / 2) / map.cp * (n / tp) *
                    (d + r + v);
       kv_bytes = 2.0 * ta * n * (d + r + v) / tp;
     } else {
       const double q = n * d, kv = static_cast<double>(m.kv_heads) * d;
-      f.gemm += gemm_s(ta, (q + 2 * kv) / tp, h, peak, e);
-      f.gemm += gemm_s(ta, h, q / tp, peak, e);
+      f.gemm += gemm_s(ta, (q + 2 * kv) / tp, h, peak, e, dt);
+      f.gemm += gemm_s(ta, h, q / tp, peak, e, dt);
       core_flops = 4.0 * map.mbs * (static_cast<double>(m.seq) * m.seq / 2) / map.cp * (n / tp) * d;
       kv_bytes = 2.0 * ta * 2 * kv / tp;
     }
     // The kernel's rate follows the query length it sees: seq / cp with context parallelism.
     const double q_len = static_cast<double>(m.seq) / map.cp;
-    const double attn_rate = c.peak_bf16_flops * e.attn_max * (q_len / (q_len + e.attn_half));
+    const double attn_rate =
+        cal != nullptr && !cal->attention.empty()
+            ? c.peak_bf16_flops * interpolate_log(cal->attention, q_len) / cal_peak
+            : c.peak_bf16_flops * e.attn_max * (q_len / (q_len + e.attn_half));
     f.attention = core_flops / attn_rate;
     // Norm, residual, rotary embedding, bias-free: about 10 reads/writes of T_a/tp x H and
     // 4 of the q/k/v tensors, bf16.
@@ -135,7 +163,7 @@ inline layer_passes layer_costs(const model_config& m, const mapping& map, const
   // --- dense FFN
   if (m.ffn > 0) {
     pass_cost f;
-    f.gemm = gemm_s(ta, g * m.ffn / tp, h, peak, e) + gemm_s(ta, h, m.ffn / tp, peak, e);
+    f.gemm = gemm_s(ta, g * m.ffn / tp, h, peak, e, dt) + gemm_s(ta, h, m.ffn / tp, peak, e, dt);
     f.elementwise = (8.0 * (ta / tp) * h * 2 + ta * (g + 1) * m.ffn / tp * 2) / mem_bw;
     f.tp = tp_block;
     r.dense_fwd = f;
@@ -148,11 +176,12 @@ inline layer_passes layer_costs(const model_config& m, const mapping& map, const
     pass_cost f;
     const double rows = s.expert_rows, le = s.local_experts;
     const double per_expert = rows / le, fe = static_cast<double>(m.moe_ffn) / map.etp;
-    f.gemm += gemm_s(tm, m.experts, h, peak, e);  // router
-    f.gemm += le * (gemm_s(per_expert, g * fe, h, peak, e) + gemm_s(per_expert, h, fe, peak, e));
+    f.gemm += gemm_s(tm, m.experts, h, peak, e, dt);  // router
+    f.gemm +=
+        le * (gemm_s(per_expert, g * fe, h, peak, e, et) + gemm_s(per_expert, h, fe, peak, e, et));
     if (m.shared_ffn > 0) {
-      f.gemm +=
-          gemm_s(ta, g * m.shared_ffn / tp, h, peak, e) + gemm_s(ta, h, m.shared_ffn / tp, peak, e);
+      f.gemm += gemm_s(ta, g * m.shared_ffn / tp, h, peak, e, dt) +
+                gemm_s(ta, h, m.shared_ffn / tp, peak, e, dt);
       f.tp += tp_block;
     }
     // Norm and residual on T_m x H; permute and un-permute read and write each routed row
@@ -174,7 +203,7 @@ inline layer_passes layer_costs(const model_config& m, const mapping& map, const
   // --- output layer and loss on the last stage (plus MTP layers there)
   {
     pass_cost f;
-    f.gemm = gemm_s(ta, static_cast<double>(m.vocab) / tp, h, peak, e);
+    f.gemm = gemm_s(ta, static_cast<double>(m.vocab) / tp, h, peak, e, dt);
     f.elementwise = 3.0 * ta * static_cast<double>(m.vocab) / tp * 4 / mem_bw;  // fp32 softmax
     f.tp = tp_block / 2;
     r.head_fwd = f;
@@ -255,7 +284,7 @@ struct step_time_result {
   // Adam on the local shard: read grad (4) + master and moments (12), write them (12) and the
   // bf16 weights (2): 30 bytes per parameter of the shard.
   const double shard = p.dense / (static_cast<double>(map.dp) * map.cp) + p.expert / map.edp;
-  t.optimizer = 30.0 * shard / (c.memory_bw * e.mem);
+  t.optimizer = 30.0 * shard / detail::memory_bound_bw(c, e);
   return r;
 }
 

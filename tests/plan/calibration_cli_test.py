@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""moefold-plan --calibration FILE, run as a user runs it: the output of
+shared/bench/calibration_probe.py (written here in exactly its shape) and the H200 file in
+docs/calibration/ are read, the tool says which rates were measured and which curves stayed
+built in (text and JSON), slower measured GEMMs lower the predicted MFU, every kind of bad file
+exits 2 with one error line naming it, and docs/planner-calibration.schema.json accepts the good
+files and rejects those whose fault a schema can state.
+Usage: calibration_cli_test.py MOEFOLD_PLAN DOCS_DIR"""
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+tool, docs = sys.argv[1], pathlib.Path(sys.argv[2])
+work = pathlib.Path(tempfile.mkdtemp(prefix="moefold-calibration-"))
+cases = []
+
+
+def check(name, ok, detail=""):
+    cases.append(bool(ok))
+    print(f"[{'ok' if ok else 'FAIL'}] {name}" + ("" if ok else f": {detail}"))
+
+
+def run(*args):
+    return subprocess.run([tool, *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+def one_error(r):
+    lines = r.stderr.splitlines()
+    return r.returncode == 2 and r.stdout == "" and len(lines) == 1 and lines[0].startswith("error: ")
+
+
+fixed = ["--model", "mixtral-8x22b", "--cluster", "h100-sxm", "--gpus", 128, "--tp", 2, "--cp", 1,
+         "--ep", 8, "--etp", 1, "--pp", 8, "--vpp", 7, "--mbs", 1]
+
+# calibration_probe.py's output: {"gemm": [{M, K, N, tflops}], "attn": [{S, B, heads, head_dim,
+# causal, fwd_tflops, fwdbwd_tflops}]}, rates of an H100-class GPU.
+probe = {"gemm": [{"M": m, "K": k, "N": n, "tflops": t}
+                  for m, k, n, t in [(2048, 4096, 4096, 610.2), (8192, 6144, 32768, 690.5),
+                                     (16384, 8192, 8192, 720.0), (4096, 6144, 768, 402.3)]],
+         "attn": [{"S": s, "B": max(1, 16384 // s), "heads": 48, "head_dim": 128, "causal": True,
+                   "fwd_tflops": f, "fwdbwd_tflops": fb}
+                  for s, f, fb in [(2048, 380.1, 300.4), (4096, 450.2, 360.0), (8192, 480.7, 390.2)]]}
+probe_file = work / "calib.json"
+probe_file.write_text(json.dumps(probe, indent=1))
+r = run(*fixed, "--calibration", probe_file)
+check("calibration_probe.py's output is read as it is", r.returncode == 0, r.stderr)
+check("the text says what was measured and what stayed built in",
+      "measured: dense GEMM (4 shapes), attention (3 sequence lengths)" in r.stdout and
+      "built-in: expert GEMM, memory-bound bandwidth, all-to-all intra-node" in r.stdout, r.stdout[:600])
+
+h200 = docs / "calibration" / "h200-2026-11-30.json"
+r = run("--model", "mixtral-8x22b", "--cluster", "h100-sxm", "--gpus", 128, "--top", 3,
+        "--format", "json", "--calibration", h200)
+doc = json.loads(r.stdout) if r.returncode == 0 else {}
+check("the H200 file in docs/calibration: a search, JSON with the calibration named",
+      doc.get("calibration", {}).get("measured") == [
+          "dense GEMM (9 shapes)", "expert GEMM (8 shapes)", "memory-bound bandwidth"] and
+      len(doc.get("ranked", [])) == 3, (r.returncode, r.stderr, r.stdout[:300]))
+r = run(*fixed, "--format", "json", "--calibration", h200)
+one = json.loads(r.stdout) if r.returncode == 0 else {}
+check("one mapping in JSON carries the calibration too", "calibration" in one and "mfu" in one,
+      r.stdout[:300])
+
+# Slower measured GEMMs (30% of peak at every shape) lower the predicted MFU.
+base = json.loads(run(*fixed, "--format", "json").stdout)
+slow = work / "slow.json"
+slow.write_text(json.dumps({"gemm": [{"M": m, "K": k, "N": n, "tflops": 0.3 * 989}
+                                     for m, k, n in [(4096, 6144, 6144), (16384, 6144, 32768)]],
+                            "expert_gemm": [{"rows_per_expert": 2048, "K": 6144, "N": 32768,
+                                             "tflops": 0.3 * 989}]}))
+r = run(*fixed, "--format", "json", "--calibration", slow)
+got = json.loads(r.stdout) if r.returncode == 0 else {}
+check(f"GEMMs measured at 30% of peak lower the MFU ({base['mfu']:.3f} -> {got.get('mfu', 0):.3f})",
+      r.returncode == 0 and got["mfu"] < 0.8 * base["mfu"], r.stderr)
+
+bad = {
+    "not JSON": ("{", "malformed JSON"),
+    "an unknown member": (json.dumps({"gemm": [], "flops": 1}), 'unknown calibration member "flops"'),
+    "a negative rate": (json.dumps({"gemm": [{"M": 1, "K": 1, "N": 1, "tflops": -5}]}),
+                        'gemm[0] member "tflops" must be a positive number'),
+    "a GEMM without its N": (json.dumps({"gemm": [{"M": 1, "K": 1, "tflops": 5}]}), 'lacks "N"'),
+    "two rates for one sequence length": (json.dumps({"attn": [
+        {"S": 4096, "fwdbwd_tflops": 300}, {"S": 4096, "fwdbwd_tflops": 310}]}),
+        "two rates for size"),
+    "non-causal attention": (json.dumps({"attn": [{"S": 4096, "causal": False,
+                                                    "fwdbwd_tflops": 300}]}), "only causal"),
+    "an unknown collective": (json.dumps({"collectives": [{"op": "broadcast", "link": "intra",
+                                                           "bytes": 1e6, "busbw_gbs": 100}]}),
+                              '"op" must be all_to_all'),
+    "no measured rate": (json.dumps({"source": "nothing"}), "at least one measured rate"),
+}
+schema = json.loads((docs / "planner-calibration.schema.json").read_text())
+try:
+    import jsonschema
+    validator = jsonschema.Draft202012Validator(schema)
+except ImportError:
+    validator = None
+check("the schema is installed to check (python3-jsonschema, scripts/setup.sh)", validator is not None)
+for name, (text, words) in bad.items():
+    f = work / (name.replace(" ", "-") + ".json")
+    f.write_text(text)
+    r = run(*fixed, "--calibration", f)
+    check(f"refused: {name}", one_error(r) and str(f) in r.stderr and words in r.stderr,
+          (r.returncode, r.stderr))
+    if validator is not None and name not in ("not JSON", "two rates for one sequence length"):
+        check(f"the schema rejects it too: {name}",
+              not validator.is_valid(json.loads(text)))
+if validator is not None:
+    for f in (probe_file, h200, slow):
+        errs = [e.message for e in validator.iter_errors(json.loads(f.read_text()))]
+        check(f"the schema accepts {f.name}", not errs, errs[:2])
+
+failed = cases.count(False)
+print(f"[doctest] test cases: {len(cases)} | {len(cases) - failed} passed | {failed} failed | 0 skipped")
+sys.exit(1 if failed else 0)
