@@ -10,8 +10,13 @@
 //   "expert_gemm": [{"rows_per_expert", "N", "K", "tflops"}]: per-expert GEMMs;
 //   "memory": {"copy_tbs"}: memory-bound bandwidth (bytes read + written per second);
 //   "collectives": [{"op": all_to_all | all_gather | reduce_scatter | all_reduce,
-//                    "link": intra | inter, "bytes", "busbw_gbs", optional "gpus", "source"}]:
-//          bus bandwidth (nccl-tests' busbw) by message size.
+//                    "link": intra | inter, "bytes", "busbw_gbs", "gpus", optional "source"}]:
+//          bus bandwidth (nccl-tests' busbw) by message size ("bytes": what nccl-tests calls
+//          the size: per rank sent for all_to_all, the whole result for the others). An
+//          inter-node all_to_all needs "gpus", the measured group's size: its busbw counts the
+//          on-node bytes too, so the NIC's rate is busbw times the off-node share of a rank's
+//          peers, (gpus - G) / (gpus - 1) with G GPUs per node of the planned cluster. Ring
+//          collectives measured at the same size and link are merged, keeping the slowest.
 // Strict like the model and cluster files: unknown members, wrong types, non-positive rates and
 // two rates for one size are errors naming the member.
 #pragma once
@@ -21,6 +26,7 @@
 
 #include "json_document.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <initializer_list>
 #include <string>
@@ -59,7 +65,10 @@ inline status calibration_members(const ordered_json& v, const std::string& wher
 }  // namespace detail
 
 //! The calibration in `text`.
-[[nodiscard]] inline expected<plan::calibration> calibration_from_json(std::string_view text) {
+//! The calibration in `text`; `gpus_per_node` is the planned cluster's (for inter-node
+//! all-to-all, see above).
+[[nodiscard]] inline expected<plan::calibration> calibration_from_json(std::string_view text,
+                                                                       int gpus_per_node) {
   auto doc = parse_json_document(text);
   if (!doc) return unexpected<error>(doc.error());
   const ordered_json& d = *doc;
@@ -185,7 +194,7 @@ inline status calibration_members(const ordered_json& v, const std::string& wher
       if (v.contains("source") && !v["source"].is_string())
         return make_error(errc::invalid_argument, where + " member \"source\" must be a string");
       double gpus = 1;
-      if (v.contains("gpus"))
+      if (v.contains("gpus") || (a2a && link == "inter"))
         if (auto s = detail::calibration_number(v, where, "gpus", gpus); !s)
           return unexpected<error>(s.error());
       plan::sized_rate r;
@@ -194,8 +203,24 @@ inline status calibration_members(const ordered_json& v, const std::string& wher
       if (auto s = detail::calibration_number(v, where, "busbw_gbs", r.value); !s)
         return unexpected<error>(s.error());
       r.value *= 1e9;
+      if (a2a && link == "inter") {
+        if (gpus <= gpus_per_node)
+          return make_error(errc::invalid_argument, where + ": an inter-node all_to_all of " +
+                                                        std::to_string(gpus) +
+                                                        " GPUs must span more than one node of " +
+                                                        std::to_string(gpus_per_node) + " GPUs");
+        r.value *= (gpus - gpus_per_node) / (gpus - 1);  // the NIC's share of the traffic
+      }
       auto& t = link == "intra" ? (a2a ? c.collectives.a2a_intra : c.collectives.ring_intra)
                                 : (a2a ? c.collectives.a2a_inter : c.collectives.ring_inter);
+      if (!a2a) {  // all-gather, reduce-scatter and all-reduce at one size: the slowest counts
+        auto same = std::find_if(t.begin(), t.end(),
+                                 [&](const plan::sized_rate& x) { return x.size == r.size; });
+        if (same != t.end()) {
+          same->value = std::min(same->value, r.value);
+          continue;
+        }
+      }
       t.push_back(r);
     }
   if (auto s = plan::normalize(c); !s) return unexpected<error>(s.error());

@@ -97,6 +97,9 @@ inline long long layer_of(std::string_view name) {
 //! A dense checkpoint opened lazily (headers only).
 class dense_checkpoint {
  public:
+  //! The most layers a checkpoint may name (the largest published decoders have a few hundred).
+  static constexpr long long max_layers = 1 << 16;
+
   [[nodiscard]] static expected<dense_checkpoint> open(const std::filesystem::path& path) {
     dense_checkpoint c;
     std::error_code ec;
@@ -181,6 +184,11 @@ class dense_checkpoint {
         c.hidden_act_ = (*doc)["hidden_act"].get<std::string>();
       }
     }
+    if (c.num_layers_ > max_layers)
+      return make_error(errc::invalid_argument, path.string() + ": a tensor names layer " +
+                                                    std::to_string(c.num_layers_ - 1) +
+                                                    " (rule: at most " +
+                                                    std::to_string(max_layers) + " layers)");
     if (c.num_layers_ == 0)
       return make_error(errc::invalid_argument,
                         path.string() +

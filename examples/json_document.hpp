@@ -73,6 +73,9 @@ inline std::string position_of(std::string_view text, std::size_t offset) {
   return "at line " + std::to_string(line) + ", column " + std::to_string(column);
 }
 
+// Thrown from the parse callback to stop at the first problem found.
+struct stop_parsing {};
+
 // Where the member name that the reader has just read begins: `end` is one past its closing
 // quote; its opening quote is the last quote before that with an even run of backslashes before
 // it (a quote inside the name is escaped by an odd run).
@@ -109,6 +112,9 @@ inline std::size_t name_start(std::string_view text, std::size_t end) {
       problem = at(detail::name_start(text, done)) + "duplicate member name " +
                 detail::quoted(parsed.get<std::string>()) +
                 " (rule: each member at most once per object)";
+    // Stop at the first problem: reading on would let a deeply nested text of many megabytes
+    // build its whole tree before the error.
+    if (!problem.empty()) throw detail::stop_parsing{};
     return true;
   };
   try {
@@ -117,6 +123,8 @@ inline std::size_t name_start(std::string_view text, std::size_t end) {
                             detail::tracked_iterator(text.data() + text.size(), &read), check);
     if (!problem.empty()) return make_error(errc::invalid_argument, "malformed JSON " + problem);
     return doc;
+  } catch (const detail::stop_parsing&) {
+    return make_error(errc::invalid_argument, "malformed JSON " + problem);
   } catch (const ordered_json::parse_error& e) {
     // "[json.exception.parse_error.101] parse error at line 1, column 5: syntax error ..."
     std::string what = e.what();

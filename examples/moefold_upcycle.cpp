@@ -96,13 +96,14 @@ long long rchar() {
 struct output_guard {
   fs::path dir;
   bool created_dir = false;
+  fs::path created_top;  // the outermost folder the run created
   std::vector<fs::path> files;
   bool done = false;
   ~output_guard() {
     if (done) return;
     std::error_code ec;
     for (const auto& f : files) fs::remove(f, ec);
-    if (created_dir) fs::remove(dir, ec);
+    if (created_dir) fs::remove_all(created_top, ec);
   }
 };
 
@@ -273,9 +274,14 @@ int run(const options& o) {
                        ": --out is not empty (rule: the tool writes into an empty or new "
                        "folder, so that no earlier run's files mix with its own)"};
   } else {
+    // The outermost folder this run creates, removed whole if the run fails.
+    fs::path top = fs::absolute(guard.dir, ec).lexically_normal();
+    while (top.has_parent_path() && top.parent_path() != top && !fs::exists(top.parent_path(), ec))
+      top = top.parent_path();
     if (!fs::create_directories(guard.dir, ec))
       throw tool_error{o.out + ": cannot create --out: " + ec.message()};
     guard.created_dir = true;
+    guard.created_top = top;
   }
 
   const auto ckpt = value_or_throw(dense_checkpoint::open(o.dense));
@@ -381,7 +387,8 @@ int run(const options& o) {
     const fs::path tmp = fs::path(o.out) / ("index.json.tmp-" + std::to_string(::getpid()));
     guard.files.push_back(tmp);
     std::ofstream out(tmp);
-    out << index.dump(1) << "\n";
+    // Paths need not be UTF-8: replace what is not rather than fail after every rank file.
+    out << index.dump(1, ' ', false, ordered_json::error_handler_t::replace) << "\n";
     out.close();
     if (!out) throw tool_error{tmp.string() + ": write failed"};
     fs::rename(tmp, index_path, ec);

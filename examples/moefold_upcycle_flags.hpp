@@ -27,6 +27,8 @@ inline constexpr const char* notes_text =
 
 //! The largest world the tool writes files for (one file per rank).
 inline constexpr int max_world = 1 << 16;
+//! The most experts: the router [E, H] and each rank's declarations grow with E.
+inline constexpr int max_experts = 1 << 16;
 
 struct options {
   std::string dense, out;
@@ -48,7 +50,9 @@ inline parse_outcome parse(int argc, const char* const* argv, options& o) {
   app.add_option("--dense", o.dense, "dense checkpoint: a .safetensors file or a folder")
       ->required();
   app.add_option("--out", o.out, "output folder (created; must be empty)")->required();
-  app.add_option("--experts", o.experts, "number of experts E")->required()->check(at_least(1));
+  app.add_option("--experts", o.experts, "number of experts E")
+      ->required()
+      ->check(int_in(1, max_experts, "1.." + std::to_string(max_experts)));
   app.add_option("--topk", o.topk, "experts per token k")->required()->check(at_least(1));
   app.add_option("--granularity", o.granularity, "G: each expert is a 1/G slice of the FFN")
       ->check(at_least(1));

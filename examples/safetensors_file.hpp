@@ -39,7 +39,8 @@
 
 namespace moefold::examples::safetensors {
 
-//! The largest header accepted (the reference implementation's limit): a header is read whole.
+//! The largest header accepted, 100 MiB (the reference implementation allows 100,000,000 bytes,
+//! slightly less): a header is read whole.
 inline constexpr std::uint64_t max_header_bytes = 100u << 20;
 
 //! The size in bytes of a safetensors dtype, 0 if the name is not one this reader knows (the
@@ -139,7 +140,8 @@ class reader {
   [[nodiscard]] static expected<reader> open(const std::filesystem::path& path) {
     reader r;
     r.path_ = path.string();
-    r.fd_ = detail::fd_handle(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    r.fd_ = detail::fd_handle(
+        ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));  // a FIFO must not block
     if (r.fd_.get() < 0)
       return make_error(errc::invalid_argument,
                         r.path_ + ": cannot open: " + std::string(std::strerror(errno)));

@@ -99,7 +99,10 @@ struct upcycled_start {
   moefold::activation act = moefold::activation::swiglu;
   bool pre_softmax = false;
   int dense_ffn = 0;
-  std::vector<double> gate, up, down;  // [F_d, H] (empty: not gated), [F_d, H], [H, F_d]
+  std::vector<double> gate, up, down;
+  std::map<int, moefold::moe_coord>
+      coords;  // each rank's expert coordinates, as index.json has them  // [F_d, H] (empty: not
+               // gated), [F_d, H], [H, F_d]
 
   // The dense FFN on one token: down (act(gate x) * up x), or down act(up x). x [H] -> y [H].
   void dense(const double* x, double* y, int H) const {
@@ -134,24 +137,31 @@ moefold::expected<upcycled_start> load_upcycled(options& o) {
     const auto& m = doc->at("mapping");
     const auto& op = doc->at("options");
     const int etp = o.etp.value_or(o.tp);
+    const std::string order = m.at("order").get<std::string>();
     if (m.at("world").get<int>() != o.world || m.at("ep").get<int>() != o.ep ||
-        m.at("etp").get<int>() != etp || m.at("pp").get<int>() != 1)
+        m.at("etp").get<int>() != etp || m.at("pp").get<int>() != 1 || order != o.order)
       return make_error(errc::invalid_argument,
                         index_path.string() + ": upcycled for world " + m.at("world").dump() +
                             ", ep " + m.at("ep").dump() + ", etp " + m.at("etp").dump() + ", pp " +
-                            m.at("pp").dump() +
-                            " (rule: --world, --ep and --etp must be the upcycled mapping's, with "
-                            "one pipeline stage)");
+                            m.at("pp").dump() + ", order " + order +
+                            " (rule: --world, --ep, --etp and --order must be the upcycled "
+                            "mapping's, with one pipeline stage)");
     if (doc->at("layers").empty())
       return make_error(errc::invalid_argument, index_path.string() + ": no layer was upcycled");
     u.layer = doc->at("layers").at(0).get<int>();
-    for (const auto& rank : doc->at("ranks"))
+    for (const auto& rank : doc->at("ranks")) {
+      const auto& c = rank.at("moe");
+      u.coords[rank.at("rank").get<int>()] = {.etp = c.at("etp").get<int>(),
+                                              .ep = c.at("ep").get<int>(),
+                                              .edp = c.at("edp").get<int>(),
+                                              .pp = c.at("pp").get<int>()};
       for (const auto& t : rank.at("tensors"))
         if (t.at("name").get<std::string>().ends_with(".bias"))
           return make_error(errc::not_supported,
                             index_path.string() + ": tensor " + t.at("name").get<std::string>() +
                                 ": moefold's experts have no biases (upcycle a checkpoint without "
                                 "FFN biases)");
+    }
     u.pre_softmax = op.at("pre_softmax").get<bool>();
     const std::string act = op.at("activation").get<std::string>();
     bool known = false;
@@ -165,6 +175,11 @@ moefold::expected<upcycled_start> load_upcycled(options& o) {
     o.experts = op.at("experts").get<int>();
     o.topk = op.at("topk").get<int>();
     const int G = op.at("granularity").get<int>();
+    if (o.experts < 1 || o.topk < 1 || o.topk > o.experts || G < 1 || o.experts % o.ep != 0)
+      return make_error(errc::invalid_argument,
+                        index_path.string() + ": experts " + std::to_string(o.experts) + ", topk " +
+                            std::to_string(o.topk) + ", granularity " + std::to_string(G) +
+                            " (rule: all >= 1, topk <= experts, experts divisible by --ep)");
     auto ckpt =
         moefold::examples::dense_checkpoint::open(doc->at("dense").at("path").get<std::string>());
     if (!ckpt) return moefold::unexpected<moefold::error>(ckpt.error());
@@ -305,6 +320,11 @@ int train(const options& o, const Policy& policy, const upcycled_start* up) {
     if (up) {  // this rank's file: the router and its local experts' shards
       char name[32];
       std::snprintf(name, sizeof name, "rank-%05d.safetensors", r);
+      // The file must be this rank's: the same expert coordinates under this run's fold.
+      if (auto it = up->coords.find(r); it == up->coords.end() || !(it->second == mc))
+        return make_error(errc::invalid_argument,
+                          (up->dir / "index.json").string() + ": rank " + std::to_string(r) +
+                              " is missing or has other expert coordinates than this run's fold");
       auto f = examples::safetensors::reader::open(up->dir / name);
       if (!f) return unexpected<error>(f.error());
       const std::string pre = "layers." + std::to_string(up->layer) + ".";

@@ -95,6 +95,9 @@ for name, exe, args, limit in [
         ("moefold-upcycle --world 2147483647", upcycle,
          ["--dense", dense, "--out", str(scratch / "out"), "--experts", "2", "--topk", "2",
           "--world", "2147483647"], "65536"),
+        ("moefold-upcycle --experts 2147483647", upcycle,
+         ["--dense", dense, "--out", str(scratch / "out"), "--experts", "2147483647", "--topk",
+          "2", "--world", "1"], "65536"),
         ("moefold-plan --model /dev/zero", plan,
          ["--model", "/dev/zero", "--cluster", "h100-sxm", "--gpus", "8"], "1048576 bytes")]:
     t = time.monotonic()

@@ -47,8 +47,9 @@ probe_file.write_text(json.dumps(probe, indent=1))
 r = run(*fixed, "--calibration", probe_file)
 check("calibration_probe.py's output is read as it is", r.returncode == 0, r.stderr)
 check("the text says what was measured and what stayed built in",
-      "measured: dense GEMM (4 shapes), attention (3 sequence lengths)" in r.stdout and
-      "built-in: expert GEMM, memory-bound bandwidth, all-to-all intra-node" in r.stdout, r.stdout[:600])
+      "measured: dense GEMM (4 shapes), expert GEMM (from the dense GEMM table), attention "
+      "(3 sequence lengths)" in r.stdout and
+      "built-in: memory-bound bandwidth, all-to-all intra-node" in r.stdout, r.stdout[:600])
 
 h200 = docs / "calibration" / "h200-2026-11-30.json"
 r = run("--model", "mixtral-8x22b", "--cluster", "h100-sxm", "--gpus", 128, "--top", 3,
@@ -75,6 +76,20 @@ got = json.loads(r.stdout) if r.returncode == 0 else {}
 check(f"GEMMs measured at 30% of peak lower the MFU ({base['mfu']:.3f} -> {got.get('mfu', 0):.3f})",
       r.returncode == 0 and got["mfu"] < 0.8 * base["mfu"], r.stderr)
 
+# A collective sweep: ring collectives at the same sizes merge (the slowest counts), and an
+# inter-node all-to-all states its group size.
+sweep = work / "sweep.json"
+sweep.write_text(json.dumps({"source": "nccl-tests on 2 x 8 H100", "collectives": [
+    {"op": op, "link": "intra", "bytes": b, "busbw_gbs": bw}
+    for op, b, bw in [("all_gather", 1e6, 90), ("all_gather", 1e8, 360), ("all_reduce", 1e6, 80),
+                      ("all_reduce", 1e8, 370), ("reduce_scatter", 1e8, 350)]] + [
+    {"op": "all_to_all", "link": "inter", "bytes": b, "busbw_gbs": bw, "gpus": 16}
+    for b, bw in [(1e6, 20), (1e8, 70)]]}))
+r = run(*fixed, "--calibration", sweep)
+check("a collective sweep: ring collectives at one size merge, inter-node all-to-all with its size",
+      r.returncode == 0 and "all-gather/reduce-scatter intra-node (2 sizes)" in r.stdout and
+      "all-to-all inter-node (2 sizes)" in r.stdout, (r.returncode, r.stderr, r.stdout[:500]))
+
 bad = {
     "not JSON": ("{", "malformed JSON"),
     "an unknown member": (json.dumps({"gemm": [], "flops": 1}), 'unknown calibration member "flops"'),
@@ -90,6 +105,11 @@ bad = {
                                                            "bytes": 1e6, "busbw_gbs": 100}]}),
                               '"op" must be all_to_all'),
     "no measured rate": (json.dumps({"source": "nothing"}), "at least one measured rate"),
+    "an inter-node all-to-all without its group size": (json.dumps({"collectives": [
+        {"op": "all_to_all", "link": "inter", "bytes": 1e6, "busbw_gbs": 40}]}), 'lacks "gpus"'),
+    "an inter-node all-to-all inside one node": (json.dumps({"collectives": [
+        {"op": "all_to_all", "link": "inter", "bytes": 1e6, "busbw_gbs": 40, "gpus": 8}]}),
+        "must span more than one node"),
 }
 schema = json.loads((docs / "planner-calibration.schema.json").read_text())
 try:
@@ -104,11 +124,12 @@ for name, (text, words) in bad.items():
     r = run(*fixed, "--calibration", f)
     check(f"refused: {name}", one_error(r) and str(f) in r.stderr and words in r.stderr,
           (r.returncode, r.stderr))
-    if validator is not None and name not in ("not JSON", "two rates for one sequence length"):
+    if validator is not None and name not in ("not JSON", "two rates for one sequence length",
+                                              "an inter-node all-to-all inside one node"):
         check(f"the schema rejects it too: {name}",
               not validator.is_valid(json.loads(text)))
 if validator is not None:
-    for f in (probe_file, h200, slow):
+    for f in (probe_file, h200, slow, sweep):
         errs = [e.message for e in validator.iter_errors(json.loads(f.read_text()))]
         check(f"the schema accepts {f.name}", not errs, errs[:2])
 

@@ -9,6 +9,7 @@
 
 #include <string>
 
+#include "calibration_file.hpp"
 #include "plan_files.hpp"
 
 using namespace moefold;
@@ -171,4 +172,33 @@ TEST_CASE("cluster JSON files") {
     INFO(t);
     CHECK_FALSE(cluster_from_json(t).has_value());
   }
+}
+
+TEST_CASE("calibration files: units, the NIC share of an inter-node all-to-all, merged rings") {
+  const auto c = moefold::examples::calibration_from_json(R"({
+    "gpu": {"name": "H200", "peak_bf16_tflops": 989, "memory_tbs": 4.8},
+    "gemm": [{"M": 8192, "K": 8192, "N": 8192, "tflops": 779}],
+    "attn": [{"S": 4096, "causal": true, "fwdbwd_tflops": 400}],
+    "memory": {"copy_tbs": 4.21},
+    "collectives": [
+      {"op": "all_to_all", "link": "inter", "bytes": 1e6, "busbw_gbs": 30, "gpus": 16},
+      {"op": "all_gather", "link": "intra", "bytes": 1e6, "busbw_gbs": 90},
+      {"op": "all_reduce", "link": "intra", "bytes": 1e6, "busbw_gbs": 80}]})",
+                                                          8);
+  REQUIRE(c.has_value());
+  CHECK(c->measured_peak_flops == 989e12);
+  CHECK(c->measured_memory_bw == 4.8e12);
+  CHECK(c->gemm.at(0).flops == 779e12);
+  CHECK(c->attention.at(0).value == 400e12);
+  CHECK(c->copy_bw == 4.21e12);
+  // 16 GPUs over nodes of 8: 8 of a rank's 15 peers are off-node, so its NIC carries 8/15 of
+  // the bytes the bus bandwidth counts.
+  CHECK(c->collectives.a2a_inter.at(0).value == doctest::Approx(30e9 * 8 / 15).epsilon(1e-15));
+  REQUIRE(c->collectives.ring_intra.size() == 1);  // one size: the slower of the two ops
+  CHECK(c->collectives.ring_intra[0].value == 80e9);
+  // Nested deeper than the limit: refused at once, naming the rule.
+  const auto deep = moefold::examples::calibration_from_json(
+      std::string(100000, '[') + std::string(100000, ']'), 8);
+  REQUIRE(!deep);
+  CHECK(deep.error().message.find("nesting deeper than") != std::string::npos);
 }

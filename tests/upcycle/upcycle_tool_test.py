@@ -477,6 +477,34 @@ check(f"a run failing at rank 1's file (limit {limit} bytes, files of {sizes}) e
       sizes[0] < limit < sizes[1] and one_error(r) and "rank-00001.safetensors" in r.stderr and
       not partial.exists(), (r.returncode, r.stderr, partial.exists() and list(partial.iterdir())))
 
+# The fuzz corpus's invalid files, each refused for its own reason (the fuzz replay accepts any
+# one error line; here each must name the rule it breaks).
+corpus = pathlib.Path(__file__).resolve().parent.parent / "fuzz" / "corpus" / "safetensors"
+reasons = {
+    "bias-wrong-shape": "down_proj.bias is [3]", "deep-nesting": "nesting deeper than 64",
+    "down-proj-wrong-shape": "needs down_proj [H, F_d]", "duplicate-name": "duplicate member name",
+    "gap": "a gap precedes its data", "gated-under-relu": "has a gate projection",
+    "int-weights": "dtype I32", "json-array": "does not start with '{'",
+    "length-past-end": "truncated (the header length", "length-zero": "header of 0 bytes",
+    "metadata-not-strings": "must be a string", "negative-offset": "two non-negative integers",
+    "no-down-proj": "down_proj.weight is missing", "no-layers": "no tensor named model.layers",
+    "not-json": "malformed JSON", "overlap": "overlaps another tensor",
+    "shape-disagrees-with-offsets": "its F32 shape needs 64", "shape-not-array": "shape missing",
+    "shorter-than-length": "truncated (5 bytes", "trailing-bytes": "bytes after the last tensor",
+    "truncated-data": "truncated: data_offsets", "unknown-dtype": 'unknown dtype "Q7"',
+    "unknown-entry-member": 'unknown member "x"', "up-proj-3d": "shape [2, 2, 3]"}
+files = sorted(corpus.glob("invalid/*.safetensors"))
+wrong = []
+for f in files:
+    out = work / "corpus-out"
+    r = run_tool("--dense", f, "--out", out, "--activation", "relu", "--experts", 2, "--topk", 2,
+                 "--world", 1)
+    want = reasons.get(f.stem)
+    if want is None or not one_error(r) or want not in r.stderr or out.exists():
+        wrong.append((f.stem, want, r.stderr[-200:]))
+check(f"the {len(files)} invalid corpus files are refused, each naming its own rule",
+      len(files) == len(reasons) and not wrong, wrong[:3])
+
 r = run_tool("--help")
 check("--help exits 0 and shows the usage", r.returncode == 0 and "usage: moefold-upcycle" in r.stdout)
 

@@ -41,19 +41,26 @@ struct gemm_rate {
   double m = 0, n = 0, k = 0;
   double flops = 0;
 };
-//! A measured rate at one size (sequence length, or bytes), as a value (fraction or bytes/s).
+//! A measured rate at one size: attention FLOP/s by sequence length, or a collective's rate in
+//! bytes/s by message size.
 struct sized_rate {
   double size = 0;
   double value = 0;
 };
 
-//! Collective bus bandwidth tables, by message size, per link class.
+//! Collective rate tables, by message size (bytes each rank sends for all-to-all, the whole
+//! result for the ring collectives), per link class, in bytes/s:
+//!   - a2a_intra: all-to-all inside a node, bytes leaving a rank per second (nccl-tests' busbw);
+//!   - a2a_inter: all-to-all across nodes, off-node bytes per second through a rank's NIC (the
+//!     calibration file derives it from nccl-tests' busbw and the measured group's off-node
+//!     share, calibration_file.hpp);
+//!   - ring_intra, ring_inter: all-gather / reduce-scatter / all-reduce bus bandwidth.
 struct collective_rates {
-  std::vector<sized_rate> a2a_intra, a2a_inter;    //!< all-to-all bus bandwidth, bytes/s
-  std::vector<sized_rate> ring_intra, ring_inter;  //!< all-gather / reduce-scatter / all-reduce
+  std::vector<sized_rate> a2a_intra, a2a_inter;
+  std::vector<sized_rate> ring_intra, ring_inter;
 };
 
-//! The measured rates, as fractions of the measured GPU's datasheet rates where noted.
+//! The measured rates. Call normalize() before use: the sized tables must be sorted.
 struct calibration {
   std::string source;                  //!< where the numbers come from (file, date, commit)
   std::vector<gemm_rate> gemm;         //!< dense GEMMs, FLOP/s converted to fractions on use
@@ -70,6 +77,8 @@ struct calibration {
     if (!gemm.empty()) s.push_back("dense GEMM (" + std::to_string(gemm.size()) + " shapes)");
     if (!expert_gemm.empty())
       s.push_back("expert GEMM (" + std::to_string(expert_gemm.size()) + " shapes)");
+    else if (!gemm.empty())
+      s.emplace_back("expert GEMM (from the dense GEMM table)");
     if (!attention.empty())
       s.push_back("attention (" + std::to_string(attention.size()) + " sequence lengths)");
     if (copy_bw > 0) s.push_back("memory-bound bandwidth");
@@ -86,7 +95,7 @@ struct calibration {
   [[nodiscard]] std::vector<std::string> builtin_sections() const {
     std::vector<std::string> s;
     if (gemm.empty()) s.emplace_back("dense GEMM");
-    if (expert_gemm.empty()) s.emplace_back("expert GEMM");
+    if (expert_gemm.empty() && gemm.empty()) s.emplace_back("expert GEMM");
     if (attention.empty()) s.emplace_back("attention");
     if (copy_bw <= 0) s.emplace_back("memory-bound bandwidth");
     if (collectives.a2a_intra.empty()) s.emplace_back("all-to-all intra-node");
