@@ -274,10 +274,15 @@ int run(const options& o) {
                        ": --out is not empty (rule: the tool writes into an empty or new "
                        "folder, so that no earlier run's files mix with its own)"};
   } else {
-    // The outermost folder this run creates, removed whole if the run fails.
+    // The outermost folder this run creates, removed whole if the run fails. The walk stops at
+    // the first parent that exists or cannot be examined, so it never climbs into a folder that
+    // was there before.
     fs::path top = fs::absolute(guard.dir, ec).lexically_normal();
-    while (top.has_parent_path() && top.parent_path() != top && !fs::exists(top.parent_path(), ec))
+    while (top.has_parent_path() && top.parent_path() != top) {
+      std::error_code stat_ec;
+      if (fs::exists(top.parent_path(), stat_ec) || stat_ec) break;
       top = top.parent_path();
+    }
     if (!fs::create_directories(guard.dir, ec))
       throw tool_error{o.out + ": cannot create --out: " + ec.message()};
     guard.created_dir = true;
