@@ -8,6 +8,8 @@
 
 #include <doctest/doctest.h>
 
+#include "small_model.hpp"
+
 #include <cmath>
 #include <vector>
 
@@ -16,27 +18,9 @@ using namespace moefold::plan;
 
 namespace {
 
-model_config small_model() {
-  model_config m;
-  m.name = "small";
-  m.layers = 4;
-  m.hidden = 1024;
-  m.heads = 8;
-  m.kv_heads = 8;
-  m.experts = 8;
-  m.topk = 2;
-  m.moe_ffn = 2048;
-  m.vocab = 32000;
-  m.seq = 1024;
-  m.gbs = 8;
-  return m;
-}
+using testing::small_model;
 
-cluster_config gpus(int n) {
-  auto c = cluster_preset("h100-sxm").value();
-  c.gpus = n;
-  return c;
-}
+cluster_config gpus(int n) { return testing::h100_gpus(n); }
 
 const mapping folded{.tp = 2, .cp = 1, .ep = 4, .etp = 1, .pp = 2, .vpp = 1, .mbs = 1};
 

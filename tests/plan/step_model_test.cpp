@@ -5,33 +5,16 @@
 
 #include <doctest/doctest.h>
 
+#include "small_model.hpp"
+
 using namespace moefold;
 using namespace moefold::plan;
 
 namespace {
 
-// 4 MoE layers, H 1024, 8 heads (MHA), 8 experts of 2048, top-2, vocab 32000, seq 1024.
-model_config small_model() {
-  model_config m;
-  m.name = "small";
-  m.layers = 4;
-  m.hidden = 1024;
-  m.heads = 8;
-  m.kv_heads = 8;
-  m.experts = 8;
-  m.topk = 2;
-  m.moe_ffn = 2048;
-  m.vocab = 32000;
-  m.seq = 1024;
-  m.gbs = 8;
-  return m;
-}
+using testing::small_model;
 
-cluster_config eight_gpus() {
-  auto c = cluster_preset("h100-sxm").value();
-  c.gpus = 8;
-  return c;
-}
+cluster_config eight_gpus() { return testing::h100_gpus(8); }
 
 }  // namespace
 
