@@ -7,6 +7,7 @@
 
 #include <moefold/core/expected.hpp>
 #include <moefold/experts/activation.hpp>
+#include <moefold/upcycle/upcycle_experts.hpp>
 #include <moefold/upcycle/upcycle_options.hpp>
 
 #include "json_document.hpp"
@@ -43,6 +44,11 @@ struct dense_layer {
   std::optional<located_tensor> gate_bias, up_bias, down_bias;
   dense_ffn_shape shape;
   std::string dtype;  //!< F32, BF16, F16 or F64, the same for the layer's tensors
+
+  //! The tensor a dense slice names (gate only of a gated layer, as upcycle_slices states).
+  [[nodiscard]] const located_tensor& source(dense_tensor t) const {
+    return t == dense_tensor::gate ? *gate : t == dense_tensor::up ? up : down;
+  }
 };
 
 inline std::string ffn_name(int layer, std::string_view proj) {

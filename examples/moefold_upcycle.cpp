@@ -30,6 +30,7 @@
 #include <iostream>
 #include <numeric>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -127,6 +128,9 @@ ordered_json write_rank(const options& o, const moefold::dynamic_folded_mesh& fo
   // Declarations first: the header precedes the data.
   std::vector<st::tensor_decl> decls;
   ordered_json tensors = ordered_json::array();
+  // Each layer's expert shape on this rank and the dense slices it reads, for the declarations
+  // and then for the data.
+  std::vector<std::pair<moefold::mlp_shape, std::vector<moefold::dense_slice>>> plans;
   for (const plan_layer* l : mine) {
     const auto& d = l->dense.shape;
     const std::string layer = "layers." + std::to_string(l->dense.index);
@@ -134,8 +138,9 @@ ordered_json write_rank(const options& o, const moefold::dynamic_folded_mesh& fo
         {layer + ".router.weight",
          "F32",
          {static_cast<std::uint64_t>(l->opt.num_experts), static_cast<std::uint64_t>(d.hidden)}});
-    const auto shape = value_or_throw(moefold::upcycled_shape(d, l->opt, me));
-    const auto plan = value_or_throw(moefold::upcycle_slices(d, l->opt, me));
+    const auto& [shape, plan] =
+        plans.emplace_back(value_or_throw(moefold::upcycled_shape(d, l->opt, me)),
+                           value_or_throw(moefold::upcycle_slices(d, l->opt, me)));
     const std::uint64_t fs_ = static_cast<std::uint64_t>(shape.ffn / me.etp);
     const std::uint64_t f1 = (d.gated ? 2 : 1) * fs_, H = static_cast<std::uint64_t>(d.hidden);
     tensors.push_back({{"name", decls.back().name},
@@ -149,9 +154,7 @@ ordered_json write_rank(const options& o, const moefold::dynamic_folded_mesh& fo
       ordered_json fc1_src = ordered_json::array(), fc2_src = ordered_json::array();
       for (const auto& s : plan) {
         if (s.part != part) continue;
-        const auto* t = s.tensor == moefold::dense_tensor::gate ? &*l->dense.gate
-                        : s.tensor == moefold::dense_tensor::up ? &l->dense.up
-                                                                : &l->dense.down;
+        const auto* t = &l->dense.source(s.tensor);
         ordered_json src = {{"file", fs::path(t->file->path()).filename().string()},
                             {"tensor", t->info->name},
                             {"rows", {s.first_row, s.first_row + s.rows}},
@@ -192,7 +195,8 @@ ordered_json write_rank(const options& o, const moefold::dynamic_folded_mesh& fo
       path, decls,
       {{"format", "pt"}, {"producer", "moefold-upcycle " + std::string(moefold::version_string)}}));
   guard.files.push_back(path);
-  for (const plan_layer* l : mine) {
+  for (std::size_t li = 0; li < mine.size(); ++li) {
+    const plan_layer* l = mine[li];
     const auto& d = l->dense.shape;
     const std::string where =
         l->dense.up.file->path() + ": layer " + std::to_string(l->dense.index) + ": ";
@@ -200,16 +204,14 @@ ordered_json write_rank(const options& o, const moefold::dynamic_folded_mesh& fo
                               static_cast<std::size_t>(d.hidden));
     ok_or_throw(moefold::upcycle_router(d, l->opt, router), where);
     ok_or_throw(w.write(std::as_bytes(std::span<const float>(router))));
-    const auto plan = value_or_throw(moefold::upcycle_slices(d, l->opt, me));
-    const auto sizes = moefold::mlp_sizes(value_or_throw(moefold::upcycled_shape(d, l->opt, me)));
+    const auto& plan = plans[li].second;
+    const auto sizes = moefold::mlp_sizes(plans[li].first);
     with_type(l->dense.dtype, [&]<class S>(S) {
       // The slices this rank needs, read once each: [rows, cols] row-major.
       std::vector<std::vector<S>> data;
       std::vector<std::span<const S>> views;
       for (const auto& s : plan) {
-        const auto* t = s.tensor == moefold::dense_tensor::gate ? &*l->dense.gate
-                        : s.tensor == moefold::dense_tensor::up ? &l->dense.up
-                                                                : &l->dense.down;
+        const auto* t = &l->dense.source(s.tensor);
         auto& buf =
             data.emplace_back(static_cast<std::size_t>(s.rows) * static_cast<std::size_t>(s.cols));
         ok_or_throw(t->file->read_rect(
