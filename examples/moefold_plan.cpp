@@ -114,7 +114,12 @@ std::string to_json(const mp::plan_result& r) {
     << ", \"buffers\": " << num(mem.transient / mp::gib, 3)
     << ", \"reserved\": " << num(mem.reserved / mp::gib, 3) << "}"
     << ", \"recompute\": \"" << to_string(r.rc) << "\", \"microbatches\": " << r.microbatches
-    << ", \"tflops_per_gpu\": " << num(r.tflops_per_gpu, 1) << ", \"placement\": {";
+    << ", \"tflops_per_gpu\": " << num(r.tflops_per_gpu, 1);
+  // The range measurements have fallen in around such a prediction (validation.hpp).
+  const auto [mfu_lo, mfu_hi] = mp::measured_range(r.mfu);
+  const auto [tf_lo, tf_hi] = mp::measured_range(r.tflops_per_gpu);
+  o << ", \"mfu_band\": [" << num(mfu_lo, 4) << ", " << num(mfu_hi, 4) << "], \"tflops_band\": ["
+    << num(tf_lo, 1) << ", " << num(tf_hi, 1) << "], \"placement\": {";
   const std::pair<const char*, const mp::group_placement*> groups[] = {
       {"tp", &r.placement.tp},   {"cp", &r.placement.cp},       {"ep", &r.placement.ep},
       {"etp", &r.placement.etp}, {"dp_cp", &r.placement.dp_cp}, {"edp", &r.placement.edp},
@@ -147,14 +152,42 @@ std::string join(const std::vector<std::string>& v) {
   return s.empty() ? "none" : s;
 }
 
+std::string stack_text(const mp::training_stack& s) {
+  std::string t = s.dispatcher == mp::ep_dispatcher::deepep     ? "DeepEP"
+                  : s.dispatcher == mp::ep_dispatcher::hybridep ? "HybridEP"
+                                                                : "NCCL all-to-all";
+  if (s.fp8_dispatch) t += ", fp8 dispatch";
+  if (s.ep_overlap) t += ", EP overlap";
+  return t;
+}
+
+std::string stack_json(const mp::training_stack& s) {
+  const char* d = s.dispatcher == mp::ep_dispatcher::deepep     ? "deepep"
+                  : s.dispatcher == mp::ep_dispatcher::hybridep ? "hybridep"
+                                                                : "alltoall";
+  return std::string("{\"dispatcher\": \"") + d +
+         "\", \"fp8_dispatch\": " + (s.fp8_dispatch ? "true" : "false") +
+         ", \"ep_overlap\": " + (s.ep_overlap ? "true" : "false") + "}";
+}
+
+// How far such predictions have been from published measurements (validation.hpp).
+std::string band_text() {
+  const auto& b = mp::validation_band;
+  return "80% of " + std::to_string(b.points) + " held-out published runs measured within " +
+         num(-100 * b.high / (1 + b.high), 0) + "% to +" + num(-100 * b.low / (1 + b.low), 0) +
+         "% of the prediction (mean abs error " + num(100 * b.mean_abs, 0) +
+         "%; docs/planner.md, Accuracy)";
+}
+
 void print_header(std::ostream& out, const mp::model_config& m, const mp::cluster_config& c,
-                  const calibration_use& u) {
+                  const calibration_use& u, const mp::training_stack& stack) {
   out << "moefold-plan: " << m.name << " (" << num(m.total_params() / 1e9, 1) << "B params, "
       << num(m.active_params() / 1e9, 1) << "B active, "
       << (m.dtype == mp::precision::fp8 ? "fp8" : "bf16") << ") on " << c.gpus << " x " << c.name
       << " (" << c.gpus_per_node << " per node, " << num(c.memory_gib, 1) << " GiB)\n"
       << "  seq " << m.seq << ", global batch " << m.gbs << " sequences ("
-      << static_cast<long long>(m.seq) * m.gbs << " tokens per step)\n";
+      << static_cast<long long>(m.seq) * m.gbs << " tokens per step)\n"
+      << "  EP dispatch: " << stack_text(stack) << "\n";
   if (u.cal != nullptr)
     out << "  calibration " << u.file << (u.cal->source.empty() ? "" : " (" + u.cal->source + ")")
         << "\n    measured: " << join(u.cal->measured_sections())
@@ -173,14 +206,18 @@ std::string calibration_json(const calibration_use& u) {
 }
 
 void print_one_text(const mp::model_config& m, const mp::cluster_config& c,
-                    const mp::plan_result& r, const calibration_use& u) {
+                    const mp::plan_result& r, const calibration_use& u,
+                    const mp::training_stack& stack) {
   std::ostringstream out;
-  print_header(out, m, c, u);
+  print_header(out, m, c, u, stack);
+  const auto [mfu_lo, mfu_hi] = mp::measured_range(r.mfu);
   out << "\nmapping: " << to_string(r.map) << "\n"
       << (r.feasible ? "feasible: " : "NOT feasible: ") << r.reason << "\n"
       << "MFU " << num(100 * r.mfu, 1) << "%, step " << num(r.step_time_s, 3) << " s, "
       << num(r.tflops_per_gpu, 0) << " TFLOP/s per GPU, " << num(r.memory_gib, 1)
-      << " GiB per GPU, " << r.microbatches << " micro-batches, EP " << ep_place(r) << "\n\n"
+      << " GiB per GPU, " << r.microbatches << " micro-batches, EP " << ep_place(r) << "\n"
+      << "error band: MFU " << num(100 * mfu_lo, 1) << "% to " << num(100 * mfu_hi, 1)
+      << "%: " << band_text() << "\n\n"
       << "step time by cause (s):\n";
   for (auto [name, v] : mp::time_components(r.time))
     out << "  " << name << std::string(14 - std::string(name).size(), ' ') << num(v, 4) << "  ("
@@ -195,11 +232,11 @@ void print_one_text(const mp::model_config& m, const mp::cluster_config& c,
 
 void print_ranked_text(const mp::model_config& m, const mp::cluster_config& c,
                        const mp::search_result& s, std::size_t top, double seconds,
-                       const calibration_use& u) {
+                       const calibration_use& u, const mp::training_stack& stack) {
   std::ostringstream out;
-  print_header(out, m, c, u);
+  print_header(out, m, c, u, stack);
   out << "  searched " << s.legal << " legal folded mappings, " << s.feasible << " fit in memory ("
-      << num(seconds, 2) << " s)\n\n";
+      << num(seconds, 2) << " s)\n  error band: " << band_text() << "\n\n";
   out << "rank  tp cp  ep etp pp vpp mbs   dp  edp    MFU  step s  TFLOP/s  GiB  recompute  EP\n";
   const std::size_t n = std::min(top, s.ranked.size());
   for (std::size_t i = 0; i < n; ++i) {
@@ -321,6 +358,7 @@ int main(int argc, char** argv) {
   } catch (const usage_error& e) {
     return moefold::examples::report(e);
   }
+  eff.stack = o.stack;
   if (o.gbs) model.gbs = *o.gbs;
   if (o.seq) model.seq = *o.seq;
   cluster.gpus = o.gpus;
@@ -340,15 +378,14 @@ int main(int argc, char** argv) {
     if (!r)
       return moefold::examples::fail(r.error().message + " [" +
                                      std::string(to_string(r.error().code)) + "]");
-    if (o.format == "json" && use.cal != nullptr)
-      std::cout << "{\"calibration\": " << calibration_json(use) << ", " << to_json(*r).substr(1)
-                << "\n";
-    else if (o.format == "json")
-      std::cout << to_json(*r) << "\n";
+    if (o.format == "json")
+      std::cout << "{"
+                << (use.cal != nullptr ? "\"calibration\": " + calibration_json(use) + ", " : "")
+                << "\"stack\": " << stack_json(o.stack) << ", " << to_json(*r).substr(1) << "\n";
     else if (o.format == "svg")
       print_svg(model, cluster, mp::search_result{{*r}, 1, r->feasible ? 1 : 0}, 1);
     else
-      print_one_text(model, cluster, *r, use);
+      print_one_text(model, cluster, *r, use, o.stack);
     return 0;
   }
   const auto start = std::chrono::steady_clock::now();
@@ -373,7 +410,7 @@ int main(int argc, char** argv) {
   if (o.format == "json") {
     std::ostringstream out;
     out << "{" << (use.cal != nullptr ? "\"calibration\": " + calibration_json(use) + ", " : "")
-        << "\"ranked\": [";
+        << "\"stack\": " << stack_json(o.stack) << ", \"ranked\": [";
     for (std::size_t i = 0; i < std::min(top, s->ranked.size()); ++i)
       out << (i ? ",\n  " : "\n  ") << to_json(s->ranked[i]);
     out << "]}\n";
@@ -381,7 +418,7 @@ int main(int argc, char** argv) {
   } else if (o.format == "svg") {
     print_svg(model, cluster, *s, top);
   } else {
-    print_ranked_text(model, cluster, *s, top, seconds, use);
+    print_ranked_text(model, cluster, *s, top, seconds, use, o.stack);
   }
   return 0;
 }

@@ -19,7 +19,8 @@ namespace mp = moefold::plan;
 inline constexpr const char* usage_text =
     "usage: moefold-plan --model NAME|FILE --cluster NAME|FILE --gpus N [--gbs N] [--seq N]\n"
     "                    [--tp N --cp N --ep N --etp N --pp N --vpp N --mbs N] [--top N]\n"
-    "                    [--format text|json|svg] [--calibration FILE]\n";
+    "                    [--format text|json|svg] [--calibration FILE]\n"
+    "                    [--dispatcher alltoall|deepep|hybridep] [--fp8-dispatch] [--ep-overlap]\n";
 
 inline std::string notes_text() {
   std::string models, clusters;
@@ -47,7 +48,8 @@ struct options {
   std::optional<int> gbs, seq;
   mp::search_constraints fixed;
   int top = 5;
-  std::string calibration;  // measured rates (docs/planner.md, "Calibration"); empty: built-in
+  std::string calibration;   // measured rates (docs/planner.md, "Calibration"); empty: built-in
+  mp::training_stack stack;  // the recipe's dispatcher, dispatch precision and EP overlap
 };
 
 //! The flags, on CLI11, and the checks after them.
@@ -90,7 +92,18 @@ inline parse_outcome parse(int argc, const char* const* argv, options& o) {
                  "measured rates replacing the built-in curves (JSON; calibration_probe.py's "
                  "output as it is)")
       ->default_str("none");
+  std::string dispatcher = "alltoall";
+  app.add_option("--dispatcher", dispatcher,
+                 "EP dispatcher: NCCL all-to-all, or DeepEP / HybridEP (Megatron-Core's flex)")
+      ->check(CLI::IsMember({"alltoall", "deepep", "hybridep"}));
+  app.add_flag("--fp8-dispatch", o.stack.fp8_dispatch, "the forward dispatch travels in fp8");
+  app.add_flag("--ep-overlap", o.stack.ep_overlap,
+               "EP communication overlaps another micro-batch's compute "
+               "(--overlap-moe-expert-parallel-comm)");
   return examples::parse(app, argc, argv, [&] {
+    o.stack.dispatcher = dispatcher == "deepep"     ? mp::ep_dispatcher::deepep
+                         : dispatcher == "hybridep" ? mp::ep_dispatcher::hybridep
+                                                    : mp::ep_dispatcher::alltoall;
     for (std::size_t i = 0; i < std::size(sizes); ++i)
       if (app.count(sizes[i].flag)) *sizes[i].dst = values[i];
     if (o.gpus < 1) throw usage_error{"--gpus must be >= 1 (got " + std::to_string(o.gpus) + ")"};

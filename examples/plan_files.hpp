@@ -162,7 +162,9 @@ inline status read_members(const ordered_json& doc, const std::string& what,
                                     {"kv_lora_rank", &m.kv_lora_rank},
                                     {"qk_rope_dim", &m.qk_rope_dim},
                                     {"v_head_dim", &m.v_head_dim},
-                                    {"mtp_layers", &m.mtp_layers}};
+                                    {"mtp_layers", &m.mtp_layers},
+                                    {"router_groups", &m.router_groups},
+                                    {"router_group_topk", &m.router_group_topk}};
   const char* const required[] = {"layers", "hidden", "heads", "vocab"};
   if (auto ok = detail::read_members(*doc, "model", members, required); !ok)
     return unexpected<error>(ok.error());
@@ -224,7 +226,9 @@ inline status read_members(const ordered_json& doc, const std::string& what,
           {"kv_lora_rank", m.kv_lora_rank},
           {"qk_rope_dim", m.qk_rope_dim},
           {"v_head_dim", m.v_head_dim},
-          {"mtp_layers", m.mtp_layers}};
+          {"mtp_layers", m.mtp_layers},
+          {"router_groups", m.router_groups},
+          {"router_group_topk", m.router_group_topk}};
 }
 
 //! A cluster as a cluster file (without gpus, which the command line gives).

@@ -46,9 +46,16 @@ def one_mapping_json_has_the_issue_shape():
             "--ep", 8, "--etp", 1, "--pp", 8, "--vpp", 7, "--mbs", 1, "--format", "json")
     assert r.returncode == 0 and r.stderr == "", r.stderr
     e = json.loads(r.stdout)
+    assert e.pop("stack") == {"dispatcher": "alltoall", "fp8_dispatch": False, "ep_overlap": False}
     check_entry(e)
     assert e["mapping"] == {"tp": 2, "cp": 1, "ep": 8, "etp": 1, "pp": 8, "vpp": 7, "dp": 8, "edp": 2,
                             "mbs": 1}
+    # The error band (validation.hpp) brackets the prediction, wider above it: the model has
+    # been optimistic more often than not.
+    lo, hi = e["breakdown"]["mfu_band"]
+    assert lo < e["mfu"] < hi and hi - e["mfu"] < e["mfu"] - lo, (lo, e["mfu"], hi)
+    lo, hi = e["breakdown"]["tflops_band"]
+    assert lo < e["breakdown"]["tflops_per_gpu"] < hi
     assert e["feasible"] is True
     assert e["breakdown"]["placement"]["ep"] == {"size": 8, "nodes": 1}
     assert e["breakdown"]["placement"]["dp_cp"]["nodes"] > 1
@@ -62,12 +69,38 @@ def search_json_is_ranked():
             "json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert list(out.keys()) == ["ranked"] and len(out["ranked"]) == 4
+    assert list(out.keys()) == ["stack", "ranked"] and len(out["ranked"]) == 4
     for e in out["ranked"]:
         check_entry(e)
         assert e["feasible"]
     times = [e["step_time_s"] for e in out["ranked"]]
     assert times == sorted(times), times
+
+
+@case
+def the_training_stack_is_stated_and_priced():
+    base = ["--model", "deepseek-v3", "--cluster", "h100-sxm", "--gpus", 1024, "--gbs", 8192, "--tp", 2,
+            "--cp", 1, "--ep", 64, "--etp", 1, "--pp", 8, "--vpp", 4, "--mbs", 1, "--format", "json"]
+    steps = {}
+    for flags in ((), ("--dispatcher", "deepep"), ("--dispatcher", "deepep", "--fp8-dispatch"),
+                  ("--dispatcher", "deepep", "--fp8-dispatch", "--ep-overlap")):
+        r = run(*base, *flags)
+        assert r.returncode == 0, r.stderr
+        e = json.loads(r.stdout)
+        assert e["stack"]["dispatcher"] == (flags[1] if flags else "alltoall")
+        assert e["stack"]["fp8_dispatch"] == ("--fp8-dispatch" in flags)
+        assert e["stack"]["ep_overlap"] == ("--ep-overlap" in flags)
+        steps[flags] = (e["step_time_s"], e["breakdown"]["time_s"]["ep_a2a"])
+    times = [t for t, _ in steps.values()]
+    a2a = [x for _, x in steps.values()]
+    # EP 64 over 8 nodes: each step of the recipe makes the exposed all-to-all smaller.
+    assert times == sorted(times, reverse=True) and a2a == sorted(a2a, reverse=True), steps
+    r = run("--model", "mixtral-8x7b", "--cluster", "h100-sxm", "--gpus", 8, "--dispatcher", "nccl")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--dispatcher" in r.stderr, r.stderr
+    r = run("--model", "mixtral-8x7b", "--cluster", "h100-sxm", "--gpus", 8, "--top", 1, "--dispatcher",
+            "hybridep", "--ep-overlap")
+    assert r.returncode == 0 and "EP dispatch: HybridEP, EP overlap" in r.stdout, r.stdout
+    assert "error band:" in r.stdout
 
 
 @case

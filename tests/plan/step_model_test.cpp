@@ -114,12 +114,12 @@ TEST_CASE("all-to-all time of a group, by hand") {
   const auto c = eight_gpus();
   const efficiency e{};
   group_placement g{.size = 16, .nodes = 2, .min_local = 8};
-  // 1 GB per rank: 15/16 leaves; 8/15 of that to the other node at 50 GB/s x 0.55, the rest
-  // over NVLink at 450 GB/s x 0.55, at the same time; plus two inter-node latencies.
-  const double expect = 0.5e9 / (50e9 * 0.55) + 2 * 8e-6;
+  // 1 GB per rank: 15/16 leaves; 8/15 of that to the other node at 50 GB/s x 0.85, the rest
+  // over NVLink at 450 GB/s x 0.72, at the same time; plus two inter-node latencies.
+  const double expect = 0.5e9 / (50e9 * 0.85) + 2 * 8e-6;
   CHECK(a2a_time(1e9, g, c, e) == doctest::Approx(expect).epsilon(1e-12));
   g = {.size = 8, .nodes = 1, .min_local = 8};
-  CHECK(a2a_time(1e9, g, c, e) == doctest::Approx(0.875e9 / (450e9 * 0.55) + 2 * 3e-6));
+  CHECK(a2a_time(1e9, g, c, e) == doctest::Approx(0.875e9 / (450e9 * 0.72) + 2 * 3e-6));
   g = {.size = 1, .nodes = 1, .min_local = 1};
   CHECK(a2a_time(1e9, g, c, e) == 0.0);
 }
@@ -132,7 +132,7 @@ TEST_CASE("EP all-to-all time of a mapping, by hand") {
   // Each rank routes T_m = 512 tokens to 2 experts: 512*2*1024*2 B = 2,097,152 B, 3/4 of which
   // leave for the 3 peers of its EP group (inside the node). Dispatch + combine, forward and
   // backward: 4 all-to-alls per MoE layer, 2 MoE layers per stage, 4 micro-batches.
-  const double one = 2'097'152.0 * 3 / 4 / (450e9 * 0.55) + 2 * 3e-6;
+  const double one = 2'097'152.0 * 3 / 4 / (450e9 * 0.72) + 2 * 3e-6;
   CHECK(r->time.ep_a2a == doctest::Approx(32 * one).epsilon(1e-12));
   CHECK(r->time.etp_comm == 0.0);
   CHECK(r->time.cp_comm == 0.0);

@@ -4,11 +4,39 @@
 //! same for every model and every mapping; docs/planner.md says where each one comes from.
 #pragma once
 
+#include <cstdint>
+
 namespace moefold {
 inline namespace v0_1 {
 namespace plan {
 
 struct calibration;
+
+//! How the EP dispatch and combine move tokens (Megatron-Core's --moe-token-dispatcher-type and
+//! --moe-flex-dispatcher-backend).
+enum class ep_dispatcher : std::uint8_t {
+  //! `alltoall`: tokens are permuted per expert, then NCCL all-to-all sends one copy per
+  //! (token, expert) pair: T*k rows.
+  alltoall,
+  //! `flex` with DeepEP's normal kernels: one copy per (token, destination node) over RDMA,
+  //! forwarded over NVLink to each destination GPU once; the experts' copies are made on arrival.
+  deepep,
+  //! `flex` with HybridEP: the same hierarchical traffic as DeepEP on fewer SMs.
+  hybridep,
+};
+
+//! The training recipe's choices that change what a step costs but not what it computes. They
+//! are stated by the user (published recipes state them), not searched.
+struct training_stack {
+  ep_dispatcher dispatcher = ep_dispatcher::alltoall;
+  //! Dispatch in fp8 (1 byte per element plus a 4-byte scale per 128, DeepEP's format): the
+  //! forward dispatch only; the combine and every backward transfer stay bf16.
+  bool fp8_dispatch = false;
+  //! Megatron-Core's --overlap-moe-expert-parallel-comm: the forward of one micro-batch runs
+  //! beside the backward of another, so each one's EP traffic overlaps the other's compute.
+  //! Needs ep > 1, an interleaved schedule when pp > 1, and no full recomputation.
+  bool ep_overlap = false;
+};
 
 struct efficiency {
   // GEMM: rate = peak * gemm_max * s(M) * s(N) * s(K), s(x) = x / (x + gemm_half), plus a fixed
@@ -26,17 +54,39 @@ struct efficiency {
   // From reference/gpu-baselines.md: copy 4.21 of 4.8 TB/s, gathers 3.4-4.0 TB/s.
   double mem = 0.80;
   // Collectives, fraction of the nominal per-direction link rate. Ring collectives (NCCL
-  // all-gather / reduce-scatter) and all-to-all (NCCL send/recv, Megatron's alltoall
-  // dispatcher) separately, because all-to-all moves many small messages.
+  // all-gather / reduce-scatter: assumed 0.80) and all-to-all (NCCL send/recv, Megatron's
+  // alltoall dispatcher) separately. The all-to-all rates are Megatron-Core's measured dispatch
+  // and combine latencies on H100 (arXiv 2603.07685, Table 7; hidden 7168, 4096 tokens, top-8 of
+  // 256): EP 8 in a node 0.72 of NVLink; EP 16-64 over 2-8 nodes 0.81-0.90 of the NIC.
   double ring_intra = 0.80;
   double ring_inter = 0.80;
-  double a2a_intra = 0.55;
-  double a2a_inter = 0.55;
+  double a2a_intra = 0.72;
+  double a2a_inter = 0.85;
+  // DeepEP-class dispatch, fraction of the nominal link rates. DeepEP's published normal-kernel
+  // rates (deepseek-ai/DeepEP README, H800 with CX7 400 Gb/s, 4096 tokens, hidden 7168, top-8):
+  // 43-46 GB/s over RDMA of the NIC's 50 GB/s, 153-158 GB/s over NVLink of H800's 160 GB/s.
+  double deepep_inter = 0.88;
+  double deepep_intra = 0.95;
+  // Streaming multiprocessors the communication kernels hold while they run beside compute:
+  // Megatron-Core's defaults moe_deepep_num_sms = 20 and moe_hybridep_num_sms = 16; NCCL's
+  // all-to-all is taken as 16 (assumed: NCCL's channel count on NVLink). Of sm_count (H100 and
+  // H200 SXM: 132).
+  double deepep_sms = 20;
+  double hybridep_sms = 16;
+  double nccl_sms = 16;
+  double sm_count = 132;
   // FP8 GEMMs reach this fraction of the fp8 peak relative to what bf16 reaches of bf16 peak.
   double fp8_vs_bf16 = 0.85;
+  // Bytes of HBM traffic per element an fp8 GEMM operand costs to produce (Transformer Engine's
+  // current-scaling recipe, Megatron-Bridge's H100 default): an amax pass reads the bf16 tensor
+  // (2), the cast reads it again (2) and writes a row-wise and a column-wise fp8 copy (1 + 1),
+  // both needed on Hopper, whose fp8 tensor cores take only K-major operands.
+  double fp8_cast_bytes = 6.0;
   // Measured rates that replace the curves above where they have data (calibration.hpp;
   // moefold-plan --calibration). Not owned; null: the built-in curves only.
   const calibration* measured = nullptr;
+  //! The recipe's dispatcher, dispatch precision and overlap.
+  training_stack stack;
 };
 
 }  // namespace plan

@@ -44,6 +44,11 @@ struct model_config {
   int qk_rope_dim = 0;   //!< rotary part of each query/key head (MLA)
   int v_head_dim = 0;    //!< value head size (MLA); head_dim is the non-rotary q/k head size
   int mtp_layers = 0;    //!< multi-token-prediction layers (on the last pipeline stage)
+  // Group-limited routing (DeepSeek-V3's node-limited routing; Megatron-Core's
+  // --moe-router-num-groups and --moe-router-group-topk): the experts are split into
+  // router_groups contiguous groups and each token chooses among router_group_topk of them.
+  int router_groups = 0;      //!< 0: not group-limited
+  int router_group_topk = 0;  //!< groups a token may use (with router_groups)
 
   [[nodiscard]] bool mla() const noexcept { return kv_lora_rank > 0; }
   [[nodiscard]] int head_size() const noexcept {
@@ -134,7 +139,9 @@ struct model_config {
                           {"kv_lora_rank", m.kv_lora_rank, 0},
                           {"qk_rope_dim", m.qk_rope_dim, 0},
                           {"v_head_dim", m.v_head_dim, 0},
-                          {"mtp_layers", m.mtp_layers, 0}};
+                          {"mtp_layers", m.mtp_layers, 0},
+                          {"router_groups", m.router_groups, 0},
+                          {"router_group_topk", m.router_group_topk, 0}};
   for (const auto& f : fields)
     if (f.value < f.min)
       return bad(std::string(f.name) + " must be >= " + std::to_string(f.min) + " (got " +
@@ -156,6 +163,21 @@ struct model_config {
     return bad("the model has dense layers, so ffn must be >= 1");
   if (m.mbs > m.gbs)
     return bad("mbs = " + std::to_string(m.mbs) + " exceeds gbs = " + std::to_string(m.gbs));
+  if ((m.router_groups > 0) != (m.router_group_topk > 0))
+    return bad("router_groups and router_group_topk go together (got " +
+               std::to_string(m.router_groups) + " and " + std::to_string(m.router_group_topk) +
+               ")");
+  if (m.router_groups > 0) {
+    if (m.experts % m.router_groups != 0)
+      return bad("router_groups = " + std::to_string(m.router_groups) +
+                 " must divide experts = " + std::to_string(m.experts));
+    if (m.router_group_topk > m.router_groups)
+      return bad("router_group_topk = " + std::to_string(m.router_group_topk) +
+                 " exceeds router_groups = " + std::to_string(m.router_groups));
+    if (static_cast<long long>(m.router_group_topk) * (m.experts / m.router_groups) < m.topk)
+      return bad("topk = " + std::to_string(m.topk) + " exceeds the experts of " +
+                 std::to_string(m.router_group_topk) + " groups");
+  }
   if (m.kv_lora_rank == 0 && (m.q_lora_rank > 0 || m.qk_rope_dim > 0 || m.v_head_dim > 0))
     return bad("q_lora_rank, qk_rope_dim and v_head_dim are MLA fields: they need kv_lora_rank");
   return {};

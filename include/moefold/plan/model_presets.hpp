@@ -120,6 +120,8 @@ inline constexpr std::array<std::string_view, 7> model_preset_names = {
     m.qk_rope_dim = 64;
     m.v_head_dim = 128;
     m.mtp_layers = 1;
+    m.router_groups = 8;  // n_group: node-limited routing, each token on at most 4 nodes
+    m.router_group_topk = 4;
     m.gbs = 15360;  // the report's batch after its ramp-up
     m.dtype = precision::fp8;
     return m;

@@ -18,3 +18,4 @@
 #include "search.hpp"
 #include "shapes.hpp"
 #include "step_time.hpp"
+#include "validation.hpp"

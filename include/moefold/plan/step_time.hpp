@@ -7,14 +7,17 @@
 //!     expert: exposed (not overlapped);
 //!   - CP: ring exchange of K and V, overlapped with the attention it feeds (only the excess
 //!     is exposed);
-//!   - EP all-to-all (dispatch, combine; forward and backward) and ETP all-gather /
-//!     reduce-scatter: exposed, priced on the nodes the real EP/ETP groups span;
+//!   - EP dispatch and combine (forward and backward), priced by the dispatcher's traffic on the
+//!     nodes the real EP group spans (collectives.hpp): exposed, or with EP overlap hidden
+//!     behind the other micro-batch's compute outside warm-up and cool-down; ETP all-gather /
+//!     reduce-scatter: exposed;
+//!   - fp8 models: each GEMM operand cast to fp8 (memory-bound);
 //!   - PP: send/receive of the activations, exposed with 1F1B, overlapped when interleaved
 //!     (except in warm-up and cool-down); the bubble is (pp-1)/vpp stage-micro-batch times.
-//! Per step: the DP (dp*cp group) and EDP gradient reduce-scatter overlaps the backward of the
-//! last micro-batch and the parameter all-gather the forward of the first (Megatron-Core's
-//! --overlap-grad-reduce / --overlap-param-gather); only the excess is exposed. Then the
-//! optimizer step, memory-bound.
+//! Per step: the DP (dp*cp group) and EDP gradient reduce-scatter overlaps the last backward of
+//! each virtual stage and what follows it, the parameter all-gather the first forwards
+//! (Megatron-Core's --overlap-grad-reduce / --overlap-param-gather); only the excess is exposed,
+//! plus the SMs the overlapped part takes. Then the optimizer step, memory-bound.
 #pragma once
 
 #include <algorithm>
@@ -109,6 +112,9 @@ inline layer_passes layer_costs(const model_config& m, const mapping& map, const
   const gemm_table dt{cal != nullptr && !cal->gemm.empty() ? &cal->gemm : nullptr, cal_peak};
   const gemm_table et{cal != nullptr && !cal->expert_gemm.empty() ? &cal->expert_gemm : dt.rates,
                       cal_peak};
+  // FP8 GEMMs take their inputs (forward) and their output gradients (backward) in fp8: a cast
+  // kernel reads each bf16 element and writes its fp8 copies; seconds per element (efficiency.hpp).
+  const double cast = m.dtype == precision::fp8 ? e.fp8_cast_bytes / mem_bw : 0.0;
   // Sequence-parallel all-gather before and reduce-scatter after a TP block: T_a x H, bf16.
   const double tp_block = 2.0 * ring_time(2.0 * ta * h, pl.tp, c, e);
 
@@ -116,6 +122,7 @@ inline layer_passes layer_costs(const model_config& m, const mapping& map, const
   {
     pass_cost f;
     double core_flops = 0, kv_bytes = 0;
+    double gemm_in = 0, gemm_out = 0;  // elements of the GEMM inputs and outputs (fp8 casts)
     if (m.mla()) {
       const double r = m.qk_rope_dim, v = m.v_head_dim;
       f.gemm += gemm_s(ta, (m.q_lora_rank > 0 ? m.q_lora_rank : 0) + m.kv_lora_rank + r, h, peak, e,
@@ -126,6 +133,9 @@ inline layer_passes layer_costs(const model_config& m, const mapping& map, const
         f.gemm += gemm_s(ta, n * (d + r) / tp, h, peak, e, dt);
       f.gemm += gemm_s(ta, n * (d + v) / tp, m.kv_lora_rank, peak, e, dt);  // kv up projection
       f.gemm += gemm_s(ta, h, n * v / tp, peak, e, dt);                     // output projection
+      const double ql = m.q_lora_rank > 0 ? m.q_lora_rank : 0;
+      gemm_in = ta * (h + (ql > 0 ? ql : h) + m.kv_lora_rank + n * v / tp);
+      gemm_out = ta * (ql + m.kv_lora_rank + r + n * (d + r) / tp + n * (d + v) / tp + h);
       core_flops = 2.0 * map.mbs * (static_cast<double>(m.seq) * m.seq / 2) / map.cp * (n / tp) *
                    (d + r + v);
       kv_bytes = 2.0 * ta * n * (d + r + v) / tp;
@@ -133,6 +143,8 @@ inline layer_passes layer_costs(const model_config& m, const mapping& map, const
       const double q = n * d, kv = static_cast<double>(m.kv_heads) * d;
       f.gemm += gemm_s(ta, (q + 2 * kv) / tp, h, peak, e, dt);
       f.gemm += gemm_s(ta, h, q / tp, peak, e, dt);
+      gemm_in = ta * (h + q / tp);
+      gemm_out = ta * ((q + 2 * kv) / tp + h);
       core_flops = 4.0 * map.mbs * (static_cast<double>(m.seq) * m.seq / 2) / map.cp * (n / tp) * d;
       kv_bytes = 2.0 * ta * 2 * kv / tp;
     }
@@ -146,6 +158,8 @@ inline layer_passes layer_costs(const model_config& m, const mapping& map, const
     // Norm, residual, rotary embedding, bias-free: about 10 reads/writes of T_a/tp x H and
     // 4 of the q/k/v tensors, bf16.
     f.elementwise = (10.0 * (ta / tp) * h * 2 + 4.0 * ta * n * d / tp * 2) / mem_bw;
+    const double fwd_elementwise = f.elementwise;
+    f.elementwise += cast * gemm_in;
     f.tp = tp_block;
     // CP ring: each rank passes its K,V chunk cp-1 times; the transfer hides behind the
     // attention on the chunk already there.
@@ -155,7 +169,7 @@ inline layer_passes layer_costs(const model_config& m, const mapping& map, const
     pass_cost b;
     b.gemm = 2.0 * f.gemm;            // dgrad + wgrad
     b.attention = 2.5 * f.attention;  // flash-attention backward: 5 GEMMs against 2
-    b.elementwise = 2.0 * f.elementwise;
+    b.elementwise = 2.0 * fwd_elementwise + cast * gemm_out;
     b.tp = tp_block;
     b.cp = std::max(0.0, 2.0 * cp_f - b.attention);  // K,V again and their gradients back
     r.attn_bwd = b;
@@ -170,6 +184,8 @@ inline layer_passes layer_costs(const model_config& m, const mapping& map, const
     r.dense_bwd = f;
     r.dense_bwd.gemm *= 2.0;
     r.dense_bwd.elementwise *= 2.0;
+    r.dense_fwd.elementwise += cast * ta * (h + m.ffn / tp);
+    r.dense_bwd.elementwise += cast * ta * ((g * m.ffn) / tp + h);
   }
   // --- MoE block
   if (m.experts > 1) {
@@ -189,15 +205,26 @@ inline layer_passes layer_costs(const model_config& m, const mapping& map, const
     f.elementwise = (8.0 * tm * h * 2 + 4.0 * tm * m.topk * h * 2 * 2 + rows * (g + 1) * fe * 2 +
                      (m.shared_ffn > 0 ? ta * (g + 1) * m.shared_ffn / tp * 2 : 0.0)) /
                     mem_bw;
-    // Dispatch and combine: each routed token copy (T_m * topk rows of H, bf16) crosses the EP
-    // group once each way; with ETP the rows are all-gathered and reduce-scattered over ETP.
+    // Dispatch and combine of the T_m tokens a rank routes (collectives.hpp: the traffic each
+    // dispatcher makes of them); the forward dispatch may travel in fp8 (1 byte per element and
+    // a 4-byte scale per 128), everything else in bf16. With ETP the routed rows (T_m * topk of
+    // H) are all-gathered and reduce-scattered over ETP.
+    const double row = 2.0 * h, dispatch_row = e.stack.fp8_dispatch ? h * (1.0 + 4.0 / 128) : row;
     const double routed_bytes = 2.0 * tm * m.topk * h;
-    f.ep = 2.0 * a2a_time(routed_bytes, pl.ep, c, e);
+    f.ep = ep_exchange_time(tm, dispatch_row, m, pl.ep, c, e) +
+           ep_exchange_time(tm, row, m, pl.ep, c, e);
     f.etp = 2.0 * ring_time(routed_bytes * map.etp, pl.etp, c, e);
-    r.moe_fwd = f;
     pass_cost b = f;
     b.gemm *= 2.0;
     b.elementwise *= 2.0;
+    // fp8 casts: expert GEMM inputs (rows x H, rows x F/etp) and output gradients (rows x g*F/etp,
+    // rows x H); the shared expert's likewise. The router stays in higher precision.
+    const double sh = m.shared_ffn > 0 ? ta * (h + m.shared_ffn / tp) : 0.0;
+    const double sh_out = m.shared_ffn > 0 ? ta * (g * m.shared_ffn / tp + h) : 0.0;
+    f.elementwise += cast * (rows * (h + fe) + sh);
+    b.elementwise += cast * (rows * (g * fe + h) + sh_out);
+    r.moe_fwd = f;
+    b.ep = 2.0 * ep_exchange_time(tm, row, m, pl.ep, c, e);  // gradients travel in bf16
     r.moe_bwd = b;
   }
   // --- output layer and loss on the last stage (plus MTP layers there)
@@ -211,6 +238,38 @@ inline layer_passes layer_costs(const model_config& m, const mapping& map, const
     r.head_bwd.gemm *= 2.0;
   }
   return r;
+}
+
+}  // namespace detail
+
+namespace detail {
+
+//! Exposed time of the gradient reduce-scatter `rs` (one stage's gradients) under
+//! --overlap-grad-reduce: each virtual stage's gradients are reduced once its last backward has
+//! run, behind the backward units still to come. In Megatron-Core's interleaved schedule the last
+//! pp micro-batches go backward one virtual stage at a time, so virtual stage j (in the order
+//! they finish) starts its last backward j*pp units (of stage_bwd / vpp) into that cool-down, and
+//! the backward ends at ((vpp-1)*pp + 1) units. The reductions run one after another; what is
+//! left after the backward ends is exposed. With vpp = 1: max(0, rs - stage_bwd).
+[[nodiscard]] inline double exposed_grad_reduce(double rs, double stage_bwd, int pp, int vpp) {
+  if (rs <= 0) return 0.0;
+  const double unit = stage_bwd / vpp, end = ((vpp - 1.0) * pp + 1.0) * unit;
+  double t = 0;
+  for (int j = 0; j < vpp; ++j) t = std::max(t, j * static_cast<double>(pp) * unit) + rs / vpp;
+  return std::max(0.0, t - end);
+}
+
+//! Exposed time of the parameter all-gather `ag` under --overlap-param-gather: virtual stage j's
+//! parameters are gathered, one virtual stage after another from the start, and are needed by
+//! the end of its first forward unit, (j*pp + 1) units (of stage_fwd / vpp) in. With vpp = 1:
+//! max(0, ag - stage_fwd).
+[[nodiscard]] inline double exposed_param_gather(double ag, double stage_fwd, int pp, int vpp) {
+  if (ag <= 0) return 0.0;
+  const double unit = stage_fwd / vpp;
+  double late = 0;
+  for (int j = 0; j < vpp; ++j)
+    late = std::max(late, (j + 1.0) * ag / vpp - (j * static_cast<double>(pp) + 1.0) * unit);
+  return late;
 }
 
 }  // namespace detail
@@ -265,6 +324,26 @@ struct step_time_result {
   t.ep_a2a = steady.ep;
   t.etp_comm = steady.etp;
   t.recompute = micro * again.sum();
+  // EP overlap (Megatron-Core's --overlap-moe-expert-parallel-comm): outside warm-up and
+  // cool-down the forward of one micro-batch runs beside the backward of another, so each
+  // pair's EP traffic hides behind the pair's compute; only the excess is exposed, plus the
+  // compute the communication kernels' SMs take away while both run. Warm-up forwards (and as
+  // many cool-down backwards) run alone: on the first rank Megatron-Core's interleaved schedule
+  // warms up with 2*(pp-1) + (vpp-1)*pp (virtual stage, micro-batch) units of micro*vpp.
+  if (e.stack.ep_overlap && map.ep > 1 && (map.pp == 1 || map.vpp > 1) && rc != recompute::full) {
+    const double units = micro * map.vpp;
+    const double warm =
+        map.pp == 1 ? 1.0 : std::min(units, 2.0 * (map.pp - 1) + (map.vpp - 1.0) * map.pp);
+    const double paired = (units - warm) / units;
+    const double comm = fwd.ep + bwd.ep + again.ep;
+    const double compute = fwd.gemm + fwd.attention + fwd.elementwise + bwd.gemm + bwd.attention +
+                           bwd.elementwise + again.gemm + again.attention + again.elementwise;
+    const double exposed =
+        std::max(0.0, comm - compute) + comm_sm_fraction(e) * std::min(comm, compute);
+    // The recomputed forward's EP traffic was counted under recompute; it is part of `comm`.
+    t.ep_a2a = micro * ((1.0 - paired) * comm + paired * exposed);
+    t.recompute -= micro * again.ep;
+  }
   r.stage_fwd_s = fwd.sum();
   r.stage_bwd_s = bwd.sum() + again.sum();
   const double per_micro = r.stage_fwd_s + r.stage_bwd_s;
@@ -280,7 +359,11 @@ struct step_time_result {
       ring_time(4.0 * p.dense, pl.dp_cp, c, e) + ring_time(4.0 * p.expert, pl.edp, c, e);
   const double ag =
       ring_time(2.0 * p.dense, pl.dp_cp, c, e) + ring_time(2.0 * p.expert, pl.edp, c, e);
-  t.dp_comm = std::max(0.0, rs - r.stage_bwd_s) + std::max(0.0, ag - r.stage_fwd_s);
+  // What runs beside compute still takes NCCL's SMs from it while it runs.
+  const double rs_exposed = detail::exposed_grad_reduce(rs, r.stage_bwd_s, map.pp, map.vpp);
+  const double ag_exposed = detail::exposed_param_gather(ag, r.stage_fwd_s, map.pp, map.vpp);
+  t.dp_comm =
+      rs_exposed + ag_exposed + e.nccl_sms / e.sm_count * ((rs - rs_exposed) + (ag - ag_exposed));
   // Adam on the local shard: read grad (4) + master and moments (12), write them (12) and the
   // bf16 weights (2): 30 bytes per parameter of the shard.
   const double shard = p.dense / (static_cast<double>(map.dp) * map.cp) + p.expert / map.edp;
