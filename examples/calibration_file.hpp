@@ -24,6 +24,7 @@
 #include <moefold/core/expected.hpp>
 #include <moefold/plan/calibration.hpp>
 
+#include "a2a_bench_output.hpp"
 #include "json_document.hpp"
 
 #include <algorithm>
@@ -64,7 +65,6 @@ inline status calibration_members(const ordered_json& v, const std::string& wher
 
 }  // namespace detail
 
-//! The calibration in `text`.
 //! The calibration in `text`; `gpus_per_node` is the planned cluster's (for inter-node
 //! all-to-all, see above).
 [[nodiscard]] inline expected<plan::calibration> calibration_from_json(std::string_view text,
@@ -229,6 +229,14 @@ inline status calibration_members(const ordered_json& v, const std::string& wher
                       "a calibration file must hold at least one measured rate (gemm, attn, "
                       "expert_gemm, memory or collectives)");
   return c;
+}
+
+//! A calibration file as moefold-plan --calibration reads it: bench-comm-a2av-mpi's text output
+//! as it is (a2a_bench_output.hpp), or the JSON above.
+[[nodiscard]] inline expected<plan::calibration> calibration_from_file_text(std::string_view text,
+                                                                            int gpus_per_node) {
+  if (is_a2a_bench_output(text)) return calibration_from_a2a_bench(text);
+  return calibration_from_json(text, gpus_per_node);
 }
 
 }  // namespace moefold::examples

@@ -348,8 +348,8 @@ int main(int argc, char** argv) {
     model = load_model(o.model);
     cluster = load_cluster(o.cluster);
     if (!o.calibration.empty()) {
-      auto c = moefold::examples::calibration_from_json(read_file(o.calibration, "calibration"),
-                                                        cluster.gpus_per_node);
+      auto c = moefold::examples::calibration_from_file_text(
+          read_file(o.calibration, "calibration"), cluster.gpus_per_node);
       if (!c) throw usage_error{"calibration file '" + o.calibration + "': " + c.error().message};
       cal = std::move(*c);
       use = {.file = o.calibration, .cal = &cal};

@@ -39,8 +39,18 @@ int main(int argc, char** argv) {
   }
   const int n = comm->size(), me = comm->rank();
   const long long max_bytes = argc > 1 ? std::atoll(argv[1]) : (64ll << 20);
+  // Nodes spanned (ranks that share memory count as one node), so that moefold-plan
+  // --calibration can tell an intra-node table from an inter-node one.
+  MPI_Comm local;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &local);
+  int local_rank = 0, nodes = 0;
+  MPI_Comm_rank(local, &local_rank);
+  MPI_Comm_free(&local);
+  const int leader = local_rank == 0 ? 1 : 0;
+  MPI_Allreduce(&leader, &nodes, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
   if (me == 0) {
-    std::printf("# moefold all_to_all_v, MPI backend, %d ranks, float32\n", n);
+    std::printf("# moefold all_to_all_v, MPI backend, %d ranks on %d node%s, float32\n", n, nodes,
+                nodes == 1 ? "" : "s");
     std::printf("# %12s %12s %10s %10s %10s %10s %10s\n", "size(B)", "count", "time(us)", "algbw",
                 "busbw", "mpi(us)", "ratio");
     std::printf("# %12s %12s %10s %10s %10s %10s %10s\n", "", "(elements)", "", "(GB/s)", "(GB/s)",

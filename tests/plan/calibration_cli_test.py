@@ -2,8 +2,9 @@
 """moefold-plan --calibration FILE, run as a user runs it: the output of
 shared/bench/calibration_probe.py (written here in exactly its shape) and the H200 file in
 docs/calibration/ are read, the tool says which rates were measured and which curves stayed
-built in (text and JSON), slower measured GEMMs lower the predicted MFU, every kind of bad file
-exits 2 with one error line naming it, and docs/planner-calibration.schema.json accepts the good
+built in (text and JSON), slower measured GEMMs lower the predicted MFU, bench-comm-a2av-mpi's
+text output is read as it is (intra- or inter-node by its header, the NIC's share by hand), every
+kind of bad file exits 2 with one error line naming it, and docs/planner-calibration.schema.json accepts the good
 files and rejects those whose fault a schema can state.
 Usage: calibration_cli_test.py MOEFOLD_PLAN DOCS_DIR"""
 import json
@@ -132,6 +133,74 @@ if validator is not None:
     for f in (probe_file, h200, slow, sweep):
         errs = [e.message for e in validator.iter_errors(json.loads(f.read_text()))]
         check(f"the schema accepts {f.name}", not errs, errs[:2])
+
+# bench-comm-a2av-mpi's text output, as it is: 16 ranks on 2 nodes (inter-node) and 8 ranks on
+# one node (intra-node). Rates from the size and time columns; the inter-node table keeps the
+# NIC's share, 8 of a rank's 15 peers.
+def a2a_output(ranks, nodes, rows):
+    head = (f"# moefold all_to_all_v, MPI backend, {ranks} ranks on {nodes} node"
+            f"{'' if nodes == 1 else 's'}, float32\n"
+            "#      size(B)        count   time(us)      algbw      busbw    mpi(us)      ratio\n"
+            "#                (elements)                (GB/s)     (GB/s)\n")
+    body = ""
+    for size, us in rows:
+        algbw = size / us / 1e3
+        body += (f"  {size:12.0f} {size // 4:12d} {us:10.1f} {algbw:10.3f} "
+                 f"{algbw * (ranks - 1) / ranks:10.3f} {us:10.1f} {1.0:10.2f}\n")
+    return head + body
+
+
+inter_rows = [(1 << 20, 120.0), (1 << 24, 900.0), (1 << 26, 3300.0)]
+inter = work / "a2a-inter.txt"
+inter.write_text(a2a_output(16, 2, inter_rows))
+ep16 = ["--model", "mixtral-8x22b-g8t8", "--cluster", "h100-sxm", "--gpus", 128, "--tp", 1, "--cp", 1,
+        "--ep", 16, "--etp", 1, "--pp", 8, "--vpp", 7, "--mbs", 1]
+base = run(*ep16, "--format", "json")
+r = run(*ep16, "--format", "json", "--calibration", inter)
+doc = json.loads(r.stdout) if r.returncode == 0 else {}
+check("bench-comm-a2av-mpi's output is read as it is: an inter-node table",
+      doc.get("calibration", {}).get("measured") == ["all-to-all inter-node (3 sizes)"], r.stderr)
+# By hand: EP 16 over two nodes of 8; each rank sends T_m * k rows of H (4096 * 8 * 6144 * 2 B =
+# 402,653,184 B), 8/15 of it over the NIC at the measured rate interpolated in log size (the
+# largest size is 64 MiB, so the rate there holds): busbw 2^26/3300 us * 15/16, times 8/15.
+nic = (1 << 26) / 3300e-6 * 15 / 16 * 8 / 15
+bytes_per_rank = 4096 * 8 * 6144 * 2
+t_out = bytes_per_rank * 15 / 16 * 8 / 15 / nic
+t_in = bytes_per_rank * 15 / 16 * 7 / 15 / (450e9 * 0.72)
+layers, micro = 56 // 8, 256 // 16  # layers per stage; gbs / (mbs 1 * dp 16) micro-batches
+expected = 4 * layers * micro * max(t_in, t_out)
+got = doc.get("breakdown", {}).get("time_s", {}).get("ep_a2a", 0)
+check("the inter-node rate is the bus bandwidth times the NIC's share, by hand",
+      abs(got - expected) <= 1e-4 * expected + 1e-5, (got, expected))
+check("a slower measured network makes the step slower",
+      r.returncode == 0 and base.returncode == 0 and
+      doc["step_time_s"] > json.loads(base.stdout)["step_time_s"])
+intra = work / "a2a-intra.txt"
+intra.write_text(a2a_output(8, 1, [(1 << 20, 40.0), (1 << 24, 150.0)]))
+r = run(*fixed, "--calibration", intra)
+check("one node: the intra-node table",
+      r.returncode == 0 and "measured: all-to-all intra-node (2 sizes)" in r.stdout and
+      "bench-comm-a2av-mpi, 8 ranks on 1 node" in r.stdout, r.stderr or r.stdout[:400])
+bad_a2a = {
+    "a one-GPU loopback": ("# moefold all_to_all_v, device loopback, 8 ranks on one GPU, float32\n"
+                           "      1024      256      1.0      1.0      1.0      1.0      1.0\n",
+                           "loopback run measures no link"),
+    "no node count": ("# moefold all_to_all_v, MPI backend, 2 ranks, float32\n"
+                      "      1024      256      1.0      1.0      1.0      1.0      1.0\n",
+                      "how many ranks on how many nodes"),
+    "a failed collective": (a2a_output(16, 2, inter_rows) +
+                            "# ERROR: a collective failed or delivered wrong data\n",
+                            "line 7: the benchmark reported a failed collective"),
+    "a short line": (a2a_output(16, 2, inter_rows) + "  1024 256 1.0\n", "line 7 is not 7 numbers"),
+    "a size twice": (a2a_output(16, 2, inter_rows + [inter_rows[0]]), "line 7: a second rate"),
+    "uneven nodes": (a2a_output(15, 2, inter_rows), "do not spread evenly"),
+    "no measurements": (a2a_output(16, 2, []), "no measurement lines"),
+}
+for name, (text, words) in bad_a2a.items():
+    f = work / (name.replace(" ", "-") + ".txt")
+    f.write_text(text)
+    r = run(*fixed, "--calibration", f)
+    check(f"refused: bench output with {name}", one_error(r) and words in r.stderr, (r.returncode, r.stderr))
 
 failed = cases.count(False)
 print(f"[doctest] test cases: {len(cases)} | {len(cases) - failed} passed | {failed} failed | 0 skipped")

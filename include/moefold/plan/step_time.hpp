@@ -93,7 +93,31 @@ inline double memory_bound_bw(const cluster_config& c, const efficiency& e) {
 
 struct layer_passes {
   pass_cost attn_fwd, attn_bwd, dense_fwd, dense_bwd, moe_fwd, moe_bwd, head_fwd, head_bwd;
+  //! One forward dispatch and one bf16 exchange (a combine, or either backward transfer).
+  double ep_dispatch = 0, ep_exchange = 0;
 };
+
+//! The compute of a pass: what the EP overlap can hide communication behind.
+[[nodiscard]] inline double compute_of(const pass_cost& p) noexcept {
+  return p.gemm + p.attention + p.elementwise;
+}
+
+//! EP time exposed by one pair of MoE layers under Megatron-Core's EP overlap: the layer's
+//! forward (micro-batch F) and backward (micro-batch B) run as sub-modules side by side,
+//!   B's combine backward beside F's attention,  F's dispatch beside B's expert MLP,
+//!   B's dispatch backward beside F's expert MLP,  F's combine beside B's attention,
+//! each transfer hidden by its partner's compute only; while both run, the communication
+//! kernels hold `sm_share` of the SMs.
+[[nodiscard]] inline double overlapped_moe_layer(const layer_passes& lc, double sm_share) {
+  const double pairs[4][2] = {{lc.ep_exchange, compute_of(lc.attn_fwd)},
+                              {lc.ep_dispatch, compute_of(lc.moe_bwd)},
+                              {lc.ep_exchange, compute_of(lc.moe_fwd)},
+                              {lc.ep_exchange, compute_of(lc.attn_bwd)}};
+  double exposed = 0;
+  for (const auto& [comm, work] : pairs)
+    exposed += std::max(0.0, comm - work) + sm_share * std::min(comm, work);
+  return exposed;
+}
 
 inline layer_passes layer_costs(const model_config& m, const mapping& map, const step_shapes& s,
                                 const cluster_config& c, const fold_placement& pl,
@@ -211,8 +235,9 @@ inline layer_passes layer_costs(const model_config& m, const mapping& map, const
     // H) are all-gathered and reduce-scattered over ETP.
     const double row = 2.0 * h, dispatch_row = e.stack.fp8_dispatch ? h * (1.0 + 4.0 / 128) : row;
     const double routed_bytes = 2.0 * tm * m.topk * h;
-    f.ep = ep_exchange_time(tm, dispatch_row, m, pl.ep, c, e) +
-           ep_exchange_time(tm, row, m, pl.ep, c, e);
+    r.ep_dispatch = ep_exchange_time(tm, dispatch_row, m, pl.ep, c, e);
+    r.ep_exchange = ep_exchange_time(tm, row, m, pl.ep, c, e);
+    f.ep = r.ep_dispatch + r.ep_exchange;
     f.etp = 2.0 * ring_time(routed_bytes * map.etp, pl.etp, c, e);
     pass_cost b = f;
     b.gemm *= 2.0;
@@ -224,7 +249,7 @@ inline layer_passes layer_costs(const model_config& m, const mapping& map, const
     f.elementwise += cast * (rows * (h + fe) + sh);
     b.elementwise += cast * (rows * (g * fe + h) + sh_out);
     r.moe_fwd = f;
-    b.ep = 2.0 * ep_exchange_time(tm, row, m, pl.ep, c, e);  // gradients travel in bf16
+    b.ep = 2.0 * r.ep_exchange;  // gradients travel in bf16
     r.moe_bwd = b;
   }
   // --- output layer and loss on the last stage (plus MTP layers there)
@@ -325,21 +350,23 @@ struct step_time_result {
   t.etp_comm = steady.etp;
   t.recompute = micro * again.sum();
   // EP overlap (Megatron-Core's --overlap-moe-expert-parallel-comm): outside warm-up and
-  // cool-down the forward of one micro-batch runs beside the backward of another, so each
-  // pair's EP traffic hides behind the pair's compute; only the excess is exposed, plus the
-  // compute the communication kernels' SMs take away while both run. Warm-up forwards (and as
-  // many cool-down backwards) run alone: on the first rank Megatron-Core's interleaved schedule
-  // warms up with 2*(pp-1) + (vpp-1)*pp (virtual stage, micro-batch) units of micro*vpp.
+  // cool-down the forward of one micro-batch runs beside the backward of another, each MoE
+  // layer's transfers beside the other micro-batch's sub-modules (detail::overlapped_moe_layer);
+  // the recomputed forward's transfers stay exposed. Warm-up forwards (and as many cool-down
+  // backwards) run alone: on the first rank Megatron-Core's interleaved schedule warms up with
+  // 2*(pp-1) + (vpp-1)*pp (virtual stage, micro-batch) units of micro*vpp.
   if (e.stack.ep_overlap && map.ep > 1 && (map.pp == 1 || map.vpp > 1) && rc != recompute::full) {
     const double units = micro * map.vpp;
     const double warm =
         map.pp == 1 ? 1.0 : std::min(units, 2.0 * (map.pp - 1) + (map.vpp - 1.0) * map.pp);
     const double paired = (units - warm) / units;
     const double comm = fwd.ep + bwd.ep + again.ep;
-    const double compute = fwd.gemm + fwd.attention + fwd.elementwise + bwd.gemm + bwd.attention +
-                           bwd.elementwise + again.gemm + again.attention + again.elementwise;
+    // MoE layers of the slowest stage (the last one holds the MTP layers too).
+    const int moe_layers = last_slower   ? s.last_stage_moe + m.mtp_layers
+                           : map.pp == 1 ? s.stage_moe_layers + m.mtp_layers
+                                         : s.stage_moe_layers;
     const double exposed =
-        std::max(0.0, comm - compute) + comm_sm_fraction(e) * std::min(comm, compute);
+        moe_layers * detail::overlapped_moe_layer(lc, comm_sm_fraction(e)) + again.ep;
     // The recomputed forward's EP traffic was counted under recompute; it is part of `comm`.
     t.ep_a2a = micro * ((1.0 - paired) * comm + paired * exposed);
     t.recompute -= micro * again.ep;
