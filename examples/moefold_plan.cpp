@@ -144,6 +144,7 @@ std::string ep_place(const mp::plan_result& r) {
 struct calibration_use {
   std::string file;
   const mp::calibration* cal = nullptr;
+  std::vector<std::string> ignored;  //!< tables the chosen training stack does not use
 };
 
 std::string join(const std::vector<std::string>& v) {
@@ -191,7 +192,11 @@ void print_header(std::ostream& out, const mp::model_config& m, const mp::cluste
   if (u.cal != nullptr)
     out << "  calibration " << u.file << (u.cal->source.empty() ? "" : " (" + u.cal->source + ")")
         << "\n    measured: " << join(u.cal->measured_sections())
-        << "\n    built-in: " << join(u.cal->builtin_sections()) << "\n";
+        << "\n    built-in: " << join(u.cal->builtin_sections()) << "\n"
+        << (u.ignored.empty() ? ""
+                              : "    ignored: " + join(u.ignored) +
+                                    " (DeepEP and HybridEP keep their own rates: their traffic is "
+                                    "not an all-to-all's)\n");
 }
 
 std::string calibration_json(const calibration_use& u) {
@@ -202,7 +207,7 @@ std::string calibration_json(const calibration_use& u) {
     return o;
   };
   return s + list(u.cal->measured_sections()) + "], \"builtin\": [" +
-         list(u.cal->builtin_sections()) + "]}";
+         list(u.cal->builtin_sections()) + "], \"ignored\": [" + list(u.ignored) + "]}";
 }
 
 void print_one_text(const mp::model_config& m, const mp::cluster_config& c,
@@ -352,13 +357,25 @@ int main(int argc, char** argv) {
           read_file(o.calibration, "calibration"), cluster.gpus_per_node);
       if (!c) throw usage_error{"calibration file '" + o.calibration + "': " + c.error().message};
       cal = std::move(*c);
-      use = {.file = o.calibration, .cal = &cal};
+      use = {.file = o.calibration, .cal = &cal, .ignored = {}};
       eff.measured = &cal;
     }
   } catch (const usage_error& e) {
     return moefold::examples::report(e);
   }
   eff.stack = o.stack;
+  // A measured all-to-all prices the alltoall dispatcher only (collectives.hpp): with DeepEP or
+  // HybridEP its tables are set aside and named as such, not listed as measured.
+  if (use.cal != nullptr && o.stack.dispatcher != mp::ep_dispatcher::alltoall) {
+    const std::pair<std::vector<mp::sized_rate>*, const char*> a2a[] = {
+        {&cal.collectives.a2a_intra, "all-to-all intra-node"},
+        {&cal.collectives.a2a_inter, "all-to-all inter-node"}};
+    for (auto [t, name] : a2a)
+      if (!t->empty()) {
+        use.ignored.emplace_back(name);
+        t->clear();
+      }
+  }
   if (o.gbs) model.gbs = *o.gbs;
   if (o.seq) model.seq = *o.seq;
   cluster.gpus = o.gpus;

@@ -175,6 +175,21 @@ check("the inter-node rate is the bus bandwidth times the NIC's share, by hand",
 check("a slower measured network makes the step slower",
       r.returncode == 0 and base.returncode == 0 and
       doc["step_time_s"] > json.loads(base.stdout)["step_time_s"])
+check("the alltoall dispatcher sets nothing aside", doc.get("calibration", {}).get("ignored") == [])
+# DeepEP's deduplicated traffic is not what an all-to-all measures: the table is set aside, said
+# so, and the exchange keeps DeepEP's rates (the same time as without the file).
+deep_plain = run(*ep16, "--dispatcher", "deepep", "--format", "json")
+deep_cal = run(*ep16, "--dispatcher", "deepep", "--format", "json", "--calibration", inter)
+dc = json.loads(deep_cal.stdout) if deep_cal.returncode == 0 else {}
+check("DeepEP: a measured all-to-all is named as ignored, not as measured",
+      dc.get("calibration", {}).get("ignored") == ["all-to-all inter-node"] and
+      dc["calibration"]["measured"] == [] and deep_plain.returncode == 0 and
+      dc["breakdown"]["time_s"]["ep_a2a"] == json.loads(deep_plain.stdout)["breakdown"]["time_s"]["ep_a2a"],
+      (deep_cal.stderr, dc.get("calibration")))
+r = run(*ep16, "--dispatcher", "hybridep", "--calibration", inter)
+check("HybridEP: the text says which table was ignored and why",
+      r.returncode == 0 and "ignored: all-to-all inter-node (DeepEP and HybridEP keep their own rates"
+      in r.stdout, r.stdout[:600])
 intra = work / "a2a-intra.txt"
 intra.write_text(a2a_output(8, 1, [(1 << 20, 40.0), (1 << 24, 150.0)]))
 r = run(*fixed, "--calibration", intra)
