@@ -163,10 +163,7 @@ std::string stack_text(const mp::training_stack& s) {
 }
 
 std::string stack_json(const mp::training_stack& s) {
-  const char* d = s.dispatcher == mp::ep_dispatcher::deepep     ? "deepep"
-                  : s.dispatcher == mp::ep_dispatcher::hybridep ? "hybridep"
-                                                                : "alltoall";
-  return std::string("{\"dispatcher\": \"") + d +
+  return "{\"dispatcher\": \"" + std::string(to_string(s.dispatcher)) +
          "\", \"fp8_dispatch\": " + (s.fp8_dispatch ? "true" : "false") +
          ", \"ep_overlap\": " + (s.ep_overlap ? "true" : "false") + "}";
 }

@@ -11,6 +11,7 @@
 #include <iterator>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace moefold::examples::plan_cli {
 
@@ -89,21 +90,22 @@ inline parse_outcome parse(int argc, const char* const* argv, options& o) {
   app.add_option("--format", o.format, "output format")
       ->check(CLI::IsMember({"text", "json", "svg"}));
   app.add_option("--calibration", o.calibration,
-                 "measured rates replacing the built-in curves (JSON; calibration_probe.py's "
-                 "output as it is)")
+                 "measured rates replacing the built-in curves (JSON, calibration_probe.py's "
+                 "output or bench-comm-a2av-mpi's, as they are)")
       ->default_str("none");
   std::string dispatcher = "alltoall";
   app.add_option("--dispatcher", dispatcher,
                  "EP dispatcher: NCCL all-to-all, or DeepEP / HybridEP (Megatron-Core's flex)")
-      ->check(CLI::IsMember({"alltoall", "deepep", "hybridep"}));
+      ->check(CLI::IsMember(std::vector<std::string>(mp::ep_dispatcher_names.begin(),
+                                                     mp::ep_dispatcher_names.end())));
   app.add_flag("--fp8-dispatch", o.stack.fp8_dispatch, "the forward dispatch travels in fp8");
   app.add_flag("--ep-overlap", o.stack.ep_overlap,
                "EP communication overlaps another micro-batch's compute "
                "(--overlap-moe-expert-parallel-comm)");
   return examples::parse(app, argc, argv, [&] {
-    o.stack.dispatcher = dispatcher == "deepep"     ? mp::ep_dispatcher::deepep
-                         : dispatcher == "hybridep" ? mp::ep_dispatcher::hybridep
-                                                    : mp::ep_dispatcher::alltoall;
+    for (std::size_t i = 0; i < mp::ep_dispatcher_names.size(); ++i)
+      if (dispatcher == mp::ep_dispatcher_names[i])
+        o.stack.dispatcher = static_cast<mp::ep_dispatcher>(i);
     for (std::size_t i = 0; i < std::size(sizes); ++i)
       if (app.count(sizes[i].flag)) *sizes[i].dst = values[i];
     if (o.gpus < 1) throw usage_error{"--gpus must be >= 1 (got " + std::to_string(o.gpus) + ")"};

@@ -4,7 +4,10 @@
 //! same for every model and every mapping; docs/planner.md says where each one comes from.
 #pragma once
 
+#include <array>
+#include <cstddef>
 #include <cstdint>
+#include <string_view>
 
 namespace moefold {
 inline namespace v0_1 {
@@ -24,6 +27,14 @@ enum class ep_dispatcher : std::uint8_t {
   //! `flex` with HybridEP: the same hierarchical traffic as DeepEP on fewer SMs.
   hybridep,
 };
+
+//! The dispatchers by the names moefold-plan's --dispatcher and its JSON use, in enum order.
+inline constexpr std::array<std::string_view, 3> ep_dispatcher_names = {"alltoall", "deepep",
+                                                                        "hybridep"};
+
+[[nodiscard]] constexpr std::string_view to_string(ep_dispatcher d) noexcept {
+  return ep_dispatcher_names[static_cast<std::size_t>(d)];
+}
 
 //! The training recipe's choices that change what a step costs but not what it computes. They
 //! are stated by the user (published recipes state them), not searched.
