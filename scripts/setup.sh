@@ -30,4 +30,17 @@ if ! python3 -c 'import safetensors, sys; sys.exit(safetensors.__version__ != "0
   python3 -m pip install "${pip_flags[@]}" 'safetensors==0.5.3' >/dev/null 2>&1 ||
     { echo "setup: pip install safetensors==0.5.3 failed"; exit 1; }
 fi
+# cuobjdump and nvdisasm (one matching pair of NVIDIA's PyPI wheels: the toolkit here ships
+# neither) for the SASS checks of the kernels (tests/kernels/sass_check.py); 13.2 is the oldest
+# release on PyPI and reads nvcc 13.0's sm_90a cubins. Only where nvcc is.
+if { command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; } &&
+   ! command -v cuobjdump >/dev/null 2>&1 &&
+   ! python3 -c 'import glob, os, site, sys; sys.exit(not any(glob.glob(os.path.join(p, "nvidia", "*", "bin", "cuobjdump")) for p in site.getsitepackages() + [site.getusersitepackages()]))' 2>/dev/null; then
+  pip_flags=(--quiet --disable-pip-version-check --user --no-deps)
+  [ -f "$(python3 -c 'import sysconfig; print(sysconfig.get_path("stdlib"))')/EXTERNALLY-MANAGED" ] &&
+    pip_flags+=(--break-system-packages)
+  python3 -m pip install "${pip_flags[@]}" 'nvidia-cuda-cuobjdump==13.2.51' \
+    'nvidia-cuda-nvdisasm==13.2.51' >/dev/null 2>&1 ||
+    { echo "setup: pip install nvidia-cuda-cuobjdump/nvdisasm==13.2.51 failed"; exit 1; }
+fi
 echo "setup: ok (${#missing[@]} package(s) installed)"

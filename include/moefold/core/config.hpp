@@ -12,6 +12,15 @@
 #define MOEFOLD_DEVICE
 #endif
 
+// Statements that only the host compiles: nvcc's device pass drops them. The CPU executor's
+// context (core/cpu_launch.hpp) has __host__ __device__ members, so that kernel bodies
+// instantiated with it in a .cu file call no host function, and does its host work in these.
+#if defined(__CUDA_ARCH__)
+#define MOEFOLD_CPU_ONLY(...)
+#else
+#define MOEFOLD_CPU_ONLY(...) __VA_ARGS__
+#endif
+
 #if defined(_MSC_VER)
 #define MOEFOLD_NO_UNIQUE_ADDRESS [[msvc::no_unique_address]]
 #else

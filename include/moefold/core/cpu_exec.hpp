@@ -2,9 +2,10 @@
 //! @brief cpu_exec{seed}: the CPU executor, the execution context that runs the GPU code path on
 //! the CPU. Its memory space is cpu_device_space: host memory that host code reaches only through
 //! the executor's copies, which it counts (a test can state how many host<->device transfers a
-//! step makes). The kernel bodies (kernels/*.hpp) run on it; `seed` orders its blocks. Its row
-//! operations (core/host_memory_ops.hpp) are device operations, not transfers; they run as host
-//! loops until the kernel bodies replace them.
+//! step makes). Kernel bodies (kernels/*.hpp) run on it through `launch(cpu_exec, grid, kernel)`
+//! (core/cpu_launch.hpp says how); `seed` orders its blocks. Its row operations
+//! (core/simt_memory_ops.hpp) are device operations, not transfers: each is one launch of the
+//! kernel a GPU runs for it.
 //!
 //! Memory it allocates is poisoned (every byte 0xFF: NaN for floats, -1 for ints), so reading an
 //! element nothing wrote shows in a result instead of passing as a zero.
@@ -16,8 +17,11 @@
 #include <new>
 #include <type_traits>
 
+#include "cpu_launch.hpp"
 #include "exec.hpp"
 #include "host_memory_ops.hpp"
+#include "simt_launch.hpp"
+#include "simt_memory_ops.hpp"
 
 namespace moefold {
 inline namespace v0_1 {
@@ -30,12 +34,20 @@ struct copy_counts {
   friend bool operator==(const copy_counts&, const copy_counts&) = default;
 };
 
-class cpu_exec : public detail::host_memory_ops<cpu_exec, cpu_device_space> {
+class cpu_exec : public detail::simt_memory_ops<cpu_exec, cpu_device_space> {
  public:
   using memory_space = cpu_device_space;
   static constexpr const char* name = "cpu_exec";
   //! The byte allocations are filled with.
   static constexpr unsigned char poison = 0xFF;
+  //! The host can address this memory: the plan builders run as host code on it.
+  static constexpr bool host_addressable_memory = true;
+  //! Row operations check index arrays on the host before a launch (nothing is written then).
+  static constexpr bool check_indices_first = true;
+  //! The most blocks a row operation launches: every kernel body strides over its rows, so any
+  //! grid is correct; a few blocks keep two of them running at once while each block start (a
+  //! barrier of all its threads) stays cheap on the CPU.
+  static constexpr int max_grid_blocks = 8;
 
   constexpr cpu_exec() noexcept = default;
   constexpr explicit cpu_exec(std::uint64_t seed) noexcept : seed_(seed) {}
@@ -87,6 +99,14 @@ class cpu_exec : public detail::host_memory_ops<cpu_exec, cpu_device_space> {
 };
 
 static_assert(execution_context<cpu_exec>);
+
+//! Runs `kernel` on the CPU executor (core/cpu_launch.hpp): every CUDA thread a std::thread, two
+//! blocks at once in the seed's order, shared memory poisoned; returns when it is done.
+template <class K>
+requires simt_kernel<K>
+[[nodiscard]] status launch(const cpu_exec& exec, const launch_grid& grid, const K& kernel) {
+  return detail::cpu_run(cpu_exec::name, exec.seed(), cpu_exec::poison, grid, kernel);
+}
 
 }  // namespace v0_1
 }  // namespace moefold

@@ -10,6 +10,8 @@
 #include <string>
 #include <type_traits>
 
+#include "config.hpp"
+
 namespace moefold {
 inline namespace v0_1 {
 
@@ -19,8 +21,9 @@ struct bfloat16 {
   std::uint16_t bits = 0;
 
   bfloat16() = default;
-  //! Rounds to nearest even; NaN stays NaN.
-  explicit bfloat16(float f) noexcept {
+  //! Rounds to nearest even; NaN stays NaN. The same bits on the host and in kernels (the
+  //! conversions are __host__ __device__ under nvcc with --expt-relaxed-constexpr).
+  MOEFOLD_HOST_DEVICE constexpr explicit bfloat16(float f) noexcept {
     const auto u = std::bit_cast<std::uint32_t>(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) {
       bits = static_cast<std::uint16_t>((u >> 16) | 0x40u);  // quiet NaN
@@ -28,7 +31,7 @@ struct bfloat16 {
     }
     bits = static_cast<std::uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
   }
-  explicit operator float() const noexcept {
+  MOEFOLD_HOST_DEVICE constexpr explicit operator float() const noexcept {
     return std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16);
   }
   friend bool operator==(bfloat16, bfloat16) = default;
@@ -40,7 +43,7 @@ struct float16 {
 
   float16() = default;
   //! Rounds to nearest even; overflow goes to infinity, NaN stays NaN.
-  explicit float16(float f) noexcept {
+  MOEFOLD_HOST_DEVICE constexpr explicit float16(float f) noexcept {
     const auto u = std::bit_cast<std::uint32_t>(f);
     const std::uint32_t sign = (u >> 16) & 0x8000u;
     const std::uint32_t a = u & 0x7fffffffu;
@@ -57,7 +60,7 @@ struct float16 {
       bits = static_cast<std::uint16_t>(sign | ((a + 0xc8000fffu + odd) >> 13));
     }
   }
-  explicit operator float() const noexcept {
+  MOEFOLD_HOST_DEVICE constexpr explicit operator float() const noexcept {
     const std::uint32_t sign = static_cast<std::uint32_t>(bits & 0x8000u) << 16;
     const std::uint32_t e = (bits >> 10) & 0x1fu;
     const std::uint32_t m = bits & 0x3ffu;
@@ -151,14 +154,14 @@ using accumulator_t =
 
 namespace detail {
 template <class T>
-constexpr accumulator_t<T> widen(const T& v) noexcept {
+MOEFOLD_HOST_DEVICE constexpr accumulator_t<T> widen(const T& v) noexcept {
   if constexpr (std::is_same_v<accumulator_t<T>, T>)
     return v;
   else
     return static_cast<float>(v);
 }
 template <class T>
-constexpr T narrow(const accumulator_t<T>& v) noexcept {
+MOEFOLD_HOST_DEVICE constexpr T narrow(const accumulator_t<T>& v) noexcept {
   if constexpr (std::is_same_v<accumulator_t<T>, T>)
     return v;
   else

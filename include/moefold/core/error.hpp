@@ -35,6 +35,7 @@ enum class errc {
   comm_timeout,                 //!< a peer did not arrive within the timeout
   comm_peer_failed,             //!< a peer threw, returned early or aborted
   comm_broken,                  //!< the communicator is unusable after an earlier failure
+  kernel_fault,                 //!< a kernel broke a rule of the SIMT seam (divergent barrier)
   backend_error,                //!< an MPI, NCCL or CUDA call failed (see error::native)
 };
 
@@ -65,6 +66,7 @@ enum class errc {
     case errc::comm_timeout: return "comm_timeout";
     case errc::comm_peer_failed: return "comm_peer_failed";
     case errc::comm_broken: return "comm_broken";
+    case errc::kernel_fault: return "kernel_fault";
     case errc::backend_error: return "backend_error";
   }
   return "unknown";

@@ -1,0 +1,366 @@
+//! @file cpu_launch.hpp
+//! @brief What launch(cpu_exec, grid, kernel) (core/cpu_exec.hpp) does: a kernel body run on the
+//! CPU the way a GPU runs it, so that ThreadSanitizer and AddressSanitizer can check it. Every
+//! CUDA thread of a block is a real std::thread (its own TSan thread identity), so a missing
+//! `sync()` between a shared-memory write and another thread's read is a data race TSan reports
+//! with the body's file and line.
+//!
+//! - Two blocks run at once (when the grid has two), each on its own set of `block_threads`
+//!   threads, and blocks start in an order drawn from the executor's seed: a body that depends on
+//!   block order or on one block running alone gives different results for different seeds.
+//! - Shared memory is poisoned (every byte 0xFF: NaN as a float) at each block's start, so a read
+//!   of an element no thread of this block wrote shows in the result. It is its own heap
+//!   allocation of exactly `smem_bytes`, so ASan reports an access past its end.
+//! - `sync()` is a barrier of the block, warp operations a barrier of the warp with a 32-slot
+//!   exchange. A barrier knows which operation each thread arrived with: threads that meet at
+//!   different ones (a `sync()` in one branch only, a lane that returned while the others shuffle)
+//!   end the launch with errc::kernel_fault naming the block, warp and operations, where a GPU
+//!   would hang or compute garbage.
+//!
+//! Cost: 2 x block_threads threads are created per launch and every barrier wakes each of its
+//! threads (8 ms for one 128-thread block, 20 ms for 8, on 2 cores). This is a checker, not a fast
+//! path: host_exec is the fast CPU path.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "config.hpp"
+#include "counter_rng.hpp"
+#include "simt_launch.hpp"
+
+namespace moefold {
+inline namespace v0_1 {
+namespace detail {
+
+//! The operation a thread reached a barrier with; two different ones in one phase are a fault.
+enum class simt_op : int { sync, block_exit, shfl, ballot, warp_sync, warp_exit };
+
+[[nodiscard]] inline const char* to_string(simt_op op) noexcept {
+  switch (op) {
+    case simt_op::sync: return "sync()";
+    case simt_op::block_exit: return "the end of the kernel";
+    case simt_op::shfl: return "a shuffle";
+    case simt_op::ballot: return "ballot()";
+    case simt_op::warp_sync: return "warp_sync()";
+    case simt_op::warp_exit: return "the end of the kernel";
+  }
+  return "?";
+}
+
+//! Thrown through a body to unwind the threads of a block whose barrier a fault broke.
+struct simt_abort {};
+
+//! The barriers of one block: barrier 0 is the block's (`sync()`, n = block_threads), barrier
+//! 1 + w is warp w's (n = 32). One mutex guards them all (TSan sees the happens-before edge of
+//! every phase), so that the block can tell when every one of its threads waits and no barrier
+//! can complete: a thread that left the kernel while its warp-mates wait at `sync()` would
+//! otherwise hang the launch.
+class simt_barriers {
+ public:
+  simt_barriers(int threads)
+      : threads_(threads), bars_(static_cast<std::size_t>(1 + threads / 32)) {
+    bars_[0].n = threads;
+    for (std::size_t w = 1; w < bars_.size(); ++w) bars_[w].n = 32;
+  }
+
+  //! Thread `who` arrives at barrier `b` with `op` and waits for the others. Returns false when
+  //! the block has failed (threads met with different operations, all threads wait and none can
+  //! go on, or a fault elsewhere in the block); fault() then says why.
+  [[nodiscard]] bool arrive_and_wait(int b, simt_op op, int who) {
+    std::unique_lock lk(m_);
+    if (broken_) return false;
+    auto& B = bars_[static_cast<std::size_t>(b)];
+    if (B.arrived == 0) {
+      B.op = op;
+      B.first = who;
+    } else if (op != B.op) {
+      fail_locked(where(b) + "thread " + to_decimal(B.first) + " reached " + to_string(B.op) +
+                  " while thread " + to_decimal(who) + " reached " + to_string(op));
+      return false;
+    }
+    if (++B.arrived == B.n) {
+      B.arrived = 0;
+      ++B.phase;
+      blocked_ -= B.n - 1;
+      B.cv.notify_all();
+      return true;
+    }
+    if (++blocked_ == threads_) {
+      std::string waits;
+      for (std::size_t i = 0; i < bars_.size(); ++i)
+        if (bars_[i].arrived > 0)
+          waits += (waits.empty() ? "" : ", ") + to_decimal(bars_[i].arrived) + " at " +
+                   to_string(bars_[i].op) + (i == 0 ? "" : " of warp " + to_decimal(int(i) - 1));
+      fail_locked("every thread waits and no barrier can complete (" + waits + ")");
+      return false;
+    }
+    const unsigned long long phase = B.phase;
+    B.cv.wait(lk, [&] { return B.phase != phase || broken_; });
+    return B.phase != phase;
+  }
+
+  [[nodiscard]] std::string fault() {
+    std::lock_guard lk(m_);
+    return fault_;
+  }
+
+ private:
+  struct state {
+    std::condition_variable cv;
+    int n = 0, arrived = 0, first = 0;
+    unsigned long long phase = 0;
+    simt_op op = simt_op::sync;
+  };
+  static std::string where(int b) {
+    return b == 0 ? std::string() : "in warp " + to_decimal(b - 1) + ", ";
+  }
+  void fail_locked(const std::string& why) {
+    if (!broken_) fault_ = why;
+    broken_ = true;
+    for (auto& B : bars_) B.cv.notify_all();
+  }
+
+  std::mutex m_;
+  int threads_, blocked_ = 0;
+  std::vector<state> bars_;
+  bool broken_ = false;
+  std::string fault_;
+};
+
+//! One block's worth of threads and what they share: the barriers, 32 exchange slots per warp,
+//! the dynamic shared memory.
+struct simt_block_slot {
+  simt_block_slot(int threads, std::size_t smem)
+      : bars(threads),
+        exchange(static_cast<std::size_t>(threads)),
+        smem_bytes(smem),
+        // Exactly smem bytes (16-byte aligned), so ASan reports the first byte past the end.
+        smem(static_cast<std::byte*>(::operator new (smem == 0 ? 1 : smem, std::align_val_t{16}))) {
+  }
+  ~simt_block_slot() { ::operator delete (smem, std::align_val_t{16}); }
+  simt_block_slot(const simt_block_slot&) = delete;
+  simt_block_slot& operator=(const simt_block_slot&) = delete;
+
+  simt_barriers bars;
+  std::vector<std::uint64_t> exchange;  // (block_threads) one slot per lane, read after a barrier
+  std::size_t smem_bytes;
+  std::byte* smem;
+  int block = 0;  // the block now running; written by thread 0 before the start barrier
+};
+
+}  // namespace detail
+
+//! The context a body gets on cpu_exec: one per thread.
+template <int Threads>
+class cpu_ctx {
+ public:
+  static constexpr int block_threads = Threads;
+
+  cpu_ctx(detail::simt_block_slot& slot, int thread, int grid_blocks) noexcept
+      : slot_(&slot), thread_(thread), grid_blocks_(grid_blocks) {}
+
+  // The members are __host__ __device__ under nvcc so that a body (a __host__ __device__
+  // template) instantiated with cpu_ctx in a .cu file is not a call of a host function; their
+  // host work sits behind MOEFOLD_CPU_ONLY, which nvcc's device pass (where cpu_ctx never runs)
+  // compiles away.
+  [[nodiscard]] MOEFOLD_HOST_DEVICE int thread() const noexcept { return thread_; }
+  [[nodiscard]] MOEFOLD_HOST_DEVICE int block() const noexcept { return slot_->block; }
+  [[nodiscard]] MOEFOLD_HOST_DEVICE int grid_blocks() const noexcept { return grid_blocks_; }
+  [[nodiscard]] MOEFOLD_HOST_DEVICE int lane() const noexcept { return thread_ % 32; }
+  [[nodiscard]] MOEFOLD_HOST_DEVICE int warp() const noexcept { return thread_ / 32; }
+
+  MOEFOLD_HOST_DEVICE void sync() { MOEFOLD_CPU_ONLY(block_barrier(detail::simt_op::sync)); }
+  MOEFOLD_HOST_DEVICE void warp_sync() {
+    MOEFOLD_CPU_ONLY(warp_barrier(detail::simt_op::warp_sync));
+  }
+
+  //! The value of lane (lane() ^ mask), as __shfl_xor_sync(0xffffffff, v, mask).
+  template <class T>
+  [[nodiscard]] MOEFOLD_HOST_DEVICE T shfl_xor(T v, int mask) {
+    MOEFOLD_CPU_ONLY(v = exchange(v, lane() ^ (mask & 31), detail::simt_op::shfl));
+    return v;
+  }
+  //! The value of lane `src` (taken modulo 32, as CUDA does), as __shfl_sync(0xffffffff, v, src).
+  template <class T>
+  [[nodiscard]] MOEFOLD_HOST_DEVICE T shfl_idx(T v, int src) {
+    MOEFOLD_CPU_ONLY(v = exchange(v, src & 31, detail::simt_op::shfl));
+    return v;
+  }
+  //! Bit i set when lane i's predicate holds, as __ballot_sync(0xffffffff, p).
+  [[nodiscard]] MOEFOLD_HOST_DEVICE unsigned ballot(bool p) {
+    unsigned bits = 0;
+    MOEFOLD_CPU_ONLY(bits = ballot_impl(p));
+    return bits;
+  }
+
+  //! The block's dynamic shared memory (poisoned at block start).
+  template <class T>
+  [[nodiscard]] MOEFOLD_HOST_DEVICE T* shared() noexcept {
+    return reinterpret_cast<T*>(slot_->smem);
+  }
+  [[nodiscard]] MOEFOLD_HOST_DEVICE std::size_t shared_bytes() const noexcept {
+    return slot_->smem_bytes;
+  }
+
+  //! One 16-byte load / store; the address must be 16-byte aligned, as on the GPU.
+  [[nodiscard]] MOEFOLD_HOST_DEVICE bytes16 load16(const void* p) const {
+    bytes16 v{};
+    MOEFOLD_CPU_ONLY(check_aligned16(p, "load16"); std::memcpy(&v, p, 16));
+    return v;
+  }
+  MOEFOLD_HOST_DEVICE void store16(void* p, bytes16 v) const {
+    MOEFOLD_CPU_ONLY(check_aligned16(p, "store16"); std::memcpy(p, &v, 16));
+  }
+
+  //! atomicAdd on an integer (relaxed, as CUDA's); returns the old value.
+  template <class T>
+  requires std::is_integral_v<T> MOEFOLD_HOST_DEVICE T atomic_add(T* p, T v)
+  noexcept {
+    T old{};
+    MOEFOLD_CPU_ONLY(old = std::atomic_ref<T>(*p).fetch_add(v, std::memory_order_relaxed));
+    return old;
+  }
+
+  //! Runs at the end of the body of each thread: every lane and thread must get here together.
+  void finish() {
+    warp_barrier(detail::simt_op::warp_exit);
+    block_barrier(detail::simt_op::block_exit);
+  }
+
+ private:
+  std::uint64_t* warp_slots() noexcept { return slot_->exchange.data() + warp() * 32; }
+
+  unsigned ballot_impl(bool p) {
+    auto* x = warp_slots();
+    x[lane()] = p ? 1 : 0;
+    warp_barrier(detail::simt_op::ballot);
+    unsigned bits = 0;
+    for (int i = 0; i < 32; ++i) bits |= static_cast<unsigned>(x[i] != 0) << i;
+    warp_barrier(detail::simt_op::ballot);
+    return bits;
+  }
+
+  template <class T>
+  T exchange(T v, int src, detail::simt_op op) {
+    static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= 8,
+                  "shuffles move 4- or 8-byte values, as on the GPU");
+    auto* x = warp_slots();
+    std::uint64_t bits = 0;
+    std::memcpy(&bits, &v, sizeof(T));
+    x[lane()] = bits;
+    warp_barrier(op);
+    T out;
+    std::memcpy(&out, &x[src], sizeof(T));
+    warp_barrier(op);  // nobody overwrites a slot before every lane has read
+    return out;
+  }
+
+  void block_barrier(detail::simt_op op) {
+    if (!slot_->bars.arrive_and_wait(0, op, thread_)) abort_thread();
+  }
+  void warp_barrier(detail::simt_op op) {
+    if (!slot_->bars.arrive_and_wait(1 + warp(), op, thread_)) abort_thread();
+  }
+  [[noreturn]] void abort_thread() {
+#if defined(__cpp_exceptions)
+    throw detail::simt_abort{};
+#else
+    std::fprintf(stderr, "cpu_exec: block %d: %s\n", slot_->block, slot_->bars.fault().c_str());
+    std::abort();
+#endif
+  }
+  void check_aligned16(const void* p, const char* op) const {
+    if (reinterpret_cast<std::uintptr_t>(p) % 16 != 0) {
+      std::fprintf(stderr, "cpu_exec: %s of an address that is not 16-byte aligned (%p)\n", op, p);
+      std::abort();  // the GPU faults (misaligned address) here too
+    }
+  }
+
+  detail::simt_block_slot* slot_;
+  int thread_, grid_blocks_;
+};
+
+namespace detail {
+
+//! The CPU executor's launch (cpu_exec.hpp's launch calls it): runs `kernel` over `grid.blocks`
+//! blocks of K::block_threads threads, two blocks at a time in the seed's order; returns when
+//! every block is done. Errors: a negative grid or too much shared memory (invalid_argument,
+//! before anything runs); a divergent barrier (kernel_fault, naming the block and the operations).
+template <class K>
+requires simt_kernel<K>
+[[nodiscard]] status cpu_run(const char* exec_name, std::uint64_t seed, unsigned char poison,
+                             const launch_grid& grid, const K& kernel) {
+  constexpr int threads = K::block_threads;
+  if (auto st = detail::check_launch(grid, exec_name, detail::kernel_name<K>()); !st) return st;
+  if (grid.blocks == 0) return {};
+
+  // Blocks in a seeded random order (Fisher-Yates over SplitMix64 draws of (seed, i)).
+  std::vector<int> order(static_cast<std::size_t>(grid.blocks));
+  for (int i = 0; i < grid.blocks; ++i) order[static_cast<std::size_t>(i)] = i;
+  for (int i = grid.blocks - 1; i > 0; --i) {
+    const auto r = detail::mix64(seed ^ detail::mix64(static_cast<std::uint64_t>(i)));
+    std::swap(order[static_cast<std::size_t>(i)],
+              order[static_cast<std::size_t>(r % static_cast<std::uint64_t>(i + 1))]);
+  }
+
+  const int slots = std::min(2, grid.blocks);
+  std::vector<std::unique_ptr<detail::simt_block_slot>> slot;
+  for (int s = 0; s < slots; ++s)
+    slot.push_back(std::make_unique<detail::simt_block_slot>(threads, grid.smem_bytes));
+
+  auto run_thread = [&](int s, int t) {
+    auto& sl = *slot[static_cast<std::size_t>(s)];
+    for (int i = s; i < grid.blocks; i += slots) {
+      if (t == 0) {
+        sl.block = order[static_cast<std::size_t>(i)];
+        std::memset(sl.smem, poison, sl.smem_bytes);
+      }
+      if (!sl.bars.arrive_and_wait(0, detail::simt_op::sync, t)) return;  // block start
+      cpu_ctx<threads> c(sl, t, grid.blocks);
+#if defined(__cpp_exceptions)
+      try {
+        kernel(c);
+        c.finish();
+      } catch (const detail::simt_abort&) {
+        return;
+      }
+#else
+      kernel(c);
+      c.finish();
+#endif
+    }
+  };
+
+  std::vector<std::thread> pool;
+  pool.reserve(static_cast<std::size_t>(slots * threads));
+  for (int s = 0; s < slots; ++s)
+    for (int t = 0; t < threads; ++t) pool.emplace_back(run_thread, s, t);
+  for (auto& th : pool) th.join();
+
+  for (auto& sl : slot)
+    if (auto why = sl->bars.fault(); !why.empty())
+      return make_error(errc::kernel_fault,
+                        std::string(exec_name) + ": " + detail::kernel_name<K>() + ", block " +
+                            detail::to_decimal(sl->block) + ": " + why +
+                            " (every thread of a block must reach each "
+                            "sync(), every lane of a warp each warp operation)");
+  return {};
+}
+}  // namespace detail
+
+}  // namespace v0_1
+}  // namespace moefold

@@ -1,0 +1,108 @@
+//! @file simt_launch.hpp
+//! @brief The SIMT seam's vocabulary, shared by both executors: a kernel is a plain-data
+//! function object whose `operator()(Ctx&)` is one `MOEFOLD_HOST_DEVICE` body, and `launch(exec,
+//! grid, kernel)` runs it on an execution context:
+//!
+//! | executor             | header                      | one CUDA thread is            |
+//! |----------------------|-----------------------------|-------------------------------|
+//! | `cpu_exec{seed}`     | core/cpu_launch.hpp         | one std::thread (TSan sees it) |
+//! | `cuda_exec{stream}`  | core/cuda/cuda_launch.cuh   | a CUDA thread                 |
+//!
+//! What a body may use is what both contexts give (the `simt_context` concept below): indices,
+//! block barriers, full-mask warp shuffles and ballots, dynamic shared memory, 16-byte loads and
+//! stores, integer atomics. The arithmetic both sides must round the same way (fma, bf16, exp,
+//! log, sqrt) lives in kernels/simt/math.hpp, not in the context.
+//!
+//! Rules for bodies (the CPU executor cannot run anything else the way the GPU does): every
+//! thread of a block reaches each `sync()`, all 32 lanes of a warp reach each warp operation, no
+//! float atomics, no communication between blocks of one launch, no `#ifdef __CUDA_ARCH__`.
+#pragma once
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "config.hpp"
+#include "expected.hpp"
+
+namespace moefold {
+inline namespace v0_1 {
+
+//! How many blocks a launch runs and how much dynamic shared memory each gets. The block size
+//! is the kernel's own `block_threads` (it also sets `__launch_bounds__` on the GPU).
+struct launch_grid {
+  int blocks = 1;
+  std::size_t smem_bytes = 0;
+};
+
+//! The most dynamic shared memory one block may ask for: Hopper's 227 KiB per block (H100/H200,
+//! after cudaFuncSetAttribute raises the 48 KiB default, which cuda_launch does).
+inline constexpr std::size_t max_smem_bytes_per_block = 227 * 1024;
+
+//! 16 bytes moved by one load or store (LDG.E.128 / STG.E.128 on the GPU).
+struct alignas(16) bytes16 {
+  std::uint32_t w[4];
+};
+
+//! What every kernel body may call on its context `c`.
+template <class C>
+concept simt_context = requires(C& c, const C& cc, int i, float f, unsigned u, bool b,
+                                const void* src, void* dst, bytes16 v, int* ip) {
+  { C::block_threads } -> std::convertible_to<int>;
+  { cc.thread() } -> std::same_as<int>;       // threadIdx.x
+  { cc.block() } -> std::same_as<int>;        // blockIdx.x
+  { cc.grid_blocks() } -> std::same_as<int>;  // gridDim.x
+  { cc.lane() } -> std::same_as<int>;         // thread() % 32
+  { cc.warp() } -> std::same_as<int>;         // thread() / 32
+  c.sync();                                   // __syncthreads()
+  c.warp_sync();                              // __syncwarp() (full mask)
+  { c.shfl_xor(f, i) } -> std::same_as<float>;
+  { c.shfl_idx(u, i) } -> std::same_as<unsigned>;
+  { c.ballot(b) } -> std::same_as<unsigned>;
+  { c.template shared<float>() } -> std::same_as<float*>;
+  { cc.shared_bytes() } -> std::same_as<std::size_t>;
+  { cc.load16(src) } -> std::same_as<bytes16>;
+  cc.store16(dst, v);
+  { c.atomic_add(ip, i) } -> std::same_as<int>;
+};
+
+//! A kernel: `block_threads` a multiple of 32 in [32, 1024], copyable plain data (it travels to
+//! the GPU as a kernel parameter).
+template <class K>
+concept simt_kernel = std::is_trivially_copyable_v<K> && requires {
+  { K::block_threads } -> std::convertible_to<int>;
+} && K::block_threads >= 32 && K::block_threads <= 1024 && K::block_threads % 32 == 0;
+
+namespace detail {
+
+//! A kernel's name for messages: its `name` member when it has one.
+template <class K>
+[[nodiscard]] constexpr const char* kernel_name() noexcept {
+  if constexpr (requires { K::name; })
+    return K::name;
+  else
+    return "a kernel";
+}
+
+//! The checks both executors make before a launch: the rule broken is named.
+[[nodiscard]] inline status check_launch(const launch_grid& g, const char* exec,
+                                         const char* kernel) {
+  if (g.blocks < 0)
+    return make_error(errc::invalid_argument, std::string(exec) + ": launch of " + kernel +
+                                                  " with " + to_decimal(g.blocks) +
+                                                  " blocks (blocks >= 0)");
+  if (g.smem_bytes > max_smem_bytes_per_block)
+    return make_error(errc::invalid_argument,
+                      std::string(exec) + ": launch of " + kernel + " asks " +
+                          to_decimal(static_cast<long long>(g.smem_bytes)) +
+                          " bytes of shared memory per block (at most " +
+                          to_decimal(static_cast<long long>(max_smem_bytes_per_block)) +
+                          ", Hopper's limit)");
+  return {};
+}
+
+}  // namespace detail
+}  // namespace v0_1
+}  // namespace moefold

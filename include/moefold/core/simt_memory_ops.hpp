@@ -1,0 +1,270 @@
+//! @file simt_memory_ops.hpp
+//! @brief The row operations of an executor that runs kernels (core/host_memory_ops.hpp says what
+//! each one computes): the same members, with the same checks and messages, each one launch of a
+//! portable kernel body from kernels/ (permute.hpp, unpermute.hpp, chunk_copy.hpp,
+//! elementwise.hpp) through `launch(derived, grid, kernel)`. cpu_exec uses it, so the dispatcher
+//! and the layer on the CPU executor run the kernels a GPU runs.
+//!
+//! Index checks: the kernels themselves count indices outside their range (a device error flag,
+//! which a GPU executor reads at its next status call) and treat them as "no source". An executor
+//! whose memory the host can address also checks them before the launch (Derived::
+//! check_indices_first), so that a bad index is reported with its position and nothing is written.
+#pragma once
+
+#include <algorithm>
+#include <string>
+#include <type_traits>
+
+// The kernel bodies: <moefold/kernels/...> where kernels/ is installed under the include tree (or
+// linked there by the build), else from the source tree, so that -I include alone still works.
+#if __has_include(<moefold/kernels/permute.hpp>)
+#include <moefold/kernels/chunk_copy.hpp>
+#include <moefold/kernels/elementwise.hpp>
+#include <moefold/kernels/permute.hpp>
+#include <moefold/kernels/simt/row_copy.hpp>
+#include <moefold/kernels/unpermute.hpp>
+#else
+#include "../../../kernels/chunk_copy.hpp"
+#include "../../../kernels/elementwise.hpp"
+#include "../../../kernels/permute.hpp"
+#include "../../../kernels/simt/row_copy.hpp"
+#include "../../../kernels/unpermute.hpp"
+#endif
+
+#include "dtype.hpp"
+#include "exec.hpp"
+#include "expected.hpp"
+#include "host_memory_ops.hpp"
+#include "memory_space.hpp"
+#include "row_view.hpp"
+#include "simt_launch.hpp"
+
+namespace moefold {
+inline namespace v0_1 {
+namespace detail {
+
+//! Blocks for `rows` rows (row kernels: a block per row at a time), at most `cap`.
+[[nodiscard]] inline int row_grid(long long rows, int cap) noexcept {
+  return static_cast<int>(std::min<long long>(rows, cap));
+}
+//! Blocks for `n` elements at `threads` per block, at most `cap`.
+[[nodiscard]] inline int element_grid(long long n, int threads, int cap) noexcept {
+  return static_cast<int>(std::min<long long>((n + threads - 1) / threads, cap));
+}
+
+//! The row operations over memory space S as kernel launches on the synchronous executor Derived
+//! (host-addressable memory), which provides `launch(const Derived&, launch_grid, kernel)`,
+//! `max_grid_blocks` and `check_indices_first`.
+template <class Derived, class S>
+struct simt_memory_ops {
+  //! dst[r] = src[index[r] / divisor] (0 where index[r] == -1).
+  //! src [R, w], index [M, 1], dst [M, w]; divisor >= 1.
+  template <class T>
+  [[nodiscard]] status gather_rows(std::type_identity_t<row_view<const T, S>> src,
+                                   row_view<const int, S> index, int divisor,
+                                   row_view<T, S> dst) const {
+    if (index.width() != 1 || index.rows() != dst.rows() || src.width() != dst.width() ||
+        divisor < 1)
+      return op_shape_error(Derived::name, "gather_rows",
+                            "need index [M, 1], src [R, w], dst [M, w] and divisor >= 1");
+    if constexpr (Derived::check_indices_first)
+      if (auto st = check_indices(index, static_cast<long long>(src.rows()) * divisor,
+                                  Derived::name, "gather_rows");
+          !st)
+        return st;
+    if (dst.empty()) return {};
+    const bool vec16 = kernels::simt::rows_vec16<T>(src.data(), src.width(), src.stride()) &&
+                       kernels::simt::rows_vec16<T>(dst.data(), dst.width(), dst.stride());
+    return run("gather_rows", row_grid(dst.rows(), Derived::max_grid_blocks),
+               kernels::gather_rows_kernel<T>{
+                   .src = src.data(),
+                   .src_stride = src.stride(),
+                   .src_rows = src.rows(),
+                   .index = index.data(),
+                   .index_stride = index.stride(),
+                   .divisor = divisor,
+                   .dst = dst.data(),
+                   .dst_stride = dst.stride(),
+                   .rows = dst.rows(),
+                   .width = dst.width(),
+                   .vec16 = vec16,
+               });
+  }
+
+  //! dst[t] = sum over j, in order, of weight[t, j] * src[index[t, j]], in Acc.
+  //! src [M, w], index [N, k], weights [N, k] or empty, dst [N, w]
+  template <class T, class P = T, class Acc = T>
+  [[nodiscard]] status gather_sum_rows(std::type_identity_t<row_view<const T, S>> src,
+                                       row_view<const int, S> index,
+                                       std::type_identity_t<row_view<const P, S>> weights,
+                                       row_view<T, S> dst) const {
+    const bool weighted = weights.rows() > 0;
+    if (index.rows() != dst.rows() || src.width() != dst.width() ||
+        (weighted && (weights.rows() != index.rows() || weights.width() != index.width())))
+      return op_shape_error(Derived::name, "gather_sum_rows",
+                            "need src [M, w], index [N, k], weights [N, k] or empty, dst [N, w]");
+    if constexpr (Derived::check_indices_first)
+      if (auto st = check_indices(index, src.rows(), Derived::name, "gather_sum_rows"); !st)
+        return st;
+    if (dst.empty()) return {};
+    const bool vec16 = kernels::simt::rows_vec16<T>(src.data(), src.width(), src.stride()) &&
+                       kernels::simt::rows_vec16<T>(dst.data(), dst.width(), dst.stride());
+    return run("gather_sum_rows", row_grid(dst.rows(), Derived::max_grid_blocks),
+               kernels::gather_sum_rows_kernel<T, P, Acc>{
+                   .src = src.data(),
+                   .src_stride = src.stride(),
+                   .src_rows = src.rows(),
+                   .index = index.data(),
+                   .index_stride = index.stride(),
+                   .k = index.width(),
+                   .weights = weighted ? weights.data() : nullptr,
+                   .weight_stride = weighted ? weights.stride() : 0,
+                   .dst = dst.data(),
+                   .dst_stride = dst.stride(),
+                   .rows = dst.rows(),
+                   .width = dst.width(),
+                   .vec16 = vec16,
+               });
+  }
+
+  //! Chunk copies (a chunk sort or its inverse).   src, dst [sum(sizes), w]; sizes, from, to [C, 1]
+  //! The chunk table is checked on the host: it is host-built bookkeeping in host-addressable
+  //! memory (check_indices_first); a GPU executor takes it as given (the planner's).
+  template <class T>
+  [[nodiscard]] status copy_chunks(std::type_identity_t<row_view<const T, S>> src,
+                                   row_view<const int, S> sizes, row_view<const int, S> from,
+                                   row_view<const int, S> to, row_view<T, S> dst) const {
+    bool ok = sizes.width() == 1 && from.width() == 1 && to.width() == 1 &&
+              from.rows() == sizes.rows() && to.rows() == sizes.rows() &&
+              src.width() == dst.width() && src.rows() == dst.rows();
+    if constexpr (Derived::check_indices_first) {
+      long long rows = 0;
+      for (int c = 0; ok && c < sizes.rows(); ++c) {
+        const int n = *sizes.row_data(c), f = *from.row_data(c), t = *to.row_data(c);
+        ok = n >= 0 && f >= 0 && t >= 0 && static_cast<long long>(f) + n <= src.rows() &&
+             static_cast<long long>(t) + n <= dst.rows();
+        rows += n;
+      }
+      ok = ok && rows == dst.rows();
+    }
+    if (!ok)
+      return op_shape_error(Derived::name, "copy_chunks",
+                            "chunk sizes >= 0 must tile src and dst [sum(sizes), w], with one "
+                            "source and one destination offset per chunk inside them");
+    if (dst.empty() || sizes.rows() == 0) return {};
+    const bool vec16 = kernels::simt::rows_vec16<T>(src.data(), src.width(), src.stride()) &&
+                       kernels::simt::rows_vec16<T>(dst.data(), dst.width(), dst.stride());
+    return run("copy_chunks", row_grid(dst.rows(), Derived::max_grid_blocks),
+               kernels::copy_chunks_kernel<T>{
+                   .src = src.data(),
+                   .src_stride = src.stride(),
+                   .sizes = sizes.data(),
+                   .from = from.data(),
+                   .to = to.data(),
+                   .sizes_stride = sizes.stride(),
+                   .from_stride = from.stride(),
+                   .to_stride = to.stride(),
+                   .chunks = sizes.rows(),
+                   .dst = dst.data(),
+                   .dst_stride = dst.stride(),
+                   .width = dst.width(),
+                   .vec16 = vec16,
+               });
+  }
+
+  //! dst = ids - first where first <= ids < first + count, else -1.   ids, dst [n, k]
+  [[nodiscard]] status relabel(row_view<const int, S> ids, int first, int count,
+                               row_view<int, S> dst) const {
+    if (ids.rows() != dst.rows() || ids.width() != dst.width() || count < 0)
+      return op_shape_error(Derived::name, "relabel",
+                            "ids and dst must have one shape, count >= 0");
+    return run_elementwise("relabel", dst,
+                           kernels::relabel_kernel{.ids = {ids.data(), ids.stride()},
+                                                   .first = first,
+                                                   .count = count,
+                                                   .dst = {dst.data(), dst.stride()},
+                                                   .rows = dst.rows(),
+                                                   .width = dst.width()});
+  }
+
+  //! dst += src (16-bit T: the sum in fp32).   src, dst [n, w]
+  template <class T>
+  [[nodiscard]] status add(std::type_identity_t<row_view<const T, S>> src,
+                           row_view<T, S> dst) const {
+    if (src.rows() != dst.rows() || src.width() != dst.width())
+      return op_shape_error(Derived::name, "add", "src and dst must have one shape");
+    return add_converted<T, T>(src, dst);
+  }
+
+  //! dst += src converted to T, summed in accumulator_t<T>, rounded once.
+  template <class T, class U>
+  [[nodiscard]] status add_converted(std::type_identity_t<row_view<const U, S>> src,
+                                     row_view<T, S> dst) const {
+    if (src.rows() != dst.rows() || src.width() != dst.width())
+      return op_shape_error(Derived::name, "add_converted", "src and dst must have one shape");
+    return run_elementwise("add_converted", dst,
+                           kernels::add_converted_kernel<T, U>{.src = {src.data(), src.stride()},
+                                                               .dst = {dst.data(), dst.stride()},
+                                                               .rows = dst.rows(),
+                                                               .width = dst.width()});
+  }
+
+  //! dst = src converted to T.   src [n, w] of U
+  template <class T, class U>
+  [[nodiscard]] status convert(std::type_identity_t<row_view<const U, S>> src,
+                               row_view<T, S> dst) const {
+    if (src.rows() != dst.rows() || src.width() != dst.width())
+      return op_shape_error(Derived::name, "convert", "src and dst must have one shape");
+    return run_elementwise("convert", dst,
+                           kernels::convert_kernel<T, U>{.src = {src.data(), src.stride()},
+                                                         .dst = {dst.data(), dst.stride()},
+                                                         .rows = dst.rows(),
+                                                         .width = dst.width()});
+  }
+
+  //! dst *= s.
+  template <class T>
+  [[nodiscard]] status scale(row_view<T, S> dst, std::type_identity_t<T> s) const {
+    return run_elementwise(
+        "scale", dst,
+        kernels::scale_kernel<T>{
+            .dst = {dst.data(), dst.stride()}, .s = s, .rows = dst.rows(), .width = dst.width()});
+  }
+
+  //! Every element of dst = v.
+  template <class T>
+  [[nodiscard]] status fill(row_view<T, S> dst, std::type_identity_t<T> v) const {
+    return run_elementwise(
+        "fill", dst,
+        kernels::fill_kernel<T>{
+            .dst = {dst.data(), dst.stride()}, .v = v, .rows = dst.rows(), .width = dst.width()});
+  }
+
+ private:
+  const Derived& self() const noexcept { return static_cast<const Derived&>(*this); }
+
+  //! One launch; a kernel with a fault counter gets one here, read back after the launch
+  //! (the executor is synchronous: launch returns when the kernel is done).
+  template <class K>
+  [[nodiscard]] status run(const char* op, int blocks, K kernel) const {
+    int faults = 0;
+    if constexpr (requires { kernel.fault; }) kernel.fault = &faults;
+    if (auto st = launch(self(), launch_grid{.blocks = blocks}, kernel); !st) return st;
+    if (faults != 0)
+      return make_error(errc::invalid_argument, std::string(Derived::name) + "::" + op + ": " +
+                                                    to_decimal(faults) +
+                                                    " indices outside their range");
+    return {};
+  }
+  template <class T, class K>
+  [[nodiscard]] status run_elementwise(const char* op, const row_view<T, S>& dst,
+                                       const K& kernel) const {
+    if (dst.empty()) return {};
+    const long long n = static_cast<long long>(dst.rows()) * dst.width();
+    return run(op, element_grid(n, K::block_threads, Derived::max_grid_blocks), kernel);
+  }
+};
+
+}  // namespace detail
+}  // namespace v0_1
+}  // namespace moefold

@@ -1,0 +1,195 @@
+//! @file math.hpp
+//! @brief The arithmetic of kernel bodies that must round the same way on the CPU executor and
+//! on the GPU: fma, bf16 conversion, and moefold's own exp, log and sqrt. Every function here is
+//! made of operations IEEE 754 rounds exactly once (fma, add, multiply, divide, sqrt, rint) and
+//! integer bit work, so both sides give the same bits. The C library's expf/logf and CUDA's
+//! differ from each other in the last bits, which would make CPU and GPU routing differ.
+//!
+//! On the GPU the device intrinsics are named (`__fmaf_rn`, `__fdiv_rn`, ...) so that neither
+//! -use_fast_math nor nvcc's default contraction of `a*b+c` can change a result; on the host
+//! the code assumes no contraction either (g++/clang++ in ISO mode, `-std=c++20`, contract only
+//! explicit fma). Accuracy, checked against float64 by tests/kernels/simt/math_test.cpp: exp and
+//! log within 2 ulp, sqrt correctly rounded.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include <moefold/core/config.hpp>
+
+#if !defined(__CUDA_ARCH__)
+#include <cmath>
+#endif
+
+namespace moefold::kernels::simt {
+
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline std::uint32_t float_bits(float f) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline float bits_float(std::uint32_t u) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+//! a * b + c rounded once.
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline float fma(float a, float b, float c) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+//! a * b rounded once, never fused into a neighbouring add.
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline float mul(float a, float b) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+//! a + b rounded once, never fused with a product.
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline float add(float a, float b) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+//! The same for double (accumulators of double data).
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline double mul(double a, double b) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __dmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline double add(double a, double b) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __dadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+//! Integers: plain arithmetic (exact, nothing to fuse).
+template <class T>
+requires std::is_integral_v<T>
+[[nodiscard]] MOEFOLD_HOST_DEVICE constexpr T mul(T a, T b) noexcept { return a * b; }
+template <class T>
+requires std::is_integral_v<T>
+[[nodiscard]] MOEFOLD_HOST_DEVICE constexpr T add(T a, T b) noexcept { return a + b; }
+
+//! a / b correctly rounded (also under -use_fast_math).
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline float div(float a, float b) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+//! sqrt(x) correctly rounded (also under -use_fast_math).
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline float sqrt(float x) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(x);
+#else
+  return std::sqrt(x);
+#endif
+}
+//! x rounded to the nearest integer, ties to even (the default rounding mode on both sides).
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline float rint(float x) noexcept {
+#if defined(__CUDA_ARCH__)
+  return rintf(x);
+#else
+  return std::nearbyint(x);
+#endif
+}
+
+//! float -> bf16 bits, rounded to nearest even; NaN stays a (quiet) NaN. The same rule as the
+//! host's moefold::bfloat16 and CUDA's __float2bfloat16_rn.
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline std::uint16_t to_bf16_bits(float f) noexcept {
+  const std::uint32_t u = float_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x40u);
+  return static_cast<std::uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline float from_bf16_bits(std::uint16_t b) noexcept {
+  return bits_float(static_cast<std::uint32_t>(b) << 16);
+}
+//! f rounded to bf16 and back (what storing a float in a bf16 buffer keeps).
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline float round_bf16(float f) noexcept {
+  return from_bf16_bits(to_bf16_bits(f));
+}
+
+//! 2^n for n in [-126, 127], built from its bits.
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline float pow2i(int n) noexcept {
+  return bits_float(static_cast<std::uint32_t>(n + 127) << 23);
+}
+
+//! e^x. x = n ln2 + r with |r| <= ln2/2 (ln2 in two parts, so r is exact to ~2^-32), e^r by its
+//! Taylor series to r^7 (truncation 5e-9 relative) in Horner form with fma, then scaled by 2^n
+//! in two steps so that results down to the smallest subnormal come out right.
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline float exp(float x) noexcept {
+  if (x != x) return x;
+  if (x > 88.72283935546875f) return bits_float(0x7f800000u);  // above ln(FLT_MAX): +inf
+  if (x < -103.97208f) return 0.0f;                            // below ln(2^-150): 0
+  const float n = rint(mul(x, 1.44269502162933349609375f));    // x / ln2
+  float r = fma(-n, 0.693145751953125f, x);                    // ln2 high part (exact product)
+  r = fma(-n, 1.428606765330187045e-06f, r);                   // ln2 low part
+  float p = 1.98412698412698413e-04f;                          // 1/5040
+  p = fma(p, r, 1.38888888888888889e-03f);                     // 1/720
+  p = fma(p, r, 8.33333333333333333e-03f);                     // 1/120
+  p = fma(p, r, 4.16666666666666667e-02f);                     // 1/24
+  p = fma(p, r, 1.66666666666666667e-01f);                     // 1/6
+  p = fma(p, r, 0.5f);
+  p = fma(p, mul(r, r), r);  // e^r - 1 = r + r^2 (1/2 + r/6 + ...)
+  p = add(p, 1.0f);
+  const int k = static_cast<int>(n);
+  if (k > 127) return mul(mul(p, pow2i(127)), pow2i(k - 127));
+  if (k < -126) return mul(mul(p, pow2i(-126)), pow2i(k + 126));
+  return mul(p, pow2i(k));
+}
+
+//! ln x. x = m 2^e with m in [sqrt(1/2), sqrt(2)); ln m = 2 atanh(s), s = (m-1)/(m+1), |s| <=
+//! 0.1716, by its series to s^11 (truncation 5e-11); e ln2 in two parts.
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline float log(float x) noexcept {
+  if (x != x) return x;
+  if (x < 0.0f) return bits_float(0x7fc00000u);   // NaN
+  if (x == 0.0f) return bits_float(0xff800000u);  // -inf
+  if (x == bits_float(0x7f800000u)) return x;     // +inf
+  std::uint32_t u = float_bits(x);
+  int e = 0;
+  if (u < 0x00800000u) {  // subnormal: scale by 2^23 first
+    u = float_bits(mul(x, 8388608.0f));
+    e = -23;
+  }
+  e += static_cast<int>(u >> 23) - 127;
+  float m = bits_float((u & 0x007fffffu) | 0x3f800000u);  // [1, 2)
+  if (m > 1.41421353816986083984375f) {                   // fold [sqrt2, 2) to [sqrt2/2, 1)
+    m = mul(m, 0.5f);
+    ++e;
+  }
+  const float f = add(m, -1.0f);  // exact (Sterbenz)
+  const float s = div(f, add(m, 1.0f));
+  const float z = mul(s, s);
+  float p = 0.18181818181818182f;                 // 2/11
+  p = fma(p, z, 0.22222222222222222f);            // 2/9
+  p = fma(p, z, 0.28571428571428571f);            // 2/7
+  p = fma(p, z, 0.4f);                            // 2/5
+  p = fma(p, z, 0.66666666666666667f);            // 2/3
+  const float lm = fma(mul(s, z), p, add(s, s));  // 2s + s z p; 2s is exact
+  const float fe = static_cast<float>(e);
+  // e ln2_hi is exact (ln2_hi has 16 significant bits, |e| < 2^8).
+  return add(mul(fe, 0.693145751953125f), fma(fe, 1.428606765330187045e-06f, lm));
+}
+
+}  // namespace moefold::kernels::simt

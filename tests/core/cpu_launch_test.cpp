@@ -1,0 +1,323 @@
+// The SIMT seam on the CPU executor: indices, barriers, shuffles, ballots, shared memory (poisoned
+// at block start), 16-byte accesses, integer atomics, block order by seed, two blocks at once,
+// and the faults a GPU would hang or compute garbage on (divergent barriers) as errors.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <moefold/core/cpu_exec.hpp>
+#include <moefold/kernels/simt/block_scan.hpp>
+#include <moefold/kernels/simt/warp.hpp>
+#include <numeric>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "../kernels/simt/seam_kernels.hpp"
+#include "../support/simt_test_sizes.hpp"
+
+using namespace moefold;
+using namespace moefold::test;
+namespace simt = moefold::kernels::simt;
+
+namespace {
+
+// Every thread writes its indices: out[(block * T + thread) * 5 + {0..4}].
+struct index_kernel {
+  static constexpr int block_threads = 64;
+  static constexpr const char* name = "index_kernel";
+  int* out;
+  template <class Ctx>
+  void operator()(Ctx& c) const {
+    int* o = out + (c.block() * block_threads + c.thread()) * 5;
+    o[0] = c.thread();
+    o[1] = c.block();
+    o[2] = c.grid_blocks();
+    o[3] = c.lane();
+    o[4] = c.warp();
+  }
+};
+
+TEST_CASE("cpu_exec: every thread of every block runs once with its indices") {
+  for (int blocks : {1, 2, 5}) {
+    std::vector<int> out(static_cast<std::size_t>(blocks) * 64 * 5, -1);
+    REQUIRE(launch(cpu_exec{7}, launch_grid{.blocks = blocks}, index_kernel{out.data()}));
+    for (int b = 0; b < blocks; ++b)
+      for (int t = 0; t < 64; ++t) {
+        const int* o = out.data() + (b * 64 + t) * 5;
+        CHECK(o[0] == t);
+        CHECK(o[1] == b);
+        CHECK(o[2] == blocks);
+        CHECK(o[3] == t % 32);
+        CHECK(o[4] == t / 32);
+      }
+  }
+}
+
+TEST_CASE("cpu_exec: shuffles and ballots give exactly the CUDA results") {
+  const int blocks = 3;
+  std::vector<unsigned> out(static_cast<std::size_t>(blocks) * 64 * 7, 0xdeadbeefu);
+  REQUIRE(launch(cpu_exec{1}, launch_grid{.blocks = blocks}, shuffle_kernel{out.data()}));
+  unsigned every_third = 0;
+  for (int l = 0; l < 32; l += 3) every_third |= 1u << l;
+  for (int b = 0; b < blocks; ++b)
+    for (int t = 0; t < 64; ++t) {
+      const int w = t / 32, lane = t % 32;
+      auto val = [&](int l) { return static_cast<unsigned>(b * 1000 + (w * 32 + l) * 3 + 1); };
+      const unsigned* o = out.data() + (b * 64 + t) * 7;
+      for (int i = 0; i < 5; ++i) CHECK(o[i] == val(lane ^ (1 << i)));
+      CHECK(o[5] == val((lane * 7 + 3) % 32));
+      CHECK(o[6] == (w == 1 ? 0xffffffffu : every_third));
+    }
+}
+
+template <int Threads>
+void check_int_scan(std::uint64_t seed, int blocks) {
+  const int n = blocks * Threads;
+  std::mt19937 rng(static_cast<unsigned>(seed));
+  std::vector<long long> in(static_cast<std::size_t>(n));
+  for (auto& v : in) v = static_cast<long long>(rng() % 2000001) - 1000000;
+  std::vector<long long> ex(in.size(), -7), tot(in.size(), -7), ws(in.size(), -7);
+  using K = scan_kernel<Threads, long long>;
+  REQUIRE(launch(
+      cpu_exec{seed},
+      launch_grid{.blocks = blocks, .smem_bytes = sizeof(long long) * simt::block_scan_scratch<K>},
+      K{in.data(), ex.data(), tot.data(), ws.data()}));
+  for (int b = 0; b < blocks; ++b) {
+    long long run = 0, all = 0;
+    for (int t = 0; t < Threads; ++t) all += in[static_cast<std::size_t>(b * Threads + t)];
+    for (int t = 0; t < Threads; ++t) {
+      const auto i = static_cast<std::size_t>(b * Threads + t);
+      CHECK(ex[i] == run);
+      CHECK(tot[i] == all);
+      long long w = 0;
+      for (int l = 0; l < 32; ++l) w += in[static_cast<std::size_t>(b * Threads + t / 32 * 32 + l)];
+      CHECK(ws[i] == w);
+      run += in[i];
+    }
+  }
+}
+
+TEST_CASE("cpu_exec: warp sums and block scans of integers are exact") {
+  const auto seed = test::simt_seed();
+  MESSAGE("seed " << seed);
+  check_int_scan<32>(seed, 3);
+  check_int_scan<256>(seed + 1, 3);
+  check_int_scan<1024>(seed + 2, test::simt_reduced ? 1 : 2);
+}
+
+TEST_CASE("cpu_exec: a float block scan is the same bits for every seed") {
+  const int blocks = 4, n = blocks * 256;
+  std::mt19937 rng(static_cast<unsigned>(test::simt_seed()));
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<float> in(static_cast<std::size_t>(n));
+  for (auto& v : in) v = d(rng);
+  using K = scan_kernel<256, float>;
+  auto run = [&](std::uint64_t seed) {
+    std::vector<float> ex(in.size()), tot(in.size()), ws(in.size());
+    REQUIRE(launch(
+        cpu_exec{seed},
+        launch_grid{.blocks = blocks, .smem_bytes = sizeof(float) * simt::block_scan_scratch<K>},
+        K{in.data(), ex.data(), tot.data(), ws.data()}));
+    return std::vector<std::vector<float>>{ex, tot, ws};
+  };
+  const auto a = run(1), b = run(2);
+  for (std::size_t k = 0; k < a.size(); ++k)
+    CHECK(std::memcmp(a[k].data(), b[k].data(), a[k].size() * sizeof(float)) == 0);
+  // Every lane of a warp holds the same sum, bit for bit; the sum is within rounding of fp64.
+  for (int w = 0; w < n / 32; ++w) {
+    double ref = 0;
+    for (int l = 0; l < 32; ++l) ref += in[static_cast<std::size_t>(w * 32 + l)];
+    for (int l = 0; l < 32; ++l) {
+      CHECK(std::memcmp(&a[2][static_cast<std::size_t>(w * 32 + l)],
+                        &a[2][static_cast<std::size_t>(w * 32)], sizeof(float)) == 0);
+    }
+    CHECK(std::abs(a[2][static_cast<std::size_t>(w * 32)] - ref) <= 1e-5 * 32);
+  }
+}
+
+TEST_CASE("cpu_exec: an atomic histogram is exact and the same for every seed") {
+  const auto seed = test::simt_seed();
+  MESSAGE("seed " << seed);
+  std::mt19937 rng(static_cast<unsigned>(seed));
+  for (int bins : {1, 8, 64, 256}) {
+    const int n = test::simt_reduced ? 64 : 513;
+    std::vector<int> ids(static_cast<std::size_t>(n));
+    for (auto& v : ids) v = static_cast<int>(rng() % static_cast<unsigned>(bins));
+    std::vector<int> ref(static_cast<std::size_t>(bins), 0);
+    for (int v : ids) ++ref[static_cast<std::size_t>(v)];
+    for (std::uint64_t s : {seed, seed + 1}) {
+      std::vector<int> counts(static_cast<std::size_t>(bins), 0);
+      REQUIRE(launch(
+          cpu_exec{s},
+          launch_grid{.blocks = 3, .smem_bytes = sizeof(int) * static_cast<std::size_t>(bins)},
+          histogram_kernel{ids.data(), n, bins, counts.data()}));
+      CHECK(counts == ref);
+    }
+  }
+}
+
+// Shared memory as the block finds it, and 16-byte accesses.
+struct poison_kernel {
+  static constexpr int block_threads = 32;
+  unsigned* seen;  // (blocks * 32): what each thread read before anyone wrote
+  template <class Ctx>
+  void operator()(Ctx& c) const {
+    unsigned* s = c.template shared<unsigned>();
+    seen[c.block() * 32 + c.thread()] = s[c.thread()];
+    c.sync();
+    s[c.thread()] = 0;  // the next block on this executor must not see this
+  }
+};
+
+TEST_CASE("cpu_exec: shared memory is poisoned at every block start; 16-byte copies") {
+  std::vector<unsigned> seen(6 * 32, 0);
+  REQUIRE(launch(cpu_exec{3}, launch_grid{.blocks = 6, .smem_bytes = 32 * sizeof(unsigned)},
+                 poison_kernel{seen.data()}));
+  for (unsigned v : seen) CHECK(v == 0xffffffffu);
+
+  alignas(16) unsigned char src[16 * 37], dst[16 * 37];
+  for (int i = 0; i < 16 * 37; ++i) src[i] = static_cast<unsigned char>(i * 13 + 5);
+  std::memset(dst, 0xAB, sizeof dst);
+  REQUIRE(launch(cpu_exec{4}, launch_grid{.blocks = 2}, copy16_kernel{src, dst, 37}));
+  CHECK(std::memcmp(src, dst, sizeof src) == 0);
+}
+
+// Block order: each block takes a ticket; two blocks also wait for each other (they must run at
+// the same time, or this would time out and report it).
+struct order_kernel {
+  static constexpr int block_threads = 32;
+  int* tickets;  // (blocks)
+  int* next;
+  int* pair_met;  // (blocks): 1 when another block was running at the same time
+  std::atomic<int>* running;
+  template <class Ctx>
+  void operator()(Ctx& c) const {
+    if (c.thread() == 0) {
+      tickets[c.block()] = c.atomic_add(next, 1);
+      running->fetch_add(1);
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      while (running->load() < 2 && std::chrono::steady_clock::now() < until)
+        std::this_thread::yield();
+      pair_met[c.block()] = running->load() >= 2 ? 1 : 0;
+    }
+  }
+};
+
+struct ticket_kernel {
+  static constexpr int block_threads = 32;
+  int* tickets;
+  int* next;
+  template <class Ctx>
+  void operator()(Ctx& c) const {
+    if (c.thread() == 0) tickets[c.block()] = c.atomic_add(next, 1);
+  }
+};
+
+TEST_CASE("cpu_exec: blocks run two at a time, in an order drawn from the seed") {
+  const int blocks = 2;  // exactly two: both run at once, so neither waits for a third
+  std::atomic<int> running{0};
+  std::vector<int> tickets(blocks, -1), met(blocks, 0);
+  int next = 0;
+  REQUIRE(launch(cpu_exec{5}, launch_grid{.blocks = blocks},
+                 order_kernel{tickets.data(), &next, met.data(), &running}));
+  CHECK(met == std::vector<int>{1, 1});
+
+  // Start order over 16 blocks: a permutation, and not the same for all seeds.
+  auto order_for = [](std::uint64_t seed) {
+    std::vector<int> t(16, -1);
+    int n = 0;
+    REQUIRE(launch(cpu_exec{seed}, launch_grid{.blocks = 16}, ticket_kernel{t.data(), &n}));
+    return t;
+  };
+  std::vector<std::vector<int>> orders;
+  for (std::uint64_t s = 0; s < 4; ++s) {
+    auto t = order_for(s);
+    auto sorted = t;
+    std::sort(sorted.begin(), sorted.end());
+    std::vector<int> iota(16);
+    std::iota(iota.begin(), iota.end(), 0);
+    CHECK(sorted == iota);
+    orders.push_back(t);
+  }
+  // Tickets come from two concurrent slots, so they only roughly follow the drawn order; the
+  // blocks that start first still differ between seeds.
+  std::vector<int> iota(16);
+  std::iota(iota.begin(), iota.end(), 0);
+  bool all_in_order = true, all_same = true;
+  for (auto& o : orders) {
+    all_in_order = all_in_order && o == iota;
+    all_same = all_same && o == orders[0];
+  }
+  CHECK_FALSE(all_in_order);
+  CHECK_FALSE(all_same);
+}
+
+// Faults: a GPU hangs or computes garbage; the CPU executor names the broken rule.
+struct divergent_sync_kernel {
+  static constexpr int block_threads = 64;
+  static constexpr const char* name = "divergent_sync_kernel";
+  template <class Ctx>
+  void operator()(Ctx& c) const {
+    if (c.warp() == 0) c.sync();  // warp 1 leaves without it
+  }
+};
+struct early_lane_kernel {
+  static constexpr int block_threads = 32;
+  static constexpr const char* name = "early_lane_kernel";
+  int* out;
+  template <class Ctx>
+  void operator()(Ctx& c) const {
+    if (c.lane() == 5) return;  // lane 5 leaves; the others shuffle without it
+    out[c.lane()] = c.shfl_xor(c.lane(), 1);
+  }
+};
+struct partial_warp_sync_kernel {
+  static constexpr int block_threads = 64;
+  static constexpr const char* name = "partial_warp_sync_kernel";
+  template <class Ctx>
+  void operator()(Ctx& c) const {
+    if (c.thread() != 3) c.sync();  // thread 3 leaves; its warp-mates wait at sync()
+  }
+};
+
+TEST_CASE("cpu_exec: divergent barriers are errors naming the kernel, block and operations") {
+  auto a = launch(cpu_exec{1}, launch_grid{.blocks = 3}, divergent_sync_kernel{});
+  REQUIRE_FALSE(a);
+  CHECK(a.error().code == errc::kernel_fault);
+  CHECK(a.error().message.find("divergent_sync_kernel") != std::string::npos);
+  CHECK(a.error().message.find("sync()") != std::string::npos);
+  CHECK(a.error().message.find("the end of the kernel") != std::string::npos);
+
+  std::vector<int> out(32, 0);
+  auto b = launch(cpu_exec{1}, launch_grid{.blocks = 1}, early_lane_kernel{out.data()});
+  REQUIRE_FALSE(b);
+  CHECK(b.error().code == errc::kernel_fault);
+  CHECK(b.error().message.find("in warp 0") != std::string::npos);
+  CHECK(b.error().message.find("a shuffle") != std::string::npos);
+
+  // Thread 3's warp barrier at exit can never fill while 31 lanes wait at sync(): every thread
+  // of the block waits, which is reported instead of hanging.
+  auto c = launch(cpu_exec{1}, launch_grid{.blocks = 2}, partial_warp_sync_kernel{});
+  REQUIRE_FALSE(c);
+  CHECK(c.error().code == errc::kernel_fault);
+  CHECK(c.error().message.find("every thread waits") != std::string::npos);
+  MESSAGE(c.error().message);
+}
+
+TEST_CASE("cpu_exec: a launch with a negative grid or too much shared memory is refused") {
+  auto a = launch(cpu_exec{}, launch_grid{.blocks = -1}, index_kernel{nullptr});
+  REQUIRE_FALSE(a);
+  CHECK(a.error().code == errc::invalid_argument);
+  CHECK(a.error().message.find("blocks >= 0") != std::string::npos);
+  auto b = launch(cpu_exec{}, launch_grid{.blocks = 1, .smem_bytes = max_smem_bytes_per_block + 1},
+                  index_kernel{nullptr});
+  REQUIRE_FALSE(b);
+  CHECK(b.error().message.find("Hopper") != std::string::npos);
+  CHECK(launch(cpu_exec{}, launch_grid{.blocks = 0}, index_kernel{nullptr}));  // nothing to run
+}
+
+}  // namespace

@@ -1,0 +1,265 @@
+// The row kernels (kernels/permute.hpp, unpermute.hpp, chunk_copy.hpp, elementwise.hpp) on the
+// CPU executor against the host's row operations (host_exec, core/host_memory_ops.hpp) on fresh
+// random inputs (seed printed; MOEFOLD_TEST_SEED replays one): outputs poisoned before each
+// launch, every element compared bit for bit (the kernels sum in the host's order, rounding each
+// product and sum once). Sizes: tokens 1, 7, 513; hidden 1, 7, 8, 4096 + 8; k 1, 2, 8; the
+// 16-byte path (rows a multiple of 16 bytes) and the element path (hidden 7, odd strides).
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <moefold/core/cpu_exec.hpp>
+#include <moefold/core/dtype.hpp>
+#include <moefold/core/host_exec.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../support/simt_test_sizes.hpp"
+
+using namespace moefold;
+
+namespace {
+
+template <class T>
+T draw(std::mt19937_64& rng) {
+  std::normal_distribution<double> d(0.0, 1.0);
+  if constexpr (std::is_same_v<T, int>)
+    return static_cast<int>(rng() % 2001) - 1000;
+  else
+    return static_cast<T>(static_cast<float>(d(rng)));
+}
+
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() &&
+         std::memcmp(static_cast<const void*>(a.data()), static_cast<const void*>(b.data()),
+                     sizeof(T) * a.size()) == 0;
+}
+
+//! A [rows, width] matrix with `pad` extra elements per row (stride = width + pad), poisoned.
+template <class T>
+struct mat {
+  int rows, width, stride;
+  std::vector<T> v;
+  mat(int r, int w, int pad = 0)
+      : rows(r), width(w), stride(w + pad), v(static_cast<std::size_t>(r) * (w + pad) + 16) {
+    std::memset(static_cast<void*>(v.data()), 0xFF, sizeof(T) * v.size());
+  }
+  // Views start 16-byte aligned (std::vector's allocation is) unless `offset` moves them.
+  template <class S = host_space>
+  row_view<T, S> view(int offset = 0) {
+    return row_view<T, S>(v.data() + offset, rows, width, stride);
+  }
+  void randomize(std::mt19937_64& rng) {
+    for (auto& x : v) x = draw<T>(rng);
+  }
+};
+
+// cpu_exec's memory is host memory: a test may hand the executor views of its own vectors
+// (cpu_device_space views of host allocations), so both contexts see the same inputs.
+template <class T>
+row_view<T, cpu_device_space> dev(row_view<T> h) {
+  return row_view<T, cpu_device_space>(h.data(), h.rows(), h.width(), h.stride());
+}
+
+const std::vector<int> token_sizes() {
+  return test::simt_reduced ? std::vector<int>{1, 7, 64} : std::vector<int>{1, 7, 513};
+}
+const std::vector<int> hidden_sizes() {
+  return test::simt_reduced ? std::vector<int>{1, 7, 8, 72} : std::vector<int>{1, 7, 8, 4096 + 8};
+}
+
+template <class T>
+void check_gather(std::mt19937_64& rng, int tokens, int hidden, int k, int pad) {
+  const int slots = tokens * k;
+  mat<T> src(tokens, hidden, pad);
+  src.randomize(rng);
+  // Index into slots (divisor k): a permutation of the slots with some -1 (dropped / padding).
+  mat<int> index(slots + 3, 1);
+  for (int r = 0; r < slots + 3; ++r)
+    index.v[static_cast<std::size_t>(r)] =
+        rng() % 5 == 0 ? -1 : static_cast<int>(rng() % static_cast<unsigned>(slots));
+  mat<T> ref(slots + 3, hidden, pad), got(slots + 3, hidden, pad);
+  REQUIRE(host_exec{}.gather_rows<T>(src.view(), index.view(), k, ref.view()));
+  REQUIRE(cpu_exec{rng()}.gather_rows<T>(dev(src.view()), dev(index.view()), k, dev(got.view())));
+  // The padding between rows is never written by either (still poisoned in both).
+  CHECK(same_bits(ref.v, got.v));
+}
+
+template <class T, class Acc>
+void check_gather_sum(std::mt19937_64& rng, int tokens, int hidden, int k, int pad, bool weighted) {
+  const int rows = tokens * k;
+  mat<T> src(rows, hidden, pad);
+  src.randomize(rng);
+  mat<int> index(tokens, k);
+  for (auto& i : index.v)
+    i = rng() % 6 == 0 ? -1 : static_cast<int>(rng() % static_cast<unsigned>(rows));
+  mat<T> w(tokens, k);
+  w.randomize(rng);
+  mat<T> ref(tokens, hidden, pad), got(tokens, hidden, pad);
+  auto wv = weighted ? w.view() : row_view<T>();
+  REQUIRE(host_exec{}.gather_sum_rows<T, T, Acc>(src.view(), index.view(), wv, ref.view()));
+  REQUIRE(cpu_exec{rng()}.gather_sum_rows<T, T, Acc>(dev(src.view()), dev(index.view()),
+                                                     dev(row_view<const T>(wv)), dev(got.view())));
+  CHECK(same_bits(ref.v, got.v));
+}
+
+template <class T>
+void check_chunks(std::mt19937_64& rng, int rows, int hidden, int pad) {
+  // Chunks of random sizes (some empty) that tile the rows, moved to a shuffled order.
+  std::vector<int> sizes;
+  for (int left = rows; left > 0;) {
+    const int n = std::min(left, static_cast<int>(rng() % 9));
+    sizes.push_back(n);
+    left -= n;
+  }
+  sizes.push_back(0);
+  const int c = static_cast<int>(sizes.size());
+  std::vector<int> order(static_cast<std::size_t>(c));
+  for (int i = 0; i < c; ++i) order[static_cast<std::size_t>(i)] = i;
+  std::shuffle(order.begin(), order.end(), rng);
+  mat<int> sz(c, 1), from(c, 1), to(c, 1);
+  int f = 0, t = 0;
+  for (int i = 0; i < c; ++i) {
+    sz.v[static_cast<std::size_t>(i)] = sizes[static_cast<std::size_t>(i)];
+    from.v[static_cast<std::size_t>(i)] = f;
+    f += sizes[static_cast<std::size_t>(i)];
+  }
+  for (int i : order) {
+    to.v[static_cast<std::size_t>(i)] = t;
+    t += sizes[static_cast<std::size_t>(i)];
+  }
+  mat<T> src(rows, hidden, pad);
+  src.randomize(rng);
+  mat<T> ref(rows, hidden, pad), got(rows, hidden, pad);
+  REQUIRE(host_exec{}.copy_chunks<T>(src.view(), sz.view(), from.view(), to.view(), ref.view()));
+  REQUIRE(cpu_exec{rng()}.copy_chunks<T>(dev(src.view()), dev(sz.view()), dev(from.view()),
+                                         dev(to.view()), dev(got.view())));
+  CHECK(same_bits(ref.v, got.v));
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("permute (gather_rows): cpu_exec kernel equals the host, bit for bit", T, float,
+                   bfloat16, double) {
+  const auto seed = test::simt_seed();
+  MESSAGE("seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (int tokens : token_sizes())
+    for (int hidden : hidden_sizes())
+      for (int k : {1, 2, 8})
+        for (int pad : {0, 1}) {
+          CAPTURE(tokens);
+          CAPTURE(hidden);
+          CAPTURE(k);
+          CAPTURE(pad);
+          if (test::simt_reduced && tokens * k > 128) continue;
+          check_gather<T>(rng, tokens, hidden, k, pad);
+        }
+}
+
+TEST_CASE_TEMPLATE("un-permute (gather_sum_rows): the host's sums, bit for bit", T, float, bfloat16,
+                   double) {
+  const auto seed = test::simt_seed();
+  MESSAGE("seed " << seed);
+  std::mt19937_64 rng(seed + 1);
+  for (int tokens : token_sizes())
+    for (int hidden : hidden_sizes())
+      for (int k : {1, 2, 8})
+        for (int pad : {0, 3})
+          for (bool weighted : {false, true}) {
+            CAPTURE(tokens);
+            CAPTURE(hidden);
+            CAPTURE(k);
+            CAPTURE(pad);
+            CAPTURE(weighted);
+            if (test::simt_reduced && tokens * k > 128) continue;
+            check_gather_sum<T, accumulator_t<T>>(rng, tokens, hidden, k, pad, weighted);
+          }
+}
+
+TEST_CASE_TEMPLATE("chunk copies: the host's result, bit for bit", T, float, bfloat16) {
+  std::mt19937_64 rng(test::simt_seed() + 2);
+  for (int rows : token_sizes())
+    for (int hidden : hidden_sizes())
+      for (int pad : {0, 1}) {
+        CAPTURE(rows);
+        CAPTURE(hidden);
+        check_chunks<T>(rng, rows, hidden, pad);
+      }
+}
+
+TEST_CASE("elementwise kernels: relabel, add, add_converted, convert, scale, fill") {
+  std::mt19937_64 rng(test::simt_seed() + 3);
+  for (int rows : token_sizes())
+    for (int width : {1, 7, 8}) {
+      CAPTURE(rows);
+      CAPTURE(width);
+      mat<int> ids(rows, width, 1);
+      for (auto& i : ids.v) i = static_cast<int>(rng() % 70) - 3;
+      mat<int> r1(rows, width, 1), r2(rows, width, 1);
+      REQUIRE(host_exec{}.relabel(ids.view(), 16, 24, r1.view()));
+      REQUIRE(cpu_exec{rng()}.relabel(dev(ids.view()), 16, 24, dev(r2.view())));
+      CHECK(same_bits(r1.v, r2.v));
+
+      mat<float> a(rows, width, 1), b(rows, width, 1);
+      a.randomize(rng);
+      b.randomize(rng);
+      mat<bfloat16> h1(rows, width, 1), h2(rows, width, 1);
+      h1.randomize(rng);
+      h2.v = h1.v;
+      REQUIRE(host_exec{}.add_converted<bfloat16, float>(a.view(), h1.view()));
+      REQUIRE(cpu_exec{rng()}.add_converted<bfloat16, float>(dev(a.view()), dev(h2.view())));
+      CHECK(same_bits(h1.v, h2.v));
+
+      auto b2 = b;
+      REQUIRE(host_exec{}.add<float>(a.view(), b.view()));
+      REQUIRE(cpu_exec{rng()}.add<float>(dev(a.view()), dev(b2.view())));
+      CHECK(same_bits(b.v, b2.v));
+
+      mat<bfloat16> c1(rows, width, 1), c2(rows, width, 1);
+      REQUIRE(host_exec{}.convert<bfloat16, float>(a.view(), c1.view()));
+      REQUIRE(cpu_exec{rng()}.convert<bfloat16, float>(dev(a.view()), dev(c2.view())));
+      CHECK(same_bits(c1.v, c2.v));
+
+      auto s2 = h1;
+      REQUIRE(host_exec{}.scale<bfloat16>(h1.view(), bfloat16(0.3f)));
+      REQUIRE(cpu_exec{rng()}.scale<bfloat16>(dev(s2.view()), bfloat16(0.3f)));
+      CHECK(same_bits(h1.v, s2.v));
+
+      mat<double> f1(rows, width, 1), f2(rows, width, 1);
+      REQUIRE(host_exec{}.fill<double>(f1.view(), -2.5));
+      REQUIRE(cpu_exec{rng()}.fill<double>(dev(f2.view()), -2.5));
+      CHECK(same_bits(f1.v, f2.v));
+    }
+}
+
+TEST_CASE("row kernels: views that start off 16 bytes take the element path, same result") {
+  std::mt19937_64 rng(test::simt_seed() + 4);
+  mat<float> src(9, 8), ref(9, 8), got(9, 8);
+  src.randomize(rng);
+  mat<int> index(9, 1);
+  for (int r = 0; r < 9; ++r) index.v[static_cast<std::size_t>(r)] = (r * 4) % 9;
+  // One float in: the rows are still 32 bytes apart, but no row starts on a 16-byte boundary.
+  auto s = src.view(1), gr = got.view(1), rr = ref.view(1);
+  REQUIRE(host_exec{}.gather_rows<float>(s, index.view(), 1, rr));
+  REQUIRE(cpu_exec{1}.gather_rows<float>(dev(s), dev(index.view()), 1, dev(gr)));
+  CHECK(same_bits(ref.v, got.v));
+}
+
+TEST_CASE("row kernels: an index outside its range is refused before anything is written") {
+  mat<float> src(4, 8), dst(2, 8);
+  std::mt19937_64 rng(5);
+  src.randomize(rng);
+  mat<int> index(2, 1);
+  index.v = {1, 4};
+  index.v.resize(18);
+  auto before = dst.v;
+  auto st = cpu_exec{1}.gather_rows<float>(dev(src.view()), dev(index.view()), 1, dev(dst.view()));
+  REQUIRE_FALSE(st);
+  CHECK(st.error().code == errc::invalid_argument);
+  CHECK(st.error().message.find("gather_rows: index 4 at (1, 0) outside [-1, 4)") !=
+        std::string::npos);
+  CHECK(same_bits(before, dst.v));
+}

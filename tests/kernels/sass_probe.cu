@@ -1,0 +1,27 @@
+// Every row kernel's GPU entry, instantiated for the types the dispatcher moves (fp32, bf16), for
+// sass_check.py to compile to sm_90a and read: 128-bit global accesses in the row kernels, no
+// spills, registers and occupancy. Nothing here runs.
+#include <moefold/core/cuda/cuda_launch.cuh>
+#include <moefold/core/dtype.hpp>
+#include <moefold/kernels/chunk_copy.hpp>
+#include <moefold/kernels/elementwise.hpp>
+#include <moefold/kernels/permute.hpp>
+#include <moefold/kernels/unpermute.hpp>
+
+namespace k = moefold::kernels;
+using moefold::bfloat16;
+using moefold::detail::simt_entry;
+
+#define MOEFOLD_SASS_PROBE(...) template __global__ void simt_entry<__VA_ARGS__>(const __VA_ARGS__)
+MOEFOLD_SASS_PROBE(k::gather_rows_kernel<float>);
+MOEFOLD_SASS_PROBE(k::gather_rows_kernel<bfloat16>);
+MOEFOLD_SASS_PROBE(k::gather_sum_rows_kernel<float, float, float>);
+MOEFOLD_SASS_PROBE(k::gather_sum_rows_kernel<bfloat16, bfloat16, float>);
+MOEFOLD_SASS_PROBE(k::copy_chunks_kernel<float>);
+MOEFOLD_SASS_PROBE(k::copy_chunks_kernel<bfloat16>);
+MOEFOLD_SASS_PROBE(k::relabel_kernel);
+MOEFOLD_SASS_PROBE(k::add_converted_kernel<bfloat16, float>);
+MOEFOLD_SASS_PROBE(k::add_converted_kernel<float, float>);
+MOEFOLD_SASS_PROBE(k::convert_kernel<bfloat16, float>);
+MOEFOLD_SASS_PROBE(k::scale_kernel<bfloat16>);
+MOEFOLD_SASS_PROBE(k::fill_kernel<float>);

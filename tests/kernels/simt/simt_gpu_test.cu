@@ -1,0 +1,137 @@
+// GPU test of the SIMT seam: each seam kernel on cuda_exec equals the same body on cpu_exec, on
+// the same fresh random inputs, bit for bit (integer results and fixed-order float results
+// alike). Without a CUDA device it exits 77, which meson counts as skipped; scripts/gpu-check.sh
+// fails on that skip where a GPU exists.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <moefold/core/cpu_exec.hpp>
+#include <moefold/core/cuda/cuda_launch.cuh>
+#include <random>
+#include <vector>
+
+#include "../../support/simt_test_sizes.hpp"
+#include "seam_kernels.hpp"
+
+using namespace moefold;
+using namespace moefold::test;
+
+namespace {
+
+//! A device copy of a host vector, freed at scope exit.
+template <class T>
+struct device_vec {
+  T* p = nullptr;
+  std::size_t n = 0;
+  explicit device_vec(const std::vector<T>& h) : n(h.size()) {
+    REQUIRE(cudaMalloc(&p, sizeof(T) * (n ? n : 1)) == cudaSuccess);
+    REQUIRE(cudaMemcpy(p, h.data(), sizeof(T) * n, cudaMemcpyHostToDevice) == cudaSuccess);
+  }
+  ~device_vec() { cudaFree(p); }
+  std::vector<T> host() const {
+    std::vector<T> h(n);
+    REQUIRE(cudaMemcpy(h.data(), p, sizeof(T) * n, cudaMemcpyDeviceToHost) == cudaSuccess);
+    return h;
+  }
+};
+
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), sizeof(T) * a.size()) == 0;
+}
+
+//! Runs `make(ptrs...)` on both executors over copies of `outs` (poisoned), returns both results.
+template <class T, class Make>
+std::pair<std::vector<T>, std::vector<T>> both(std::size_t out_size, launch_grid g, Make make) {
+  std::vector<T> cpu(out_size);
+  std::memset(cpu.data(), 0xFF, sizeof(T) * out_size);
+  device_vec<T> dev(cpu);
+  REQUIRE(launch(cpu_exec{test::simt_seed()}, g, make(cpu.data())));
+  REQUIRE(launch(cuda_exec{nullptr}, g, make(dev.p)));
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  return {cpu, dev.host()};
+}
+
+}  // namespace
+
+TEST_CASE("[kernel][small] shuffles and ballots: cuda_exec equals cpu_exec") {
+  const auto [cpu, gpu] = both<unsigned>(3 * 64 * 7, launch_grid{.blocks = 3},
+                                         [](unsigned* o) { return shuffle_kernel{o}; });
+  CHECK(same_bits(cpu, gpu));
+}
+
+TEST_CASE("[kernel][small] warp sums and block scans: cuda_exec equals cpu_exec bitwise") {
+  const auto seed = test::simt_seed();
+  MESSAGE("seed " << seed);
+  std::mt19937 rng(static_cast<unsigned>(seed));
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  constexpr int threads = 256, blocks = 5, n = threads * blocks;
+  std::vector<float> in(n);
+  for (auto& v : in) v = d(rng);
+  device_vec<float> din(in);
+  using K = scan_kernel<threads, float>;
+  const launch_grid g{.blocks = blocks,
+                      .smem_bytes = sizeof(float) * kernels::simt::block_scan_scratch<K>};
+  std::vector<float> ex(n), tot(n), ws(n);
+  REQUIRE(launch(cpu_exec{seed}, g, K{in.data(), ex.data(), tot.data(), ws.data()}));
+  device_vec<float> dex(ex), dtot(tot), dws(ws);
+  REQUIRE(launch(cuda_exec{nullptr}, g, K{din.p, dex.p, dtot.p, dws.p}));
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  CHECK(same_bits(ex, dex.host()));
+  CHECK(same_bits(tot, dtot.host()));
+  CHECK(same_bits(ws, dws.host()));
+}
+
+TEST_CASE("[kernel][small] atomic histogram: cuda_exec equals cpu_exec") {
+  std::mt19937 rng(static_cast<unsigned>(test::simt_seed()));
+  const int n = 100000, bins = 256;
+  std::vector<int> ids(n);
+  for (auto& v : ids) v = static_cast<int>(rng() % bins);
+  device_vec<int> dids(ids);
+  std::vector<int> zero(bins, 0), cpu = zero;
+  device_vec<int> dcounts(zero);
+  const launch_grid g{.blocks = 40, .smem_bytes = sizeof(int) * bins};
+  REQUIRE(launch(cpu_exec{1}, g, histogram_kernel{ids.data(), n, bins, cpu.data()}));
+  REQUIRE(launch(cuda_exec{nullptr}, g, histogram_kernel{dids.p, n, bins, dcounts.p}));
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  CHECK(cpu == dcounts.host());
+}
+
+TEST_CASE("[kernel][small] moefold's exp, log, sqrt, bf16 and fma: the same bits on the GPU") {
+  std::vector<float> in;
+  for (std::uint64_t b = 0; b < 0x100000000ull; b += 65537) {
+    const auto u = static_cast<std::uint32_t>(b);
+    float x;
+    std::memcpy(&x, &u, 4);
+    in.push_back(x);
+  }
+  const int n = static_cast<int>(in.size());
+  device_vec<float> din(in);
+  std::vector<float> cpu(5 * in.size());
+  std::memset(cpu.data(), 0xFF, sizeof(float) * cpu.size());
+  device_vec<float> dout(cpu);
+  const launch_grid g{.blocks = 64};
+  REQUIRE(launch(cpu_exec{1}, g, math_kernel{in.data(), cpu.data(), n}));
+  REQUIRE(launch(cuda_exec{nullptr}, g, math_kernel{din.p, dout.p, n}));
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  const auto gpu = dout.host();
+  int differ[5] = {};
+  for (std::size_t i = 0; i < cpu.size(); ++i)
+    if (std::memcmp(&cpu[i], &gpu[i], sizeof(float)) != 0) ++differ[i % 5];
+  MESSAGE("values " << n << "; differing exp " << differ[0] << ", log " << differ[1] << ", sqrt "
+                    << differ[2] << ", bf16 " << differ[3] << ", fma " << differ[4]);
+  for (int k = 0; k < 5; ++k) CHECK(differ[k] == 0);
+}
+
+int main(int argc, char** argv) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("no CUDA device: skipped\n");
+    return 77;
+  }
+  doctest::Context ctx(argc, argv);
+  return ctx.run();
+}
