@@ -13,6 +13,10 @@ namespace moefold::kernels {
 //! One thread per (group, position): table[rank - offset] = {group, position}.
 //! Preconditions: `table` has room for list.count() * list.group_size() entries (the groups of a
 //! kind that partitions the world), and every rank - offset lies in [0, that size).
+//! A template (of nothing) so that every .cu file including this header may instantiate it: a
+//! plain __global__ defined in a header is a duplicate symbol at link time (the kernels-cuh test
+//! links two such files).
+template <class = void>
 __global__ void __launch_bounds__(256)
     fill_group_table(group_list list, int offset, int2* table /* (world) */) {
   const int n = list.count() * list.group_size();
@@ -29,8 +33,9 @@ __global__ void __launch_bounds__(256)
   const int n = list.count() * list.group_size();
   if (n == 0) return cudaSuccess;
   const int blocks = (n + 255) / 256 < 1024 ? (n + 255) / 256 : 1024;
-  fill_group_table<<<blocks, 256, 0, stream>>>(list, offset, table);
-  return cudaPeekAtLastError();
+  fill_group_table<><<<blocks, 256, 0, stream>>>(list, offset, table);
+  // cudaGetLastError, not Peek: it clears the error, so a later check does not report it again.
+  return cudaGetLastError();
 }
 
 }  // namespace moefold::kernels

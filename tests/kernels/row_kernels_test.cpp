@@ -11,6 +11,7 @@
 #include <moefold/core/cpu_exec.hpp>
 #include <moefold/core/dtype.hpp>
 #include <moefold/core/host_exec.hpp>
+#include <moefold/dispatch/plan_builders.hpp>
 #include <random>
 #include <string>
 #include <vector>
@@ -262,4 +263,69 @@ TEST_CASE("row kernels: an index outside its range is refused before anything is
   CHECK(st.error().message.find("gather_rows: index 4 at (1, 0) outside [-1, 4)") !=
         std::string::npos);
   CHECK(same_bits(before, dst.v));
+}
+
+TEST_CASE("expert histogram and count_routed_pairs: exact counts, the lowest bad slot") {
+  const auto seed = test::simt_seed();
+  MESSAGE("seed " << seed);
+  std::mt19937_64 rng(seed + 5);
+  for (int tokens : token_sizes())
+    for (int E : {1, 8, 64, 256})
+      for (int k : {1, 2, 8}) {
+        CAPTURE(tokens);
+        CAPTURE(E);
+        CAPTURE(k);
+        mat<int> ids(tokens, k);
+        for (auto& i : ids.v) i = rng() % 7 == 0 ? -1 : static_cast<int>(rng() % E);
+        mat<int> ref(1, E), got(1, E);
+        host_exec hx;
+        const auto a = count_routed_pairs(hx, row_view<const int>(ids.view()), ref.view());
+        cpu_exec x{rng()};
+        const auto b = count_routed_pairs(x, dev(row_view<const int>(ids.view())), dev(got.view()));
+        REQUIRE(a);
+        REQUIRE(b);
+        CHECK(b->slot == -1);
+        CHECK(ref.v == got.v);
+        // All tokens on one expert; then two bad entries: the lower slot is reported.
+        for (auto& i : ids.v) i = E - 1;
+        REQUIRE(count_routed_pairs(x, dev(row_view<const int>(ids.view())), dev(got.view())));
+        CHECK(got.v[static_cast<std::size_t>(E - 1)] == tokens * k);
+        const int n = tokens * k;
+        ids.v[static_cast<std::size_t>(n - 1)] = E;
+        ids.v[static_cast<std::size_t>(n / 2)] = -2;
+        const auto c = count_routed_pairs(x, dev(row_view<const int>(ids.view())), dev(got.view()));
+        REQUIRE(c);
+        CHECK(c->slot == n / 2);  // with n == 1 both writes hit slot 0 and -2 stays
+        CHECK(c->expert == -2);
+      }
+}
+
+TEST_CASE("device-wide exclusive scan: three launches, exact, across many tiles") {
+  std::mt19937_64 rng(test::simt_seed() + 6);
+  const std::vector<long long> sizes =
+      test::simt_reduced ? std::vector<long long>{0, 1, 7, 1025}
+                         : std::vector<long long>{0, 1, 7, 513, 1024, 1025, 70001};
+  for (long long n : sizes) {
+    CAPTURE(n);
+    std::vector<int> in(static_cast<std::size_t>(n) + 1), out(in.size(), -7);
+    for (auto& v : in) v = static_cast<int>(rng() % 100);
+    const long long tiles = cpu_exec::exclusive_scan_scratch(n);
+    std::vector<int> scratch(static_cast<std::size_t>(tiles) + 1, -7);
+    int total = -7;
+    const int w = static_cast<int>(n);
+    REQUIRE(cpu_exec{rng()}.exclusive_scan(
+        row_view<const int, cpu_device_space>(in.data(), 1, w),
+        row_view<int, cpu_device_space>(out.data(), 1, w),
+        row_view<int, cpu_device_space>(&total, 1, 1),
+        row_view<int, cpu_device_space>(scratch.data(), 1, static_cast<int>(tiles) + 1)));
+    long long run = 0;
+    bool ok = true;
+    for (long long i = 0; i < n; ++i) {
+      ok = ok && out[static_cast<std::size_t>(i)] == run;
+      run += in[static_cast<std::size_t>(i)];
+    }
+    CHECK(ok);
+    CHECK(total == run);
+    CHECK(out[static_cast<std::size_t>(n)] == -7);  // nothing written past the end
+  }
 }

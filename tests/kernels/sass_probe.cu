@@ -5,7 +5,9 @@
 #include <moefold/core/dtype.hpp>
 #include <moefold/kernels/chunk_copy.hpp>
 #include <moefold/kernels/elementwise.hpp>
+#include <moefold/kernels/histogram.hpp>
 #include <moefold/kernels/permute.hpp>
+#include <moefold/kernels/scan.hpp>
 #include <moefold/kernels/unpermute.hpp>
 
 namespace k = moefold::kernels;
@@ -25,3 +27,7 @@ MOEFOLD_SASS_PROBE(k::add_converted_kernel<float, float>);
 MOEFOLD_SASS_PROBE(k::convert_kernel<bfloat16, float>);
 MOEFOLD_SASS_PROBE(k::scale_kernel<bfloat16>);
 MOEFOLD_SASS_PROBE(k::fill_kernel<float>);
+MOEFOLD_SASS_PROBE(k::expert_histogram_kernel);
+MOEFOLD_SASS_PROBE(k::scan_tiles_kernel);
+MOEFOLD_SASS_PROBE(k::scan_tile_sums_kernel);
+MOEFOLD_SASS_PROBE(k::add_tile_offsets_kernel);

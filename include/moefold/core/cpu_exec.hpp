@@ -42,6 +42,8 @@ class cpu_exec : public detail::simt_memory_ops<cpu_exec, cpu_device_space> {
   static constexpr unsigned char poison = 0xFF;
   //! The host can address this memory: the plan builders run as host code on it.
   static constexpr bool host_addressable_memory = true;
+  //! Its operations are kernel launches (the bookkeeping builders pick their kernels then).
+  static constexpr bool runs_kernels = true;
   //! Row operations check index arrays on the host before a launch (nothing is written then).
   static constexpr bool check_indices_first = true;
   //! The most blocks a row operation launches: every kernel body strides over its rows, so any

@@ -234,6 +234,15 @@ class cpu_ctx {
     MOEFOLD_CPU_ONLY(old = std::atomic_ref<T>(*p).fetch_add(v, std::memory_order_relaxed));
     return old;
   }
+  //! atomicMin on an integer (relaxed); returns the old value.
+  template <class T>
+  requires std::is_integral_v<T> MOEFOLD_HOST_DEVICE T atomic_min(T* p, T v)
+  noexcept {
+    T old{};
+    MOEFOLD_CPU_ONLY(std::atomic_ref<T> a(*p); old = a.load(std::memory_order_relaxed); while (
+                         v < old && !a.compare_exchange_weak(old, v, std::memory_order_relaxed)){});
+    return old;
+  }
 
   //! Runs at the end of the body of each thread: every lane and thread must get here together.
   void finish() {
@@ -293,6 +302,8 @@ class cpu_ctx {
   detail::simt_block_slot* slot_;
   int thread_, grid_blocks_;
 };
+
+static_assert(simt_context<cpu_ctx<32>>);
 
 namespace detail {
 

@@ -10,8 +10,8 @@
 //!
 //! What a body may use is what both contexts give (the `simt_context` concept below): indices,
 //! block barriers, full-mask warp shuffles and ballots, dynamic shared memory, 16-byte loads and
-//! stores, integer atomics. The arithmetic both sides must round the same way (fma, bf16, exp,
-//! log, sqrt) lives in kernels/simt/math.hpp, not in the context.
+//! stores, integer atomics (add, min). The arithmetic both sides must round the same way (fma,
+//! bf16, exp, log, sqrt) lives in kernels/simt/math.hpp, not in the context.
 //!
 //! Rules for bodies (the CPU executor cannot run anything else the way the GPU does): every
 //! thread of a block reaches each `sync()`, all 32 lanes of a warp reach each warp operation, no
@@ -66,6 +66,7 @@ concept simt_context = requires(C& c, const C& cc, int i, float f, unsigned u, b
   { cc.load16(src) } -> std::same_as<bytes16>;
   cc.store16(dst, v);
   { c.atomic_add(ip, i) } -> std::same_as<int>;
+  { c.atomic_min(ip, i) } -> std::same_as<int>;
 };
 
 //! A kernel: `block_threads` a multiple of 32 in [32, 1024], copyable plain data (it travels to

@@ -20,13 +20,17 @@
 #if __has_include(<moefold/kernels/permute.hpp>)
 #include <moefold/kernels/chunk_copy.hpp>
 #include <moefold/kernels/elementwise.hpp>
+#include <moefold/kernels/histogram.hpp>
 #include <moefold/kernels/permute.hpp>
+#include <moefold/kernels/scan.hpp>
 #include <moefold/kernels/simt/row_copy.hpp>
 #include <moefold/kernels/unpermute.hpp>
 #else
 #include "../../../kernels/chunk_copy.hpp"
 #include "../../../kernels/elementwise.hpp"
+#include "../../../kernels/histogram.hpp"
 #include "../../../kernels/permute.hpp"
+#include "../../../kernels/scan.hpp"
 #include "../../../kernels/simt/row_copy.hpp"
 #include "../../../kernels/unpermute.hpp"
 #endif
@@ -240,7 +244,71 @@ struct simt_memory_ops {
             .dst = {dst.data(), dst.stride()}, .v = v, .rows = dst.rows(), .width = dst.width()});
   }
 
+  //! Integers the scratch of exclusive_scan over n elements holds (one per tile of the scan).
+  [[nodiscard]] static constexpr long long exclusive_scan_scratch(long long n) noexcept {
+    return (n + kernels::scan_tiles_kernel::tile - 1) / kernels::scan_tiles_kernel::tile;
+  }
+
+  //! out[i] = in[0] + ... + in[i-1], total[0, 0] = the sum of all: three launches (tiles, their
+  //! sums, the offsets; kernels/scan.hpp), exact. in, out [1, n] contiguous; total [1, 1];
+  //! scratch [1, >= exclusive_scan_scratch(n)], all in this executor's memory.
+  [[nodiscard]] status exclusive_scan(row_view<const int, S> in, row_view<int, S> out,
+                                      row_view<int, S> total, row_view<int, S> scratch) const {
+    const long long n = in.extent();
+    const long long tiles = exclusive_scan_scratch(n);
+    if (in.rows() != 1 || out.rows() != 1 || out.width() != in.width() || total.rows() != 1 ||
+        total.width() != 1 || scratch.rows() != 1 || scratch.width() < tiles)
+      return op_shape_error(Derived::name, "exclusive_scan",
+                            "need in, out [1, n], total [1, 1] and scratch [1, >= tiles]");
+    constexpr auto smem = sizeof(int) * static_cast<std::size_t>(
+                                            kernels::simt::block_scan_scratch<cpu_ctx_shape<256>>);
+    if (tiles > 0) {
+      if (auto st = launch(
+              self(),
+              launch_grid{.blocks = row_grid(tiles, Derived::max_grid_blocks), .smem_bytes = smem},
+              kernels::scan_tiles_kernel{
+                  .in = in.data(), .out = out.data(), .n = n, .tile_sums = scratch.data()});
+          !st)
+        return st;
+    }
+    if (auto st = launch(self(), launch_grid{.blocks = 1, .smem_bytes = smem},
+                         kernels::scan_tile_sums_kernel{
+                             .tile_sums = scratch.data(), .tiles = tiles, .total = total.data()});
+        !st)
+      return st;
+    if (tiles == 0) return {};
+    return launch(self(), launch_grid{.blocks = element_grid(n, 256, Derived::max_grid_blocks)},
+                  kernels::add_tile_offsets_kernel{
+                      .out = out.data(), .n = n, .tile_offsets = scratch.data()});
+  }
+
+  //! counts[0, e] = entries of the contiguous record `ids` naming expert e (E = counts.width());
+  //! `first_bad` [1, 1] gets the lowest slot naming an expert outside [-1, E), or INT_MAX.
+  [[nodiscard]] status expert_histogram(row_view<const int, S> ids, row_view<int, S> counts,
+                                        row_view<int, S> first_bad) const {
+    if (!ids.contiguous() || counts.rows() != 1 || first_bad.rows() != 1 || first_bad.width() != 1)
+      return op_shape_error(Derived::name, "expert_histogram",
+                            "need a contiguous record [n, k], counts [1, E] and first_bad [1, 1]");
+    if (auto st = fill<int>(counts, 0); !st) return st;
+    if (auto st = fill<int>(first_bad, 2147483647); !st) return st;
+    const int E = counts.width();
+    if (ids.extent() == 0) return {};
+    return launch(self(),
+                  launch_grid{.blocks = element_grid(ids.extent(), 256, Derived::max_grid_blocks),
+                              .smem_bytes = kernels::expert_histogram_kernel::smem_bytes(E)},
+                  kernels::expert_histogram_kernel{.ids = ids.data(),
+                                                   .n = ids.extent(),
+                                                   .num_experts = E,
+                                                   .counts = counts.data(),
+                                                   .first_bad = first_bad.data()});
+  }
+
  private:
+  //! The warp count a block scan's scratch is sized by (any context type with the block size).
+  template <int Threads>
+  struct cpu_ctx_shape {
+    static constexpr int block_threads = Threads;
+  };
   const Derived& self() const noexcept { return static_cast<const Derived&>(*this); }
 
   //! One launch; a kernel with a fault counter gets one here, read back after the launch

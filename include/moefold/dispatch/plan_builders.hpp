@@ -87,6 +87,25 @@ template <host_addressable_context Exec>
   return routing_fault{};
 }
 
+//! The same on an executor that runs kernels (cpu_exec): the per-expert histogram kernel
+//! (kernels/histogram.hpp: integer atomics, the lowest bad slot by an atomic min). Its memory is
+//! host memory, so the fault's slot is read back directly.
+template <host_addressable_context Exec>
+requires(Exec::runs_kernels) [[nodiscard]] expected<routing_fault> count_routed_pairs(
+    Exec& x, row_view<const int, typename Exec::memory_space> expert,
+    row_view<int, typename Exec::memory_space> counts) {
+  if (!expert.contiguous() || counts.rows() != 1)
+    return make_error(errc::shape_mismatch,
+                      "count_routed_pairs: need a contiguous record [n, k] and counts [1, E]");
+  int first_bad = 0;
+  if (auto st = x.expert_histogram(expert, counts,
+                                   row_view<int, typename Exec::memory_space>(&first_bad, 1, 1));
+      !st)
+    return unexpected<error>(st.error());
+  if (first_bad != 2147483647) return routing_fault{first_bad, expert.data()[first_bad]};
+  return routing_fault{};
+}
+
 //! A context a dispatcher can run on: an execution context with the plan builders above and the
 //! row operations (core/host_memory_ops.hpp; cuda_exec gains both with its kernels).
 template <class X>

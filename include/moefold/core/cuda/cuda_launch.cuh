@@ -69,7 +69,13 @@ struct cuda_ctx {
     else
       return atomicAdd(p, v);
   }
+  template <class T>
+  requires std::is_integral_v<T> __device__ __forceinline__ T atomic_min(T* p, T v) {
+    return atomicMin(p, v);
+  }
 };
+
+static_assert(simt_context<cuda_ctx<32>>);
 
 namespace detail {
 
