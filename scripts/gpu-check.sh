@@ -1,31 +1,218 @@
 #!/usr/bin/env bash
-# The GPU check, run on a machine with an NVIDIA GPU (the device tool runs it in a fresh copy of
-# the working tree): build with CUDA, run the gpu suite and the host suite, run the GPU tests under
-# compute-sanitizer, and copy the logs to $OUT (default: gpu-out/).
+# The GPU check: one prepared run for a short GPU window (docs/gpu.md, gpu-design.md section 4).
+#
+#   here:        python3 scripts/gpu-bin.py build gpu-bin        # the GPU programs, built here
+#   on the GPU:  OUT=$OUT bash scripts/gpu-check.sh              # (device tool: carry gpu-bin)
+#   dry run:     bash scripts/gpu-check.sh --dry-run --bin-dir DIR   (CI: no GPU needed)
+#
+# Steps, each under `timeout`: facts (GPU, driver, toolkit, compute-sanitizer) -> start-up (every
+# carried program starts; if one cannot, they are rebuilt here, on the GPU machine, once) ->
+# smoke (one seam kernel on the GPU equals the CPU executor; stop if not) -> correctness (every
+# GPU test program) -> sanitizers (memcheck, racecheck, synccheck, initcheck on the seam tests;
+# a runtime where compute-sanitizer cannot run is detected and reported) -> benchmark.
+# A GPU test that skips (exit 77) while a GPU is present fails the run, as does a missing
+# program or a timed-out step. Output: $OUT/summary.json (docs/gpu-check-summary.schema.json)
+# and $OUT/logs.tar.gz, nothing else. Exit 0 only when the run passed.
+#
+# --dry-run: no GPU is needed; MOEFOLD_GPU_CHECK_FAKE_GPU=1 makes the script act as if one were
+# present (so that a skipping program must fail the run: CI checks that it does).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+root=$(pwd)
 out=${OUT:-gpu-out}
-mkdir -p "$out"
-{
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
-  nvcc --version | tail -2
-  meson --version
-} >"$out/machine.txt" 2>&1
-rm -rf build-gpu
-meson setup build-gpu -Dcuda=enabled -Dmpi=auto >"$out/setup.log" 2>&1 || { tail -30 "$out/setup.log"; exit 1; }
-ninja -C build-gpu >"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
-meson test -C build-gpu --no-rebuild --print-errorlogs >"$out/test.log" 2>&1
-cp build-gpu/meson-logs/testlog.json "$out/testlog.json"
-rc=0
-sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-for t in build-gpu/tests/test-kernels-* build-gpu/tests/test-comm-gpu-collectives; do
-  [ -x "$t" ] || continue
-  "$sanitizer" --tool memcheck --error-exitcode 3 "$t" >"$out/sanitizer-$(basename "$t").log" 2>&1 || rc=1
+bin_dir=gpu-bin
+dry_run=0
+while [ $# -gt 0 ]; do
+  case $1 in
+    --dry-run) dry_run=1 ;;
+    --bin-dir) bin_dir=$2; shift ;;
+    *) echo "gpu-check.sh: unknown argument $1 (--dry-run, --bin-dir DIR)"; exit 2 ;;
+  esac
+  shift
 done
-# The loopback all_to_all_v benchmark (8 ranks on one GPU), nccl-tests style.
-if [ -x build-gpu/benchmarks/comm/bench-comm-a2av-loopback ]; then
-  build-gpu/benchmarks/comm/bench-comm-a2av-loopback 8 >"$out/bench-a2av-loopback.txt" 2>&1 || rc=1
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+steps="$logs/steps.jsonl"
+: >"$steps"
+reasons=()
+result=pass
+
+# step NAME SECONDS CMD...: runs CMD under timeout with its output in logs/NAME.log and records
+# {name, rc, seconds, status}; returns CMD's exit status (124: timed out).
+step() {
+  local name=$1 limit=$2 t0 rc status
+  shift 2
+  t0=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" </dev/null >"$logs/$name.log" 2>&1
+  rc=$?
+  case $rc in
+    0) status=ok ;;
+    77) status=skipped ;;
+    124 | 137) status=timeout ;;
+    *) status=failed ;;
+  esac
+  printf '{"name": "%s", "rc": %d, "seconds": %d, "status": "%s"}\n' "$name" "$rc" \
+    $(($(date +%s) - t0)) "$status" >>"$steps"
+  return $rc
+}
+fail() {
+  result=fail
+  reasons+=("$1")
+}
+
+# Facts.
+gpu_present=0
+if [ "${MOEFOLD_GPU_CHECK_FAKE_GPU:-0}" = 1 ]; then
+  gpu_present=1
+elif [ $dry_run = 0 ] && nvidia-smi -L >/dev/null 2>&1; then
+  gpu_present=1
 fi
-tail -n 12 "$out/test.log"
-python3 scripts/count_tests.py "$out/testlog.json" | tee "$out/count.txt" || rc=1
-exit $rc
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || echo "no nvidia-smi"
+  (nvcc --version || /usr/local/cuda/bin/nvcc --version) 2>&1 | tail -2
+  (compute-sanitizer --version || /usr/local/cuda/bin/compute-sanitizer --version) 2>&1 | head -2
+} >"$logs/facts.log" 2>&1
+gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)
+[ $gpu_present = 1 ] || { [ $dry_run = 1 ] || fail "no GPU found (nvidia-smi -L)"; }
+
+# The programs: carried (built here), or rebuilt on this machine when one cannot start.
+manifest="$bin_dir/manifest.txt"
+rebuild() {
+  step rebuild-setup 300 bash scripts/configure.sh build-gpu -Dcuda=enabled -Dmpi=auto &&
+    step rebuild-build 600 ninja -C build-gpu $(python3 scripts/gpu-bin.py build-gpu --targets) &&
+    step rebuild-collect 60 python3 scripts/gpu-bin.py build-gpu "$bin_dir"
+}
+starts() {  # every program loads (a loader failure is exit 127 or a message naming a library)
+  local name prog
+  while IFS=$'\t' read -r name prog; do
+    [ -x "$bin_dir/$prog" ] || return 1
+    timeout 30 "$bin_dir/$prog" --help </dev/null >"$logs/start-$name.log" 2>&1
+    [ $? = 127 ] && return 1
+    grep -q "error while loading shared libraries" "$logs/start-$name.log" && return 1
+  done <"$manifest"
+  return 0
+}
+if [ ! -f "$manifest" ] || ! starts; then
+  if [ $dry_run = 1 ]; then
+    fail "the carried programs in $bin_dir do not start (dry run: no rebuild)"
+  elif ! rebuild || ! starts; then
+    fail "the GPU programs could not be built or started here"
+  fi
+fi
+
+ran=()
+if [ -f "$manifest" ]; then
+  # Smoke: the seam's first test on the GPU (cuda_exec equals cpu_exec); stop early if not.
+  if grep -q "^simt-gpu	" "$manifest"; then
+    prog=$(grep "^simt-gpu	" "$manifest" | cut -f2)
+    step smoke 120 "$bin_dir/$prog" -tc='*shuffles*'
+    rc=$?
+    if [ $rc = 77 ] && [ $gpu_present = 1 ]; then
+      fail "smoke: simt-gpu skipped while a GPU is present"
+    elif [ $rc != 0 ] && [ $rc != 77 ]; then
+      fail "smoke: simt-gpu failed (rc $rc): nothing else was run"
+      ran=(stop)
+    fi
+  else
+    fail "the manifest has no simt-gpu"
+  fi
+fi
+
+if [ "${ran[*]:-}" != stop ] && [ -f "$manifest" ]; then
+  # Correctness: every GPU test program (benchmarks after).
+  while IFS=$'\t' read -r name prog; do
+    case $name in bench-*) continue ;; esac
+    [ -x "$bin_dir/$prog" ] || { fail "$name: $bin_dir/$prog is missing"; continue; }
+    step "test-$name" 300 "$bin_dir/$prog"
+    rc=$?
+    if [ $rc = 77 ]; then
+      [ $gpu_present = 1 ] && fail "$name skipped while a GPU is present"
+    elif [ $rc = 124 ] || [ $rc = 137 ]; then
+      fail "$name timed out"
+    elif [ $rc != 0 ]; then
+      fail "$name failed (rc $rc)"
+    fi
+    ran+=("$name")
+  done <"$manifest"
+
+  # Sanitizers on the seam tests (small): each tool once; "not supported" means this runtime
+  # cannot run compute-sanitizer (seen on gVisor), which is reported, not counted as a pass.
+  sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  prog=$(grep "^simt-gpu	" "$manifest" | cut -f2)
+  sanitizers_json=""
+  for tool in memcheck racecheck synccheck initcheck; do
+    if [ $gpu_present = 0 ] || [ $dry_run = 1 ] || [ ! -x "$sanitizer" ] || [ -z "$prog" ]; then
+      status=not_run
+    else
+      step "sanitizer-$tool" 300 "$sanitizer" --tool "$tool" --error-exitcode 3 "$bin_dir/$prog"
+      rc=$?
+      if grep -qE "Device not supported|Unable to|error 999" "$logs/sanitizer-$tool.log"; then
+        status=unavailable
+      elif [ $rc = 0 ]; then
+        status=clean
+      else
+        status=errors
+        fail "compute-sanitizer $tool reported errors (rc $rc)"
+      fi
+    fi
+    sanitizers_json+="${sanitizers_json:+, }\"$tool\": \"$status\""
+  done
+
+  # Benchmark: the loopback all_to_all_v, 8 ranks on one GPU.
+  if grep -q "^bench-comm-a2av-loopback	" "$manifest" && [ $gpu_present = 1 ] && [ $dry_run = 0 ]; then
+    step bench-a2av-loopback 120 "$bin_dir/bench-comm-a2av-loopback" 8 ||
+      fail "bench-comm-a2av-loopback failed"
+  fi
+fi
+
+# Counts: doctest summaries of the test programs; a program without one counts as one case.
+read -r passed failed skipped < <(python3 - "$logs" <<'PY'
+import json, pathlib, re, sys
+logs = pathlib.Path(sys.argv[1])
+p = f = s = 0
+steps = [json.loads(l) for l in open(logs / "steps.jsonl")]
+for st in steps:
+    if not st["name"].startswith("test-"):
+        continue
+    text = (logs / (st["name"] + ".log")).read_text(errors="replace")
+    m = re.findall(r"test cases:\s*(\d+) \|\s*(\d+) passed \|\s*(\d+) failed \|\s*(\d+) skipped", text)
+    if st["status"] == "skipped":
+        s += 1
+    elif m:
+        _, a, b, c = map(int, m[-1])
+        p, f, s = p + a, f + b + (1 if st["status"] != "ok" and b == 0 else 0), s + c
+    elif st["status"] == "ok":
+        p += 1
+    else:
+        f += 1
+print(p, f, s)
+PY
+)
+[ "$failed" -gt 0 ] && fail "$failed test case(s) failed"
+
+commit=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+python3 - "$out/summary.json" "$steps" "$result" "$dry_run" "$gpu_present" "$commit" \
+  "${gpu_name:-}" "${driver:-}" "$passed" "$failed" "$skipped" "{${sanitizers_json:-}}" \
+  "${reasons[@]+"${reasons[@]}"}" <<'PY'
+import datetime, json, sys
+(path, steps, result, dry, gpu, commit, name, driver, p, f, s, san), reasons = sys.argv[1:13], sys.argv[13:]
+json.dump({
+    "schema": 1,
+    "commit": commit,
+    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    "dry_run": dry == "1",
+    "gpu": {"present": gpu == "1", "name": name, "driver": driver},
+    "steps": [json.loads(l) for l in open(steps)],
+    "tests": {"passed": int(p), "failed": int(f), "skipped": int(s)},
+    "sanitizers": json.loads(san),
+    "result": result,
+    "reasons": reasons,
+}, open(path, "w"), indent=1)
+PY
+tar -czf "$out/logs.tar.gz" -C "$logs" . 2>/dev/null
+echo "gpu-check: $result ($passed passed, $failed failed, $skipped skipped)"
+for r in "${reasons[@]+"${reasons[@]}"}"; do echo "  - $r"; done
+[ $result = pass ]

@@ -1,0 +1,40 @@
+#!/usr/bin/env python3
+"""Collects the GPU test programs of a meson build (the tests of suite `gpu`) and the GPU
+benchmarks into one folder with a manifest, for scripts/gpu-check.sh: built on a machine without
+a GPU, carried to one (the device tool's `carry`), run there.
+
+Usage: gpu-bin.py BUILD_DIR OUT_DIR        (writes OUT_DIR/manifest.txt: "name<TAB>program")
+       gpu-bin.py BUILD_DIR --targets      (prints the ninja targets of those programs)"""
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+build = pathlib.Path(sys.argv[1]).resolve()
+tests = json.loads(subprocess.run(["meson", "introspect", str(build), "--tests"], check=True,
+                                  capture_output=True, text=True).stdout)
+progs = []
+for t in tests:
+    if any(s.endswith(":gpu") for s in t["suite"]):
+        progs.append((t["name"], pathlib.Path(t["cmd"][0])))
+bench = build / "benchmarks" / "comm" / "bench-comm-a2av-loopback"
+progs.append(("bench-comm-a2av-loopback", bench))
+if not progs[:-1]:
+    sys.exit(f"gpu-bin.py: {build} has no tests of suite gpu (configured without CUDA?)")
+
+if sys.argv[2] == "--targets":
+    print(" ".join(os.path.relpath(p, build) for _, p in progs))
+    sys.exit(0)
+out = pathlib.Path(sys.argv[2])
+shutil.rmtree(out, ignore_errors=True)
+out.mkdir(parents=True)
+lines = []
+for name, p in progs:
+    if not p.is_file():
+        sys.exit(f"gpu-bin.py: {name}: {p} is not built")
+    shutil.copy2(p, out / p.name)
+    lines.append(f"{name}\t{p.name}")
+(out / "manifest.txt").write_text("\n".join(lines) + "\n")
+print(f"gpu-bin.py: {len(lines)} programs in {out}")

@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""scripts/gpu-check.sh without a GPU (its dry run), as CI runs it:
+1. a GPU test program that skips (exit 77) while a GPU is present (faked) fails the run;
+2. a passing one passes, its doctest counts read from its output;
+3. (with a CUDA build) every GPU program of the build is collected by gpu-bin.py and starts;
+in each case the output folder holds summary.json (valid against
+docs/gpu-check-summary.schema.json) and logs.tar.gz, nothing else, well under 1 MiB.
+
+Usage: gpu_check_test.py SOURCE_ROOT [BUILD_DIR_WITH_CUDA]"""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+import jsonschema
+
+root = pathlib.Path(sys.argv[1])
+build = sys.argv[2] if len(sys.argv) > 2 else None
+schema = json.loads((root / "docs" / "gpu-check-summary.schema.json").read_text())
+cases, failures = 0, []
+
+
+def check(cond, what):
+    global cases
+    cases += 1
+    if not cond:
+        failures.append(what)
+        print("FAIL:", what)
+
+
+def run(tmp, bin_dir, fake_gpu):
+    out = tmp / "out"
+    env = dict(os.environ, OUT=str(out), MOEFOLD_GPU_CHECK_FAKE_GPU="1" if fake_gpu else "0")
+    r = subprocess.run(["bash", str(root / "scripts" / "gpu-check.sh"), "--dry-run", "--bin-dir",
+                        str(bin_dir)], capture_output=True, text=True, env=env, timeout=600)
+    names = sorted(p.name for p in out.iterdir())
+    check(names == ["logs.tar.gz", "summary.json"], f"output files {names}")
+    size = sum(p.stat().st_size for p in out.iterdir())
+    check(size < 1 << 20, f"output {size} bytes")
+    summary = json.loads((out / "summary.json").read_text())
+    try:
+        jsonschema.validate(summary, schema)
+        check(True, "schema")
+    except jsonschema.ValidationError as e:
+        check(False, f"summary.json does not match the schema: {e.message}")
+    return r, summary
+
+
+def fake_bin(tmp, script):
+    b = tmp / "bin"
+    b.mkdir()
+    prog = b / "test-fake"
+    prog.write_text("#!/bin/sh\n" + script)
+    prog.chmod(0o755)
+    (b / "manifest.txt").write_text("simt-gpu\ttest-fake\n")
+    return b
+
+
+with tempfile.TemporaryDirectory() as d:
+    tmp = pathlib.Path(d)
+    r, s = run(tmp, fake_bin(tmp, 'echo "no CUDA device: skipped"; exit 77\n'), fake_gpu=True)
+    check(r.returncode != 0, "a skip with a GPU present must fail the run")
+    check(s["result"] == "fail" and any("skipped while a GPU is present" in x for x in s["reasons"]),
+          f"the reason names the skip: {s['reasons']}")
+
+with tempfile.TemporaryDirectory() as d:
+    tmp = pathlib.Path(d)
+    r, s = run(tmp, fake_bin(tmp, 'echo "[doctest] test cases: 3 | 3 passed | 0 failed | 0 skipped"\n'),
+               fake_gpu=True)
+    check(r.returncode == 0, f"a passing program passes the run ({r.stdout[-500:]})")
+    check(s["tests"] == {"passed": 3, "failed": 0, "skipped": 0}, f"counts {s['tests']}")
+
+if build:
+    with tempfile.TemporaryDirectory() as d:
+        tmp = pathlib.Path(d)
+        c = subprocess.run([sys.executable, str(root / "scripts" / "gpu-bin.py"), build,
+                            str(tmp / "bin")], capture_output=True, text=True)
+        check(c.returncode == 0, f"gpu-bin.py collects every GPU program: {c.stdout}{c.stderr}")
+        if c.returncode == 0:
+            r, s = run(tmp, tmp / "bin", fake_gpu=False)
+            check(r.returncode == 0, f"the built programs start and skip without a GPU: {s['reasons']}")
+            check(s["tests"]["skipped"] >= 3, f"every GPU program ran (and skipped): {s['tests']}")
+
+print(f"[doctest] test cases: {cases} | {cases - len(failures)} passed | {len(failures)} failed | "
+      f"0 skipped")
+sys.exit(1 if failures else 0)
