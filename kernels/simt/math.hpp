@@ -192,4 +192,20 @@ requires std::is_integral_v<T>
   return add(mul(fe, 0.693145751953125f), fma(fe, 1.428606765330187045e-06f, lm));
 }
 
+//! ln(1 + x), accurate also where 1 + x rounds to 1: with u = 1 + x (rounded), ln(u) * x / (u - 1)
+//! cancels the rounding of u (Goldberg's method).
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline float log1p(float x) noexcept {
+  const float u = add(1.0f, x);
+  if (u == 1.0f) return x;
+  if (u == bits_float(0x7f800000u)) return u;
+  return mul(log(u), div(x, add(u, -1.0f)));
+}
+
+//! 1 / (1 + e^-x), with e^x taken only where it cannot overflow (Megatron-Core's two branches).
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline float sigmoid(float x) noexcept {
+  if (x >= 0.0f) return div(1.0f, add(1.0f, exp(-x)));
+  const float e = exp(x);
+  return div(e, add(1.0f, e));
+}
+
 }  // namespace moefold::kernels::simt

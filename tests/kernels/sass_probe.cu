@@ -7,6 +7,7 @@
 #include <moefold/kernels/elementwise.hpp>
 #include <moefold/kernels/histogram.hpp>
 #include <moefold/kernels/permute.hpp>
+#include <moefold/kernels/router.hpp>
 #include <moefold/kernels/scan.hpp>
 #include <moefold/kernels/unpermute.hpp>
 
@@ -31,3 +32,4 @@ MOEFOLD_SASS_PROBE(k::expert_histogram_kernel);
 MOEFOLD_SASS_PROBE(k::scan_tiles_kernel);
 MOEFOLD_SASS_PROBE(k::scan_tile_sums_kernel);
 MOEFOLD_SASS_PROBE(k::add_tile_offsets_kernel);
+MOEFOLD_SASS_PROBE(k::router_topk_kernel);

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <moefold/core/cpu_exec.hpp>
 #include <moefold/core/cuda/cuda_launch.cuh>
+#include <moefold/kernels/router.hpp>
 #include <random>
 #include <vector>
 
@@ -124,6 +125,56 @@ TEST_CASE("[kernel][small] moefold's exp, log, sqrt, bf16 and fma: the same bits
   MESSAGE("values " << n << "; differing exp " << differ[0] << ", log " << differ[1] << ", sqrt "
                     << differ[2] << ", bf16 " << differ[3] << ", fma " << differ[4]);
   for (int k = 0; k < 5; ++k) CHECK(differ[k] == 0);
+}
+
+TEST_CASE("[kernel][small] router: cuda_exec equals cpu_exec bit for bit, every variant") {
+  namespace k = moefold::kernels;
+  std::mt19937 rng(static_cast<unsigned>(test::simt_seed()));
+  std::normal_distribution<float> d(0.0f, 2.0f);
+  struct v {
+    k::router_score score;
+    bool pre;
+    int groups, group_topk;
+    bool bias, scale;
+  };
+  const v variants[] = {{k::router_score::softmax, true, 0, 0, false, false},
+                        {k::router_score::softmax, false, 0, 0, false, true},
+                        {k::router_score::sigmoid, false, 0, 0, true, true},
+                        {k::router_score::sigmoid, false, 8, 4, true, false},
+                        {k::router_score::sqrt_softplus, false, 0, 0, false, false}};
+  const int N = 200, E = 256, K = 8;  // the CPU executor side costs about 20 ms per token
+  std::vector<float> logits(N * E), bias(E);
+  for (auto& x : logits) x = d(rng);
+  for (auto& x : bias) x = 0.1f * d(rng);
+  device_vec<float> dl(logits), db(bias);
+  for (const auto& w : variants) {
+    std::vector<int> idx(N * K, -7);
+    std::vector<float> probs(N * K, -7.0f);
+    device_vec<int> didx(idx);
+    device_vec<float> dprobs(probs);
+    auto make = [&](const float* l, const float* b, int* i, float* p) {
+      return k::router_topk_kernel{.logits = l,
+                                   .num_tokens = N,
+                                   .num_experts = E,
+                                   .topk = K,
+                                   .score = w.score,
+                                   .pre_softmax = w.pre,
+                                   .num_groups = w.groups,
+                                   .group_topk = w.group_topk,
+                                   .expert_bias = w.bias ? b : nullptr,
+                                   .scale = w.scale,
+                                   .scaling_factor = 2.5f,
+                                   .indices = i,
+                                   .probs = p};
+    };
+    REQUIRE(launch(cpu_exec{1}, launch_grid{.blocks = 8},
+                   make(logits.data(), bias.data(), idx.data(), probs.data())));
+    REQUIRE(
+        launch(cuda_exec{nullptr}, launch_grid{.blocks = 50}, make(dl.p, db.p, didx.p, dprobs.p)));
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    CHECK(idx == didx.host());
+    CHECK(same_bits(probs, dprobs.host()));
+  }
 }
 
 int main(int argc, char** argv) {

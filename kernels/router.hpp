@@ -1,0 +1,193 @@
+//! @file router.hpp
+//! @brief The router's forward, fused: score function, top-k (lower index first on ties), group
+//! limits, expert bias, renormalisation and scaling, one warp per token (E <= 256, k <= 32,
+//! groups <= 32), for every variant the host router has (routing/topk_router.hpp): softmax
+//! before or after top-k, sigmoid, sqrt-softplus. Lane l holds experts l, l + 32, ...; each of the
+//! k selections is a warp arg-max, which every lane then knows, so the sums over the k selected
+//! values are formed by every lane in selection order, as the host forms them. Scores use
+//! moefold's own exp and log (kernels/simt/math.hpp): the CPU executor and the GPU give the same
+//! bits; against the host router (the C library's exp) they agree to a few ulp.
+//!
+//! logits [N, E] (row stride E), expert_bias [E] or null; out: indices [N, k], probs [N, k]
+#pragma once
+
+#include <moefold/core/config.hpp>
+
+#include "simt/math.hpp"
+#include "simt/warp.hpp"
+
+namespace moefold::kernels {
+
+//! The score function, as routing/score_function.hpp names it.
+enum class router_score : int { softmax = 0, sigmoid = 1, sqrt_softplus = 2 };
+
+struct router_topk_kernel {
+  static constexpr int block_threads = 128;  //!< four warps: four tokens per step
+  static constexpr const char* name = "router_topk";
+  static constexpr int max_experts = 256;  //!< 8 per lane
+  static constexpr int max_topk = 32;      //!< lane j keeps the j-th selection
+  static constexpr int max_groups = 32;    //!< lane g keeps group g's score
+
+  const float* logits;
+  int num_tokens, num_experts, topk;
+  router_score score;
+  bool pre_softmax;
+  int num_groups;  //!< 0: no group limit
+  int group_topk;
+  const float* expert_bias;  //!< [E] added to the selection scores, or null
+  bool scale;                //!< probabilities times scaling_factor
+  float scaling_factor;
+  int* indices;  //!< [N, k]
+  float* probs;  //!< [N, k]
+
+  template <class Ctx>
+  MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
+    constexpr int warps = block_threads / 32;
+    const float neg_inf = simt::bits_float(0xff800000u);
+    const int lane = c.lane();
+    for (int t = c.block() * warps + c.warp(); t < num_tokens; t += c.grid_blocks() * warps) {
+      const float* row = logits + static_cast<long long>(t) * num_experts;
+      float s[8], sel[8];  // the lane's experts lane + 32 j: score, selection value
+      float m = neg_inf;
+      for (int j = 0; j < 8; ++j) {
+        const int e = lane + 32 * j;
+        s[j] = e < num_experts ? row[e] : neg_inf;
+        m = s[j] > m ? s[j] : m;
+      }
+      if (score == router_score::softmax) {
+        if (pre_softmax) {
+          m = simt::warp_max(c, m);
+          float part = 0.0f;
+          for (int j = 0; j < 8; ++j) {
+            const int e = lane + 32 * j;
+            s[j] = e < num_experts ? simt::exp(simt::add(s[j], -m)) : 0.0f;
+            part = simt::add(part, s[j]);
+          }
+          const float sum = simt::warp_sum(c, part);
+          for (int j = 0; j < 8; ++j)
+            s[j] = lane + 32 * j < num_experts ? simt::div(s[j], sum) : 0.0f;
+        }
+        for (int j = 0; j < 8; ++j) sel[j] = lane + 32 * j < num_experts ? s[j] : neg_inf;
+      } else {
+        for (int j = 0; j < 8; ++j) {
+          const int e = lane + 32 * j;
+          if (e >= num_experts) {
+            sel[j] = neg_inf;
+            continue;
+          }
+          s[j] = score == router_score::sigmoid ? simt::sigmoid(s[j]) : simt::sqrt(softplus(s[j]));
+          sel[j] = expert_bias ? simt::add(s[j], expert_bias[e]) : s[j];
+        }
+      }
+
+      if (num_groups > 0) mask_groups(c, sel, neg_inf);
+
+      // k rounds of arg-max; lane r keeps round r's expert and the value its probability
+      // starts from (the selected logit, or the score without the bias).
+      int my_index = -1;
+      float my_value = 0.0f;
+      for (int r = 0; r < topk; ++r) {
+        float v = neg_inf;
+        int i = 0x7fffffff;
+        for (int j = 0; j < 8; ++j)
+          if (sel[j] > v) {  // strictly: the lower index (smaller j) stays on a tie
+            v = sel[j];
+            i = lane + 32 * j;
+          }
+        simt::warp_argmax(c, v, i);
+        // The owner hands over the score of the chosen expert and retires it.
+        float chosen = 0.0f;
+        if (lane == i % 32) {
+          for (int j = 0; j < 8; ++j)
+            if (lane + 32 * j == i) {
+              chosen = s[j];
+              sel[j] = neg_inf;
+            }
+        }
+        chosen = c.shfl_idx(chosen, i % 32);
+        if (lane == r) {
+          my_index = i;
+          my_value = chosen;
+        }
+      }
+
+      // Probabilities, every sum in selection order (lane 0's value first), as the host.
+      float p = my_value;
+      if (score == router_score::softmax && !pre_softmax) {
+        const float top = c.shfl_idx(my_value, 0);  // the largest selected logit
+        p = lane < topk ? simt::exp(simt::add(my_value, -top)) : 0.0f;
+        const float sum = ordered_sum(c, p);
+        p = simt::div(p, sum);
+      } else if (score != router_score::softmax && topk > 1) {
+        const float sum = ordered_sum(c, lane < topk ? p : 0.0f);
+        p = simt::div(p, simt::add(sum, 1e-20f));
+      }
+      if (scale) p = simt::mul(p, scaling_factor);
+      if (lane < topk) {
+        indices[static_cast<long long>(t) * topk + lane] = my_index;
+        probs[static_cast<long long>(t) * topk + lane] = p;
+      }
+    }
+  }
+
+ private:
+  // torch's softplus with threshold 20: the identity above it.
+  MOEFOLD_HOST_DEVICE static float softplus(float x) {
+    return x > 20.0f ? x : simt::log1p(simt::exp(x));
+  }
+
+  //! The sum of lanes 0..topk-1's values, added in lane order (the host's order); on every lane.
+  template <class Ctx>
+  MOEFOLD_HOST_DEVICE float ordered_sum(Ctx& c, float v) const {
+    float sum = 0.0f;
+    for (int j = 0; j < topk; ++j) sum = simt::add(sum, c.shfl_idx(v, j));
+    return sum;
+  }
+
+  //! Group-limited routing: a group scores the sum of its top (k / group_topk) selection values
+  //! (in descending order, as torch sums them); the group_topk best groups stay (lower group
+  //! first on a tie); the other experts' selection values become -inf.
+  template <class Ctx>
+  MOEFOLD_HOST_DEVICE void mask_groups(Ctx& c, float* sel, float neg_inf) const {
+    const int lane = c.lane();
+    const int per = num_experts / num_groups, take = topk / group_topk;
+    float my_group_score = neg_inf;  // lane g: group g's score
+    for (int g = 0; g < num_groups; ++g) {
+      float tmp[8];
+      for (int j = 0; j < 8; ++j) {
+        const int e = lane + 32 * j;
+        tmp[j] = e >= g * per && e < (g + 1) * per ? sel[j] : neg_inf;
+      }
+      float sum = 0.0f;
+      for (int r = 0; r < take; ++r) {
+        float v = neg_inf;
+        int i = 0x7fffffff;
+        for (int j = 0; j < 8; ++j)
+          if (tmp[j] > v) {
+            v = tmp[j];
+            i = lane + 32 * j;
+          }
+        simt::warp_argmax(c, v, i);
+        sum = simt::add(sum, v);
+        for (int j = 0; j < 8; ++j)
+          if (lane + 32 * j == i) tmp[j] = neg_inf;
+      }
+      if (lane == g) my_group_score = sum;
+    }
+    unsigned kept = 0;  // bit g: group g stays
+    float gv = my_group_score;
+    for (int r = 0; r < group_topk; ++r) {
+      float v = gv;
+      int i = lane < num_groups ? lane : 0x7fffffff;
+      simt::warp_argmax(c, v, i);
+      kept |= 1u << i;
+      if (lane == i) gv = neg_inf;
+    }
+    for (int j = 0; j < 8; ++j) {
+      const int e = lane + 32 * j;
+      if (e < num_experts && !((kept >> (e / per)) & 1u)) sel[j] = neg_inf;
+    }
+  }
+};
+
+}  // namespace moefold::kernels
