@@ -43,6 +43,64 @@ template <class S>
   return {};
 }
 
+//! The shape rules of the row operations, one place for every context (host loops here, kernel
+//! launches in core/simt_memory_ops.hpp), each returning the error that names its operation.
+template <class A, class B>
+[[nodiscard]] status check_gather_rows(const char* ctx, const A& src, const B& index, int divisor,
+                                       const A& dst) {
+  if (index.width() != 1 || index.rows() != dst.rows() || src.width() != dst.width() || divisor < 1)
+    return op_shape_error(ctx, "gather_rows",
+                          "need index [M, 1], src [R, w], dst [M, w] and divisor >= 1");
+  return {};
+}
+template <class A, class B, class W>
+[[nodiscard]] status check_gather_sum_rows(const char* ctx, const A& src, const B& index,
+                                           const W& weights, const A& dst) {
+  const bool weighted = weights.rows() > 0;
+  if (index.rows() != dst.rows() || src.width() != dst.width() ||
+      (weighted && (weights.rows() != index.rows() || weights.width() != index.width())))
+    return op_shape_error(ctx, "gather_sum_rows",
+                          "need src [M, w], index [N, k], weights [N, k] or empty, dst [N, w]");
+  return {};
+}
+//! The chunk table: one column each, one row per chunk; with `read_table` (the table is in
+//! host-addressable memory) also sizes >= 0 tiling src and dst and every chunk inside both.
+template <class A, class B>
+[[nodiscard]] status check_copy_chunks(const char* ctx, const A& src, const B& sizes, const B& from,
+                                       const B& to, const A& dst, bool read_table) {
+  bool ok = sizes.width() == 1 && from.width() == 1 && to.width() == 1 &&
+            from.rows() == sizes.rows() && to.rows() == sizes.rows() &&
+            src.width() == dst.width() && src.rows() == dst.rows();
+  if (read_table) {
+    long long rows = 0;
+    for (int c = 0; ok && c < sizes.rows(); ++c) {
+      const int n = *sizes.row_data(c), f = *from.row_data(c), t = *to.row_data(c);
+      ok = n >= 0 && f >= 0 && t >= 0 && static_cast<long long>(f) + n <= src.rows() &&
+           static_cast<long long>(t) + n <= dst.rows();
+      rows += n;
+    }
+    ok = ok && rows == dst.rows();
+  }
+  if (!ok)
+    return op_shape_error(ctx, "copy_chunks",
+                          "chunk sizes >= 0 must tile src and dst [sum(sizes), w], with one "
+                          "source and one destination offset per chunk inside them");
+  return {};
+}
+template <class A, class B>
+[[nodiscard]] status check_relabel(const char* ctx, const A& ids, int count, const B& dst) {
+  if (ids.rows() != dst.rows() || ids.width() != dst.width() || count < 0)
+    return op_shape_error(ctx, "relabel", "ids and dst must have one shape, count >= 0");
+  return {};
+}
+//! add, add_converted, convert: src and dst of one shape.
+template <class A, class B>
+[[nodiscard]] status check_same_shape(const char* ctx, const char* op, const A& src, const B& dst) {
+  if (src.rows() != dst.rows() || src.width() != dst.width())
+    return op_shape_error(ctx, op, "src and dst must have one shape");
+  return {};
+}
+
 //! The row operations over memory space S, for a context Derived whose memory host code can
 //! address (S is host memory or the CPU executor's host-backed device memory).
 template <class Derived, class S>
@@ -56,10 +114,10 @@ struct host_memory_ops {
   [[nodiscard]] status gather_rows(std::type_identity_t<row_view<const T, S>> src,
                                    row_view<const int, S> index, int divisor,
                                    row_view<T, S> dst) const {
-    if (index.width() != 1 || index.rows() != dst.rows() || src.width() != dst.width() ||
-        divisor < 1)
-      return op_shape_error(Derived::name, "gather_rows",
-                            "need index [M, 1], src [R, w], dst [M, w] and divisor >= 1");
+    if (auto st = check_gather_rows(Derived::name, row_view<const T, S>(src), index, divisor,
+                                    row_view<const T, S>(dst));
+        !st)
+      return st;
     if (auto st = check_indices(index, static_cast<long long>(src.rows()) * divisor, Derived::name,
                                 "gather_rows");
         !st)
@@ -87,10 +145,10 @@ struct host_memory_ops {
                                        std::type_identity_t<row_view<const P, S>> weights,
                                        row_view<T, S> dst) const {
     const bool weighted = weights.rows() > 0;
-    if (index.rows() != dst.rows() || src.width() != dst.width() ||
-        (weighted && (weights.rows() != index.rows() || weights.width() != index.width())))
-      return op_shape_error(Derived::name, "gather_sum_rows",
-                            "need src [M, w], index [N, k], weights [N, k] or empty, dst [N, w]");
+    if (auto st = check_gather_sum_rows(Derived::name, row_view<const T, S>(src), index, weights,
+                                        row_view<const T, S>(dst));
+        !st)
+      return st;
     if (auto st = check_indices(index, src.rows(), Derived::name, "gather_sum_rows"); !st)
       return st;
     for (int t = 0; t < dst.rows(); ++t) {
@@ -119,20 +177,10 @@ struct host_memory_ops {
   [[nodiscard]] status copy_chunks(std::type_identity_t<row_view<const T, S>> src,
                                    row_view<const int, S> sizes, row_view<const int, S> from,
                                    row_view<const int, S> to, row_view<T, S> dst) const {
-    long long rows = 0;
-    bool ok = sizes.width() == 1 && from.width() == 1 && to.width() == 1 &&
-              from.rows() == sizes.rows() && to.rows() == sizes.rows() &&
-              src.width() == dst.width() && src.rows() == dst.rows();
-    for (int c = 0; ok && c < sizes.rows(); ++c) {
-      const int n = *sizes.row_data(c), f = *from.row_data(c), t = *to.row_data(c);
-      ok = n >= 0 && f >= 0 && t >= 0 && static_cast<long long>(f) + n <= src.rows() &&
-           static_cast<long long>(t) + n <= dst.rows();
-      rows += n;
-    }
-    if (!ok || rows != dst.rows())
-      return op_shape_error(Derived::name, "copy_chunks",
-                            "chunk sizes >= 0 must tile src and dst [sum(sizes), w], with one "
-                            "source and one destination offset per chunk inside them");
+    if (auto st = check_copy_chunks(Derived::name, row_view<const T, S>(src), sizes, from, to,
+                                    row_view<const T, S>(dst), true);
+        !st)
+      return st;
     for (int c = 0; c < sizes.rows(); ++c) {
       const int n = *sizes.row_data(c), f = *from.row_data(c), t = *to.row_data(c);
       host_copy_rows(src.subrows(f, n), dst.subrows(t, n));
@@ -144,9 +192,7 @@ struct host_memory_ops {
   //! rank's local ones; -1 stays -1).   ids, dst [n, k]
   [[nodiscard]] status relabel(row_view<const int, S> ids, int first, int count,
                                row_view<int, S> dst) const {
-    if (ids.rows() != dst.rows() || ids.width() != dst.width() || count < 0)
-      return op_shape_error(Derived::name, "relabel",
-                            "ids and dst must have one shape, count >= 0");
+    if (auto st = check_relabel(Derived::name, ids, count, dst); !st) return st;
     for (int r = 0; r < dst.rows(); ++r) {
       const int* s = ids.row_data(r);
       int* d = dst.row_data(r);
@@ -161,8 +207,7 @@ struct host_memory_ops {
   template <class T>
   [[nodiscard]] status add(std::type_identity_t<row_view<const T, S>> src,
                            row_view<T, S> dst) const {
-    if (src.rows() != dst.rows() || src.width() != dst.width())
-      return op_shape_error(Derived::name, "add", "src and dst must have one shape");
+    if (auto st = check_same_shape(Derived::name, "add", src, dst); !st) return st;
     return add_converted<T, T>(src, dst);
   }
 
@@ -172,8 +217,7 @@ struct host_memory_ops {
   template <class T, class U>
   [[nodiscard]] status add_converted(std::type_identity_t<row_view<const U, S>> src,
                                      row_view<T, S> dst) const {
-    if (src.rows() != dst.rows() || src.width() != dst.width())
-      return op_shape_error(Derived::name, "add_converted", "src and dst must have one shape");
+    if (auto st = check_same_shape(Derived::name, "add_converted", src, dst); !st) return st;
     for (int r = 0; r < dst.rows(); ++r) {
       const U* s = src.row_data(r);
       T* d = dst.row_data(r);
@@ -188,8 +232,7 @@ struct host_memory_ops {
   template <class T, class U>
   [[nodiscard]] status convert(std::type_identity_t<row_view<const U, S>> src,
                                row_view<T, S> dst) const {
-    if (src.rows() != dst.rows() || src.width() != dst.width())
-      return op_shape_error(Derived::name, "convert", "src and dst must have one shape");
+    if (auto st = check_same_shape(Derived::name, "convert", src, dst); !st) return st;
     for (int r = 0; r < dst.rows(); ++r) {
       const U* s = src.row_data(r);
       T* d = dst.row_data(r);

@@ -67,10 +67,9 @@ struct simt_memory_ops {
   [[nodiscard]] status gather_rows(std::type_identity_t<row_view<const T, S>> src,
                                    row_view<const int, S> index, int divisor,
                                    row_view<T, S> dst) const {
-    if (index.width() != 1 || index.rows() != dst.rows() || src.width() != dst.width() ||
-        divisor < 1)
-      return op_shape_error(Derived::name, "gather_rows",
-                            "need index [M, 1], src [R, w], dst [M, w] and divisor >= 1");
+    if (auto st = check_gather_rows(Derived::name, src, index, divisor, row_view<const T, S>(dst));
+        !st)
+      return st;
     if constexpr (Derived::check_indices_first)
       if (auto st = check_indices(index, static_cast<long long>(src.rows()) * divisor,
                                   Derived::name, "gather_rows");
@@ -103,10 +102,10 @@ struct simt_memory_ops {
                                        std::type_identity_t<row_view<const P, S>> weights,
                                        row_view<T, S> dst) const {
     const bool weighted = weights.rows() > 0;
-    if (index.rows() != dst.rows() || src.width() != dst.width() ||
-        (weighted && (weights.rows() != index.rows() || weights.width() != index.width())))
-      return op_shape_error(Derived::name, "gather_sum_rows",
-                            "need src [M, w], index [N, k], weights [N, k] or empty, dst [N, w]");
+    if (auto st =
+            check_gather_sum_rows(Derived::name, src, index, weights, row_view<const T, S>(dst));
+        !st)
+      return st;
     if constexpr (Derived::check_indices_first)
       if (auto st = check_indices(index, src.rows(), Derived::name, "gather_sum_rows"); !st)
         return st;
@@ -138,23 +137,10 @@ struct simt_memory_ops {
   [[nodiscard]] status copy_chunks(std::type_identity_t<row_view<const T, S>> src,
                                    row_view<const int, S> sizes, row_view<const int, S> from,
                                    row_view<const int, S> to, row_view<T, S> dst) const {
-    bool ok = sizes.width() == 1 && from.width() == 1 && to.width() == 1 &&
-              from.rows() == sizes.rows() && to.rows() == sizes.rows() &&
-              src.width() == dst.width() && src.rows() == dst.rows();
-    if constexpr (Derived::check_indices_first) {
-      long long rows = 0;
-      for (int c = 0; ok && c < sizes.rows(); ++c) {
-        const int n = *sizes.row_data(c), f = *from.row_data(c), t = *to.row_data(c);
-        ok = n >= 0 && f >= 0 && t >= 0 && static_cast<long long>(f) + n <= src.rows() &&
-             static_cast<long long>(t) + n <= dst.rows();
-        rows += n;
-      }
-      ok = ok && rows == dst.rows();
-    }
-    if (!ok)
-      return op_shape_error(Derived::name, "copy_chunks",
-                            "chunk sizes >= 0 must tile src and dst [sum(sizes), w], with one "
-                            "source and one destination offset per chunk inside them");
+    if (auto st = check_copy_chunks(Derived::name, src, sizes, from, to, row_view<const T, S>(dst),
+                                    Derived::check_indices_first);
+        !st)
+      return st;
     if (dst.empty() || sizes.rows() == 0) return {};
     const bool vec16 = kernels::simt::rows_vec16<T>(src.data(), src.width(), src.stride()) &&
                        kernels::simt::rows_vec16<T>(dst.data(), dst.width(), dst.stride());
@@ -179,9 +165,7 @@ struct simt_memory_ops {
   //! dst = ids - first where first <= ids < first + count, else -1.   ids, dst [n, k]
   [[nodiscard]] status relabel(row_view<const int, S> ids, int first, int count,
                                row_view<int, S> dst) const {
-    if (ids.rows() != dst.rows() || ids.width() != dst.width() || count < 0)
-      return op_shape_error(Derived::name, "relabel",
-                            "ids and dst must have one shape, count >= 0");
+    if (auto st = check_relabel(Derived::name, ids, count, dst); !st) return st;
     return run_elementwise("relabel", dst,
                            kernels::relabel_kernel{.ids = {ids.data(), ids.stride()},
                                                    .first = first,
@@ -195,8 +179,7 @@ struct simt_memory_ops {
   template <class T>
   [[nodiscard]] status add(std::type_identity_t<row_view<const T, S>> src,
                            row_view<T, S> dst) const {
-    if (src.rows() != dst.rows() || src.width() != dst.width())
-      return op_shape_error(Derived::name, "add", "src and dst must have one shape");
+    if (auto st = check_same_shape(Derived::name, "add", src, dst); !st) return st;
     return add_converted<T, T>(src, dst);
   }
 
@@ -204,8 +187,7 @@ struct simt_memory_ops {
   template <class T, class U>
   [[nodiscard]] status add_converted(std::type_identity_t<row_view<const U, S>> src,
                                      row_view<T, S> dst) const {
-    if (src.rows() != dst.rows() || src.width() != dst.width())
-      return op_shape_error(Derived::name, "add_converted", "src and dst must have one shape");
+    if (auto st = check_same_shape(Derived::name, "add_converted", src, dst); !st) return st;
     return run_elementwise("add_converted", dst,
                            kernels::add_converted_kernel<T, U>{.src = {src.data(), src.stride()},
                                                                .dst = {dst.data(), dst.stride()},
@@ -217,8 +199,7 @@ struct simt_memory_ops {
   template <class T, class U>
   [[nodiscard]] status convert(std::type_identity_t<row_view<const U, S>> src,
                                row_view<T, S> dst) const {
-    if (src.rows() != dst.rows() || src.width() != dst.width())
-      return op_shape_error(Derived::name, "convert", "src and dst must have one shape");
+    if (auto st = check_same_shape(Derived::name, "convert", src, dst); !st) return st;
     return run_elementwise("convert", dst,
                            kernels::convert_kernel<T, U>{.src = {src.data(), src.stride()},
                                                          .dst = {dst.data(), dst.stride()},
