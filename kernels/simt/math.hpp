@@ -82,6 +82,27 @@ namespace moefold::kernels::simt {
   return a + b;
 #endif
 }
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline double fma(double a, double b, double c) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __fma_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline double div(double a, double b) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __ddiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline double rint(double x) noexcept {
+#if defined(__CUDA_ARCH__)
+  return ::rint(x);
+#else
+  return std::nearbyint(x);
+#endif
+}
 //! Integers: plain arithmetic (exact, nothing to fuse).
 template <class T>
 requires std::is_integral_v<T>
@@ -157,6 +178,56 @@ requires std::is_integral_v<T>
   if (k > 127) return mul(mul(p, pow2i(127)), pow2i(k - 127));
   if (k < -126) return mul(mul(p, pow2i(-126)), pow2i(k + 126));
   return mul(p, pow2i(k));
+}
+
+//! 2^n for n in [-1022, 1023], built from its bits.
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline double pow2i_f64(int n) noexcept {
+  const std::uint64_t u = static_cast<std::uint64_t>(n + 1023) << 52;
+#if defined(__CUDA_ARCH__)
+  return __longlong_as_double(static_cast<long long>(u));
+#else
+  double d;
+  std::memcpy(&d, &u, 8);
+  return d;
+#endif
+}
+
+//! 1 / k!, evaluated by the compiler (the same constant on both sides).
+[[nodiscard]] MOEFOLD_HOST_DEVICE constexpr double inv_factorial(int k) noexcept {
+  double f = 1.0;
+  for (int i = 2; i <= k; ++i) f *= i;
+  return 1.0 / f;
+}
+
+namespace detail_math {
+// e^r - 1 - r over r^2 by Horner from the term 1/K!: sum_{k=2..K} r^(k-2) / k!.
+template <int K, int k = 2>
+[[nodiscard]] MOEFOLD_HOST_DEVICE double expm1_tail(double r) noexcept {
+  constexpr double c = inv_factorial(k);
+  if constexpr (k == K)
+    return c;
+  else
+    return fma(expm1_tail<K, k + 1>(r), r, c);
+}
+}  // namespace detail_math
+
+//! e^x in double, for the special functions whose float results must be right to the last bit
+//! (the activations of kernels/activation.hpp round an fp64 value once). The float exp's method
+//! with ln2 in two parts (the high part has 32 significant bits, so n ln2_hi is exact) and the
+//! series to r^13 (truncation 4e-18 relative).
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline double exp(double x) noexcept {
+  if (x != x) return x;
+  if (x > 709.782712893384) return static_cast<double>(bits_float(0x7f800000u));  // +inf
+  if (x < -745.1332191019412) return 0.0;  // below 2^-1075: 0
+  const double n = rint(mul(x, 1.4426950408889634));
+  double r = fma(-n, 6.93147180369123816490e-01, x);             // ln2 high part
+  r = fma(-n, 1.90821492927058770002e-10, r);                    // ln2 low part
+  double p = fma(mul(r, r), detail_math::expm1_tail<13>(r), r);  // e^r - 1
+  p = add(p, 1.0);
+  const int k = static_cast<int>(n);
+  if (k > 1023) return mul(mul(p, pow2i_f64(1023)), pow2i_f64(k - 1023));
+  if (k < -1022) return mul(mul(p, pow2i_f64(-1022)), pow2i_f64(k + 1022));
+  return mul(p, pow2i_f64(k));
 }
 
 //! ln x. x = m 2^e with m in [sqrt(1/2), sqrt(2)); ln m = 2 atanh(s), s = (m-1)/(m+1), |s| <=

@@ -3,6 +3,7 @@
 // spills, registers and occupancy. Nothing here runs.
 #include <moefold/core/cuda/cuda_launch.cuh>
 #include <moefold/core/dtype.hpp>
+#include <moefold/kernels/activation.hpp>
 #include <moefold/kernels/chunk_copy.hpp>
 #include <moefold/kernels/elementwise.hpp>
 #include <moefold/kernels/histogram.hpp>
@@ -33,3 +34,7 @@ MOEFOLD_SASS_PROBE(k::scan_tiles_kernel);
 MOEFOLD_SASS_PROBE(k::scan_tile_sums_kernel);
 MOEFOLD_SASS_PROBE(k::add_tile_offsets_kernel);
 MOEFOLD_SASS_PROBE(k::router_topk_kernel);
+MOEFOLD_SASS_PROBE(k::activation_forward_kernel<float>);
+MOEFOLD_SASS_PROBE(k::activation_forward_kernel<bfloat16, float>);
+MOEFOLD_SASS_PROBE(k::activation_backward_kernel<float>);
+MOEFOLD_SASS_PROBE(k::activation_backward_kernel<bfloat16, float>);

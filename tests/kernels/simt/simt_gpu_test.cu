@@ -10,6 +10,7 @@
 #include <cstring>
 #include <moefold/core/cpu_exec.hpp>
 #include <moefold/core/cuda/cuda_launch.cuh>
+#include <moefold/kernels/activation.hpp>
 #include <moefold/kernels/router.hpp>
 #include <random>
 #include <vector>
@@ -174,6 +175,87 @@ TEST_CASE("[kernel][small] router: cuda_exec equals cpu_exec bit for bit, every 
     REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
     CHECK(idx == didx.host());
     CHECK(same_bits(probs, dprobs.host()));
+  }
+}
+
+TEST_CASE("[kernel][small] activations forward and backward: cuda_exec equals cpu_exec bitwise") {
+  namespace k = moefold::kernels;
+  std::mt19937 rng(static_cast<unsigned>(test::simt_seed()));
+  std::normal_distribution<float> d(0.0f, 4.0f);
+  const int rows = 37, width = 136;  // F1 = 2 width for the gated forms
+  std::vector<float> a(rows * 2 * width), dh(rows * width), p(rows);
+  for (auto& x : a) x = d(rng);
+  for (auto& x : dh) x = d(rng);
+  for (auto& x : p) x = std::fabs(d(rng)) / 4.0f;
+  std::vector<bfloat16> ab(a.begin(), a.end()), dhb(dh.begin(), dh.end());
+  device_vec<float> da_(a), ddh(dh), dp(p);
+  device_vec<bfloat16> dab(ab), ddhb(dhb);
+  const activation acts[] = {activation::swiglu, activation::geglu, activation::gelu,
+                             activation::silu,   activation::relu,  activation::squared_relu};
+  for (activation act : acts) {
+    CAPTURE(to_string(act));
+    const int f1 = is_gated(act) ? 2 * width : width;
+    // fp32 with probabilities (forward output, then backward input gradient and dprobs packed
+    // into one buffer: [rows, width] | [rows, f1] | [rows]).
+    auto f32 = [&](const float* a_, const float* dh_, const float* p_) {
+      return [=](float* out) {
+        return std::pair{k::activation_forward_kernel<float>{.act = act,
+                                                             .a = {a_, f1},
+                                                             .probs = p_,
+                                                             .h = {out, width},
+                                                             .rows = rows,
+                                                             .width = width},
+                         k::activation_backward_kernel<float>{.act = act,
+                                                              .a = {a_, f1},
+                                                              .dh = {dh_, width},
+                                                              .probs = p_,
+                                                              .da = {out + rows * width, f1},
+                                                              .dprobs = out + rows * (width + f1),
+                                                              .rows = rows,
+                                                              .width = width}};
+      };
+    };
+    const std::size_t n = static_cast<std::size_t>(rows) * (width + f1 + 1);
+    std::vector<float> cpu(n);
+    std::memset(cpu.data(), 0xFF, sizeof(float) * n);
+    device_vec<float> gpu(cpu);
+    const auto [cf, cb] = f32(a.data(), dh.data(), p.data())(cpu.data());
+    const auto [gf, gb] = f32(da_.p, ddh.p, dp.p)(gpu.p);
+    REQUIRE(launch(cpu_exec{3}, launch_grid{.blocks = 4}, cf));
+    REQUIRE(launch(cpu_exec{3}, launch_grid{.blocks = 4}, cb));
+    REQUIRE(launch(cuda_exec{nullptr}, launch_grid{.blocks = 4}, gf));
+    REQUIRE(launch(cuda_exec{nullptr}, launch_grid{.blocks = 4}, gb));
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    CHECK(same_bits(cpu, gpu.host()));
+    // bf16 rows without probabilities.
+    std::vector<bfloat16> cpub(static_cast<std::size_t>(rows) * (width + f1));
+    std::memset(static_cast<void*>(cpub.data()), 0xFF, sizeof(bfloat16) * cpub.size());
+    device_vec<bfloat16> gpub(cpub);
+    auto b16 = [&](const bfloat16* a_, const bfloat16* dh_, bfloat16* out) {
+      return std::pair{
+          k::activation_forward_kernel<bfloat16, float>{.act = act,
+                                                        .a = {a_, f1},
+                                                        .probs = nullptr,
+                                                        .h = {out, width},
+                                                        .rows = rows,
+                                                        .width = width},
+          k::activation_backward_kernel<bfloat16, float>{.act = act,
+                                                         .a = {a_, f1},
+                                                         .dh = {dh_, width},
+                                                         .probs = nullptr,
+                                                         .da = {out + rows * width, f1},
+                                                         .dprobs = nullptr,
+                                                         .rows = rows,
+                                                         .width = width}};
+    };
+    const auto [cbf, cbb] = b16(ab.data(), dhb.data(), cpub.data());
+    const auto [gbf, gbb] = b16(dab.p, ddhb.p, gpub.p);
+    REQUIRE(launch(cpu_exec{3}, launch_grid{.blocks = 4}, cbf));
+    REQUIRE(launch(cpu_exec{3}, launch_grid{.blocks = 4}, cbb));
+    REQUIRE(launch(cuda_exec{nullptr}, launch_grid{.blocks = 4}, gbf));
+    REQUIRE(launch(cuda_exec{nullptr}, launch_grid{.blocks = 4}, gbb));
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    CHECK(same_bits(cpub, gpub.host()));
   }
 }
 
