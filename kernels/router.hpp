@@ -190,4 +190,127 @@ struct router_topk_kernel {
   }
 };
 
+//! The router's backward, one warp per token (E <= 256, k <= 32): from dprobs [N, k] (the
+//! gradient of the routed probabilities) to dlogits [N, E] (every element written; experts not
+//! selected get 0, or, with a softmax before top-k, their share of the softmax's gradient). The
+//! selection, group masks and expert bias carry no gradient, as on the host
+//! (topk_router::backward). Sums over the k selected in selection order as the host forms them;
+//! the softmax-before-top-k dot product over E in the warp's tree order. An index outside
+//! [0, E) (not the forward's) contributes nothing instead of reading out of bounds.
+//!
+//! logits [N, E], indices [N, k] (the forward's), dprobs [N, k]; out: dlogits [N, E]
+struct router_backward_kernel {
+  static constexpr int block_threads = 128;
+  static constexpr const char* name = "router_backward";
+  static constexpr int max_experts = router_topk_kernel::max_experts;
+  static constexpr int max_topk = router_topk_kernel::max_topk;
+
+  const float* logits;
+  const int* indices;
+  const float* dprobs;
+  int num_tokens, num_experts, topk;
+  router_score score;
+  bool pre_softmax;
+  bool scale;
+  float scaling_factor;
+  float* dlogits;
+
+  template <class Ctx>
+  MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
+    constexpr int warps = block_threads / 32;
+    const float neg_inf = simt::bits_float(0xff800000u);
+    const int lane = c.lane();
+    for (int t = c.block() * warps + c.warp(); t < num_tokens; t += c.grid_blocks() * warps) {
+      const float* row = logits + static_cast<long long>(t) * num_experts;
+      float* drow = dlogits + static_cast<long long>(t) * num_experts;
+      const long long base = static_cast<long long>(t) * topk;
+      // Lane i < k: the i-th selection and its gradient (times the scaling factor).
+      const int my_index = lane < topk ? indices[base + lane] : -1;
+      float g = lane < topk ? dprobs[base + lane] : 0.0f;
+      if (scale) g = simt::mul(g, scaling_factor);
+      float out[8] = {};  // the lane's experts lane + 32 j
+      if (score == router_score::softmax && pre_softmax) {
+        // s = softmax(row); ds = the selections' gradients scattered; ds_e -> s_e (ds_e - <s, ds>).
+        float s[8], ds[8] = {};
+        float m = neg_inf;
+        for (int j = 0; j < 8; ++j) {
+          const int e = lane + 32 * j;
+          s[j] = e < num_experts ? row[e] : neg_inf;
+          m = s[j] > m ? s[j] : m;
+        }
+        m = simt::warp_max(c, m);
+        float part = 0.0f;
+        for (int j = 0; j < 8; ++j) {
+          s[j] = lane + 32 * j < num_experts ? simt::exp(simt::add(s[j], -m)) : 0.0f;
+          part = simt::add(part, s[j]);
+        }
+        const float sum = simt::warp_sum(c, part);
+        for (int j = 0; j < 8; ++j) s[j] = simt::div(s[j], sum);
+        for (int r = 0; r < topk; ++r) {
+          const int e = c.shfl_idx(my_index, r);
+          const float gr = c.shfl_idx(g, r);
+          for (int j = 0; j < 8; ++j)  // a constant index: the array stays in registers
+            if (e == lane + 32 * j) ds[j] = simt::add(ds[j], gr);
+        }
+        float dot = 0.0f;
+        for (int j = 0; j < 8; ++j) dot = simt::add(dot, simt::mul(s[j], ds[j]));
+        dot = simt::warp_sum(c, dot);
+        for (int j = 0; j < 8; ++j) out[j] = simt::mul(s[j], simt::add(ds[j], -dot));
+      } else {
+        const bool valid = lane < topk && my_index >= 0 && my_index < num_experts;
+        const float x = valid ? row[my_index] : 0.0f;
+        float gx = 0.0f;  // d loss / d x of the lane's selection
+        if (score == router_score::softmax) {
+          // p = softmax over the k selected logits; dx_i = p_i (g_i - <p, g>).
+          const float top = c.shfl_idx(x, 0);  // the largest selected logit
+          float p = lane < topk ? simt::exp(simt::add(x, -top)) : 0.0f;
+          p = simt::div(p, ordered_sum(c, p));
+          const float dot = ordered_sum(c, lane < topk ? simt::mul(p, g) : 0.0f);
+          gx = simt::mul(p, simt::add(g, -dot));
+        } else {
+          const float sk = lane < topk ? (score == router_score::sigmoid ? simt::sigmoid(x)
+                                                                         : simt::sqrt(softplus(x)))
+                                       : 0.0f;
+          float gs = g;
+          if (topk > 1) {
+            // p_i = s_i / D, D = sum s + 1e-20: ds_i = g_i / D - <g, s> / D^2.
+            const float d = simt::add(ordered_sum(c, sk), 1e-20f);
+            const float gsum = ordered_sum(c, lane < topk ? simt::mul(g, sk) : 0.0f);
+            gs = simt::add(simt::div(g, d), -simt::div(gsum, simt::mul(d, d)));
+          }
+          gx = simt::mul(gs, score_grad(x, sk));
+        }
+        for (int r = 0; r < topk; ++r) {
+          const int e = c.shfl_idx(my_index, r);
+          const float gr = c.shfl_idx(gx, r);
+          for (int j = 0; j < 8; ++j)
+            if (e == lane + 32 * j) out[j] = gr;
+        }
+      }
+      for (int j = 0; j < 8; ++j) {
+        const int e = lane + 32 * j;
+        if (e < num_experts) drow[e] = out[j];
+      }
+    }
+  }
+
+ private:
+  MOEFOLD_HOST_DEVICE static float softplus(float x) {
+    return x > 20.0f ? x : simt::log1p(simt::exp(x));
+  }
+  // d score / d x from x and the score, as routing/score_function.hpp's elementwise_score_grad.
+  MOEFOLD_HOST_DEVICE float score_grad(float x, float sk) const {
+    if (score == router_score::sigmoid) return simt::mul(sk, simt::add(1.0f, -sk));
+    if (!(sk > 0.0f)) return 0.0f;
+    const float sp_grad = x > 20.0f ? 1.0f : simt::sigmoid(x);
+    return simt::div(sp_grad, simt::mul(2.0f, sk));
+  }
+  template <class Ctx>
+  MOEFOLD_HOST_DEVICE float ordered_sum(Ctx& c, float v) const {
+    float sum = 0.0f;
+    for (int j = 0; j < topk; ++j) sum = simt::add(sum, c.shfl_idx(v, j));
+    return sum;
+  }
+};
+
 }  // namespace moefold::kernels

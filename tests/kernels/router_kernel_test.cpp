@@ -172,3 +172,114 @@ TEST_CASE("router kernel: every variant against the host router") {
                    << worst_ulp << " ulp of the host router");
   CHECK(compared > 0);
 }
+
+TEST_CASE("router backward kernel: every variant against the host router's backward") {
+  const auto seed = test::simt_seed();
+  MESSAGE("seed " << seed);
+  std::mt19937_64 rng(seed);
+  std::vector<variant> variants;
+  for (int E : {1, 8, 64, 256})
+    for (int kk : {1, 2, 8}) {
+      if (kk > E) continue;
+      variants.push_back({"softmax, pre", {.num_experts = E, .topk = kk, .pre_softmax = true}});
+      if (kk > 1) variants.push_back({"softmax, post", {.num_experts = E, .topk = kk}});
+      variants.push_back({"sigmoid, scaled",
+                          {.num_experts = E,
+                           .topk = kk,
+                           .score = score_function::sigmoid,
+                           .scaling_factor = 2.5}});
+      variants.push_back({"sqrt_softplus",
+                          {.num_experts = E, .topk = kk, .score = score_function::sqrt_softplus}});
+    }
+  double worst = 0;  // |kernel - fp64| over the bound, worst case
+  long compared = 0;
+  for (const auto& v : variants)
+    for (int N : test::simt_reduced ? std::vector<int>{7} : std::vector<int>{1, 7, 33}) {
+      if (test::simt_reduced && (v.o.num_experts == 1 || v.o.num_experts == 256)) continue;
+      const auto& o = v.o;
+      const std::string name = v.name;
+      CAPTURE(name);
+      CAPTURE(o.num_experts);
+      CAPTURE(o.topk);
+      CAPTURE(N);
+      auto router = topk_router<float>::make(o);
+      auto router64 = topk_router<double>::make(o);
+      REQUIRE(router);
+      REQUIRE(router64);
+      const int E = o.num_experts, kk = o.topk;
+      std::normal_distribution<float> d(0.0f, 2.0f);
+      std::vector<float> logits(static_cast<std::size_t>(N) * E);
+      for (auto& x : logits) x = d(rng);
+      topk_routing<float> r;
+      REQUIRE(router->route(logits, r));
+      std::vector<float> dprobs(r.probs.size());
+      for (auto& x : dprobs) x = d(rng);
+      // The fp64 reference: the host backward in double over the same selection.
+      topk_routing<double> r64{.num_tokens = N,
+                               .num_experts = E,
+                               .topk = kk,
+                               .indices = r.indices,
+                               .probs = {r.probs.begin(), r.probs.end()}};
+      std::vector<double> logits64(logits.begin(), logits.end()),
+          dprobs64(dprobs.begin(), dprobs.end()), ref(logits.size());
+      REQUIRE(router64->backward(logits64, r64, dprobs64, ref));
+      std::vector<float> host(logits.size());  // the host's fp32 backward (the same formulas)
+      REQUIRE(router->backward(logits, r, dprobs, host));
+      std::vector<float> got(logits.size(), -7.0f);
+      const k::router_backward_kernel kernel{
+          .logits = logits.data(),
+          .indices = r.indices.data(),
+          .dprobs = dprobs.data(),
+          .num_tokens = N,
+          .num_experts = E,
+          .topk = kk,
+          .score = static_cast<k::router_score>(static_cast<int>(o.score)),
+          .pre_softmax = o.pre_softmax,
+          .scale = o.scaling_factor.has_value(),
+          .scaling_factor = static_cast<float>(o.scaling_factor.value_or(1.0)),
+          .dlogits = got.data()};
+      REQUIRE(launch(cpu_exec{rng()}, launch_grid{.blocks = std::min(N, 4)}, kernel));
+      for (int t = 0; t < N; ++t) {
+        double row_max = 0;
+        for (int e = 0; e < E; ++e)
+          row_max = std::max(row_max, std::abs(ref[static_cast<std::size_t>(t) * E + e]));
+        // A softmax before top-k: dlogit_e = s_e (ds_e - <s, ds>), whose fp32 error scales with
+        // s_e (|ds_e| + sum |s ds|) (s in fp64 here), not with the result.
+        std::vector<double> cond(static_cast<std::size_t>(E), 0.0);
+        if (o.pre_softmax) {
+          const double* lrow = logits64.data() + static_cast<std::size_t>(t) * E;
+          const double m = *std::max_element(lrow, lrow + E);
+          std::vector<double> sm(static_cast<std::size_t>(E)), ds(static_cast<std::size_t>(E));
+          double z = 0, dot_abs = 0;
+          for (int e = 0; e < E; ++e) z += sm[static_cast<std::size_t>(e)] = std::exp(lrow[e] - m);
+          for (int i = 0; i < kk; ++i)
+            ds[static_cast<std::size_t>(r.indices[static_cast<std::size_t>(t) * kk + i])] +=
+                dprobs64[static_cast<std::size_t>(t) * kk + i];
+          for (int e = 0; e < E; ++e) {
+            sm[static_cast<std::size_t>(e)] /= z;
+            dot_abs += std::abs(sm[static_cast<std::size_t>(e)] * ds[static_cast<std::size_t>(e)]);
+          }
+          for (int e = 0; e < E; ++e)
+            cond[static_cast<std::size_t>(e)] =
+                sm[static_cast<std::size_t>(e)] *
+                (std::abs(ds[static_cast<std::size_t>(e)]) + dot_abs);
+        }
+        for (int e = 0; e < E; ++e) {
+          const auto at = static_cast<std::size_t>(t) * E + e;
+          // fp32 arithmetic with moefold's exp against fp64: a few float epsilons of the
+          // element and of the row's largest gradient (cancellation in g - <p, g>), or, where
+          // the formula itself is ill-conditioned in fp32 (s (1 - s) for s near 1), no more
+          // than four times the host's own fp32 error.
+          const double bound =
+              8 * 1.2e-7 * (std::abs(ref[at]) + row_max + cond[static_cast<std::size_t>(e)]) +
+              4 * std::abs(static_cast<double>(host[at]) - ref[at]) + 1e-30;
+          const double err = std::abs(static_cast<double>(got[at]) - ref[at]);
+          worst = std::max(worst, err / bound);
+          CHECK_MESSAGE(err <= bound,
+                        "token " << t << " expert " << e << ": " << got[at] << " vs " << ref[at]);
+          ++compared;
+        }
+      }
+    }
+  MESSAGE(compared << " gradients compared; worst error " << worst << " of the bound");
+}

@@ -4,6 +4,7 @@
 #include <moefold/core/cuda/cuda_launch.cuh>
 #include <moefold/core/dtype.hpp>
 #include <moefold/kernels/activation.hpp>
+#include <moefold/kernels/capacity.hpp>
 #include <moefold/kernels/chunk_copy.hpp>
 #include <moefold/kernels/elementwise.hpp>
 #include <moefold/kernels/histogram.hpp>
@@ -34,7 +35,11 @@ MOEFOLD_SASS_PROBE(k::scan_tiles_kernel);
 MOEFOLD_SASS_PROBE(k::scan_tile_sums_kernel);
 MOEFOLD_SASS_PROBE(k::add_tile_offsets_kernel);
 MOEFOLD_SASS_PROBE(k::router_topk_kernel);
+MOEFOLD_SASS_PROBE(k::router_backward_kernel);
 MOEFOLD_SASS_PROBE(k::activation_forward_kernel<float>);
 MOEFOLD_SASS_PROBE(k::activation_forward_kernel<bfloat16, float>);
 MOEFOLD_SASS_PROBE(k::activation_backward_kernel<float>);
 MOEFOLD_SASS_PROBE(k::activation_backward_kernel<bfloat16, float>);
+MOEFOLD_SASS_PROBE(k::expert_lists_kernel<float>);
+MOEFOLD_SASS_PROBE(k::keep_rank_kernel<float>);
+MOEFOLD_SASS_PROBE(k::drop_totals_kernel);

@@ -5,13 +5,16 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <moefold/core/cpu_exec.hpp>
 #include <moefold/core/cuda/cuda_launch.cuh>
 #include <moefold/kernels/activation.hpp>
+#include <moefold/kernels/capacity.hpp>
 #include <moefold/kernels/router.hpp>
+#include <numeric>
 #include <random>
 #include <vector>
 
@@ -128,7 +131,7 @@ TEST_CASE("[kernel][small] moefold's exp, log, sqrt, bf16 and fma: the same bits
   for (int k = 0; k < 5; ++k) CHECK(differ[k] == 0);
 }
 
-TEST_CASE("[kernel][small] router: cuda_exec equals cpu_exec bit for bit, every variant") {
+TEST_CASE("[kernel][small] router forward and backward: cuda_exec equals cpu_exec bit for bit") {
   namespace k = moefold::kernels;
   std::mt19937 rng(static_cast<unsigned>(test::simt_seed()));
   std::normal_distribution<float> d(0.0f, 2.0f);
@@ -175,6 +178,30 @@ TEST_CASE("[kernel][small] router: cuda_exec equals cpu_exec bit for bit, every 
     REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
     CHECK(idx == didx.host());
     CHECK(same_bits(probs, dprobs.host()));
+    // The backward over the CPU's selection, on both executors.
+    std::vector<float> grad(N * K), dl_cpu(N * E, -7.0f);
+    for (auto& x : grad) x = d(rng);
+    device_vec<float> dgrad(grad), dl_gpu(dl_cpu);
+    device_vec<int> dsel(idx);
+    auto back = [&](const float* l, const int* i, const float* g, float* out) {
+      return k::router_backward_kernel{.logits = l,
+                                       .indices = i,
+                                       .dprobs = g,
+                                       .num_tokens = N,
+                                       .num_experts = E,
+                                       .topk = K,
+                                       .score = w.score,
+                                       .pre_softmax = w.pre,
+                                       .scale = w.scale,
+                                       .scaling_factor = 2.5f,
+                                       .dlogits = out};
+    };
+    REQUIRE(launch(cpu_exec{1}, launch_grid{.blocks = 8},
+                   back(logits.data(), idx.data(), grad.data(), dl_cpu.data())));
+    REQUIRE(launch(cuda_exec{nullptr}, launch_grid{.blocks = 50},
+                   back(dl.p, dsel.p, dgrad.p, dl_gpu.p)));
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    CHECK(same_bits(dl_cpu, dl_gpu.host()));
   }
 }
 
@@ -256,6 +283,92 @@ TEST_CASE("[kernel][small] activations forward and backward: cuda_exec equals cp
     REQUIRE(launch(cuda_exec{nullptr}, launch_grid{.blocks = 4}, gbb));
     REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
     CHECK(same_bits(cpub, gpub.host()));
+  }
+}
+
+TEST_CASE("[kernel][small] capacity keep decision: cuda_exec equals cpu_exec") {
+  namespace k = moefold::kernels;
+  std::mt19937 rng(static_cast<unsigned>(test::simt_seed()));
+  const int N = 300, E = 64, K = 8, C = 30;  // C: capacity factor 0.8
+  std::vector<int> expert, ids(E), offsets(E + 1, 0);
+  std::vector<float> probs;
+  std::iota(ids.begin(), ids.end(), 0);
+  for (int t = 0; t < N; ++t) {  // k distinct experts, all among 0-15: the rest get fillers
+    std::shuffle(ids.begin(), ids.end(), rng);
+    std::stable_partition(ids.begin(), ids.end(), [](int e) { return e < 16; });
+    for (int i = 0; i < K; ++i) {
+      expert.push_back(ids[i]);
+      probs.push_back(static_cast<float>(rng() % 8) / 8.0f);  // ties that order must break
+    }
+  }
+  for (int e : expert) ++offsets[e + 1];
+  std::partial_sum(offsets.begin(), offsets.end(), offsets.begin());
+  std::vector<long long> order(N), by_order(N);
+  std::iota(order.begin(), order.end(), 0LL);
+  std::shuffle(order.begin(), order.end(), rng);
+  for (int t = 0; t < N; ++t) by_order[order[t]] = t;
+  device_vec<int> d_expert(expert), d_offsets(offsets);
+  device_vec<float> d_probs(probs);
+  device_vec<long long> d_order(order), d_by_order(by_order);
+  for (int combo = 0; combo < 4; ++combo) {
+    const bool by_probs = combo % 2 == 0, with_order = combo >= 2;
+    CAPTURE(by_probs);
+    CAPTURE(with_order);
+    const long long first = with_order ? 100 : 0, count = with_order ? 150 : N;
+    // Outputs: keep [N K] | filler [count E] as bytes; routed | dropped | padded [E] | scratch.
+    std::vector<std::uint8_t> bytes(static_cast<std::size_t>(N * K + count * E), 0xEE);
+    std::vector<int> ints(static_cast<std::size_t>(3 * E + N * K), -5);
+    std::vector<long long> totals(2, -3);
+    device_vec<std::uint8_t> d_bytes(bytes);
+    device_vec<int> d_ints(ints);
+    device_vec<long long> d_totals(totals);
+    auto args = [&](const int* ex, const float* pr, const long long* ord, const long long* bo,
+                    const int* off, std::uint8_t* b, int* in) {
+      return k::keep_args<float>{.expert = ex,
+                                 .probs = pr,
+                                 .order = with_order ? ord : nullptr,
+                                 .by_order = with_order ? bo : nullptr,
+                                 .offsets = off,
+                                 .scratch = in + 3 * E,
+                                 .num_tokens = N,
+                                 .topk = K,
+                                 .num_experts = E,
+                                 .capacity = C,
+                                 .by = by_probs ? k::keep_by::probs : k::keep_by::position,
+                                 .pad = true,
+                                 .first = first,
+                                 .count = count,
+                                 .keep = b,
+                                 .routed = in,
+                                 .dropped = in + E,
+                                 .padded = in + 2 * E,
+                                 .filler_map = b + N * K};
+    };
+    auto run = [&](auto exec, const k::keep_args<float>& a, long long* tot) {
+      REQUIRE(launch(exec, launch_grid{.blocks = 1}, k::expert_lists_kernel<float>{a}));
+      REQUIRE(launch(exec, launch_grid{.blocks = 4}, k::keep_rank_kernel<float>{a}));
+      REQUIRE(launch(exec,
+                     launch_grid{.blocks = 1, .smem_bytes = k::drop_totals_kernel::smem_bytes},
+                     k::drop_totals_kernel{.keep = a.keep,
+                                           .dropped = a.dropped,
+                                           .topk = K,
+                                           .num_experts = E,
+                                           .first = first,
+                                           .count = count,
+                                           .totals = tot}));
+    };
+    run(cpu_exec{5},
+        args(expert.data(), probs.data(), order.data(), by_order.data(), offsets.data(),
+             bytes.data(), ints.data()),
+        totals.data());
+    run(cuda_exec{nullptr},
+        args(d_expert.p, d_probs.p, d_order.p, d_by_order.p, d_offsets.p, d_bytes.p, d_ints.p),
+        d_totals.p);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    CHECK(bytes == d_bytes.host());
+    CHECK(ints == d_ints.host());
+    CHECK(totals == d_totals.host());
+    CHECK(totals[0] > 0);  // something was dropped
   }
 }
 

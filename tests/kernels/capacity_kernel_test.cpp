@@ -1,0 +1,201 @@
+// The keep decision as kernels (kernels/capacity.hpp) on the CPU executor against the host's
+// rule (dispatch/drop_policy.hpp, detail::keep_within_capacity) on fresh random routings (seed
+// printed; MOEFOLD_TEST_SEED replays one): keep mask, routed/dropped/padded counts, filler map,
+// dropped pairs and fully dropped rows all equal, outputs poisoned before each launch. Cases:
+// drop by probability (with ties: probabilities drawn from a few values) and by position; pad
+// mode; row order and a shuffled true order with a counted slice (the full-sequence form);
+// tokens 1/7/513, E 1/8/64/256, k 1/2/8, capacity factors that keep all, some and almost none;
+// all tokens on one expert (empty experts, most pairs dropped).
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <moefold/core/cpu_exec.hpp>
+#include <moefold/dispatch/drop_policy.hpp>
+#include <moefold/kernels/capacity.hpp>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "../support/simt_test_sizes.hpp"
+
+using namespace moefold;
+namespace k = moefold::kernels;
+
+namespace {
+
+struct record {
+  int N, K, E;
+  std::vector<int> expert;
+  std::vector<float> probs;
+};
+
+// k distinct experts per token; `skew` sends every token's first pair to expert 0.
+record draw_record(int N, int K, int E, bool skew, std::mt19937_64& rng) {
+  record r{N, K, E, {}, {}};
+  std::vector<int> ids(static_cast<std::size_t>(E));
+  std::iota(ids.begin(), ids.end(), 0);
+  for (int t = 0; t < N; ++t) {
+    std::shuffle(ids.begin(), ids.end(), rng);
+    if (skew) std::iter_swap(ids.begin(), std::find(ids.begin(), ids.end(), 0));
+    for (int i = 0; i < K; ++i) {
+      r.expert.push_back(ids[static_cast<std::size_t>(i)]);
+      // Eight distinct values: many ties, which earlier order must break.
+      r.probs.push_back(static_cast<float>(rng() % 8) / 8.0f);
+    }
+  }
+  return r;
+}
+
+struct outcome {
+  std::vector<std::uint8_t> keep, filler;
+  std::vector<int> routed, dropped, padded;
+  long long dropped_pairs = 0, fully_dropped = 0;
+};
+
+outcome host_rule(const record& r, int C, drop_by by, bool pad, const std::vector<long long>& order,
+                  long long first, long long count) {
+  outcome o;
+  o.keep.assign(r.expert.size(), 0xEE);
+  o.filler.assign(static_cast<std::size_t>(count) * r.E, 0xEE);
+  o.routed.assign(static_cast<std::size_t>(r.E), -5);
+  o.dropped = o.padded = o.routed;
+  const routing_view<float> v{.num_tokens = r.N,
+                              .topk = r.K,
+                              .num_experts = r.E,
+                              .expert = r.expert.data(),
+                              .probs = r.probs.data(),
+                              .keep = o.keep.data()};
+  drop_counts c{
+      .routed = o.routed, .dropped = o.dropped, .padded = o.padded, .filler_map = o.filler};
+  drop_scratch<float> ws;
+  detail::keep_within_capacity(v, C, by, pad, order, static_cast<std::size_t>(first),
+                               static_cast<std::size_t>(count), c, ws);
+  o.dropped_pairs = c.dropped_pairs;
+  o.fully_dropped = c.fully_dropped_tokens;
+  return o;
+}
+
+outcome kernel_rule(const record& r, int C, drop_by by, bool pad,
+                    const std::vector<long long>& order, long long first, long long count,
+                    std::mt19937_64& rng) {
+  // Offsets of the pairs grouped by expert (what the histogram and scan kernels give).
+  std::vector<int> offsets(static_cast<std::size_t>(r.E) + 1, 0);
+  for (int e : r.expert) ++offsets[static_cast<std::size_t>(e) + 1];
+  std::partial_sum(offsets.begin(), offsets.end(), offsets.begin());
+  std::vector<long long> by_order(order.size());
+  for (std::size_t t = 0; t < order.size(); ++t) by_order[static_cast<std::size_t>(order[t])] = t;
+  outcome o;
+  o.keep.assign(r.expert.size(), 0xEE);
+  o.filler.assign(static_cast<std::size_t>(count) * r.E, 0xEE);
+  o.routed.assign(static_cast<std::size_t>(r.E), -5);
+  o.dropped = o.padded = o.routed;
+  std::vector<int> scratch(r.expert.size() + 1, -9);
+  std::vector<long long> totals(2, -3);
+  const k::keep_args<float> args{
+      .expert = r.expert.data(),
+      .probs = r.probs.data(),
+      .order = order.empty() ? nullptr : order.data(),
+      .by_order = order.empty() ? nullptr : by_order.data(),
+      .offsets = offsets.data(),
+      .scratch = scratch.data(),
+      .num_tokens = r.N,
+      .topk = r.K,
+      .num_experts = r.E,
+      .capacity = C,
+      .by = by == drop_by::probs ? k::keep_by::probs : k::keep_by::position,
+      .pad = pad,
+      .first = first,
+      .count = count,
+      .keep = o.keep.data(),
+      .routed = o.routed.data(),
+      .dropped = o.dropped.data(),
+      .padded = o.padded.data(),
+      .filler_map = o.filler.data()};
+  REQUIRE(launch(cpu_exec{rng()}, launch_grid{.blocks = 2}, k::expert_lists_kernel<float>{args}));
+  REQUIRE(launch(cpu_exec{rng()}, launch_grid{.blocks = 3}, k::keep_rank_kernel<float>{args}));
+  const k::drop_totals_kernel totals_k{.keep = o.keep.data(),
+                                       .dropped = o.dropped.data(),
+                                       .topk = r.K,
+                                       .num_experts = r.E,
+                                       .first = first,
+                                       .count = count,
+                                       .totals = totals.data()};
+  REQUIRE(launch(cpu_exec{rng()},
+                 launch_grid{.blocks = 1, .smem_bytes = k::drop_totals_kernel::smem_bytes},
+                 totals_k));
+  o.dropped_pairs = totals[0];
+  o.fully_dropped = totals[1];
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("capacity keep kernels equal the host's keep rule") {
+  const auto seed = test::simt_seed();
+  MESSAGE("seed " << seed);
+  std::mt19937_64 rng(seed);
+  long cases = 0, records = 0, dropped_somewhere = 0, padded_somewhere = 0;
+  const std::vector<int> tokens =
+      test::simt_reduced ? std::vector<int>{1, 7, 64} : std::vector<int>{1, 7, 513};
+  for (int N : tokens)
+    for (int E : {1, 8, 64, 256})
+      for (int K : {1, 2, 8}) {
+        if (K > E) continue;
+        for (double cf : {0.25, 1.0, 1.5}) {
+          for (bool skew : {false, true}) {
+            // Under TSan: every E and k; skewed routing at factor 1, uniform at 0.25.
+            if (test::simt_reduced && (skew ? cf != 1.0 : cf != 0.25)) continue;
+            const record r = draw_record(N, K, E, skew, rng);
+            const int C = *expert_capacity(static_cast<long long>(N) * K, E, cf);
+            // Every combination of (by, pad, true order) for 7 tokens over 8 experts, k = 2; one
+            // of them per record otherwise, in turn (each launch on the CPU executor starts its
+            // threads afresh: about 40 ms).
+            const bool small = N == 7 && E == 8 && K == 2;
+            const int pick = static_cast<int>(records++ % 8);
+            for (int combo = 0; combo < 8; ++combo) {
+              if (!small && combo != pick) continue;
+              const drop_by by = (combo & 1) != 0 ? drop_by::position : drop_by::probs;
+              const bool pad = (combo & 2) != 0, shuffled = (combo & 4) != 0;
+              if (pad && C > N) continue;  // the policies refuse it
+              std::vector<long long> order;
+              long long first = 0, count = N;
+              if (shuffled) {  // a gathered group: true order shuffled, a middle slice counted
+                order.resize(static_cast<std::size_t>(N));
+                std::iota(order.begin(), order.end(), 0LL);
+                std::shuffle(order.begin(), order.end(), rng);
+                first = N / 3;
+                count = N - N / 3 - N / 4;
+              }
+              CAPTURE(N);
+              CAPTURE(E);
+              CAPTURE(K);
+              CAPTURE(cf);
+              CAPTURE(C);
+              CAPTURE(skew);
+              CAPTURE(by == drop_by::probs);
+              CAPTURE(pad);
+              CAPTURE(shuffled);
+              const outcome want = host_rule(r, C, by, pad, order, first, count);
+              const outcome got = kernel_rule(r, C, by, pad, order, first, count, rng);
+              CHECK(got.keep == want.keep);
+              CHECK(got.routed == want.routed);
+              CHECK(got.dropped == want.dropped);
+              CHECK(got.padded == want.padded);
+              CHECK(got.filler == want.filler);
+              CHECK(got.dropped_pairs == want.dropped_pairs);
+              CHECK(got.fully_dropped == want.fully_dropped);
+              ++cases;
+              dropped_somewhere += want.dropped_pairs > 0;
+              padded_somewhere +=
+                  std::any_of(want.padded.begin(), want.padded.end(), [](int p) { return p > 0; });
+            }
+          }
+        }
+      }
+  MESSAGE(cases << " cases; " << dropped_somewhere << " dropped pairs, " << padded_somewhere
+                << " padded");
+  CHECK(dropped_somewhere > 0);
+  CHECK(padded_somewhere > 0);
+}
