@@ -21,6 +21,43 @@ namespace moefold::kernels {
 //! The score function, as routing/score_function.hpp names it.
 enum class router_score : int { softmax = 0, sigmoid = 1, sqrt_softplus = 2 };
 
+namespace detail_router {
+//! The lane's logits of experts lane + 32 j (-inf past E).
+template <class Ctx>
+MOEFOLD_HOST_DEVICE void load_row(Ctx& c, const float* row, int num_experts, float (&s)[8]) {
+  for (int j = 0; j < 8; ++j) {
+    const int e = c.lane() + 32 * j;
+    s[j] = e < num_experts ? row[e] : simt::bits_float(0xff800000u);
+  }
+}
+//! softmax over the warp's E values in place (max-subtracted; the sum in the warp's tree order);
+//! 0 past E.
+template <class Ctx>
+MOEFOLD_HOST_DEVICE void warp_softmax(Ctx& c, float (&s)[8], int num_experts) {
+  float m = s[0];
+  for (int j = 1; j < 8; ++j) m = s[j] > m ? s[j] : m;
+  m = simt::warp_max(c, m);
+  float part = 0.0f;
+  for (int j = 0; j < 8; ++j) {
+    s[j] = c.lane() + 32 * j < num_experts ? simt::exp(simt::add(s[j], -m)) : 0.0f;
+    part = simt::add(part, s[j]);
+  }
+  const float sum = simt::warp_sum(c, part);
+  for (int j = 0; j < 8; ++j) s[j] = c.lane() + 32 * j < num_experts ? simt::div(s[j], sum) : 0.0f;
+}
+//! torch's softplus with threshold 20: the identity above it.
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline float softplus(float x) {
+  return x > 20.0f ? x : simt::log1p(simt::exp(x));
+}
+//! The sum of lanes 0..n-1's values, added in lane order (the host's order); on every lane.
+template <class Ctx>
+[[nodiscard]] MOEFOLD_HOST_DEVICE float ordered_sum(Ctx& c, float v, int n) {
+  float sum = 0.0f;
+  for (int j = 0; j < n; ++j) sum = simt::add(sum, c.shfl_idx(v, j));
+  return sum;
+}
+}  // namespace detail_router
+
 struct router_topk_kernel {
   static constexpr int block_threads = 128;  //!< four warps: four tokens per step
   static constexpr const char* name = "router_topk";
@@ -48,25 +85,9 @@ struct router_topk_kernel {
     for (int t = c.block() * warps + c.warp(); t < num_tokens; t += c.grid_blocks() * warps) {
       const float* row = logits + static_cast<long long>(t) * num_experts;
       float s[8], sel[8];  // the lane's experts lane + 32 j: score, selection value
-      float m = neg_inf;
-      for (int j = 0; j < 8; ++j) {
-        const int e = lane + 32 * j;
-        s[j] = e < num_experts ? row[e] : neg_inf;
-        m = s[j] > m ? s[j] : m;
-      }
+      detail_router::load_row(c, row, num_experts, s);
       if (score == router_score::softmax) {
-        if (pre_softmax) {
-          m = simt::warp_max(c, m);
-          float part = 0.0f;
-          for (int j = 0; j < 8; ++j) {
-            const int e = lane + 32 * j;
-            s[j] = e < num_experts ? simt::exp(simt::add(s[j], -m)) : 0.0f;
-            part = simt::add(part, s[j]);
-          }
-          const float sum = simt::warp_sum(c, part);
-          for (int j = 0; j < 8; ++j)
-            s[j] = lane + 32 * j < num_experts ? simt::div(s[j], sum) : 0.0f;
-        }
+        if (pre_softmax) detail_router::warp_softmax(c, s, num_experts);
         for (int j = 0; j < 8; ++j) sel[j] = lane + 32 * j < num_experts ? s[j] : neg_inf;
       } else {
         for (int j = 0; j < 8; ++j) {
@@ -75,7 +96,8 @@ struct router_topk_kernel {
             sel[j] = neg_inf;
             continue;
           }
-          s[j] = score == router_score::sigmoid ? simt::sigmoid(s[j]) : simt::sqrt(softplus(s[j]));
+          s[j] = score == router_score::sigmoid ? simt::sigmoid(s[j])
+                                                : simt::sqrt(detail_router::softplus(s[j]));
           sel[j] = expert_bias ? simt::add(s[j], expert_bias[e]) : s[j];
         }
       }
@@ -131,17 +153,9 @@ struct router_topk_kernel {
   }
 
  private:
-  // torch's softplus with threshold 20: the identity above it.
-  MOEFOLD_HOST_DEVICE static float softplus(float x) {
-    return x > 20.0f ? x : simt::log1p(simt::exp(x));
-  }
-
-  //! The sum of lanes 0..topk-1's values, added in lane order (the host's order); on every lane.
   template <class Ctx>
   MOEFOLD_HOST_DEVICE float ordered_sum(Ctx& c, float v) const {
-    float sum = 0.0f;
-    for (int j = 0; j < topk; ++j) sum = simt::add(sum, c.shfl_idx(v, j));
-    return sum;
+    return detail_router::ordered_sum(c, v, topk);
   }
 
   //! Group-limited routing: a group scores the sum of its top (k / group_topk) selection values
@@ -218,7 +232,6 @@ struct router_backward_kernel {
   template <class Ctx>
   MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
     constexpr int warps = block_threads / 32;
-    const float neg_inf = simt::bits_float(0xff800000u);
     const int lane = c.lane();
     for (int t = c.block() * warps + c.warp(); t < num_tokens; t += c.grid_blocks() * warps) {
       const float* row = logits + static_cast<long long>(t) * num_experts;
@@ -232,20 +245,8 @@ struct router_backward_kernel {
       if (score == router_score::softmax && pre_softmax) {
         // s = softmax(row); ds = the selections' gradients scattered; ds_e -> s_e (ds_e - <s, ds>).
         float s[8], ds[8] = {};
-        float m = neg_inf;
-        for (int j = 0; j < 8; ++j) {
-          const int e = lane + 32 * j;
-          s[j] = e < num_experts ? row[e] : neg_inf;
-          m = s[j] > m ? s[j] : m;
-        }
-        m = simt::warp_max(c, m);
-        float part = 0.0f;
-        for (int j = 0; j < 8; ++j) {
-          s[j] = lane + 32 * j < num_experts ? simt::exp(simt::add(s[j], -m)) : 0.0f;
-          part = simt::add(part, s[j]);
-        }
-        const float sum = simt::warp_sum(c, part);
-        for (int j = 0; j < 8; ++j) s[j] = simt::div(s[j], sum);
+        detail_router::load_row(c, row, num_experts, s);
+        detail_router::warp_softmax(c, s, num_experts);
         for (int r = 0; r < topk; ++r) {
           const int e = c.shfl_idx(my_index, r);
           const float gr = c.shfl_idx(g, r);
@@ -268,8 +269,9 @@ struct router_backward_kernel {
           const float dot = ordered_sum(c, lane < topk ? simt::mul(p, g) : 0.0f);
           gx = simt::mul(p, simt::add(g, -dot));
         } else {
-          const float sk = lane < topk ? (score == router_score::sigmoid ? simt::sigmoid(x)
-                                                                         : simt::sqrt(softplus(x)))
+          const float sk = lane < topk ? (score == router_score::sigmoid
+                                              ? simt::sigmoid(x)
+                                              : simt::sqrt(detail_router::softplus(x)))
                                        : 0.0f;
           float gs = g;
           if (topk > 1) {
@@ -295,9 +297,6 @@ struct router_backward_kernel {
   }
 
  private:
-  MOEFOLD_HOST_DEVICE static float softplus(float x) {
-    return x > 20.0f ? x : simt::log1p(simt::exp(x));
-  }
   // d score / d x from x and the score, as routing/score_function.hpp's elementwise_score_grad.
   MOEFOLD_HOST_DEVICE float score_grad(float x, float sk) const {
     if (score == router_score::sigmoid) return simt::mul(sk, simt::add(1.0f, -sk));
@@ -307,9 +306,7 @@ struct router_backward_kernel {
   }
   template <class Ctx>
   MOEFOLD_HOST_DEVICE float ordered_sum(Ctx& c, float v) const {
-    float sum = 0.0f;
-    for (int j = 0; j < topk; ++j) sum = simt::add(sum, c.shfl_idx(v, j));
-    return sum;
+    return detail_router::ordered_sum(c, v, topk);
   }
 };
 

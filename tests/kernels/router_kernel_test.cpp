@@ -75,37 +75,42 @@ bool near_tie(const topk_router_options& o, const float* row, const std::vector<
   return close_in_top(sel, o.topk);
 }
 
+// Every variant the host router has, over E 1/8/64/256 and k 1/2/8.
+std::vector<variant> all_variants() {
+  std::vector<variant> v;
+  for (int E : {1, 8, 64, 256})
+    for (int kk : {1, 2, 8}) {
+      if (kk > E) continue;
+      v.push_back({"softmax, pre", {.num_experts = E, .topk = kk, .pre_softmax = true}});
+      if (kk > 1) v.push_back({"softmax, post", {.num_experts = E, .topk = kk}});
+      v.push_back({"sigmoid", {.num_experts = E, .topk = kk, .score = score_function::sigmoid}});
+      v.push_back({"sigmoid + bias, scaled",
+                   {.num_experts = E,
+                    .topk = kk,
+                    .score = score_function::sigmoid,
+                    .scaling_factor = 2.5,
+                    .expert_bias = true}});
+      v.push_back({"sqrt_softplus",
+                   {.num_experts = E, .topk = kk, .score = score_function::sqrt_softplus}});
+      if (E >= 64 && kk == 8)
+        v.push_back({"group-limited sigmoid + bias (8 groups, 4 kept)",
+                     {.num_experts = E,
+                      .topk = kk,
+                      .score = score_function::sigmoid,
+                      .num_groups = 8,
+                      .group_topk = 4,
+                      .expert_bias = true}});
+    }
+  return v;
+}
+
 }  // namespace
 
 TEST_CASE("router kernel: every variant against the host router") {
   const auto seed = test::simt_seed();
   MESSAGE("seed " << seed);
   std::mt19937_64 rng(seed);
-  std::vector<variant> variants;
-  for (int E : {1, 8, 64, 256})
-    for (int kk : {1, 2, 8}) {
-      if (kk > E) continue;
-      variants.push_back({"softmax, pre", {.num_experts = E, .topk = kk, .pre_softmax = true}});
-      if (kk > 1) variants.push_back({"softmax, post", {.num_experts = E, .topk = kk}});
-      variants.push_back(
-          {"sigmoid", {.num_experts = E, .topk = kk, .score = score_function::sigmoid}});
-      variants.push_back({"sigmoid + bias, scaled",
-                          {.num_experts = E,
-                           .topk = kk,
-                           .score = score_function::sigmoid,
-                           .scaling_factor = 2.5,
-                           .expert_bias = true}});
-      variants.push_back({"sqrt_softplus",
-                          {.num_experts = E, .topk = kk, .score = score_function::sqrt_softplus}});
-      if (E >= 64 && kk == 8)
-        variants.push_back({"group-limited sigmoid + bias (8 groups, 4 kept)",
-                            {.num_experts = E,
-                             .topk = kk,
-                             .score = score_function::sigmoid,
-                             .num_groups = 8,
-                             .group_topk = 4,
-                             .expert_bias = true}});
-    }
+  const std::vector<variant> variants = all_variants();
   int worst_ulp = 0;
   long compared = 0, ties = 0;
   for (const auto& v : variants)
@@ -177,20 +182,7 @@ TEST_CASE("router backward kernel: every variant against the host router's backw
   const auto seed = test::simt_seed();
   MESSAGE("seed " << seed);
   std::mt19937_64 rng(seed);
-  std::vector<variant> variants;
-  for (int E : {1, 8, 64, 256})
-    for (int kk : {1, 2, 8}) {
-      if (kk > E) continue;
-      variants.push_back({"softmax, pre", {.num_experts = E, .topk = kk, .pre_softmax = true}});
-      if (kk > 1) variants.push_back({"softmax, post", {.num_experts = E, .topk = kk}});
-      variants.push_back({"sigmoid, scaled",
-                          {.num_experts = E,
-                           .topk = kk,
-                           .score = score_function::sigmoid,
-                           .scaling_factor = 2.5}});
-      variants.push_back({"sqrt_softplus",
-                          {.num_experts = E, .topk = kk, .score = score_function::sqrt_softplus}});
-    }
+  const std::vector<variant> variants = all_variants();
   double worst = 0;  // |kernel - fp64| over the bound, worst case
   long compared = 0;
   for (const auto& v : variants)
@@ -210,8 +202,11 @@ TEST_CASE("router backward kernel: every variant against the host router's backw
       std::normal_distribution<float> d(0.0f, 2.0f);
       std::vector<float> logits(static_cast<std::size_t>(N) * E);
       for (auto& x : logits) x = d(rng);
+      std::vector<float> bias;  // selects; carries no gradient
+      if (o.expert_bias)
+        for (int e = 0; e < E; ++e) bias.push_back(0.1f * d(rng));
       topk_routing<float> r;
-      REQUIRE(router->route(logits, r));
+      REQUIRE(router->route(logits, r, bias));
       std::vector<float> dprobs(r.probs.size());
       for (auto& x : dprobs) x = d(rng);
       // The fp64 reference: the host backward in double over the same selection.
@@ -263,11 +258,48 @@ TEST_CASE("router backward kernel: every variant against the host router's backw
             cond[static_cast<std::size_t>(e)] =
                 sm[static_cast<std::size_t>(e)] *
                 (std::abs(ds[static_cast<std::size_t>(e)]) + dot_abs);
+        } else {
+          // The k selected: a softmax after top-k, p_i (|g_i| + sum |p g|); a renormalised
+          // score, (|g_i| / D + sum |g s| / D^2) |score'(x_i)|; k = 1, |g score'|.
+          const double sc = o.scaling_factor.value_or(1.0);
+          std::vector<double> x(static_cast<std::size_t>(kk)), g(x), sk(x), dsk(x);
+          double zmax = -1e300;
+          for (int i = 0; i < kk; ++i) {
+            const auto at = static_cast<std::size_t>(t) * kk + i;
+            x[i] = logits64[static_cast<std::size_t>(t) * E + r.indices[at]];
+            g[i] = dprobs64[at] * sc;
+            zmax = std::max(zmax, x[i]);
+            if (o.score == score_function::sigmoid) {
+              sk[i] = 1 / (1 + std::exp(-x[i]));
+              dsk[i] = sk[i] * (1 - sk[i]);
+            } else if (o.score == score_function::sqrt_softplus) {
+              const double sp = x[i] > 20 ? x[i] : std::log1p(std::exp(x[i]));
+              sk[i] = std::sqrt(sp);
+              dsk[i] = (x[i] > 20 ? 1.0 : 1 / (1 + std::exp(-x[i]))) / (2 * sk[i]);
+            }
+          }
+          double z = 0, pg = 0, gs = 0, d = 0;
+          if (o.score == score_function::softmax) {
+            for (int i = 0; i < kk; ++i) z += sk[i] = std::exp(x[i] - zmax);
+            for (int i = 0; i < kk; ++i) pg += std::abs((sk[i] /= z) * g[i]);
+          } else {
+            for (int i = 0; i < kk; ++i) d += sk[i], gs += std::abs(g[i] * sk[i]);
+          }
+          for (int i = 0; i < kk; ++i) {
+            double c = 0;
+            if (o.score == score_function::softmax)
+              c = sk[i] * (std::abs(g[i]) + pg);
+            else if (kk > 1)
+              c = (std::abs(g[i]) / d + gs / (d * d)) * std::abs(dsk[i]);
+            else
+              c = std::abs(g[i] * dsk[i]);
+            cond[static_cast<std::size_t>(r.indices[static_cast<std::size_t>(t) * kk + i])] = c;
+          }
         }
         for (int e = 0; e < E; ++e) {
           const auto at = static_cast<std::size_t>(t) * E + e;
           // fp32 arithmetic with moefold's exp against fp64: a few float epsilons of the
-          // element and of the row's largest gradient (cancellation in g - <p, g>), or, where
+          // element, the row's largest gradient and the element's condition above, or, where
           // the formula itself is ill-conditioned in fp32 (s (1 - s) for s near 1), no more
           // than four times the host's own fp32 error.
           const double bound =
