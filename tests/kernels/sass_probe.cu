@@ -10,6 +10,7 @@
 #include <moefold/kernels/histogram.hpp>
 #include <moefold/kernels/permute.hpp>
 #include <moefold/kernels/router.hpp>
+#include <moefold/kernels/router_block.hpp>
 #include <moefold/kernels/scan.hpp>
 #include <moefold/kernels/unpermute.hpp>
 
@@ -36,6 +37,7 @@ MOEFOLD_SASS_PROBE(k::scan_tile_sums_kernel);
 MOEFOLD_SASS_PROBE(k::add_tile_offsets_kernel);
 MOEFOLD_SASS_PROBE(k::router_topk_kernel);
 MOEFOLD_SASS_PROBE(k::router_backward_kernel);
+MOEFOLD_SASS_PROBE(k::router_topk_block_kernel);
 MOEFOLD_SASS_PROBE(k::activation_forward_kernel<float>);
 MOEFOLD_SASS_PROBE(k::activation_forward_kernel<bfloat16, float>);
 MOEFOLD_SASS_PROBE(k::activation_backward_kernel<float>);

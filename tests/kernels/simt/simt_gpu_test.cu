@@ -14,6 +14,7 @@
 #include <moefold/kernels/activation.hpp>
 #include <moefold/kernels/capacity.hpp>
 #include <moefold/kernels/router.hpp>
+#include <moefold/kernels/router_block.hpp>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -202,6 +203,47 @@ TEST_CASE("[kernel][small] router forward and backward: cuda_exec equals cpu_exe
                    back(dl.p, dsel.p, dgrad.p, dl_gpu.p)));
     REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
     CHECK(same_bits(dl_cpu, dl_gpu.host()));
+  }
+}
+
+TEST_CASE("[kernel][small] router, a block per token (E 1024): cuda_exec equals cpu_exec") {
+  namespace k = moefold::kernels;
+  std::mt19937 rng(static_cast<unsigned>(test::simt_seed()));
+  std::normal_distribution<float> d(0.0f, 2.0f);
+  const int N = 24, E = 1024, K = 8;  // the CPU executor side costs about 50 ms per token
+  std::vector<float> logits(N * E), bias(E);
+  for (auto& x : logits) x = d(rng);
+  for (auto& x : bias) x = 0.1f * d(rng);
+  device_vec<float> dl(logits), db(bias);
+  const k::router_score scores[] = {k::router_score::softmax, k::router_score::softmax,
+                                    k::router_score::sigmoid, k::router_score::sqrt_softplus};
+  for (int v = 0; v < 4; ++v) {
+    CAPTURE(v);
+    std::vector<int> idx(N * K, -7);
+    std::vector<float> probs(N * K, -7.0f);
+    device_vec<int> didx(idx);
+    device_vec<float> dprobs(probs);
+    auto make = [&](const float* l, const float* b, int* i, float* p) {
+      return k::router_topk_block_kernel{.logits = l,
+                                         .num_tokens = N,
+                                         .num_experts = E,
+                                         .topk = K,
+                                         .score = scores[v],
+                                         .pre_softmax = v == 0,
+                                         .num_groups = v == 2 ? 8 : 0,
+                                         .group_topk = v == 2 ? 4 : 0,
+                                         .expert_bias = v == 2 ? b : nullptr,
+                                         .scale = v == 2,
+                                         .scaling_factor = 2.5f,
+                                         .indices = i,
+                                         .probs = p};
+    };
+    const launch_grid g{.blocks = 8, .smem_bytes = k::router_topk_block_kernel::smem_bytes};
+    REQUIRE(launch(cpu_exec{1}, g, make(logits.data(), bias.data(), idx.data(), probs.data())));
+    REQUIRE(launch(cuda_exec{nullptr}, g, make(dl.p, db.p, didx.p, dprobs.p)));
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    CHECK(idx == didx.host());
+    CHECK(same_bits(probs, dprobs.host()));
   }
 }
 
