@@ -77,6 +77,16 @@ template <class T>
 [[nodiscard]] MOEFOLD_HOST_DEVICE double wide(const T& v) noexcept {
   return static_cast<double>(moefold::detail::widen(v));
 }
+//! One output element's inputs: x (the gate, or the whole input) and the up projection, 1 for
+//! a plain activation (a product with it is exact, so one formula serves both forms).
+struct element_input {
+  double x, up;
+};
+template <class T>
+[[nodiscard]] MOEFOLD_HOST_DEVICE element_input load(const rows_arg<const T>& a, bool gated,
+                                                     long long r, long long k, int width) {
+  return {wide(a(r, k)), gated ? wide(a(r, width + k)) : 1.0};
+}
 }  // namespace detail_activation
 
 //! h = act_out(a) [* p]: act_out = act(a[:, c]) * a[:, F + c] (gated) or act(a[:, c]).
@@ -96,8 +106,8 @@ struct activation_forward_kernel {
     using detail_activation::wide;
     const bool gated = is_gated(act);
     detail_elementwise::for_each_element(c, rows, width, [&](long long r, long long k) {
-      double v = activation_value(act, wide(a(r, k)));
-      if (gated) v = simt::mul(v, wide(a(r, width + k)));
+      const auto in = detail_activation::load(a, gated, r, k, width);
+      double v = simt::mul(activation_value(act, in.x), in.up);
       if (probs != nullptr) v = simt::mul(v, wide(probs[r]));
       h(r, k) = detail_activation::round_to<T>(v);
     });
@@ -131,18 +141,16 @@ struct activation_backward_kernel {
       const double p = probs != nullptr ? wide(probs[r]) : 1.0;
       double part = 0.0;
       for (int k = c.lane(); k < width; k += 32) {
-        const double g = wide(dh(r, k)), x = wide(a(r, k));
-        const double pg = simt::mul(p, g);
-        const double f = activation_value(act, x), fd = activation_derivative(act, x);
+        const auto in = detail_activation::load(a, gated, r, k, width);
+        const double g = wide(dh(r, k)), pg = simt::mul(p, g);
+        const double f = activation_value(act, in.x), fd = activation_derivative(act, in.x);
         if (gated) {
-          const double up = wide(a(r, width + k));
-          da(r, k) = round_to<T>(simt::mul(simt::mul(pg, up), fd));
+          da(r, k) = round_to<T>(simt::mul(simt::mul(pg, in.up), fd));
           da(r, width + k) = round_to<T>(simt::mul(pg, f));
-          part = simt::fma(simt::mul(f, up), g, part);
         } else {
           da(r, k) = round_to<T>(simt::mul(pg, fd));
-          part = simt::fma(f, g, part);
         }
+        part = simt::fma(simt::mul(f, in.up), g, part);  // act_out dh
       }
       if (probs != nullptr && dprobs != nullptr) {
         const double s = simt::warp_sum(c, part);

@@ -21,13 +21,11 @@
 
 #include <moefold/core/config.hpp>
 #include <moefold/core/dtype.hpp>
+#include <moefold/dispatch/drop_by.hpp>
 
 #include "simt/block_scan.hpp"
 
 namespace moefold::kernels {
-
-//! Which routed pairs an expert keeps beyond capacity (the values of moefold::drop_by).
-enum class keep_by : int { probs = 0, position = 1 };
 
 //! Shapes: expert, probs, keep [N * k] (contiguous records); order [N] or null (row t's rank in
 //! true sequence order; null: row order); by_order [N] (the row at each rank, order's inverse;
@@ -42,7 +40,7 @@ struct keep_args {
   const int* offsets;
   int* scratch;  //!< the pairs grouped by expert, in pair order within an expert
   int num_tokens, topk, num_experts, capacity;
-  keep_by by;
+  drop_by by;  //!< which pairs stay beyond capacity
   bool pad;
   long long first, count;  //!< the rows counted (this rank's, inside a gathered group)
   std::uint8_t* keep;      //!< every pair written: 1 kept, 0 dropped
@@ -70,7 +68,7 @@ struct keep_args {
   }
   // Pair q comes before pair p in the expert's keep order (a strict order: pair index last).
   [[nodiscard]] MOEFOLD_HOST_DEVICE bool comes_first(int q, int p) const {
-    if (by == keep_by::probs) {
+    if (by == drop_by::probs) {
       const auto a = moefold::detail::widen(probs[q]), b = moefold::detail::widen(probs[p]);
       if (a != b) return a > b;
     }
@@ -151,7 +149,7 @@ struct keep_rank_kernel {
       bool kept = true;
       if (m > a.capacity) {
         long long rank = at;  // row order by position: the list's own order
-        if (a.by == keep_by::probs || a.order != nullptr) {
+        if (a.by == drop_by::probs || a.order != nullptr) {
           rank = 0;
           for (long long j = 0; j < m; ++j) rank += a.comes_first(list[j], p) ? 1 : 0;
         }

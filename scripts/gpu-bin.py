@@ -19,9 +19,10 @@ progs = []
 for t in tests:
     if any(s.endswith(":gpu") for s in t["suite"]):
         progs.append((t["name"], pathlib.Path(t["cmd"][0])))
-bench = build / "benchmarks" / "comm" / "bench-comm-a2av-loopback"
-progs.append(("bench-comm-a2av-loopback", bench))
-if not progs[:-1]:
+n_tests = len(progs)
+progs.append(("bench-comm-a2av-loopback", build / "benchmarks" / "comm" / "bench-comm-a2av-loopback"))
+progs.append(("bench-kernels", build / "benchmarks" / "kernels" / "bench-kernels"))
+if n_tests == 0:
     sys.exit(f"gpu-bin.py: {build} has no tests of suite gpu (configured without CUDA?)")
 
 if sys.argv[2] == "--targets":

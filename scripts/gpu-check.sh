@@ -166,6 +166,15 @@ if [ "${ran[*]:-}" != stop ] && [ -f "$manifest" ]; then
     step bench-a2av-loopback 120 "$bin_dir/bench-comm-a2av-loopback" 8 ||
       fail "bench-comm-a2av-loopback failed"
   fi
+  # Benchmark: permute / un-permute against a device copy, the router against PyTorch's
+  # routing (benchmarks/kernels/router_peer.py, reading bench-kernels' lines for the ratios).
+  if grep -q "^bench-kernels	" "$manifest" && [ $gpu_present = 1 ] && [ $dry_run = 0 ]; then
+    step bench-kernels 180 "$bin_dir/bench-kernels" || fail "bench-kernels failed"
+    step bench-router-peer 180 python3 benchmarks/kernels/router_peer.py \
+      --ours "$logs/bench-kernels.log"
+    rc=$?
+    [ $rc = 0 ] || [ $rc = 77 ] || fail "router_peer.py failed (rc $rc)"
+  fi
 fi
 
 # Counts: doctest summaries of the test programs; a program without one counts as one case.

@@ -7,10 +7,14 @@
 #include <moefold/kernels/capacity.hpp>
 #include <moefold/kernels/chunk_copy.hpp>
 #include <moefold/kernels/elementwise.hpp>
+#include <moefold/kernels/expert_bias.hpp>
+#include <moefold/kernels/grouped_gemm.hpp>
 #include <moefold/kernels/histogram.hpp>
 #include <moefold/kernels/permute.hpp>
 #include <moefold/kernels/router.hpp>
+#include <moefold/kernels/router_aux_loss.hpp>
 #include <moefold/kernels/router_block.hpp>
+#include <moefold/kernels/router_z_loss.hpp>
 #include <moefold/kernels/scan.hpp>
 #include <moefold/kernels/unpermute.hpp>
 
@@ -38,6 +42,23 @@ MOEFOLD_SASS_PROBE(k::add_tile_offsets_kernel);
 MOEFOLD_SASS_PROBE(k::router_topk_kernel);
 MOEFOLD_SASS_PROBE(k::router_backward_kernel);
 MOEFOLD_SASS_PROBE(k::router_topk_block_kernel);
+MOEFOLD_SASS_PROBE(k::router_backward_block_kernel);
+MOEFOLD_SASS_PROBE(k::aux_scores_kernel);
+MOEFOLD_SASS_PROBE(k::aux_scores_block_kernel);
+MOEFOLD_SASS_PROBE(k::aux_column_sums_kernel);
+MOEFOLD_SASS_PROBE(k::switch_loss_kernel);
+MOEFOLD_SASS_PROBE(k::aux_loss_backward_kernel);
+MOEFOLD_SASS_PROBE(k::aux_loss_backward_block_kernel);
+MOEFOLD_SASS_PROBE(k::logsumexp_kernel);
+MOEFOLD_SASS_PROBE(k::logsumexp_block_kernel);
+MOEFOLD_SASS_PROBE(k::z_loss_total_kernel);
+MOEFOLD_SASS_PROBE(k::z_loss_backward_kernel);
+MOEFOLD_SASS_PROBE(k::z_loss_backward_block_kernel);
+MOEFOLD_SASS_PROBE(k::expert_counts_accumulate_kernel);
+MOEFOLD_SASS_PROBE(k::expert_bias_update_kernel);
+MOEFOLD_SASS_PROBE(k::grouped_gemm_kernel<float, float, float>);
+MOEFOLD_SASS_PROBE(k::grouped_gemm_kernel<bfloat16, bfloat16, bfloat16>);
+MOEFOLD_SASS_PROBE(k::grouped_gemm_kernel<bfloat16, bfloat16, float>);
 MOEFOLD_SASS_PROBE(k::activation_forward_kernel<float>);
 MOEFOLD_SASS_PROBE(k::activation_forward_kernel<bfloat16, float>);
 MOEFOLD_SASS_PROBE(k::activation_backward_kernel<float>);

@@ -19,15 +19,10 @@
 #include "../core/expected.hpp"
 #include "../routing/routing_view.hpp"
 #include "../routing/topk_router.hpp"
+#include "drop_by.hpp"
 
 namespace moefold {
 inline namespace v0_1 {
-
-//! Which routed tokens an expert keeps when it has more than its capacity.
-enum class drop_by {
-  probs,     //!< the highest probabilities (ties: earlier token first)
-  position,  //!< the earliest tokens in sequence order (later positions are dropped first)
-};
 
 //! What a policy dropped, per expert, for logging and tests.
 struct drop_report {

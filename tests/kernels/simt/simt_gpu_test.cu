@@ -10,11 +10,18 @@
 #include <cstdio>
 #include <cstring>
 #include <moefold/core/cpu_exec.hpp>
+#include <moefold/core/cuda/cuda_exec.hpp>
 #include <moefold/core/cuda/cuda_launch.cuh>
+#include <moefold/core/exec_buffer.hpp>
+#include <moefold/experts/simt_mlp.hpp>
 #include <moefold/kernels/activation.hpp>
 #include <moefold/kernels/capacity.hpp>
+#include <moefold/kernels/expert_bias.hpp>
+#include <moefold/kernels/grouped_gemm.hpp>
 #include <moefold/kernels/router.hpp>
+#include <moefold/kernels/router_aux_loss.hpp>
 #include <moefold/kernels/router_block.hpp>
+#include <moefold/kernels/router_z_loss.hpp>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -206,7 +213,9 @@ TEST_CASE("[kernel][small] router forward and backward: cuda_exec equals cpu_exe
   }
 }
 
-TEST_CASE("[kernel][small] router, a block per token (E 1024): cuda_exec equals cpu_exec") {
+TEST_CASE(
+    "[kernel][small] router, a block per token (E 1024), forward and backward: cuda_exec equals "
+    "cpu_exec") {
   namespace k = moefold::kernels;
   std::mt19937 rng(static_cast<unsigned>(test::simt_seed()));
   std::normal_distribution<float> d(0.0f, 2.0f);
@@ -244,7 +253,331 @@ TEST_CASE("[kernel][small] router, a block per token (E 1024): cuda_exec equals 
     REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
     CHECK(idx == didx.host());
     CHECK(same_bits(probs, dprobs.host()));
+    // The block backward over the CPU's selection, on both executors.
+    std::vector<float> grad(N * K), dl_cpu(N * E, -7.0f);
+    for (auto& x : grad) x = d(rng);
+    device_vec<float> dgrad(grad), dl_gpu(dl_cpu);
+    device_vec<int> dsel(idx);
+    auto back = [&](const float* l, const int* i, const float* gr, float* out) {
+      return k::router_backward_block_kernel{.logits = l,
+                                             .indices = i,
+                                             .dprobs = gr,
+                                             .num_tokens = N,
+                                             .num_experts = E,
+                                             .topk = K,
+                                             .score = scores[v],
+                                             .pre_softmax = v == 0,
+                                             .scale = v == 2,
+                                             .scaling_factor = 2.5f,
+                                             .dlogits = out};
+    };
+    REQUIRE(launch(cpu_exec{1}, g, back(logits.data(), idx.data(), grad.data(), dl_cpu.data())));
+    REQUIRE(launch(cuda_exec{nullptr}, g, back(dl.p, dsel.p, dgrad.p, dl_gpu.p)));
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    CHECK(same_bits(dl_cpu, dl_gpu.host()));
   }
+}
+
+namespace {
+
+// Pointers of one executor's copy of the router-loss chain's buffers.
+struct loss_ptrs {
+  const float* logits;
+  const std::uint8_t* padding;
+  float *scores, *sums, *dscores, *dlogits, *lse, *loss;
+  std::uint8_t* map;
+  double *counts, *used;
+  int* valid;
+};
+
+// The router-loss chain (aux scores, column sums, the micro-batch loss, its gradient, z-loss,
+// its gradient) with team kernels Aux, AuxBw, Lse, ZBw on one executor.
+template <class Aux, class AuxBw, class Lse, class ZBw, class Exec>
+void loss_chain(const Exec& ex, const loss_ptrs& p, int N, int E, int kk,
+                moefold::kernels::router_score score) {
+  namespace k = moefold::kernels;
+  const launch_grid g{.blocks = 8, .smem_bytes = Aux::smem_bytes};
+  REQUIRE(launch(ex, g,
+                 Aux{.logits = p.logits,
+                     .padding = p.padding,
+                     .num_tokens = N,
+                     .num_experts = E,
+                     .topk = kk,
+                     .score = score,
+                     .scores = p.scores,
+                     .map = p.map}));
+  REQUIRE(launch(ex, launch_grid{.blocks = 2},
+                 k::aux_column_sums_kernel{.scores = p.scores,
+                                           .map = p.map,
+                                           .rows = N,
+                                           .columns = E,
+                                           .sums = p.sums,
+                                           .counts = p.counts}));
+  REQUIRE(launch(ex, launch_grid{.blocks = 1},
+                 k::switch_loss_kernel{.column_sums = p.sums,
+                                       .counts = p.counts,
+                                       .columns = E,
+                                       .total_tokens = 0.0,
+                                       .per_token = static_cast<double>(kk),
+                                       .topk = kk,
+                                       .num_experts = E,
+                                       .coeff = 0.01,
+                                       .divide_by = 1.0,
+                                       .running = nullptr,
+                                       .steps = 0,
+                                       .used = p.used,
+                                       .loss = p.loss,
+                                       .dscores = p.dscores}));
+  REQUIRE(launch(ex, g,
+                 AuxBw{.logits = p.logits,
+                       .padding = p.padding,
+                       .num_tokens = N,
+                       .num_experts = E,
+                       .score = score,
+                       .dscores = p.dscores,
+                       .columns = E,
+                       .seed = 0.75f,
+                       .dlogits = p.dlogits}));
+  REQUIRE(launch(ex, g,
+                 Lse{.logits = p.logits,
+                     .padding = p.padding,
+                     .num_tokens = N,
+                     .num_experts = E,
+                     .lse = p.lse}));
+  REQUIRE(launch(ex, launch_grid{.blocks = 1, .smem_bytes = k::z_loss_total_kernel::smem_bytes},
+                 k::z_loss_total_kernel{.lse = p.lse,
+                                        .padding = p.padding,
+                                        .num_tokens = N,
+                                        .coeff = 1e-3f,
+                                        .loss = p.loss + 1,
+                                        .valid = p.valid}));
+  REQUIRE(launch(ex, g,
+                 ZBw{.logits = p.logits,
+                     .padding = p.padding,
+                     .lse = p.lse,
+                     .valid = p.valid,
+                     .num_tokens = N,
+                     .num_experts = E,
+                     .coeff = 1e-3f,
+                     .seed = 0.75f,
+                     .dlogits = p.dlogits}));
+}
+
+template <class Aux, class AuxBw, class Lse, class ZBw>
+void check_loss_chain(int N, int E, int kk) {
+  namespace k = moefold::kernels;
+  std::mt19937 rng(static_cast<unsigned>(test::simt_seed()));
+  std::normal_distribution<float> d(0.0f, 2.0f);
+  std::vector<float> logits(static_cast<std::size_t>(N) * E);
+  for (auto& x : logits) x = d(rng);
+  std::vector<std::uint8_t> padding(static_cast<std::size_t>(N));
+  for (int t = 0; t < N; ++t) padding[t] = t % 5 == 2 ? 1 : 0;
+  for (auto score : {k::router_score::softmax, k::router_score::sigmoid}) {
+    CAPTURE(static_cast<int>(score));
+    const std::size_t NE = logits.size(), Es = static_cast<std::size_t>(E);
+    std::vector<float> scores(NE, -7.0f), sums(Es, -7.0f), dscores(Es, -7.0f), dl(NE, 0.5f),
+        lse(static_cast<std::size_t>(N), -7.0f), loss(2, -7.0f);
+    std::vector<std::uint8_t> map(NE, 7);
+    std::vector<double> counts(Es, -7.0), used(Es, -7.0);
+    std::vector<int> valid(1, -7);
+    device_vec<float> g_logits(logits), g_scores(scores), g_sums(sums), g_dscores(dscores),
+        g_dl(dl), g_lse(lse), g_loss(loss);
+    device_vec<std::uint8_t> g_padding(padding), g_map(map);
+    device_vec<double> g_counts(counts), g_used(used);
+    device_vec<int> g_valid(valid);
+    loss_chain<Aux, AuxBw, Lse, ZBw>(
+        cpu_exec{1},
+        loss_ptrs{logits.data(), padding.data(), scores.data(), sums.data(), dscores.data(),
+                  dl.data(), lse.data(), loss.data(), map.data(), counts.data(), used.data(),
+                  valid.data()},
+        N, E, kk, score);
+    loss_chain<Aux, AuxBw, Lse, ZBw>(
+        cuda_exec{nullptr},
+        loss_ptrs{g_logits.p, g_padding.p, g_scores.p, g_sums.p, g_dscores.p, g_dl.p, g_lse.p,
+                  g_loss.p, g_map.p, g_counts.p, g_used.p, g_valid.p},
+        N, E, kk, score);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    CHECK(same_bits(scores, g_scores.host()));
+    CHECK(map == g_map.host());
+    CHECK(same_bits(sums, g_sums.host()));
+    CHECK(same_bits(counts, g_counts.host()));
+    CHECK(same_bits(dscores, g_dscores.host()));
+    CHECK(same_bits(loss, g_loss.host()));
+    CHECK(same_bits(lse, g_lse.host()));
+    CHECK(valid == g_valid.host());
+    CHECK(same_bits(dl, g_dl.host()));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("[kernel][small] router losses (aux, z-loss, gradients): cuda_exec equals cpu_exec") {
+  namespace k = moefold::kernels;
+  // A warp per token at E 256 (200 tokens), a block per token at E 1,024 (24 tokens).
+  check_loss_chain<k::aux_scores_kernel, k::aux_loss_backward_kernel, k::logsumexp_kernel,
+                   k::z_loss_backward_kernel>(200, 256, 8);
+  check_loss_chain<k::aux_scores_block_kernel, k::aux_loss_backward_block_kernel,
+                   k::logsumexp_block_kernel, k::z_loss_backward_block_kernel>(24, 1024, 8);
+}
+
+TEST_CASE("[kernel][small] expert-bias counts and update: cuda_exec equals cpu_exec") {
+  namespace k = moefold::kernels;
+  std::mt19937 rng(static_cast<unsigned>(test::simt_seed()));
+  const int E = 256;
+  std::normal_distribution<float> d(0.0f, 1e-3f);
+  std::vector<int> hist(E);
+  for (auto& x : hist) x = static_cast<int>(rng() % 1000);
+  std::vector<float> local(E), bias(E), summed(E);
+  for (int e = 0; e < E; ++e) {
+    local[e] = static_cast<float>(rng() % 100);
+    bias[e] = d(rng);
+    summed[e] = static_cast<float>(rng() % 5000);
+  }
+  device_vec<int> g_hist(hist);
+  device_vec<float> g_local(local), g_bias(bias), g_summed(summed);
+  auto chain = [&](const auto& ex, const int* h, const float* s, float* l, float* b) {
+    REQUIRE(launch(ex, launch_grid{.blocks = 1},
+                   k::expert_counts_accumulate_kernel{.counts = h, .num_experts = E, .local = l}));
+    REQUIRE(launch(ex, launch_grid{.blocks = 1},
+                   k::expert_bias_update_kernel{
+                       .summed = s, .num_experts = E, .rate = 1e-3f, .bias = b, .local = l}));
+  };
+  chain(cpu_exec{1}, hist.data(), summed.data(), local.data(), bias.data());
+  chain(cuda_exec{nullptr}, g_hist.p, g_summed.p, g_local.p, g_bias.p);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  CHECK(same_bits(local, g_local.host()));
+  CHECK(same_bits(bias, g_bias.host()));
+}
+
+TEST_CASE(
+    "[kernel][small] grouped GEMM (forward and weight-gradient shapes): cuda_exec equals "
+    "cpu_exec") {
+  namespace k = moefold::kernels;
+  std::mt19937 rng(static_cast<unsigned>(test::simt_seed()));
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  // Four experts of 0, 37, 100 and 64 rows; K 96 (six steps), N 80 (a partial tile).
+  const std::vector<long long> offsets = {0, 0, 37, 137, 201};
+  const int G = 4, K = 96, N = 80;
+  const long long R = offsets.back();
+  std::vector<float> a(static_cast<std::size_t>(R) * K), w(static_cast<std::size_t>(G) * N * K),
+      b(static_cast<std::size_t>(R) * N), c(static_cast<std::size_t>(R) * N, -3.0f),
+      grad(static_cast<std::size_t>(G) * K * N);
+  for (auto* v : {&a, &w, &b, &grad})
+    for (auto& x : *v) x = d(rng);
+  device_vec<long long> g_off(offsets);
+  device_vec<float> g_a(a), g_w(w), g_b(b), g_c(c), g_grad(grad);
+  auto fwd = [&](const long long* off, const float* pa, const float* pw, float* pc) {
+    return k::grouped_gemm_kernel<float, float, float>{
+        .grouping = k::gemm_grouping::rows_are_m,
+        .offsets = off,
+        .groups = G,
+        .m = 0,
+        .n = N,
+        .k = K,
+        .a = {pa, K, 1, 0},
+        .b = {pw, 1, K, static_cast<long long>(N) * K},
+        .c = {pc, N, 1, 0},
+        .accumulate = false};
+  };
+  auto wgrad = [&](const long long* off, const float* pa, const float* pb, float* pc) {
+    return k::grouped_gemm_kernel<float, float, float>{
+        .grouping = k::gemm_grouping::rows_are_k,
+        .offsets = off,
+        .groups = G,
+        .m = K,
+        .n = N,
+        .k = 0,
+        .a = {pa, 1, K, 0},
+        .b = {pb, N, 1, 0},
+        .c = {pc, N, 1, static_cast<long long>(K) * N},
+        .accumulate = true};
+  };
+  const launch_grid g{.blocks = 16,
+                      .smem_bytes = k::grouped_gemm_kernel<float, float, float>::smem_bytes};
+  REQUIRE(launch(cpu_exec{1}, g, fwd(offsets.data(), a.data(), w.data(), c.data())));
+  REQUIRE(launch(cpu_exec{1}, g, wgrad(offsets.data(), a.data(), b.data(), grad.data())));
+  REQUIRE(launch(cuda_exec{nullptr}, g, fwd(g_off.p, g_a.p, g_w.p, g_c.p)));
+  REQUIRE(launch(cuda_exec{nullptr}, g, wgrad(g_off.p, g_a.p, g_b.p, g_grad.p)));
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  CHECK(same_bits(c, g_c.host()));
+  CHECK(same_bits(grad, g_grad.host()));
+}
+
+namespace {
+
+// The portable expert's forward and backward on one executor, results on the host.
+struct mlp_results {
+  std::vector<float> y, dx, dprobs, g1, g2;
+};
+template <class Exec>
+mlp_results run_simt_mlp(Exec& ex, const mlp_shape& s, const std::vector<int>& counts,
+                         const std::vector<float>& w1, const std::vector<float>& w2,
+                         const std::vector<float>& x, const std::vector<float>& p,
+                         const std::vector<float>& dy) {
+  using S = typename Exec::memory_space;
+  const int M = static_cast<int>(p.size()), H = s.hidden;
+  const int fs = s.ffn / s.etp, f1 = (is_gated(s.act) ? 2 : 1) * fs, L = s.num_local_experts;
+  auto up = [&](const std::vector<float>& v, int rows, int width) {
+    auto b = exec_buffer<float, Exec>::make(ex, rows, width);
+    REQUIRE(b);
+    REQUIRE(ex.copy(row_view<const float, host_space>(v.data(), rows, width), b->view()));
+    return std::move(*b);
+  };
+  auto down = [&](row_view<const float, S> v) {
+    std::vector<float> h(static_cast<std::size_t>(v.rows()) * v.width());
+    REQUIRE(ex.copy(v, row_view<float, host_space>(h.data(), v.rows(), v.width())));
+    REQUIRE(ex.synchronize());
+    return h;
+  };
+  std::vector<float> zeros1(w1.size(), 0.0f), zeros2(w2.size(), 0.0f), zeros_m(p.size(), 0.0f),
+      zeros_x(x.size(), 0.0f);
+  auto dw1 = up(w1, L * f1, H), dw2 = up(w2, L * H, fs), dg1 = up(zeros1, L * f1, H),
+       dg2 = up(zeros2, L * H, fs), dx_in = up(x, M, H), dp = up(p, M, 1), ddy = up(dy, M, H),
+       dy_out = up(zeros_x, M, H), ddx = up(zeros_x, M, H), ddp = up(zeros_m, M, 1);
+  auto m = simt_mlp<float, Exec>::make(ex, s, {dw1.cview(), dw2.cview()}, {dg1.view(), dg2.view()});
+  REQUIRE(m);
+  const device_expert_batch<float, float, S> b{
+      .counts = counts, .x = dx_in.cview(), .probs = dp.cview()};
+  REQUIRE(m->forward(b, dy_out.view()));
+  REQUIRE(m->backward(b, ddy.cview(), ddx.view(), ddp.view()));
+  return {down(dy_out.cview()), down(ddx.cview()), down(ddp.cview()), down(dg1.cview()),
+          down(dg2.cview())};
+}
+
+}  // namespace
+
+TEST_CASE(
+    "[kernel][small] the portable expert (simt_mlp) forward and backward: cuda_exec equals "
+    "cpu_exec") {
+  std::mt19937 rng(static_cast<unsigned>(test::simt_seed()));
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  const std::vector<int> counts = {0, 45, 70, 13};
+  const mlp_shape s{.hidden = 64,
+                    .ffn = 96,
+                    .num_local_experts = 4,
+                    .etp = 2,
+                    .etp_rank = 1,
+                    .act = activation::swiglu};
+  const auto n = mlp_sizes(s);
+  const int M = 128;
+  auto fill = [&](std::size_t size, float scale) {
+    std::vector<float> v(size);
+    for (auto& x : v) x = scale * d(rng);
+    return v;
+  };
+  const auto w1 = fill(n.fc1, 0.2f), w2 = fill(n.fc2, 0.2f), x = fill(M * 64, 1.0f),
+             dy = fill(M * 64, 1.0f);
+  auto p = fill(M, 0.5f);
+  for (auto& v : p) v = std::fabs(v);
+  cpu_exec cpu(1);
+  cuda_exec gpu(nullptr);
+  const auto a = run_simt_mlp(cpu, s, counts, w1, w2, x, p, dy);
+  const auto b = run_simt_mlp(gpu, s, counts, w1, w2, x, p, dy);
+  CHECK(same_bits(a.y, b.y));
+  CHECK(same_bits(a.dx, b.dx));
+  CHECK(same_bits(a.dprobs, b.dprobs));
+  CHECK(same_bits(a.g1, b.g1));
+  CHECK(same_bits(a.g2, b.g2));
 }
 
 TEST_CASE("[kernel][small] activations forward and backward: cuda_exec equals cpu_exec bitwise") {
@@ -376,7 +709,7 @@ TEST_CASE("[kernel][small] capacity keep decision: cuda_exec equals cpu_exec") {
                                  .topk = K,
                                  .num_experts = E,
                                  .capacity = C,
-                                 .by = by_probs ? k::keep_by::probs : k::keep_by::position,
+                                 .by = by_probs ? drop_by::probs : drop_by::position,
                                  .pad = true,
                                  .first = first,
                                  .count = count,

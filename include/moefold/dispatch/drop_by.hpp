@@ -1,0 +1,16 @@
+//! @file drop_by.hpp
+//! @brief Which routed tokens an expert keeps when it has more than its capacity: the one enum
+//! the host drop policies (drop_policy.hpp) and the keep kernels (kernels/capacity.hpp) share.
+#pragma once
+
+namespace moefold {
+inline namespace v0_1 {
+
+//! Which routed tokens an expert keeps when it has more than its capacity.
+enum class drop_by : int {
+  probs = 0,     //!< the highest probabilities (ties: earlier token first)
+  position = 1,  //!< the earliest tokens in sequence order (later positions are dropped first)
+};
+
+}  // namespace v0_1
+}  // namespace moefold

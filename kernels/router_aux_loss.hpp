@@ -1,0 +1,268 @@
+//! @file router_aux_loss.hpp
+//! @brief The load-balancing losses of routing/aux_loss.hpp and group_losses.hpp as device values:
+//! the aux scores and their top-k map, the column sums and counts, the Switch/GShard loss with
+//! its gradient with respect to the scores (per micro-batch, per sequence, global), and that
+//! gradient chained into the logits. What crosses ranks (the counts summed over TP x CP, or
+//! TP x DP x CP) is the caller's collective between aux_column_sums_kernel and
+//! switch_loss_kernel; nothing here reads a value back to the host.
+//!
+//! Order of operations: the column sums and counts run over rows in row order and the loss over
+//! columns in column order, as the host forms them, so from the same scores they are the same
+//! bits as the host's; the scores themselves come from moefold's exp (a few ulp from the C
+//! library's) with the team's fixed reduction order.
+//!
+//! logits [N, E], padding [N] (1 = padding token) or null; scores [N, E], map [N, E];
+//! columns: E (micro-batch and global losses) or B E (per sequence: token n = s B + b is row s,
+//! column b E + e of the scores viewed as [N / B, B E]).
+#pragma once
+
+#include <cstdint>
+
+#include <moefold/core/config.hpp>
+
+#include "router.hpp"
+#include "router_block.hpp"
+#include "simt/math.hpp"
+
+namespace moefold::kernels {
+
+//! What the aux losses see (Megatron-Core `compute_routing_scores_for_aux_loss`): scores over all
+//! E (softmax, or the elementwise score renormalised over E) and their plain top-k map, without
+//! bias, group limits or dropping; padding tokens get zero scores and no map entry. Every
+//! element of scores and map is written.
+template <class Team>
+struct basic_aux_scores_kernel {
+  static constexpr int block_threads = detail_router::block_threads;
+  static constexpr const char* name = Team::width == 32 ? "aux_scores" : "aux_scores_block";
+  static constexpr int max_experts = Team::max_experts;
+  static constexpr auto smem_bytes = Team::smem_bytes;
+
+  const float* logits;
+  const std::uint8_t* padding;  //!< [N] or null
+  int num_tokens, num_experts, topk;
+  router_score score;
+  float* scores;      //!< [N, E]
+  std::uint8_t* map;  //!< [N, E]: 1 where the expert is among the token's top k
+
+  template <class Ctx>
+  MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
+    constexpr int per_thread = detail_router::per_thread, width = Team::width;
+    const float neg_inf = simt::bits_float(0xff800000u);
+    typename Team::template team<Ctx> tm(c);
+    const int rank = tm.rank();
+    for (int t = tm.first_token(); t < num_tokens; t += tm.token_step()) {
+      const long long at = static_cast<long long>(t) * num_experts;
+      float s[per_thread];
+      unsigned chosen = 0;  // bit j: expert rank + width j is among the top k
+      if (padding != nullptr && padding[t] != 0) {
+        for (int j = 0; j < per_thread; ++j) s[j] = 0.0f;
+      } else {
+        detail_router::load_row(tm, logits + at, num_experts, s);
+        if (score == router_score::softmax) {
+          detail_router::softmax(tm, s, num_experts);
+        } else {
+          float part = 0.0f;
+          for (int j = 0; j < per_thread; ++j) {
+            s[j] = rank + width * j < num_experts ? detail_router::elementwise_score(score, s[j])
+                                                  : 0.0f;
+            part = simt::add(part, s[j]);
+          }
+          const float d = simt::add(tm.sum(part), 1e-20f);
+          for (int j = 0; j < per_thread; ++j) s[j] = simt::div(s[j], d);
+        }
+        float sel[per_thread];
+        for (int j = 0; j < per_thread; ++j)
+          sel[j] = rank + width * j < num_experts ? s[j] : neg_inf;
+        for (int r = 0; r < topk; ++r) {
+          float v = neg_inf;
+          int i = 0x7fffffff;
+          for (int j = 0; j < per_thread; ++j)
+            if (sel[j] > v) {  // strictly: the lower index stays on a tie
+              v = sel[j];
+              i = rank + width * j;
+            }
+          tm.argmax(v, i);
+          for (int j = 0; j < per_thread; ++j)
+            if (rank + width * j == i) {
+              chosen |= 1u << j;
+              sel[j] = neg_inf;
+            }
+        }
+      }
+      for (int j = 0; j < per_thread; ++j) {
+        const int e = rank + width * j;
+        if (e >= num_experts) continue;
+        scores[at + e] = s[j];
+        map[at + e] = static_cast<std::uint8_t>((chosen >> j) & 1u);
+      }
+      tm.token_done();
+    }
+  }
+};
+using aux_scores_kernel = basic_aux_scores_kernel<detail_router::warp_per_token>;
+using aux_scores_block_kernel = basic_aux_scores_kernel<detail_router::block_per_token>;
+
+//! Column sums of the scores and counts of the map viewed as [rows, columns]: a thread per
+//! column adds its rows in row order (the host's order: the same bits from the same scores).
+//! Counts in double, as the host keeps them and as they are summed across ranks.
+struct aux_column_sums_kernel {
+  static constexpr int block_threads = 256;
+  static constexpr const char* name = "aux_column_sums";
+
+  const float* scores;      //!< [rows, columns]
+  const std::uint8_t* map;  //!< [rows, columns]
+  long long rows;
+  int columns;
+  float* sums;     //!< [columns]
+  double* counts;  //!< [columns]
+
+  template <class Ctx>
+  MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
+    for (int col = c.block() * block_threads + c.thread(); col < columns;
+         col += c.grid_blocks() * block_threads) {
+      float s = 0.0f;
+      double n = 0.0;
+      for (long long r = 0; r < rows; ++r) {
+        s = simt::add(s, scores[r * columns + col]);
+        n = simt::add(n, static_cast<double>(map[r * columns + col]));
+      }
+      sums[col] = s;
+      counts[col] = n;
+    }
+  }
+};
+
+//! The Switch/GShard loss (Megatron-Core `switch_load_balancing_loss_func`) from the column sums
+//! and the counts summed over the statistics group:
+//!   loss = coeff E / (k T^2) sum_col sums[col] counts[col] / divide_by,
+//!   dscores[col] = counts[col] coeff E / (k T^2) / divide_by,
+//! T = total_tokens, or, with total_tokens 0 (a padding mask), sum(counts) / per_token. The
+//! global loss passes `running` (the counts summed over this global batch's micro-batches so far,
+//! which the kernel adds these counts to) and `steps` (micro-batches including this one): the
+//! counts used are running / steps. One thread, columns in order: the host's arithmetic, the
+//! same bits. T <= 0 gives loss 0 and zero gradients (no valid token anywhere).
+struct switch_loss_kernel {
+  static constexpr int block_threads = 32;
+  static constexpr const char* name = "switch_loss";
+
+  const float* column_sums;  //!< [columns]
+  const double* counts;      //!< [columns], summed over the group
+  int columns;
+  double total_tokens;  //!< T, or 0: sum(counts) / per_token
+  double per_token;     //!< k (k B per sequence) under a padding mask
+  int topk, num_experts;
+  double coeff, divide_by;
+  double* running;  //!< [columns] the global loss's running counts, or null
+  int steps;        //!< with running: micro-batches so far, this one included
+  double* used;     //!< [columns] the counts the loss used (logging, tests), or null
+  float* loss;      //!< [1]
+  float* dscores;   //!< [columns] d loss / d scores[row, col], the same for every row
+
+  template <class Ctx>
+  MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
+    if (c.block() != 0 || c.thread() != 0) return;
+    double total = total_tokens;
+    if (!(total > 0.0)) {
+      double sum = 0.0;
+      for (int col = 0; col < columns; ++col) sum = simt::add(sum, counts[col]);
+      total = simt::div(sum, per_token);
+    }
+    if (!(total > 0.0)) {
+      *loss = 0.0f;
+      for (int col = 0; col < columns; ++col) dscores[col] = 0.0f;
+      return;
+    }
+    const auto count = [&](int col) {
+      if (running == nullptr) return counts[col];
+      running[col] = simt::add(running[col], counts[col]);
+      return simt::div(running[col], static_cast<double>(steps));
+    };
+    const float factor = static_cast<float>(
+        simt::div(simt::mul(static_cast<double>(num_experts), coeff),
+                  simt::mul(simt::mul(static_cast<double>(topk), total), total)));
+    const float divisor = static_cast<float>(divide_by);
+    float dot = 0.0f;
+    for (int col = 0; col < columns; ++col) {
+      const double n = count(col);
+      if (used != nullptr) used[col] = n;
+      const float nf = static_cast<float>(n);
+      dot = simt::add(dot, simt::mul(column_sums[col], nf));
+      dscores[col] = simt::div(simt::mul(nf, factor), divisor);
+    }
+    *loss = simt::div(simt::mul(dot, factor), divisor);
+  }
+};
+
+//! Adds seed * d loss / d logits to dlogits [N, E]: the scores' gradient dscores[(t E + e) %
+//! columns] chained through the softmax (s_e (ds_e - <s, ds>)) or the renormalised elementwise
+//! score ((ds_e / D - <ds, s> / D^2) score'(x_e), D = sum s + 1e-20). Padding tokens get
+//! nothing. `seed` is the gradient of the training loss with respect to this loss (Megatron's
+//! main_loss_backward_scale).
+template <class Team>
+struct basic_aux_loss_backward_kernel {
+  static constexpr int block_threads = detail_router::block_threads;
+  static constexpr const char* name =
+      Team::width == 32 ? "aux_loss_backward" : "aux_loss_backward_block";
+  static constexpr int max_experts = Team::max_experts;
+  static constexpr auto smem_bytes = Team::smem_bytes;
+
+  const float* logits;
+  const std::uint8_t* padding;  //!< [N] or null
+  int num_tokens, num_experts;
+  router_score score;
+  const float* dscores;  //!< [columns], from switch_loss_kernel
+  int columns;
+  float seed;
+  float* dlogits;  //!< [N, E], added to
+
+  template <class Ctx>
+  MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
+    constexpr int per_thread = detail_router::per_thread, width = Team::width;
+    typename Team::template team<Ctx> tm(c);
+    const int rank = tm.rank();
+    for (int t = tm.first_token(); t < num_tokens; t += tm.token_step()) {
+      if (padding != nullptr && padding[t] != 0) continue;  // the same on every thread of a team
+      const long long at = static_cast<long long>(t) * num_experts;
+      float x[per_thread], s[per_thread], ds[per_thread], dl[per_thread];
+      detail_router::load_row(tm, logits + at, num_experts, x);
+      for (int j = 0; j < per_thread; ++j) {
+        const int e = rank + width * j;
+        ds[j] = e < num_experts ? simt::mul(seed, dscores[(at + e) % columns]) : 0.0f;
+        s[j] = x[j];
+      }
+      if (score == router_score::softmax) {
+        detail_router::softmax(tm, s, num_experts);
+        float dot = 0.0f;
+        for (int j = 0; j < per_thread; ++j) dot = simt::add(dot, simt::mul(s[j], ds[j]));
+        dot = tm.sum(dot);
+        for (int j = 0; j < per_thread; ++j) dl[j] = simt::mul(s[j], simt::add(ds[j], -dot));
+      } else {
+        float part = 0.0f, gpart = 0.0f;
+        for (int j = 0; j < per_thread; ++j) {
+          s[j] =
+              rank + width * j < num_experts ? detail_router::elementwise_score(score, x[j]) : 0.0f;
+          part = simt::add(part, s[j]);
+          gpart = simt::add(gpart, simt::mul(ds[j], s[j]));
+        }
+        const float d = simt::add(tm.sum(part), 1e-20f);
+        const float gs = tm.sum(gpart);
+        const float tail = simt::div(gs, simt::mul(d, d));
+        for (int j = 0; j < per_thread; ++j)
+          dl[j] = rank + width * j < num_experts
+                      ? simt::mul(simt::add(simt::div(ds[j], d), -tail),
+                                  detail_router::score_grad(score, x[j], s[j]))
+                      : 0.0f;
+      }
+      for (int j = 0; j < per_thread; ++j) {
+        const int e = rank + width * j;
+        if (e < num_experts) dlogits[at + e] = simt::add(dlogits[at + e], dl[j]);
+      }
+      tm.token_done();
+    }
+  }
+};
+using aux_loss_backward_kernel = basic_aux_loss_backward_kernel<detail_router::warp_per_token>;
+using aux_loss_backward_block_kernel =
+    basic_aux_loss_backward_kernel<detail_router::block_per_token>;
+
+}  // namespace moefold::kernels

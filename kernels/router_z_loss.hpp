@@ -1,0 +1,157 @@
+//! @file router_z_loss.hpp
+//! @brief The router z-loss (ST-MoE, Megatron-Core `z_loss_func`; routing/aux_loss.hpp) as device
+//! values: coeff * mean over valid tokens of logsumexp(logits[t])^2, and its gradient
+//! seed * coeff * 2 lse_t softmax(logits[t]) / valid added to dlogits. Three launches: the
+//! per-token logsumexp (a team per token), the total (one block, a fixed order), the backward (a
+//! team per token, reading the forward's logsumexp and valid count from device memory). Pass
+//! coeff already divided by |TP x CP|, as group_losses.hpp does.
+//!
+//! logits [N, E], padding [N] (1 = padding token) or null; lse [N]; loss [1], valid [1].
+#pragma once
+
+#include <cstdint>
+
+#include <moefold/core/config.hpp>
+
+#include "router.hpp"
+#include "router_block.hpp"
+#include "simt/math.hpp"
+#include "simt/warp.hpp"
+
+namespace moefold::kernels {
+
+//! lse[t] = max + log(sum exp(x - max)) over the token's E logits (the sum in the team's fixed
+//! order); 0 for a padding token.
+template <class Team>
+struct basic_logsumexp_kernel {
+  static constexpr int block_threads = detail_router::block_threads;
+  static constexpr const char* name = Team::width == 32 ? "logsumexp" : "logsumexp_block";
+  static constexpr int max_experts = Team::max_experts;
+  static constexpr auto smem_bytes = Team::smem_bytes;
+
+  const float* logits;
+  const std::uint8_t* padding;  //!< [N] or null
+  int num_tokens, num_experts;
+  float* lse;  //!< [N]
+
+  template <class Ctx>
+  MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
+    constexpr int per_thread = detail_router::per_thread, width = Team::width;
+    typename Team::template team<Ctx> tm(c);
+    const int rank = tm.rank();
+    for (int t = tm.first_token(); t < num_tokens; t += tm.token_step()) {
+      if (padding != nullptr && padding[t] != 0) {
+        if (rank == 0) lse[t] = 0.0f;
+        continue;  // the same on every thread of a team
+      }
+      float x[per_thread];
+      detail_router::load_row(tm, logits + static_cast<long long>(t) * num_experts, num_experts, x);
+      float m = x[0];
+      for (int j = 1; j < per_thread; ++j) m = x[j] > m ? x[j] : m;
+      m = tm.max(m);
+      float part = 0.0f;
+      for (int j = 0; j < per_thread; ++j)
+        if (rank + width * j < num_experts) part = simt::add(part, simt::exp(simt::add(x[j], -m)));
+      const float sum = tm.sum(part);
+      if (rank == 0) lse[t] = simt::add(m, simt::log(sum));
+      tm.token_done();
+    }
+  }
+};
+using logsumexp_kernel = basic_logsumexp_kernel<detail_router::warp_per_token>;
+using logsumexp_block_kernel = basic_logsumexp_kernel<detail_router::block_per_token>;
+
+//! loss = coeff * sum_t lse[t]^2 / valid over the valid tokens (0 without one), valid = their
+//! number. One block of 256: thread i adds tokens i, i + 256, ... in order, then the warps'
+//! butterflies and the 8 warp sums in warp order: a fixed order, the same bits on every context.
+struct z_loss_total_kernel {
+  static constexpr int block_threads = 256;
+  static constexpr const char* name = "z_loss_total";
+  static constexpr int warps = block_threads / 32;
+  struct shared_state {
+    float sum[warps];
+    int valid[warps];
+  };
+  static constexpr auto smem_bytes = sizeof(shared_state);
+
+  const float* lse;             //!< [N]
+  const std::uint8_t* padding;  //!< [N] or null
+  int num_tokens;
+  float coeff;
+  float* loss;  //!< [1]
+  int* valid;   //!< [1]
+
+  template <class Ctx>
+  MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
+    if (c.block() != 0) return;  // one block does it all (a uniform exit: no barrier skipped)
+    shared_state& sh = *c.template shared<shared_state>();
+    float part = 0.0f;
+    int n = 0;
+    for (int t = c.thread(); t < num_tokens; t += block_threads) {
+      if (padding != nullptr && padding[t] != 0) continue;
+      part = simt::add(part, simt::mul(lse[t], lse[t]));
+      ++n;
+    }
+    part = simt::warp_sum(c, part);
+    n = simt::warp_sum(c, n);
+    if (c.lane() == 0) {
+      sh.sum[c.warp()] = part;
+      sh.valid[c.warp()] = n;
+    }
+    c.sync();
+    if (c.thread() != 0) return;
+    float sum = 0.0f;
+    int count = 0;
+    for (int w = 0; w < warps; ++w) {
+      sum = simt::add(sum, sh.sum[w]);
+      count += sh.valid[w];
+    }
+    *valid = count;
+    *loss = count > 0 ? simt::mul(simt::div(sum, static_cast<float>(count)), coeff) : 0.0f;
+  }
+};
+
+//! dlogits[t, e] += seed * coeff * 2 lse[t] / valid * softmax(logits[t])_e for valid tokens.
+template <class Team>
+struct basic_z_loss_backward_kernel {
+  static constexpr int block_threads = detail_router::block_threads;
+  static constexpr const char* name =
+      Team::width == 32 ? "z_loss_backward" : "z_loss_backward_block";
+  static constexpr int max_experts = Team::max_experts;
+  static constexpr auto smem_bytes = Team::smem_bytes;
+
+  const float* logits;
+  const std::uint8_t* padding;  //!< [N] or null
+  const float* lse;             //!< [N], from the forward
+  const int* valid;             //!< [1], from z_loss_total_kernel
+  int num_tokens, num_experts;
+  float coeff, seed;
+  float* dlogits;  //!< [N, E], added to
+
+  template <class Ctx>
+  MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
+    constexpr int per_thread = detail_router::per_thread, width = Team::width;
+    typename Team::template team<Ctx> tm(c);
+    const int rank = tm.rank();
+    const int n = *valid;
+    for (int t = tm.first_token(); t < num_tokens; t += tm.token_step()) {
+      if (n <= 0 || (padding != nullptr && padding[t] != 0)) continue;  // uniform over a team
+      const long long at = static_cast<long long>(t) * num_experts;
+      float s[per_thread];
+      detail_router::load_row(tm, logits + at, num_experts, s);
+      detail_router::softmax(tm, s, num_experts);
+      // The host's order: seed * coeff * 2 * lse / valid.
+      const float f = simt::div(simt::mul(simt::mul(simt::mul(seed, coeff), 2.0f), lse[t]),
+                                static_cast<float>(n));
+      for (int j = 0; j < per_thread; ++j) {
+        const int e = rank + width * j;
+        if (e < num_experts) dlogits[at + e] = simt::add(dlogits[at + e], simt::mul(f, s[j]));
+      }
+      tm.token_done();
+    }
+  }
+};
+using z_loss_backward_kernel = basic_z_loss_backward_kernel<detail_router::warp_per_token>;
+using z_loss_backward_block_kernel = basic_z_loss_backward_kernel<detail_router::block_per_token>;
+
+}  // namespace moefold::kernels
