@@ -117,7 +117,9 @@ struct activation_forward_kernel {
 //! From dh = dL/dh [rows, width]: da [rows, F1] (gated: d gate = p dh up act'(gate),
 //! d up = p dh act(gate); plain: p dh act'(a)) and, when both probs and dprobs are given,
 //! dprobs[r] = sum_c act_out(r, c) dh(r, c) in double (lane-strided, then the warp's butterfly:
-//! a fixed order, the same bits on every context). One warp per row, grid-strided.
+//! a fixed order, the same bits on every context). With h.p set it also writes h = act_out [* p]
+//! [rows, width], the forward's output bit for bit (a weight gradient needs it and the backward
+//! has computed act already). One warp per row, grid-strided.
 template <class T, class P = T>
 struct activation_backward_kernel {
   static constexpr int block_threads = 256;
@@ -129,6 +131,7 @@ struct activation_backward_kernel {
   rows_arg<T> da;
   P* dprobs;  // nullable; written only with probs
   int rows, width;
+  rows_arg<T> h{nullptr, 0};  // h.p nullable: the forward's output, recomputed on the way
   template <class Ctx>
   MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
     using detail_activation::round_to;
@@ -144,13 +147,15 @@ struct activation_backward_kernel {
         const auto in = detail_activation::load(a, gated, r, k, width);
         const double g = wide(dh(r, k)), pg = simt::mul(p, g);
         const double f = activation_value(act, in.x), fd = activation_derivative(act, in.x);
+        const double out = simt::mul(f, in.up);  // act_out, as the forward rounds it
+        if (h.p != nullptr) h(r, k) = round_to<T>(probs != nullptr ? simt::mul(out, p) : out);
         if (gated) {
           da(r, k) = round_to<T>(simt::mul(simt::mul(pg, in.up), fd));
           da(r, width + k) = round_to<T>(simt::mul(pg, f));
         } else {
           da(r, k) = round_to<T>(simt::mul(pg, fd));
         }
-        part = simt::fma(simt::mul(f, in.up), g, part);  // act_out dh
+        part = simt::fma(out, g, part);  // act_out dh
       }
       if (probs != nullptr && dprobs != nullptr) {
         const double s = simt::warp_sum(c, part);

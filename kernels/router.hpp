@@ -41,8 +41,6 @@ template <class Ctx>
 //! A warp per token (four tokens per block of 128): lane l holds experts l + 32 j; lane r keeps
 //! the r-th selection in registers. Reductions are the warp's butterflies.
 struct warp_per_token {
-  static constexpr const char* name = "router_topk";
-  static constexpr const char* backward_name = "router_backward";
   static constexpr int width = 32;
   static constexpr int max_experts = width * per_thread;  //!< 256
   static constexpr int max_topk = 32;                     //!< lane r keeps selection r
@@ -166,7 +164,8 @@ MOEFOLD_HOST_DEVICE void softmax(Team& tm, float (&s)[per_thread], int num_exper
 template <class Team>
 struct basic_router_topk_kernel {
   static constexpr int block_threads = detail_router::block_threads;
-  static constexpr const char* name = Team::name;
+  // Named as every team-generic kernel is: the block team's gets the suffix _block.
+  static constexpr const char* name = Team::width == 32 ? "router_topk" : "router_topk_block";
   static constexpr int max_experts = Team::max_experts;
   static constexpr int max_topk = Team::max_topk;
   static constexpr int max_groups = Team::max_groups;
@@ -309,7 +308,8 @@ using router_topk_kernel = basic_router_topk_kernel<detail_router::warp_per_toke
 template <class Team>
 struct basic_router_backward_kernel {
   static constexpr int block_threads = detail_router::block_threads;
-  static constexpr const char* name = Team::backward_name;
+  static constexpr const char* name =
+      Team::width == 32 ? "router_backward" : "router_backward_block";
   static constexpr int max_experts = Team::max_experts;
   static constexpr int max_topk = Team::max_topk;
   static constexpr auto smem_bytes = Team::smem_bytes;

@@ -23,8 +23,6 @@ namespace detail_router {
 //! A block per token: thread i holds experts i + 128 j; the selections and group scores live in
 //! shared memory.
 struct block_per_token {
-  static constexpr const char* name = "router_topk_block";
-  static constexpr const char* backward_name = "router_backward_block";
   static constexpr int width = block_threads;
   static constexpr int warps = block_threads / 32;
   static constexpr int max_experts = width * per_thread;  //!< 1,024

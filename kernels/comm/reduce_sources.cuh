@@ -73,7 +73,8 @@ template <class T>
   const std::int64_t blocks = (n + 255) / 256 < 4096 ? (n + 255) / 256 : 4096;
   reduce_sources_kernel<T>
       <<<static_cast<unsigned>(blocks), 256, 0, stream>>>(in, count, n, out, max);
-  return cudaPeekAtLastError();
+  // cudaGetLastError, not Peek: it clears the error, so a later check does not report it again.
+  return cudaGetLastError();
 }
 
 }  // namespace moefold::kernels

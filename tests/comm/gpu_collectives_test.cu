@@ -53,18 +53,33 @@ std::mutex print_mutex;
     }                                                                                       \
   } while (0)
 
+// The fills below run on the legacy default stream, the collectives on non-blocking streams,
+// which do not wait for it; a pageable cudaMemcpy may return before its data lands and
+// cudaMemset is asynchronous. So every fill ends by synchronizing the legacy stream before any
+// collective can read the buffer (not the device: a loopback rank's collective may be waiting
+// for a peer that is still filling its buffers).
+void expect_cuda(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return;
+  std::lock_guard<std::mutex> lk_(print_mutex);
+  std::printf("%s: %s\n", what, cudaGetErrorString(e));
+  ++failures;
+}
+
 // A device copy of a host vector (at least one element, so pointers are never null).
 template <class T>
 struct device_vec {
   T* p = nullptr;
   std::size_t n = 0;
   explicit device_vec(const std::vector<T>& h) : n(h.size()) {
-    cudaMalloc(&p, sizeof(T) * (n ? n : 1));
-    if (n) cudaMemcpy(p, h.data(), sizeof(T) * n, cudaMemcpyHostToDevice);
+    expect_cuda(cudaMalloc(&p, sizeof(T) * (n ? n : 1)), "cudaMalloc");
+    if (n)
+      expect_cuda(cudaMemcpy(p, h.data(), sizeof(T) * n, cudaMemcpyHostToDevice), "cudaMemcpy");
+    expect_cuda(cudaStreamSynchronize(nullptr), "cudaStreamSynchronize (after a fill)");
   }
   explicit device_vec(std::size_t count) : n(count) {
-    cudaMalloc(&p, sizeof(T) * (n ? n : 1));
-    cudaMemset(p, 0xff, sizeof(T) * (n ? n : 1));
+    expect_cuda(cudaMalloc(&p, sizeof(T) * (n ? n : 1)), "cudaMalloc");
+    expect_cuda(cudaMemset(p, 0xff, sizeof(T) * (n ? n : 1)), "cudaMemset");
+    expect_cuda(cudaStreamSynchronize(nullptr), "cudaStreamSynchronize (after a fill)");
   }
   device_vec(const device_vec&) = delete;
   device_vec& operator=(const device_vec&) = delete;
@@ -72,7 +87,10 @@ struct device_vec {
   std::span<T> span() { return {p, n}; }
   std::vector<T> host() const {
     std::vector<T> h(n);
-    if (n) cudaMemcpy(h.data(), p, sizeof(T) * n, cudaMemcpyDeviceToHost);
+    // Callers synchronize the collective's stream first; a device-to-host cudaMemcpy returns
+    // once the copy has completed.
+    if (n)
+      expect_cuda(cudaMemcpy(h.data(), p, sizeof(T) * n, cudaMemcpyDeviceToHost), "cudaMemcpy");
     return h;
   }
 };
@@ -206,6 +224,8 @@ void check_row_sum() {
   }
   // The pedantic fp32 compute type is what should run; print it if cuBLAS refused it.
   if (!sum.pedantic()) std::printf("note: cuBLAS refused CUBLAS_COMPUTE_32F_PEDANTIC; used 32F\n");
+  if (!sum.stream_independent())
+    std::printf("note: cuBLAS refused a zero-byte workspace; sums use its default pool\n");
 }
 
 // The loopback world's fp32 rank-order kernel on the same inputs: reduce_scatter_v (every rank

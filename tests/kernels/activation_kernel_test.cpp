@@ -135,7 +135,8 @@ void check_case(activation act, int rows, int width, bool with_probs, std::mt199
   const bool gated = is_gated(act);
   const int f1 = gated ? 2 * width : width;
   const int pad = width % 2 == 1 ? 3 : 0;  // odd widths also get padding between rows
-  mat<T> a(rows, f1, pad), h(rows, width, pad), dh(rows, width, pad), da(rows, f1, pad);
+  mat<T> a(rows, f1, pad), h(rows, width, pad), dh(rows, width, pad), da(rows, f1, pad),
+      h_again(rows, width, pad);
   std::normal_distribution<float> d(0.0f, 3.0f);
   const float specials[] = {0.0f, -0.0f, -20.0f, -9.5f, 12.0f, 1e-30f, -1e-30f};
   std::size_t n = 0;
@@ -159,10 +160,14 @@ void check_case(activation act, int rows, int width, bool with_probs, std::mt199
                                                 .da = da.arg(),
                                                 .dprobs = with_probs ? dprobs.data() : nullptr,
                                                 .rows = rows,
-                                                .width = width};
+                                                .width = width,
+                                                .h = h_again.arg()};
   REQUIRE(launch(cpu_exec{rng()}, grid, bwd));
   CHECK(h.padding_untouched());
   CHECK(da.padding_untouched());
+  CHECK(h_again.padding_untouched());
+  // The backward's h (for the fc2 weight gradient) is the forward's, bit for bit.
+  CHECK(same_bits(h_again.v, h.v));
 
   for (int r = 0; r < rows; ++r) {
     const long double p = with_probs ? static_cast<long double>(detail::widen(probs[r])) : 1.0L;

@@ -11,6 +11,7 @@
 #include <moefold/kernels/grouped_gemm.hpp>
 #include <moefold/kernels/histogram.hpp>
 #include <moefold/kernels/permute.hpp>
+#include <moefold/kernels/permute_plan.hpp>
 #include <moefold/kernels/router.hpp>
 #include <moefold/kernels/router_aux_loss.hpp>
 #include <moefold/kernels/router_block.hpp>
@@ -56,6 +57,10 @@ MOEFOLD_SASS_PROBE(k::z_loss_backward_kernel);
 MOEFOLD_SASS_PROBE(k::z_loss_backward_block_kernel);
 MOEFOLD_SASS_PROBE(k::expert_counts_accumulate_kernel);
 MOEFOLD_SASS_PROBE(k::expert_bias_update_kernel);
+MOEFOLD_SASS_PROBE(k::plan_tile_counts_kernel);
+MOEFOLD_SASS_PROBE(k::plan_tile_scan_kernel);
+MOEFOLD_SASS_PROBE(k::plan_offsets_kernel);
+MOEFOLD_SASS_PROBE(k::plan_rows_kernel);
 MOEFOLD_SASS_PROBE(k::grouped_gemm_kernel<float, float, float>);
 MOEFOLD_SASS_PROBE(k::grouped_gemm_kernel<bfloat16, bfloat16, bfloat16>);
 MOEFOLD_SASS_PROBE(k::grouped_gemm_kernel<bfloat16, bfloat16, float>);

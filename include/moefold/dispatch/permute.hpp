@@ -140,6 +140,57 @@ class basic_permute_plan {
       const permute_args& a, const int* ex, std::size_t expert_size,
       std::span<std::byte> workspace) {
     using detail::to_decimal;
+    if (auto st = check_args(a, expert_size); !st) return unexpected<error>(st.error());
+    // Counts first (validating every entry), so that the row buffer can be sized exactly.
+    int routed = 0;
+    for (int s = 0; s < a.num_tokens * a.topk; ++s) {
+      if (bad_entry(a, ex, s)) return entry_error(a, ex, s);
+      routed += ex[s] >= 0 ? 1 : 0;
+    }
+    workspace_carver c(workspace);
+    basic_permute_plan p = carve(c, a, a.capacity ? pad_rows(a) : routed);
+    if (!c.fits()) return workspace_error(c, workspace);
+    if (const overflow o = p.build(a, ex); o.expert >= 0) return p.overflow_error(a, ex, o);
+    return p;
+  }
+
+  // Rows of the permuted buffer in pad mode: capacity per expert and source.
+  static int pad_rows(const permute_args& a) noexcept {
+    return static_cast<int>(static_cast<long long>(*a.capacity) * a.num_experts *
+                            (a.num_sources > 1 ? a.num_sources : 1));
+  }
+  // Pair s names an id outside [-1, E), or an expert its token named before.
+  static bool bad_entry(const permute_args& a, const int* ex, int s) noexcept {
+    const int e = ex[s];
+    if (e < -1 || e >= a.num_experts) return true;
+    for (int q = s - s % a.topk; q < s && e >= 0; ++q)
+      if (ex[q] == e) return true;
+    return false;
+  }
+  // The error of bad pair s (bad_entry), naming its token, slot and expert.
+  static unexpected<error> entry_error(const permute_args& a, const int* ex, int s) {
+    using detail::to_decimal;
+    const int t = s / a.topk, j = s % a.topk, e = ex[s];
+    if (e < -1 || e >= a.num_experts)
+      return make_error(errc::invalid_argument,
+                        "permute: token " + to_decimal(t) + " slot " + to_decimal(j) +
+                            " names expert " + to_decimal(e) + ", outside [0, " +
+                            to_decimal(a.num_experts) + ") (use -1 for a dropped pair)");
+    return make_error(errc::invalid_argument, "permute: token " + to_decimal(t) + " names expert " +
+                                                  to_decimal(e) + " twice");
+  }
+  static unexpected<error> workspace_error(const workspace_carver& c,
+                                           std::span<std::byte> workspace) {
+    using detail::to_decimal;
+    return make_error(errc::workspace_too_small,
+                      "permute: the workspace has " + to_decimal(workspace.size()) +
+                          " bytes but the plan needs " + to_decimal(c.required()));
+  }
+
+  // The shape rules of permute_args and the record's size (every builder's, before any entry is
+  // read).
+  [[nodiscard]] static status check_args(const permute_args& a, std::size_t expert_size) {
+    using detail::to_decimal;
     if (a.num_tokens < 0 || a.topk < 1 || a.num_experts < 1)
       return make_error(errc::invalid_size,
                         "permute: need num_tokens >= 0, topk >= 1 and "
@@ -176,37 +227,7 @@ class basic_permute_plan {
       return make_error(errc::shape_mismatch, "permute: the routing record has " +
                                                   to_decimal(expert_size) +
                                                   " entries but N*k = " + to_decimal(slots));
-    // Counts first (validating every entry), so that the row buffer can be sized exactly.
-    int routed = 0;
-    for (int t = 0; t < a.num_tokens; ++t)
-      for (int j = 0; j < a.topk; ++j) {
-        const int e = ex[static_cast<std::size_t>(t * a.topk + j)];
-        if (e < -1 || e >= a.num_experts)
-          return make_error(errc::invalid_argument,
-                            "permute: token " + to_decimal(t) + " slot " + to_decimal(j) +
-                                " names expert " + to_decimal(e) + ", outside [0, " +
-                                to_decimal(a.num_experts) + ") (use -1 for a dropped pair)");
-        for (int i = 0; i < j && e >= 0; ++i)
-          if (ex[static_cast<std::size_t>(t * a.topk + i)] == e)
-            return make_error(
-                errc::invalid_argument,
-                "permute: token " + to_decimal(t) + " names expert " + to_decimal(e) + " twice");
-        routed += e >= 0 ? 1 : 0;
-      }
-    const int rows = a.capacity ? static_cast<int>(*a.capacity * a.num_experts * sources) : routed;
-    workspace_carver c(workspace);
-    basic_permute_plan p = carve(c, a, rows);
-    if (!c.fits())
-      return make_error(errc::workspace_too_small,
-                        "permute: the workspace has " + to_decimal(workspace.size()) +
-                            " bytes but the plan needs " + to_decimal(c.required()));
-    if (const overflow o = p.build(a, ex); o.expert >= 0)
-      return make_error(
-          errc::invalid_argument,
-          "permute: expert " + to_decimal(o.expert) + " has " + to_decimal(p.pairs_from(a, ex, o)) +
-              " routed pairs" + (a.num_sources > 1 ? " from source " + to_decimal(o.source) : "") +
-              ", more than the capacity " + to_decimal(*a.capacity) + " (drop before padding)");
-    return p;
+    return {};
   }
 
   static basic_permute_plan carve(workspace_carver& c, const permute_args& a, int rows) {
@@ -220,6 +241,14 @@ class basic_permute_plan {
     p.row_slot_ = c.take<int>(static_cast<std::size_t>(rows)).data();
     p.slot_row_ = c.take<int>(static_cast<std::size_t>(a.num_tokens) * a.topk).data();
     p.cursor_ = c.take<int>(static_cast<std::size_t>(a.num_experts)).data();
+    // The plan kernels' scratch (kernels/permute_plan.hpp): per-tile counts of 256 pairs, the two
+    // fault slots, each source's first token.
+    const std::size_t tiles =
+        (static_cast<std::size_t>(a.num_tokens) * detail::uz(a.topk) + 255) / 256;
+    p.tile_counts_ = c.take<int>(tiles * static_cast<std::size_t>(a.num_experts)).data();
+    p.fault_ = c.take<int>(2).data();
+    p.source_first_ =
+        c.take<int>(static_cast<std::size_t>(a.num_sources > 1 ? a.num_sources : 0) + 1).data();
     return p;
   }
 
@@ -227,6 +256,15 @@ class basic_permute_plan {
   struct overflow {
     int expert = -1, source = 0;
   };
+
+  unexpected<error> overflow_error(const permute_args& a, const int* ex, overflow o) const {
+    using detail::to_decimal;
+    return make_error(
+        errc::invalid_argument,
+        "permute: expert " + to_decimal(o.expert) + " has " + to_decimal(pairs_from(a, ex, o)) +
+            " routed pairs" + (a.num_sources > 1 ? " from source " + to_decimal(o.source) : "") +
+            ", more than the capacity " + to_decimal(*a.capacity) + " (drop before padding)");
+  }
 
   // Pairs routed to o.expert from source o.source (for the error message).
   int pairs_from(const permute_args& a, const int* ex, overflow o) const {
@@ -285,7 +323,7 @@ class basic_permute_plan {
   // Plain data: sizes and arrays in the caller's workspace.
   int n_ = 0, k_ = 1, e_ = 0, m_ = 0;
   int *real_ = nullptr, *offsets_ = nullptr, *row_slot_ = nullptr, *slot_row_ = nullptr,
-      *cursor_ = nullptr;
+      *cursor_ = nullptr, *tile_counts_ = nullptr, *fault_ = nullptr, *source_first_ = nullptr;
 };
 
 //! The plan over host memory (tests, host code).

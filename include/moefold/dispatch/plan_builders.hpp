@@ -1,23 +1,34 @@
 //! @file plan_builders.hpp
 //! @brief The dispatchers' bookkeeping operations on a routing record in a context's memory, for
-//! the contexts whose memory the host can address (host_exec, and cpu_exec until it runs the
-//! kernel bodies): the permutation plan builder and the per-expert count of a record. They run
-//! today's host logic directly on that memory, as those contexts' row operations do; cuda_exec's
-//! builders are kernels (dispatch/cuda/, with the routing kernels).
+//! the contexts whose memory the host can address: the permutation plan builder and the
+//! per-expert count of a record. On host_exec they run the host logic on that memory; on
+//! cpu_exec (which runs kernels) they launch the kernels a GPU would run (kernels/permute_plan.hpp,
+//! kernels/histogram.hpp), reading their small results back directly.
 //!
 //! Both validate the record: ids in [-1, E), each expert at most once per token (the plan), so a
 //! dispatcher checks its routing record once, here, at the API boundary.
 #pragma once
 
+#include <algorithm>
+#include <climits>
 #include <concepts>
 #include <cstddef>
 #include <span>
 #include <string>
 
+// The plan kernels: <moefold/kernels/...> where kernels/ is installed under the include tree (or
+// linked there by the build), else from the source tree.
+#if __has_include(<moefold/kernels/permute_plan.hpp>)
+#include <moefold/kernels/permute_plan.hpp>
+#else
+#include "../../../kernels/permute_plan.hpp"
+#endif
+
 #include "../core/exec.hpp"
 #include "../core/expected.hpp"
 #include "../core/host_memory_ops.hpp"
 #include "../core/row_view.hpp"
+#include "../core/simt_launch.hpp"
 #include "permute.hpp"
 
 namespace moefold {
@@ -45,6 +56,89 @@ struct plan_builder_access {
                             ", k = " + to_decimal(in.topk) + ")");
     return basic_permute_plan<S>::make_in_addressable_memory(a, in.expert.data(), entries, storage);
   }
+
+  // The same plan from the plan kernels (kernels/permute_plan.hpp) on an executor that runs
+  // kernels over memory the host can address (cpu_exec): the counts are read back directly to
+  // size the rows; the errors are the host builder's, for the lowest offending pair.
+  template <class Exec, class S>
+  static expected<basic_permute_plan<S>> build_with_kernels(Exec& x, const plan_input<S>& in,
+                                                            std::span<std::byte> storage) {
+    using plan = basic_permute_plan<S>;
+    const permute_args a{.num_tokens = in.num_tokens,
+                         .topk = in.topk,
+                         .num_experts = in.num_experts,
+                         .capacity = in.capacity,
+                         .num_sources = in.num_sources,
+                         .source_tokens = in.source_tokens};
+    if (!in.expert.contiguous() || in.expert.rows() != in.num_tokens ||
+        (in.num_tokens > 0 && in.expert.width() != in.topk))
+      return build(in, storage);  // the host builder names the shape error
+    const auto entries = static_cast<std::size_t>(in.expert.extent());
+    if (auto st = plan::check_args(a, entries); !st) return unexpected<error>(st.error());
+    const int* ex = in.expert.data();
+    const int upper = a.capacity ? plan::pad_rows(a) : a.num_tokens * a.topk;
+    workspace_carver c(storage);
+    plan p = plan::carve(c, a, upper);
+    if (!c.fits()) return plan::workspace_error(c, storage);
+    // Host-written bookkeeping in the workspace (the executor's memory is the host's here).
+    const int sources = a.num_sources;
+    if (sources > 1) {
+      p.source_first_[0] = 0;
+      for (int i = 0; i < sources; ++i)
+        p.source_first_[i + 1] = p.source_first_[i] + a.source_tokens[static_cast<std::size_t>(i)];
+    }
+    p.fault_[0] = p.fault_[1] = INT_MAX;
+    kernels::plan_args pa{.expert = ex,
+                          .num_tokens = a.num_tokens,
+                          .topk = a.topk,
+                          .num_experts = a.num_experts,
+                          .capacity = a.capacity.value_or(-1),
+                          .num_sources = a.num_sources,
+                          .source_first = sources > 1 ? p.source_first_ : nullptr,
+                          .rows = upper,
+                          .tile_counts = p.tile_counts_,
+                          .counts = p.real_,
+                          .offsets = p.offsets_,
+                          .row_slot = p.row_slot_,
+                          .slot_row = p.slot_row_,
+                          .fault = p.fault_};
+    const int tiles = static_cast<int>(std::clamp<long long>(pa.tiles(), 1, Exec::max_grid_blocks));
+    const int experts = static_cast<int>(
+        std::clamp<long long>((a.num_experts + 255) / 256, 1, Exec::max_grid_blocks));
+    if (auto st = launch(
+            x,
+            launch_grid{.blocks = tiles,
+                        .smem_bytes = kernels::plan_tile_counts_kernel::smem_bytes(a.num_experts)},
+            kernels::plan_tile_counts_kernel{pa});
+        !st)
+      return unexpected<error>(st.error());
+    if (auto st = launch(x, launch_grid{.blocks = experts}, kernels::plan_tile_scan_kernel{pa});
+        !st)
+      return unexpected<error>(st.error());
+    if (p.fault_[0] != INT_MAX) return plan::entry_error(a, ex, p.fault_[0]);
+    if (!a.capacity) {
+      long long routed = 0;
+      for (int e = 0; e < a.num_experts; ++e) routed += p.real_[e];
+      p.m_ = pa.rows = static_cast<int>(routed);
+    }
+    const int row_blocks =
+        static_cast<int>(std::clamp<long long>((pa.rows + 255) / 256, 1, Exec::max_grid_blocks));
+    if (auto st = launch(x, launch_grid{.blocks = row_blocks}, kernels::plan_offsets_kernel{pa});
+        !st)
+      return unexpected<error>(st.error());
+    if (auto st = launch(
+            x, launch_grid{.blocks = tiles, .smem_bytes = kernels::plan_rows_kernel::smem_bytes},
+            kernels::plan_rows_kernel{pa});
+        !st)
+      return unexpected<error>(st.error());
+    if (const int s = p.fault_[1]; s != INT_MAX) {
+      typename plan::overflow o{.expert = ex[s], .source = 0};
+      const int t = s / a.topk;
+      while (o.source + 1 < sources && t >= p.source_first_[o.source + 1]) ++o.source;
+      return p.overflow_error(a, ex, o);
+    }
+    return p;
+  }
 };
 
 }  // namespace detail
@@ -62,6 +156,14 @@ template <host_addressable_context Exec>
 [[nodiscard]] expected<basic_permute_plan<typename Exec::memory_space>> build_permute_plan(
     Exec&, const plan_input<typename Exec::memory_space>& in, std::span<std::byte> storage) {
   return detail::plan_builder_access::build(in, storage);
+}
+//! The same on an executor that runs kernels (cpu_exec): the plan kernels
+//! (kernels/permute_plan.hpp), the plan entry for entry the host builder's.
+template <host_addressable_context Exec>
+requires(Exec::runs_kernels)
+    [[nodiscard]] expected<basic_permute_plan<typename Exec::memory_space>> build_permute_plan(
+        Exec& x, const plan_input<typename Exec::memory_space>& in, std::span<std::byte> storage) {
+  return detail::plan_builder_access::build_with_kernels(x, in, storage);
 }
 
 //! counts[0, e] = pairs of `expert` [n, k] naming expert e, for e in [0, E); the first entry

@@ -133,7 +133,7 @@ class simt_mlp {
                                 {dh(), fs_, 1, 0}, false);
         !st)
       return st;
-    // da and dprobs from a, dh and p; then h = act * p again for fc2's gradient.
+    // da and dprobs from a, dh and p, and h = act * p for fc2's gradient on the way.
     const kernels::activation_backward_kernel<A, P> back{.act = s_.act,
                                                          .a = {a(), f1_},
                                                          .dh = {dh(), fs_},
@@ -141,9 +141,9 @@ class simt_mlp {
                                                          .da = {da(), f1_},
                                                          .dprobs = dprobs.data(),
                                                          .rows = rows_,
-                                                         .width = fs_};
+                                                         .width = fs_,
+                                                         .h = {h(), fs_}};
     if (auto st = run(back, elements_grid(rows_ * 32LL, back.block_threads)); !st) return st;
-    if (auto st = activate(b); !st) return st;
     // fc2 grad [h, c] += sum_r dy[r, h] h[r, c]: A (m = h, k = r), B (k = r, n = c).
     if (auto st = gemm<T, A, G>(kernels::gemm_grouping::rows_are_k, s_.hidden, fs_, 0,
                                 {dy.data(), 1, dy.stride(), 0}, {h(), fs_, 1, 0},

@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -18,6 +19,7 @@
 #include <moefold/kernels/capacity.hpp>
 #include <moefold/kernels/expert_bias.hpp>
 #include <moefold/kernels/grouped_gemm.hpp>
+#include <moefold/kernels/permute_plan.hpp>
 #include <moefold/kernels/router.hpp>
 #include <moefold/kernels/router_aux_loss.hpp>
 #include <moefold/kernels/router_block.hpp>
@@ -578,6 +580,72 @@ TEST_CASE(
   CHECK(same_bits(a.dprobs, b.dprobs));
   CHECK(same_bits(a.g1, b.g1));
   CHECK(same_bits(a.g2, b.g2));
+}
+
+TEST_CASE(
+    "[kernel][small] permutation plan kernels (plain and pad mode over 3 sources): "
+    "cuda_exec equals cpu_exec") {
+  namespace k = moefold::kernels;
+  std::mt19937 rng(static_cast<unsigned>(test::simt_seed()));
+  const int N = 3000, K = 8, E = 64;
+  std::vector<int> ex(static_cast<std::size_t>(N) * K), perm(E);
+  for (int t = 0; t < N; ++t) {
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (int j = 0; j < K; ++j) ex[static_cast<std::size_t>(t) * K + j] = rng() % 5 ? perm[j] : -1;
+  }
+  const std::vector<int> source_first = {0, 1000, 1000, N};
+  for (int pad = 0; pad < 2; ++pad) {
+    CAPTURE(pad);
+    const int cap = 400, rows = pad ? cap * E * 3 : N * K;  // room for every pair: no overflow
+    const long long tiles = k::plan_args::tiles_of(static_cast<long long>(N) * K);
+    std::vector<int> tile_counts(static_cast<std::size_t>(tiles) * E, -9), counts(E, -9),
+        offsets(E + 1, -9), row_slot(static_cast<std::size_t>(rows), -9),
+        slot_row(static_cast<std::size_t>(N) * K, -9), fault = {INT_MAX, INT_MAX};
+    device_vec<int> g_ex(ex), g_sf(source_first), g_tc(tile_counts), g_counts(counts),
+        g_offsets(offsets), g_rs(row_slot), g_sr(slot_row), g_fault(fault);
+    auto args = [&](const int* e, const int* sf, int* tc, int* c, int* o, int* rs, int* sr,
+                    int* f) {
+      return k::plan_args{.expert = e,
+                          .num_tokens = N,
+                          .topk = K,
+                          .num_experts = E,
+                          .capacity = pad ? cap : -1,
+                          .num_sources = pad ? 3 : 1,
+                          .source_first = pad ? sf : nullptr,
+                          .rows = rows,
+                          .tile_counts = tc,
+                          .counts = c,
+                          .offsets = o,
+                          .row_slot = rs,
+                          .slot_row = sr,
+                          .fault = f};
+    };
+    auto run = [&](const auto& ex_, const k::plan_args& a) {
+      const int blocks = static_cast<int>(std::min<long long>(a.tiles(), 8));
+      REQUIRE(launch(
+          ex_,
+          launch_grid{.blocks = blocks, .smem_bytes = k::plan_tile_counts_kernel::smem_bytes(E)},
+          k::plan_tile_counts_kernel{a}));
+      REQUIRE(launch(ex_, launch_grid{.blocks = 1}, k::plan_tile_scan_kernel{a}));
+      REQUIRE(launch(ex_, launch_grid{.blocks = 8}, k::plan_offsets_kernel{a}));
+      REQUIRE(launch(ex_,
+                     launch_grid{.blocks = blocks, .smem_bytes = k::plan_rows_kernel::smem_bytes},
+                     k::plan_rows_kernel{a}));
+    };
+    run(cpu_exec{1}, args(ex.data(), source_first.data(), tile_counts.data(), counts.data(),
+                          offsets.data(), row_slot.data(), slot_row.data(), fault.data()));
+    run(cuda_exec{nullptr},
+        args(g_ex.p, g_sf.p, g_tc.p, g_counts.p, g_offsets.p, g_rs.p, g_sr.p, g_fault.p));
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    CHECK(counts == g_counts.host());
+    CHECK(offsets == g_offsets.host());
+    CHECK(row_slot == g_rs.host());
+    CHECK(slot_row == g_sr.host());
+    CHECK(fault == g_fault.host());
+    CHECK(fault[0] == INT_MAX);
+    CHECK(fault[1] == INT_MAX);
+  }
 }
 
 TEST_CASE("[kernel][small] activations forward and backward: cuda_exec equals cpu_exec bitwise") {

@@ -27,9 +27,15 @@ inline constexpr bool is_16bit_float = dtype_of<T> == dtype::bf16 || dtype_of<T>
 //! Every product is exact (x * 1), the P terms of an element are added in fp32 and the result is
 //! rounded once into the 16-bit type (NCCL's own kernels round after every step). The order of
 //! the fp32 additions is cuBLAS's; cuBLAS gives the same bits on every run on the same GPU model
-//! and library version. beta = 0: `out` is not read, so it may hold anything (or alias a row
-//! that the stream has finished reading, as all_reduce's in-place buffer does). A sum whose terms
-//! are all -0 comes out +0 (the accumulator starts at +0).
+//! and library version only while one stream is active per handle or each stream has its own
+//! workspace (its reproducibility rule). The communicator's handle serves whatever stream a call
+//! names, so every call runs with no workspace (cublasSetWorkspace of 0 bytes, set again after
+//! each cublasSetStream, which resets it): the algorithm cannot depend on a shared workspace.
+//! Should cuBLAS refuse that, stream_independent() turns false and the default pool is used.
+//!
+//! beta = 0: `out` is not read, so it may hold anything (or alias a row that the stream has
+//! finished reading, as all_reduce's in-place buffer does). A sum whose terms are all -0 comes
+//! out +0 (the accumulator starts at +0).
 //!
 //! Compute type: CUBLAS_COMPUTE_32F_PEDANTIC first, which keeps IEEE fp32 arithmetic for every
 //! phase (tensor cores may accumulate with truncated alignment); a k = P GEMM with one column is
@@ -43,12 +49,15 @@ class cublas_row_sum {
  public:
   cublas_row_sum() = default;
   cublas_row_sum(cublas_row_sum&& o) noexcept
-      : handle_(std::exchange(o.handle_, nullptr)), pedantic_(o.pedantic_) {}
+      : handle_(std::exchange(o.handle_, nullptr)),
+        pedantic_(o.pedantic_),
+        stream_independent_(o.stream_independent_) {}
   cublas_row_sum& operator=(cublas_row_sum&& o) noexcept {
     if (this != &o) {
       reset();
       handle_ = std::exchange(o.handle_, nullptr);
       pedantic_ = o.pedantic_;
+      stream_independent_ = o.stream_independent_;
     }
     return *this;
   }
@@ -69,6 +78,8 @@ class cublas_row_sum {
       handle_ = h;
     }
     if (auto ok = cublas_check(cublasSetStream(handle_, s), "cublasSetStream"); !ok) return ok;
+    if (stream_independent_ && cublasSetWorkspace(handle_, nullptr, 0) != CUBLAS_STATUS_SUCCESS)
+      stream_independent_ = false;
     constexpr cudaDataType_t t = dtype_of<T> == dtype::bf16 ? CUDA_R_16BF : CUDA_R_16F;
     const float one = 1.0f, zero = 0.0f;
     const auto gemm = [&](cublasComputeType_t compute) {
@@ -86,6 +97,8 @@ class cublas_row_sum {
   [[nodiscard]] bool has_handle() const noexcept { return handle_ != nullptr; }
   //! False once cuBLAS refused CUBLAS_COMPUTE_32F_PEDANTIC and CUBLAS_COMPUTE_32F is used.
   [[nodiscard]] bool pedantic() const noexcept { return pedantic_; }
+  //! False once cuBLAS refused a zero-byte workspace (the sums then use its default pool).
+  [[nodiscard]] bool stream_independent() const noexcept { return stream_independent_; }
 
  private:
   void reset() noexcept {
@@ -94,6 +107,7 @@ class cublas_row_sum {
 
   cublasHandle_t handle_ = nullptr;
   bool pedantic_ = true;
+  bool stream_independent_ = true;
 };
 
 }  // namespace detail

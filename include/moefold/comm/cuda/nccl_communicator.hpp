@@ -69,7 +69,9 @@ inline namespace v0_1 {
 //!
 //! Besides the ncclComm_t it owns, created lazily on first need and released by the destructor:
 //! a cuBLAS handle and a device buffer for 16-bit sums (ones, then the [P, n] staging area,
-//! grown to the largest request), a device buffer for verify_counts' headers, and one CUDA event
+//! grown to the largest request), a device buffer for verify_counts' headers and its pinned host
+//! twin (no copy ever reads or writes pageable memory, which may wait for a stuck stream with no
+//! timeout), a zeroed 16-byte barrier buffer, and one CUDA event
 //! that orders every use of those buffers after the previous one, whatever stream each ran on.
 class nccl_communicator : public span_collectives<nccl_communicator, device_space> {
   using spans = span_collectives<nccl_communicator, device_space>;
@@ -143,6 +145,7 @@ class nccl_communicator : public span_collectives<nccl_communicator, device_spac
       barrier_buf_ = std::exchange(o.barrier_buf_, nullptr);
       sum_buf_ = std::exchange(o.sum_buf_, device_buffer{});
       verify_buf_ = std::exchange(o.verify_buf_, device_buffer{});
+      verify_host_ = std::exchange(o.verify_host_, nullptr);
       buffers_done_ = std::exchange(o.buffers_done_, nullptr);
       buffers_device_ = o.buffers_device_;
       row_sum_ = std::move(o.row_sum_);
@@ -225,7 +228,7 @@ class nccl_communicator : public span_collectives<nccl_communicator, device_spac
               ncclBroadcast(src, dst, n * k, detail::nccl_type<T>(), p, comm_, s), "ncclBroadcast",
               comm_);
           !ok)
-        return fail(ok);
+        return fail_in_group(g, ok);
     }
     return enqueue(g.end(), "ncclGroupEnd (all_gather_v)");
   }
@@ -272,7 +275,7 @@ class nccl_communicator : public span_collectives<nccl_communicator, device_spac
                          op == reduce_op::sum ? ncclSum : ncclMax, p, comm_, s),
               "ncclReduce", comm_);
           !ok)
-        return fail(ok);
+        return fail_in_group(g, ok);
     }
     return enqueue(g.end(), "ncclGroupEnd (reduce_scatter_v)");
   }
@@ -340,9 +343,17 @@ class nccl_communicator : public span_collectives<nccl_communicator, device_spac
   [[nodiscard]] status barrier(cudaStream_t s) {
     const auto sch = schedule_builder::barrier(rank_, size_);
     if (auto ok = begin(collective::barrier, sch, call_info{}, s); !ok) return ok;
-    if (!barrier_buf_)
-      if (auto ok = detail::cuda_check(cudaMalloc(&barrier_buf_, sizeof(int)), "cudaMalloc"); !ok)
-        return ok;
+    // 16 bytes, zeroed on the stream before first use: NCCL may read whole 16-byte units, and
+    // compute-sanitizer's initcheck flags a read of memory nothing wrote. Zeros sum to zeros, so
+    // the buffer stays initialized.
+    if (!barrier_buf_) {
+      if (auto ok = detail::cuda_check(cudaMalloc(&barrier_buf_, barrier_bytes), "cudaMalloc"); !ok)
+        return fail(ok);  // this rank cannot take part: its peers must not wait
+      if (auto ok = detail::cuda_check(cudaMemsetAsync(barrier_buf_, 0, barrier_bytes, s),
+                                       "cudaMemsetAsync (barrier)");
+          !ok)
+        return fail(ok);
+    }
     return enqueue(ncclAllReduce(barrier_buf_, barrier_buf_, 1, ncclInt32, ncclSum, comm_, s),
                    "ncclAllReduce (barrier)");
   }
@@ -449,6 +460,7 @@ class nccl_communicator : public span_collectives<nccl_communicator, device_spac
     // Memory last: the communicator is finalized or aborted by now, so no NCCL work that uses it
     // can be stuck (cudaFree and cublasDestroy wait for the device).
     if (barrier_buf_) cudaFree(std::exchange(barrier_buf_, nullptr));
+    if (verify_host_) cudaFreeHost(std::exchange(verify_host_, nullptr));
     release_buffers();
   }
 
@@ -529,6 +541,12 @@ class nccl_communicator : public span_collectives<nccl_communicator, device_spac
     return unexpected<error>(error{s.error().code, why_, s.error().native});
   }
   status abort_with(const status& s) { return fail(s); }
+  // A failure inside an open ncclGroupStart/End: the group is closed first (its result no longer
+  // matters), because ncclCommAbort must not run inside an open group.
+  status fail_in_group(detail::nccl_group& g, const status& s) {
+    static_cast<void>(g.end());
+    return fail(s);
+  }
 
   // A collective every rank agreed not to run (verify_counts found a mismatch or rejected
   // arguments): nothing is pending, but the program is wrong, so the communicator is broken, as
@@ -561,17 +579,27 @@ class nccl_communicator : public span_collectives<nccl_communicator, device_spac
     const std::uint64_t call = seq_++;
     const auto P = static_cast<std::size_t>(size_);
     constexpr std::size_t hb = sizeof(collective_header);
-    std::vector<collective_header> mine(P), all(P * P);
+    // The headers go through pinned memory the communicator owns: a copy from pageable memory
+    // may wait for the stream, and behind a stuck collective the host would block with no
+    // timeout. The previous call's copies are done (it waited for its stream before returning).
+    if (!verify_host_) {
+      void* h = nullptr;
+      if (auto ok = detail::cuda_check(cudaMallocHost(&h, hb * P * (P + 1)),
+                                       "cudaMallocHost (verify_counts headers)");
+          !ok)
+        return fail(ok);
+      verify_host_ = static_cast<collective_header*>(h);
+    }
+    collective_header* mine = verify_host_;  // [P]
+    collective_header* all = mine + P;       // [P, P]
     for (std::size_t p = 0; p < P; ++p)
       mine[p] = sch ? make_header(*sch, static_cast<int>(p), call, info)
                     : make_failure_header(op, call, header_rejected_arguments);
     bool fresh = false;
     if (auto ok = reserve(verify_buf_, hb * P * (P + 1), s, fresh); !ok) return fail(ok);
     auto* dev = static_cast<std::byte*>(verify_buf_.p);
-    // Pageable host to device: the runtime stages the source before returning (no wait).
-    if (auto ok =
-            detail::cuda_check(cudaMemcpyAsync(dev, mine.data(), hb * P, cudaMemcpyHostToDevice, s),
-                               "cudaMemcpyAsync (verify_counts headers)");
+    if (auto ok = detail::cuda_check(cudaMemcpyAsync(dev, mine, hb * P, cudaMemcpyHostToDevice, s),
+                                     "cudaMemcpyAsync (verify_counts headers)");
         !ok)
       return fail(ok);
     const auto ok = enqueue(ncclAllGather(dev, dev + hb * P, hb * P, ncclUint8, comm_, s),
@@ -579,11 +607,11 @@ class nccl_communicator : public span_collectives<nccl_communicator, device_spac
     const auto done = mark_used(s);
     if (!ok) return ok;
     if (!done) return fail(done);
-    // Wait with the timeout first: a copy into pageable memory would block the host until the
-    // stream reaches it, without a timeout. After the wait the copy is all that is left.
+    // Wait with the timeout first, so that the host never blocks behind the collective. After
+    // the wait the copy is all that is left.
     if (auto w = synchronize(s); !w) return w;
     if (auto c = detail::cuda_check(
-            cudaMemcpyAsync(all.data(), dev + hb * P, hb * P * P, cudaMemcpyDeviceToHost, s),
+            cudaMemcpyAsync(all, dev + hb * P, hb * P * P, cudaMemcpyDeviceToHost, s),
             "cudaMemcpyAsync (verify_counts headers)");
         !c)
       return fail(c);
@@ -646,17 +674,22 @@ class nccl_communicator : public span_collectives<nccl_communicator, device_spac
     if (auto ok = reserve(sum_buf_, ones_bytes + elems * sizeof(T), s, fresh); !ok) return ok;
     auto* base = static_cast<std::byte*>(sum_buf_.p);
     if (fresh) {
-      std::vector<std::uint16_t> h(2 * P);
-      for (std::size_t i = 0; i < P; ++i) {
-        h[i] = bfloat16(1.0f).bits;
-        h[P + i] = float16(1.0f).bits;
-      }
-      // Pageable host to device: staged before the call returns, so `h` may go.
-      if (auto ok = detail::cuda_check(
-              cudaMemcpyAsync(base, h.data(), h.size() * sizeof(h[0]), cudaMemcpyHostToDevice, s),
-              "cudaMemcpyAsync (ones)");
-          !ok)
-        return ok;
+      // The ones are written on the device, byte by byte: a copy from pageable host memory may
+      // wait for the stream, and behind a stuck collective the host would then block with no
+      // timeout. A 2D memset of one byte per 2-byte row writes every low (then high) byte of
+      // the P 16-bit values (little-endian).
+      const auto fill = [&](std::size_t at, std::uint16_t one) -> status {
+        for (int hi = 0; hi < 2; ++hi)
+          if (auto ok = detail::cuda_check(
+                  cudaMemset2DAsync(base + at + static_cast<std::size_t>(hi), 2,
+                                    static_cast<int>(hi ? one >> 8 : one & 0xffu), 1, P, s),
+                  "cudaMemset2DAsync (ones)");
+              !ok)
+            return ok;
+        return {};
+      };
+      if (auto ok = fill(0, bfloat16(1.0f).bits); !ok) return ok;
+      if (auto ok = fill(P * sizeof(std::uint16_t), float16(1.0f).bits); !ok) return ok;
     }
     const std::size_t ones_at = dtype_of<T> == dtype::bf16 ? 0 : P * sizeof(std::uint16_t);
     ones = reinterpret_cast<const T*>(base + ones_at);
@@ -689,14 +722,14 @@ class nccl_communicator : public span_collectives<nccl_communicator, device_spac
                          detail::nccl_type<T>(), st.send_peer, comm_, s),
                 "ncclSend", comm_);
             !ok)
-          return fail(ok);
+          return fail_in_group(g, ok);
       if (st.recv_count > 0)
         if (auto ok = detail::nccl_check(
                 ncclRecv(recv + st.recv_offset, static_cast<std::size_t>(st.recv_count) * k,
                          detail::nccl_type<T>(), st.recv_peer, comm_, s),
                 "ncclRecv", comm_);
             !ok)
-          return fail(ok);
+          return fail_in_group(g, ok);
     }
     return enqueue(g.end(), what);
   }
@@ -750,11 +783,13 @@ class nccl_communicator : public span_collectives<nccl_communicator, device_spac
   bool aborted_ = false;
   std::string why_;
   std::uint64_t seq_ = 0;  // verify_counts: collectives called before this one
-  int* barrier_buf_ = nullptr;
-  device_buffer sum_buf_;               // 16-bit sums: ones, then the [P, n] staging area
-  device_buffer verify_buf_;            // verify_counts: 40 * P (mine) + 40 * P * P (all) bytes
-  cudaEvent_t buffers_done_ = nullptr;  // the last use of sum_buf_ / verify_buf_
-  int buffers_device_ = -1;             // the device they live on
+  static constexpr std::size_t barrier_bytes = 16;
+  int* barrier_buf_ = nullptr;  // barrier_bytes, zeroed
+  device_buffer sum_buf_;       // 16-bit sums: ones, then the [P, n] staging area
+  device_buffer verify_buf_;    // verify_counts: 40 * P (mine) + 40 * P * P (all) bytes
+  collective_header* verify_host_ = nullptr;  // pinned: the same P + P * P headers on the host
+  cudaEvent_t buffers_done_ = nullptr;        // the last use of sum_buf_ / verify_buf_
+  int buffers_device_ = -1;                   // the device they live on
   detail::cublas_row_sum row_sum_;
 };
 
