@@ -3,6 +3,8 @@
 benchmarks into one folder with a manifest, for scripts/gpu-check.sh: built on a machine without
 a GPU, carried to one (the device tool's `carry`), run there.
 
+Every program must link the CUDA runtime statically (checked with readelf).
+
 Usage: gpu-bin.py BUILD_DIR OUT_DIR        (writes OUT_DIR/manifest.txt: "name<TAB>program")
        gpu-bin.py BUILD_DIR --targets      (prints the ninja targets of those programs)"""
 import json
@@ -31,10 +33,28 @@ if sys.argv[2] == "--targets":
 out = pathlib.Path(sys.argv[2])
 shutil.rmtree(out, ignore_errors=True)
 out.mkdir(parents=True)
+
+
+def shared_cudart(program):
+    """The shared CUDA runtime the program needs (a NEEDED entry libcudart.so*), or None. The
+    programs run on a GPU machine whose libcudart may be another version, so the build links
+    cudart_static (meson.build); this keeps it so."""
+    d = subprocess.run(["readelf", "-d", str(program)], capture_output=True, text=True)
+    if d.returncode != 0:
+        sys.exit(f"gpu-bin.py: readelf -d {program} failed: {d.stderr.strip()}")
+    for line in d.stdout.splitlines():
+        if "(NEEDED)" in line and "libcudart.so" in line:
+            return line.split("[")[-1].rstrip("]")
+    return None
+
+
 lines = []
 for name, p in progs:
     if not p.is_file():
         sys.exit(f"gpu-bin.py: {name}: {p} is not built")
+    if (lib := shared_cudart(p)) is not None:
+        sys.exit(f"gpu-bin.py: {name} needs {lib}: GPU programs must link the CUDA runtime "
+                 "statically (cudart_static), to start on a machine with another libcudart")
     shutil.copy2(p, out / p.name)
     lines.append(f"{name}\t{p.name}")
 (out / "manifest.txt").write_text("\n".join(lines) + "\n")

@@ -102,7 +102,7 @@ class cpu_exec : public detail::simt_memory_ops<cpu_exec, cpu_device_space> {
 
 static_assert(execution_context<cpu_exec>);
 
-//! Runs `kernel` on the CPU executor (core/cpu_launch.hpp): every CUDA thread a std::thread, two
+//! Runs `kernel` on the CPU executor (core/cpu_launch.hpp): every CUDA thread its own thread, two
 //! blocks at once in the seed's order, shared memory poisoned; returns when it is done.
 template <class K>
 requires simt_kernel<K>

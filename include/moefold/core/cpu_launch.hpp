@@ -17,9 +17,9 @@
 //!   end the launch with errc::kernel_fault naming the block, warp and operations, where a GPU
 //!   would hang or compute garbage.
 //!
-//! Cost: 2 x block_threads threads are created per launch and every barrier wakes each of its
-//! threads (8 ms for one 128-thread block, 20 ms for 8, on 2 cores). This is a checker, not a fast
-//! path: host_exec is the fast CPU path.
+//! Cost: 2 x block_threads threads per launch, created once per host thread and reused
+//! (core/cpu_workers.hpp), and every barrier wakes each of its threads. This is a checker, not a
+//! fast path: host_exec is the fast CPU path.
 #pragma once
 
 #include <algorithm>
@@ -40,6 +40,7 @@
 
 #include "config.hpp"
 #include "counter_rng.hpp"
+#include "cpu_workers.hpp"
 #include "simt_launch.hpp"
 
 namespace moefold {
@@ -356,11 +357,11 @@ requires simt_kernel<K>
     }
   };
 
-  std::vector<std::thread> pool;
-  pool.reserve(static_cast<std::size_t>(slots * threads));
-  for (int s = 0; s < slots; ++s)
-    for (int t = 0; t < threads; ++t) pool.emplace_back(run_thread, s, t);
-  for (auto& th : pool) th.join();
+  // Every CUDA thread on its own OS thread: the calling host thread's reusable workers.
+  detail::local_workers().run(
+      slots * threads,
+      [](void* f, int i) { (*static_cast<decltype(run_thread)*>(f))(i / threads, i % threads); },
+      &run_thread);
 
   for (auto& sl : slot)
     if (auto why = sl->bars.fault(); !why.empty())

@@ -5,7 +5,7 @@
 //!
 //! | executor             | header                      | one CUDA thread is            |
 //! |----------------------|-----------------------------|-------------------------------|
-//! | `cpu_exec{seed}`     | core/cpu_launch.hpp         | one std::thread (TSan sees it) |
+//! | `cpu_exec{seed}`     | core/cpu_launch.hpp         | one OS thread (TSan sees it)  |
 //! | `cuda_exec{stream}`  | core/cuda/cuda_launch.cuh   | a CUDA thread                 |
 //!
 //! What a body may use is what both contexts give (the `simt_context` concept below): indices,
