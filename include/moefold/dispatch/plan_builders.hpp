@@ -36,15 +36,21 @@ inline namespace v0_1 {
 namespace detail {
 
 struct plan_builder_access {
+  // The plan's arguments (not the record) from a builder's input.
+  template <class S>
+  static permute_args args_of(const plan_input<S>& in) {
+    return {.num_tokens = in.num_tokens,
+            .topk = in.topk,
+            .num_experts = in.num_experts,
+            .capacity = in.capacity,
+            .num_sources = in.num_sources,
+            .source_tokens = in.source_tokens};
+  }
+
   template <class S>
   static expected<basic_permute_plan<S>> build(const plan_input<S>& in,
                                                std::span<std::byte> storage) {
-    const permute_args a{.num_tokens = in.num_tokens,
-                         .topk = in.topk,
-                         .num_experts = in.num_experts,
-                         .capacity = in.capacity,
-                         .num_sources = in.num_sources,
-                         .source_tokens = in.source_tokens};
+    const permute_args a = args_of(in);
     const std::size_t entries =
         in.expert.contiguous() ? static_cast<std::size_t>(in.expert.extent()) : std::size_t{0};
     if (!in.expert.contiguous() || in.expert.rows() != in.num_tokens ||
@@ -64,12 +70,7 @@ struct plan_builder_access {
   static expected<basic_permute_plan<S>> build_with_kernels(Exec& x, const plan_input<S>& in,
                                                             std::span<std::byte> storage) {
     using plan = basic_permute_plan<S>;
-    const permute_args a{.num_tokens = in.num_tokens,
-                         .topk = in.topk,
-                         .num_experts = in.num_experts,
-                         .capacity = in.capacity,
-                         .num_sources = in.num_sources,
-                         .source_tokens = in.source_tokens};
+    const permute_args a = args_of(in);
     if (!in.expert.contiguous() || in.expert.rows() != in.num_tokens ||
         (in.num_tokens > 0 && in.expert.width() != in.topk))
       return build(in, storage);  // the host builder names the shape error
