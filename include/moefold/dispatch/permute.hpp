@@ -23,6 +23,15 @@
 #include <string>
 #include <type_traits>
 
+// The plan kernels' tile size sizes their scratch in the plan's workspace: <moefold/kernels/...>
+// where kernels/ is installed under the include tree (or linked there by the build), else from
+// the source tree.
+#if __has_include(<moefold/kernels/permute_plan.hpp>)
+#include <moefold/kernels/permute_plan.hpp>
+#else
+#include "../../../kernels/permute_plan.hpp"
+#endif
+
 #include "../core/config.hpp"
 #include "../core/expected.hpp"
 #include "../core/host_exec.hpp"
@@ -241,10 +250,10 @@ class basic_permute_plan {
     p.row_slot_ = c.take<int>(static_cast<std::size_t>(rows)).data();
     p.slot_row_ = c.take<int>(static_cast<std::size_t>(a.num_tokens) * a.topk).data();
     p.cursor_ = c.take<int>(static_cast<std::size_t>(a.num_experts)).data();
-    // The plan kernels' scratch (kernels/permute_plan.hpp): per-tile counts of 256 pairs, the two
-    // fault slots, each source's first token.
-    const std::size_t tiles =
-        (static_cast<std::size_t>(a.num_tokens) * detail::uz(a.topk) + 255) / 256;
+    // The plan kernels' scratch (kernels/permute_plan.hpp): per-tile counts, the two fault
+    // slots, each source's first token.
+    const auto tiles = static_cast<std::size_t>(
+        kernels::plan_args::tiles_of(static_cast<long long>(a.num_tokens) * a.topk));
     p.tile_counts_ = c.take<int>(tiles * static_cast<std::size_t>(a.num_experts)).data();
     p.fault_ = c.take<int>(2).data();
     p.source_first_ =
