@@ -207,12 +207,13 @@ void host_equals_device(const problem& p, bool all_to_all) {
     CHECK(same_bits(a.dy, b.dy));
     CHECK(same_bits(a.dx, b.dx));
     CHECK(same_bits(a.dprobs, b.dprobs));
-    // Transfers: the All-to-All path brings the gathered counts to the host (none in pad mode)
-    // and the chunk table to the context; the AllGather path sends its header row and brings
-    // the group's table back. Everything else stays in the context's memory.
+    // Transfers: the All-to-All path brings the gathered status rows (counts, faults) to the
+    // host (none in pad mode) and the chunk table to the context; the AllGather path sends its
+    // header row (and in pad mode each source's first token for the local plan) and brings the
+    // group's table back. Everything else stays in the context's memory.
     const copy_counts& c = b.dispatch_copies;
     CHECK(c.to_host == (all_to_all && p.pad ? 0 : 1));
-    CHECK(c.to_device == 1);
+    CHECK(c.to_device == (!all_to_all && p.pad ? 2 : 1));
     CHECK(b.later_copies.to_host == 0);
     CHECK(b.later_copies.to_device == 0);
   }
@@ -419,4 +420,151 @@ TEST_CASE(
     "handles in flight: F1 F2 B2 B1 equals F1 B1 F2 B2 bitwise; a reused workspace is refused") {
   in_flight_equals_sequential<all_to_all_dispatcher>();
   in_flight_equals_sequential<all_gather_dispatcher>();
+}
+
+namespace {
+
+// What a rank saw of a step with a bad record on rank 2: dispatch's status, the transfers it
+// made, and (when it succeeded) device_status's.
+struct bad_step {
+  status dispatch{}, device{};
+  copy_counts copies{};
+};
+
+// 4 ranks, EP 4, E = 4, k = 2, two tokens per rank; rank 2's record is `bad`, the others valid.
+template <template <class, class, class, class> class Disp>
+std::vector<bad_step> bad_record_step(const std::vector<int>& bad, std::optional<int> cap) {
+  std::vector<bad_step> seen(4);
+  const auto st = run_thread_world(
+      4,
+      [&](thread_communicator& world) -> status {
+        const int r = world.rank();
+        auto dw = std::move(world).in_space<cpu_device_space>();
+        auto ep = dw.split(0, r);
+        auto etp = dw.split(r, 0);
+        auto tp_ep = dw.split(0, r);
+        if (!ep || !etp || !tp_ep) return make_error(errc::invalid_argument, "split");
+        const dispatch_groups<thread_device_communicator> g{*ep, *etp, *tp_ep};
+        using D = Disp<float, thread_device_communicator, cpu_exec, float>;
+        auto d = D::make({.max_tokens = 2, .hidden = 3, .topk = 2, .num_experts = 4, .ep = 4});
+        if (!d) return unexpected<error>(d.error());
+        cpu_exec x(static_cast<std::uint64_t>(r) + 1);
+        const std::vector<int> good = {r, (r + 1) % 4, (r + 2) % 4, -1};
+        TRY_ASSIGN(xs, upload(x, std::vector<float>(6, 1.f), 2, 3));
+        TRY_ASSIGN(es, upload(x, r == 2 ? bad : good, 2, 2));
+        TRY_ASSIGN(ps, upload(x, std::vector<float>(4, 0.5f), 2, 2));
+        const auto sizes = d->workspace_sizes(cap);
+        TRY_ASSIGN(saved, (exec_buffer<std::byte, cpu_exec>::make(
+                              x, 1, static_cast<long long>(sizes.saved))));
+        TRY_ASSIGN(scratch, (exec_buffer<std::byte, cpu_exec>::make(
+                                x, 1, static_cast<long long>(sizes.scratch))));
+        std::vector<std::byte> host(sizes.host);
+        const dispatch_workspace ws{.saved = {saved->view().data(), sizes.saved},
+                                    .scratch = {scratch->view().data(), sizes.scratch},
+                                    .host = host};
+        const dispatch_input<float, cpu_device_space> in{.num_tokens = 2,
+                                                         .x = xs->cview(),
+                                                         .expert = es->cview(),
+                                                         .probs = ps->cview(),
+                                                         .capacity = cap};
+        bad_step& mine = seen[static_cast<std::size_t>(r)];
+        x.reset_copies();
+        auto h = d->dispatch(x, in, g, ws);
+        mine.copies = x.copies();
+        if (!h) {
+          mine.dispatch = unexpected<error>(h.error());
+          return {};
+        }
+        // The step goes on (the rows of a faulty record are zeros), then the record's check.
+        TRY_ASSIGN(y, (exec_buffer<float, cpu_exec>::make(x, h->num_rows(), 3)));
+        TRY(x.fill<float>(y->view(), 1.f));
+        TRY_ASSIGN(out, (exec_buffer<float, cpu_exec>::make(x, 2, 3)));
+        TRY(d->combine(x, *h, y->cview(), g, out->view()));
+        x.reset_copies();
+        mine.device = d->device_status(x, *h);
+        mine.copies = x.copies();
+        return {};
+      },
+      {.timeout = std::chrono::milliseconds(5000)});
+  for (const auto& s : st) REQUIRE_MESSAGE(s.has_value(), (s ? std::string() : s.error().message));
+  return seen;
+}
+
+bool says(const status& s, const std::string& words) {
+  return !s && s.error().code == errc::invalid_argument &&
+         s.error().message.find(words) != std::string::npos;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "cpu_exec, a bad routing record on one rank: the All-to-All forward's one wait fails every "
+    "rank; in pad mode nothing waits and device_status reports it") {
+  // Rank 2's token 1 names expert 7 (outside [-1, 4)), or expert 0 twice.
+  const std::vector<int> out_of_range = {0, 1, 2, 7}, twice = {0, 1, 0, 0};
+  for (const auto& [bad, words] :
+       {std::pair{out_of_range, std::string("token 1 slot 1 names expert 7")},
+        std::pair{twice, std::string("token 1 names expert 0 twice")}}) {
+    CAPTURE(words);
+    // Dropless: every rank fails in dispatch; rank 2 with the host builder's words, the others
+    // naming rank 2. One device-to-host copy each (rank 2 also reads its record for the words).
+    const auto seen = bad_record_step<all_to_all_dispatcher>(bad, std::nullopt);
+    for (int r = 0; r < 4; ++r) {
+      CAPTURE(r);
+      const auto& s = seen[static_cast<std::size_t>(r)];
+      CHECK(says(s.dispatch, r == 2 ? words : "tp-ep rank 2's routing record"));
+      CHECK(s.copies.to_host == (r == 2 ? 2 : 1));
+    }
+    // Pad mode (capacity 2): every dispatch succeeds without a wait; device_status finds rank
+    // 2's fault (one copy), the others' records are fine.
+    const auto padded = bad_record_step<all_to_all_dispatcher>(bad, 2);
+    for (int r = 0; r < 4; ++r) {
+      CAPTURE(r);
+      const auto& s = padded[static_cast<std::size_t>(r)];
+      REQUIRE(s.dispatch);
+      CHECK(s.copies.to_host == 1);
+      if (r == 2)
+        CHECK(says(s.device, "token 1 slot 1 of the routing record names an expert outside"));
+      else
+        CHECK(s.device);
+    }
+  }
+  // Pad mode, over capacity: rank 2 routes two pairs to expert 0 (slots 0 and 2) with capacity
+  // 1; the second, token 1 slot 0, is beyond it.
+  const auto over = bad_record_step<all_to_all_dispatcher>({0, 1, 0, 2}, 1);
+  for (int r = 0; r < 4; ++r) {
+    CAPTURE(r);
+    const auto& s = over[static_cast<std::size_t>(r)];
+    REQUIRE(s.dispatch);
+    if (r == 2)
+      CHECK(
+          says(s.device, "token 1 slot 0 of the routing record is beyond its expert's capacity 1"));
+    else
+      CHECK(s.device);
+  }
+}
+
+TEST_CASE(
+    "cpu_exec, a bad routing record on one rank: the AllGather forward fails every rank alike, in "
+    "both modes") {
+  struct bad_case {
+    std::vector<int> record;
+    std::optional<int> cap;
+    std::string words;
+  };
+  for (const auto& c :
+       {bad_case{{0, 1, 2, 7}, std::nullopt, "tp-ep rank 2 names expert 7, outside [0, 4)"},
+        bad_case{{0, 1, 0, 0}, std::nullopt, "tp-ep rank 2: token 1 names expert 0 twice"},
+        bad_case{{0, 1, 0, 0}, 2, "tp-ep rank 2: token 1 names expert 0 twice"},
+        bad_case{
+            {0, 1, 0, 2}, 1, "tp-ep rank 2 routes more than the capacity 1 pairs to expert 0"}}) {
+    CAPTURE(c.words);
+    const auto seen = bad_record_step<all_gather_dispatcher>(c.record, c.cap);
+    for (int r = 0; r < 4; ++r) {
+      CAPTURE(r);
+      const auto& s = seen[static_cast<std::size_t>(r)];
+      CHECK(says(s.dispatch, c.words));
+      CHECK(s.copies.to_host == 1);  // the header table, nothing else
+    }
+  }
 }

@@ -236,8 +236,13 @@ TEST_CASE("cpu_exec's build_permute_plan runs the kernels: the host builder's pl
                            .capacity = cap,
                            .num_sources = pa.num_sources,
                            .source_tokens = pa.source_tokens};
+    x.reset_copies();
     auto dev = build_permute_plan(x, in, dws);
     REQUIRE(host.has_value() == dev.has_value());
+    // The builder reads back only through the context's copies: the status row (counts and
+    // faults), and on an error the record for the message's words.
+    CHECK(x.copies().to_host == (host ? 1 : 2));
+    CHECK(x.copies().to_device == (several ? 1 : 0));  // each source's first token
     if (!host) {
       CHECK(host.error().message == dev.error().message);
       return host.error().message;
@@ -264,4 +269,74 @@ TEST_CASE("cpu_exec's build_permute_plan runs the kernels: the host builder's pl
   bad[7 * K + 1] = bad[7 * K + 2] = 2;
   bad[7 * K + 0] = bad[7 * K + 3] = -1;
   CHECK(both(bad, std::nullopt, false).find("token 7 names expert 2 twice") != std::string::npos);
+}
+
+TEST_CASE(
+    "enqueue_permute_plan reads nothing back; resolve_permute_plan completes it from its status "
+    "row") {
+  std::mt19937_64 rng(test::simt_seed() + 12);
+  const int N = 70, K = 2, E = 8;
+  using S = cpu_exec::memory_space;
+  cpu_exec x(rng());
+  auto rec = random_record(N, K, E, 0.3, false, rng);
+  for (const std::optional<int> cap : {std::optional<int>(), std::optional<int>(N)}) {
+    CAPTURE(cap.has_value());
+    const permute_args pa{
+        .num_tokens = N, .topk = K, .num_experts = E, .expert = rec, .capacity = cap};
+    std::vector<std::byte> ws(permute_plan::workspace_bytes(pa)), dws(ws.size());
+    auto host = permute_plan::make(pa, ws);
+    REQUIRE(host);
+    const plan_input<S> in{.num_tokens = N,
+                           .topk = K,
+                           .num_experts = E,
+                           .expert = row_view<const int, S>(rec.data(), N, K),
+                           .capacity = cap};
+    x.reset_copies();
+    auto dev = enqueue_permute_plan(x, in, dws);
+    REQUIRE(dev);
+    CHECK(x.copies().to_host == 0);
+    // Dropless: the rows are bounded by N k until the counts are known; pad mode: exact.
+    CHECK(dev->num_rows() == (cap ? host->num_rows() : N * K));
+    std::vector<int> status(static_cast<std::size_t>(E) + 2);
+    REQUIRE(x.copy(dev->status_row(), row_view<int>(status.data(), 1, E + 2)));
+    CHECK(std::equal(host->counts().begin(), host->counts().end(), status.begin()));
+    CHECK(status[E] == INT_MAX);
+    CHECK(status[E + 1] == INT_MAX);
+    REQUIRE(resolve_permute_plan(x, in, *dev, status));
+    CHECK(dev->num_rows() == host->num_rows());
+    CHECK(std::equal(host->row_slot().begin(), host->row_slot().end(), dev->row_slots().data()));
+    // The host builder's status row says the same (no faults), so a dispatcher can gather it on
+    // every context.
+    host_exec hx;
+    const auto hs = host->status_row();
+    CHECK(std::equal(hs.data(), hs.data() + E + 2, status.begin()));
+    CHECK(
+        resolve_permute_plan(hx,
+                             plan_input<host_space>{.num_tokens = N,
+                                                    .topk = K,
+                                                    .num_experts = E,
+                                                    .expert = row_view<const int>(rec.data(), N, K),
+                                                    .capacity = cap},
+                             *host, std::span<const int>(hs.data(), E + 2)));
+    // A faulty record: no rows, the fault in the status row, the host builder's error on resolve.
+    auto bad = rec;
+    bad[5 * K + 1] = bad[5 * K];
+    if (bad[5 * K] < 0) bad[5 * K] = bad[5 * K + 1] = 3;
+    const plan_input<S> bin{.num_tokens = N,
+                            .topk = K,
+                            .num_experts = E,
+                            .expert = row_view<const int, S>(bad.data(), N, K),
+                            .capacity = cap};
+    auto faulty = enqueue_permute_plan(x, bin, dws);
+    REQUIRE(faulty);
+    REQUIRE(x.copy(faulty->status_row(), row_view<int>(status.data(), 1, E + 2)));
+    CHECK(status[E] == 5 * K + 1);
+    for (int s = 0; s < N * K; ++s) CHECK(faulty->slot_rows().data()[s] == -1);
+    const auto st = resolve_permute_plan(x, bin, *faulty, status);
+    REQUIRE_FALSE(st);
+    CHECK(st.error().message.find("token 5 names expert") != std::string::npos);
+    CHECK(st.error().message.find("twice") != std::string::npos);
+    // A status row of the wrong size is refused.
+    CHECK_FALSE(resolve_permute_plan(x, in, *dev, std::span<const int>(status.data(), 3)));
+  }
 }

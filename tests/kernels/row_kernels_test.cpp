@@ -14,6 +14,7 @@
 #include <moefold/dispatch/plan_builders.hpp>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../support/simt_test_sizes.hpp"
@@ -265,7 +266,9 @@ TEST_CASE("row kernels: an index outside its range is refused before anything is
   CHECK(same_bits(before, dst.v));
 }
 
-TEST_CASE("expert histogram and count_routed_pairs: exact counts, the lowest bad slot") {
+TEST_CASE(
+    "expert histogram and count_routed_pairs: exact counts, the lowest bad slot and its id, in "
+    "the context's memory") {
   const auto seed = test::simt_seed();
   MESSAGE("seed " << seed);
   std::mt19937_64 rng(seed + 5);
@@ -275,29 +278,62 @@ TEST_CASE("expert histogram and count_routed_pairs: exact counts, the lowest bad
         CAPTURE(tokens);
         CAPTURE(E);
         CAPTURE(k);
+        // Distinct experts per token (a valid record), some pairs dropped.
         mat<int> ids(tokens, k);
-        for (auto& i : ids.v) i = rng() % 7 == 0 ? -1 : static_cast<int>(rng() % E);
-        mat<int> ref(1, E), got(1, E);
+        for (int t = 0; t < tokens; ++t)
+          for (int j = 0; j < k; ++j) {
+            int& v = ids.v[static_cast<std::size_t>(t * k + j)];
+            v = rng() % 7 == 0 || j >= E ? -1 : static_cast<int>((rng() % E + j) % E);
+            for (int q = 0; q < j && v >= 0; ++q)
+              if (ids.v[static_cast<std::size_t>(t * k + q)] == v) v = -1;
+          }
+        mat<int> ref(1, E), got(1, E), ref_fault(1, 2), fault(1, 2);
+        using pair = std::pair<int, int>;
+        const auto two = [](const mat<int>& f) { return pair{f.v[0], f.v[1]}; };
+        const auto count = [&](auto& x, auto ids_view, auto counts, auto fault_view) {
+          return count_routed_pairs(x, ids_view, counts, fault_view);
+        };
         host_exec hx;
-        const auto a = count_routed_pairs(hx, row_view<const int>(ids.view()), ref.view());
+        REQUIRE(count(hx, row_view<const int>(ids.view()), ref.view(), ref_fault.view()));
         cpu_exec x{rng()};
-        const auto b = count_routed_pairs(x, dev(row_view<const int>(ids.view())), dev(got.view()));
-        REQUIRE(a);
-        REQUIRE(b);
-        CHECK(b->slot == -1);
-        CHECK(ref.v == got.v);
-        // All tokens on one expert; then two bad entries: the lower slot is reported.
-        for (auto& i : ids.v) i = E - 1;
-        REQUIRE(count_routed_pairs(x, dev(row_view<const int>(ids.view())), dev(got.view())));
-        CHECK(got.v[static_cast<std::size_t>(E - 1)] == tokens * k);
+        x.reset_copies();
+        REQUIRE(count(x, dev(row_view<const int>(ids.view())), dev(got.view()), dev(fault.view())));
+        CHECK(x.copies().to_host == 0);  // nothing read back
+        CHECK(two(ref_fault) == pair{-1, 0});
+        CHECK(two(fault) == pair{-1, 0});
+        CHECK(std::equal(ref.v.begin(), ref.v.begin() + E, got.v.begin()));
+        // All tokens on one expert (k = 1, or the other slots dropped).
+        for (std::size_t s = 0; s < ids.v.size(); ++s) ids.v[s] = s % k == 0 ? E - 1 : -1;
+        REQUIRE(count(x, dev(row_view<const int>(ids.view())), dev(got.view()), dev(fault.view())));
+        CHECK(got.v[static_cast<std::size_t>(E - 1)] == tokens);
+        CHECK(two(fault) == pair{-1, 0});
+        // Two bad ids: the lower slot and its id.
         const int n = tokens * k;
         ids.v[static_cast<std::size_t>(n - 1)] = E;
         ids.v[static_cast<std::size_t>(n / 2)] = -2;
-        const auto c = count_routed_pairs(x, dev(row_view<const int>(ids.view())), dev(got.view()));
-        REQUIRE(c);
-        CHECK(c->slot == n / 2);  // with n == 1 both writes hit slot 0 and -2 stays
-        CHECK(c->expert == -2);
+        REQUIRE(count(x, dev(row_view<const int>(ids.view())), dev(got.view()), dev(fault.view())));
+        REQUIRE(count(hx, row_view<const int>(ids.view()), ref.view(), ref_fault.view()));
+        CHECK(fault.v[0] == n / 2);  // with n == 1 both writes hit slot 0 and -2 stays
+        CHECK(fault.v[1] == -2);
+        CHECK(two(ref_fault) == two(fault));
+        // A token naming an expert twice (k > 1): its second slot, on both contexts.
+        if (k > 1 && tokens > 1) {
+          for (std::size_t s = 0; s < ids.v.size(); ++s) ids.v[s] = s % k == 0 ? 0 : -1;
+          ids.v[static_cast<std::size_t>(k + k - 1)] = 0;  // token 1, slot k - 1
+          REQUIRE(
+              count(x, dev(row_view<const int>(ids.view())), dev(got.view()), dev(fault.view())));
+          REQUIRE(count(hx, row_view<const int>(ids.view()), ref.view(), ref_fault.view()));
+          CHECK(two(fault) == pair{2 * k - 1, 0});
+          CHECK(two(ref_fault) == two(fault));
+        }
       }
+  // Shapes: a fault row of the wrong width is refused on both contexts.
+  mat<int> ids(2, 2), counts(1, 4), bad(1, 1);
+  host_exec hx;
+  CHECK_FALSE(count_routed_pairs(hx, row_view<const int>(ids.view()), counts.view(), bad.view()));
+  cpu_exec x{1};
+  CHECK_FALSE(count_routed_pairs(x, dev(row_view<const int>(ids.view())), dev(counts.view()),
+                                 dev(bad.view())));
 }
 
 TEST_CASE("device-wide exclusive scan: three launches, exact, across many tiles") {

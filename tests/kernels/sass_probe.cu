@@ -37,6 +37,7 @@ MOEFOLD_SASS_PROBE(k::convert_kernel<bfloat16, float>);
 MOEFOLD_SASS_PROBE(k::scale_kernel<bfloat16>);
 MOEFOLD_SASS_PROBE(k::fill_kernel<float>);
 MOEFOLD_SASS_PROBE(k::expert_histogram_kernel);
+MOEFOLD_SASS_PROBE(k::record_fault_kernel);
 MOEFOLD_SASS_PROBE(k::scan_tiles_kernel);
 MOEFOLD_SASS_PROBE(k::scan_tile_sums_kernel);
 MOEFOLD_SASS_PROBE(k::add_tile_offsets_kernel);

@@ -263,25 +263,33 @@ struct simt_memory_ops {
                       .out = out.data(), .n = n, .tile_offsets = scratch.data()});
   }
 
-  //! counts[0, e] = entries of the contiguous record `ids` naming expert e (E = counts.width());
-  //! `first_bad` [1, 1] gets the lowest slot naming an expert outside [-1, E), or INT_MAX.
+  //! counts[0, e] = entries of the contiguous record `ids` [N, k] naming expert e
+  //! (E = counts.width()); `fault` [1, 2] gets {slot, id} of the lowest bad entry (an id outside
+  //! [-1, E), or an expert its token named in an earlier slot), or {-1, 0}: written on the
+  //! device, nothing read back.
   [[nodiscard]] status expert_histogram(row_view<const int, S> ids, row_view<int, S> counts,
-                                        row_view<int, S> first_bad) const {
-    if (!ids.contiguous() || counts.rows() != 1 || first_bad.rows() != 1 || first_bad.width() != 1)
+                                        row_view<int, S> fault) const {
+    if (!ids.contiguous() || counts.rows() != 1 || fault.rows() != 1 || fault.width() != 2)
       return op_shape_error(Derived::name, "expert_histogram",
-                            "need a contiguous record [n, k], counts [1, E] and first_bad [1, 1]");
+                            "need a contiguous record [n, k], counts [1, E] and fault [1, 2]");
     if (auto st = fill<int>(counts, 0); !st) return st;
-    if (auto st = fill<int>(first_bad, 2147483647); !st) return st;
+    if (auto st = fill<int>(fault, 2147483647); !st) return st;
     const int E = counts.width();
-    if (ids.extent() == 0) return {};
-    return launch(self(),
-                  launch_grid{.blocks = element_grid(ids.extent(), 256, Derived::max_grid_blocks),
-                              .smem_bytes = kernels::expert_histogram_kernel::smem_bytes(E)},
-                  kernels::expert_histogram_kernel{.ids = ids.data(),
-                                                   .n = ids.extent(),
-                                                   .num_experts = E,
-                                                   .counts = counts.data(),
-                                                   .first_bad = first_bad.data()});
+    if (ids.extent() > 0)
+      if (auto st = launch(
+              self(),
+              launch_grid{.blocks = element_grid(ids.extent(), 256, Derived::max_grid_blocks),
+                          .smem_bytes = kernels::expert_histogram_kernel::smem_bytes(E)},
+              kernels::expert_histogram_kernel{.ids = ids.data(),
+                                               .n = ids.extent(),
+                                               .num_experts = E,
+                                               .counts = counts.data(),
+                                               .first_bad = fault.data(),
+                                               .topk = ids.width() > 0 ? ids.width() : 1});
+          !st)
+        return st;
+    return launch(self(), launch_grid{.blocks = 1},
+                  kernels::record_fault_kernel{.ids = ids.data(), .fault = fault.data()});
   }
 
  private:

@@ -15,6 +15,7 @@
 //! the probability gradients keep their own reduction, in Prob).
 #pragma once
 
+#include <climits>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -148,12 +149,18 @@ class all_gather_dispatcher
     const int n = in.num_tokens, P = g.tp_ep.size();
     const int HW = hdr::width(s_.num_experts);
     const row_view<int, space> mine(b.header_row.data(), 1, HW);  // [1, 4 + E]
-    auto fault = count_routed_pairs(
-        x, in.expert, row_view<int, space>(b.header_row.data() + hdr::counts, 1, s_.num_experts));
-    if (!fault) return unexpected<error>(fault.error());
-    const int head[hdr::counts] = {n, cap, fault->slot, fault->expert};
-    if (auto st = x.copy(row_view<const int>(head, 1, hdr::counts),
-                         row_view<int, space>(b.header_row.data(), 1, hdr::counts));
+    // The counts and the record's first fault {slot or -1, id} are written in the context's
+    // memory (columns fault_slot, fault_expert, counts..), the token count and capacity from here.
+    if (auto st = count_routed_pairs(
+            x, in.expert,
+            row_view<int, space>(b.header_row.data() + hdr::counts, 1, s_.num_experts),
+            row_view<int, space>(b.header_row.data() + hdr::fault_slot, 1, 2));
+        !st)
+      return unexpected<error>(st.error());
+    const int head[2] = {n, cap};
+    static_assert(hdr::tokens == 0 && hdr::capacity == 1);
+    if (auto st = x.copy(row_view<const int>(head, 1, 2),
+                         row_view<int, space>(b.header_row.data(), 1, 2));
         !st)
       return unexpected<error>(st.error());
     const row_view<int, space> table(b.header.data(), P, HW);  // [P, 4 + E]
@@ -175,7 +182,7 @@ class all_gather_dispatcher
     //    against the capacity) and the receive bound on every EP rank's rows, on the same table,
     //    so a bad rank fails all of them alike, never alone (without a bound the worst case holds
     //    by construction).
-    if (auto st = detail::check_gathered_routing(header, HW, P, s_.num_experts, cap); !st)
+    if (auto st = detail::check_gathered_routing(header, HW, P, s_.num_experts, s_.topk, cap); !st)
       return unexpected<error>(st.error());
     const int L = s_.num_experts / s_.ep, first = g.ep.rank() * L;
     if (cap < 0 && s_.max_recv_rows)
@@ -219,12 +226,17 @@ class all_gather_dispatcher
                                .capacity = in.capacity,
                                .num_sources = pad ? P : 1,
                                .source_tokens = pad ? b.tokens : std::span<int>()};
-    auto plan = build_permute_plan(x, pa, b.plan);
+    // The local plan's counts are the header's (checked above, every rank alike): nothing of it
+    // is read back.
+    auto plan = enqueue_permute_plan(x, pa, b.plan);
     if (!plan) return unexpected<error>(plan.error());
     h.plan_ = *plan;
     // Rows per local expert, padding included, from the header (host): C per source in pad mode.
     detail::gathered_rows_per_expert(header, HW, P, first, cap, b.per_expert);
     h.per_expert_ = b.per_expert;
+    detail::gathered_local_status(header, HW, P, first, b.local_status);
+    if (auto st = resolve_permute_plan(x, pa, h.plan_, b.local_status); !st)
+      return unexpected<error>(st.error());
     const auto M = detail::uz(h.plan_.num_rows());
     h.x_ = rows_of(b.batch_x.first(M * H), s_.hidden);
     h.p_ = rows_of(b.batch_probs.first(M), 1);
@@ -243,6 +255,13 @@ class all_gather_dispatcher
         !st)
       return unexpected<error>(st.error());
     return h;
+  }
+
+  //! The All-to-All dispatcher's check of a record its forward left to the device; here the
+  //! forward checks every rank's record on the gathered header (its one wait) in every mode, so
+  //! this returns at once for a handle of this dispatcher.
+  [[nodiscard]] status device_status(Exec&, const handle_type& h) const {
+    return h.check_issued_by(this);
   }
 
   //! Forward combine: y [M, H] -> out [N, H].
@@ -302,14 +321,14 @@ class all_gather_dispatcher
   // context's memory, reached only as views handed to the context's operations and the
   // collectives; the host part holds what the host reads.
   struct buffers {
-    std::span<std::byte> plan;                                  // saved, context
-    std::span<T> batch_x;                                       // saved, context
-    std::span<Prob> batch_probs;                                // saved, context
-    std::span<int> header_row, header, experts, local_experts;  // scratch, context
-    std::span<T> rows_a, rows_b;                                // scratch, context
-    std::span<Prob> probs_a;                                    // scratch, context
-    std::span<detail::dispatch_stamp> stamp;                    // host
-    std::span<int> header_host, tokens, per_expert;             // host
+    std::span<std::byte> plan;                                     // saved, context
+    std::span<T> batch_x;                                          // saved, context
+    std::span<Prob> batch_probs;                                   // saved, context
+    std::span<int> header_row, header, experts, local_experts;     // scratch, context
+    std::span<T> rows_a, rows_b;                                   // scratch, context
+    std::span<Prob> probs_a;                                       // scratch, context
+    std::span<detail::dispatch_stamp> stamp;                       // host
+    std::span<int> header_host, tokens, per_expert, local_status;  // host
   };
 
   // Permute backward (a sum per gathered token), then the AllGather backward: a sum over the
@@ -406,6 +425,7 @@ class all_gather_dispatcher
     const auto P = detail::uz(s_.ep) * detail::uz(s_.etp), L = detail::uz(s_.num_experts / s_.ep);
     b.stamp = c.take<detail::dispatch_stamp>(1);
     b.header_host = c.take<int>(P * detail::uz(detail::gathered_header::width(s_.num_experts)));
+    b.local_status = c.take<int>(detail::uz(s_.num_experts / s_.ep) + 2);
     b.tokens = c.take<int>(P);
     b.per_expert = c.take<int>(L);
   }

@@ -22,6 +22,8 @@
 //! in Prob.
 #pragma once
 
+#include <algorithm>
+#include <climits>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -45,6 +47,7 @@
 #include "permute.hpp"
 #include "plan_builders.hpp"
 #include "splits.hpp"
+#include "status_rows.hpp"
 
 namespace moefold {
 inline namespace v0_1 {
@@ -152,9 +155,12 @@ class all_to_all_dispatcher
     h.st_.rows_a = b.rows_a;
     h.st_.rows_b = b.rows_b;
     h.st_.rows_c = b.rows_c;
-    // 1. Plan the permutation (the context's builder validates the routing record) and exchange
-    //    the counts, then bring them to the host; in pad mode every count is the capacity, so
-    //    nothing is exchanged (static shapes).
+    // 1. Plan the permutation and exchange each rank's status row (its counts and the faults
+    //    the plan kernels found in its record), then bring them to the host: the one wait of the
+    //    forward, where every rank checks every rank's record alike before any row moves. A
+    //    context whose builder is host code has checked its record already. In pad mode every
+    //    count is the capacity, so nothing is exchanged (static shapes) and nothing waits: a
+    //    context that runs kernels leaves the record's check to device_status().
     // NOTE: aggregates are built as named variables, not braced arguments: nvcc 13 miscompiles a
     // braced designated initializer with dependent members passed as an argument in a template.
     const bool pad = cap >= 0;
@@ -163,19 +169,29 @@ class all_to_all_dispatcher
                                .num_experts = s_.num_experts,
                                .expert = in.expert,
                                .capacity = in.capacity};
-    auto plan = build_permute_plan(x, pa, b.plan);
+    auto plan = enqueue_permute_plan(x, pa, b.plan);
     if (!plan) return unexpected<error>(plan.error());
     h.plan_ = *plan;
+    h.plan_unchecked_ = pad && runs_kernels_v<Exec>;
     const int P = s_.ep * s_.etp;
     if (!pad) {
-      const auto gathered = rows_of(b.gathered, s_.num_experts);  // [EP*ETP, E]
-      if (auto st = g.tp_ep.all_gather(x, h.plan_.count_row(), gathered); !st)
+      const int E = s_.num_experts, SW = E + 2;
+      const auto gathered = rows_of(b.gathered, SW);  // [EP*ETP, E + 2]
+      if (auto st = g.tp_ep.all_gather(x, h.plan_.status_row(), gathered); !st)
         return unexpected<error>(st.error());
       if (auto st = x.copy(row_view<const int, space>(gathered),
-                           row_view<int>(b.gathered_host.data(), P, s_.num_experts));
+                           row_view<int>(b.gathered_host.data(), P, SW));
           !st)
         return unexpected<error>(st.error());
-      h.volume_.count_gather = volume(s_.num_experts * (P - 1), sizeof(int), 1);
+      // This rank's faults first (the host builder's words), then any rank's, alike everywhere.
+      if (auto st = resolve_permute_plan(x, pa, h.plan_,
+                                         detail::status_row_of(b.gathered_host, E, g.tp_ep.rank()));
+          !st)
+        return unexpected<error>(st.error());
+      if (auto st = detail::check_status_rows(b.gathered_host, P, E); !st)
+        return unexpected<error>(st.error());
+      detail::pack_status_counts(b.gathered_host, P, E);
+      h.volume_.count_gather = volume(SW * (P - 1), sizeof(int), 1);
     }
     // 2. Splits, chunk order.
     h.st_.input_splits = b.input_splits;
@@ -187,12 +203,13 @@ class all_to_all_dispatcher
     h.st_.order = b.order;
     h.st_.chunk_src = b.chunk_meta_host.subspan(C, C);
     h.st_.chunk_dst = b.chunk_meta_host.subspan(2 * C, C);
-    const dispatch::split_args sa{.ep = s_.ep,
-                                  .etp = s_.etp,
-                                  .num_experts = s_.num_experts,
-                                  .my_ep = g.ep.rank(),
-                                  .my_etp = g.etp.rank(),
-                                  .gathered_counts = b.gathered_host};
+    const dispatch::split_args sa{
+        .ep = s_.ep,
+        .etp = s_.etp,
+        .num_experts = s_.num_experts,
+        .my_ep = g.ep.rank(),
+        .my_etp = g.etp.rank(),
+        .gathered_counts = b.gathered_host.first(detail::uz(P) * detail::uz(s_.num_experts))};
     const dispatch::split_view sv{.input_splits = h.st_.input_splits,
                                   .output_splits = h.st_.output_splits,
                                   .output_splits_tp = h.st_.output_splits_tp,
@@ -262,6 +279,22 @@ class all_to_all_dispatcher
     if (auto st = sort_chunks<Prob>(x, h, probs_of(xgc, W, Hp, 1), h.p_); !st)
       return unexpected<error>(st.error());
     return h;
+  }
+
+  //! The check of a dispatch's routing record that its forward left to the device. In pad mode
+  //! on a context that runs kernels, dispatch() waits for nothing: a record naming an expert
+  //! outside [-1, E), one expert twice for a token, or more pairs for an expert than the
+  //! capacity gets no rows (its tokens' outputs and gradients are zero) and is reported here,
+  //! at the cost of one device-to-host copy (a wait). Otherwise the forward checked the record
+  //! (every rank every rank's) and this returns at once.
+  [[nodiscard]] status device_status(Exec& x, const handle_type& h) const {
+    if (auto st = h.check_issued_by(this); !st) return st;
+    if (!h.plan_unchecked_) return {};
+    int fault[2] = {0, 0};
+    const row_view<const int, space> words(h.plan_.status_row().data() + s_.num_experts, 1, 2);
+    if (auto st = x.copy(words, row_view<int>(fault, 1, 2)); !st) return st;
+    return detail::pad_record_fault(fault[0], fault[1], s_.topk, s_.num_experts,
+                                    h.plan_.num_rows() / s_.num_experts);
   }
 
   //! Forward combine: y [M, H] (the experts' outputs for handle.batch(), ETP partials) ->
@@ -347,8 +380,8 @@ class all_to_all_dispatcher
     std::span<int> chunk_meta;
     std::span<T> batch_x;
     std::span<Prob> batch_probs;
-    // scratch, the context's memory: the gathered counts [EP*ETP, E] and rows reused by every
-    // step (packed rows [., W] in dispatch and its backward, plain rows [., H] in combine and
+    // scratch, the context's memory: the gathered status rows [EP*ETP, E + 2] and rows reused by
+    // every step (packed rows [., W] in dispatch and its backward, plain rows [., H] in combine and
     // its backward)
     std::span<int> gathered;
     std::span<T> rows_a, rows_b, rows_c;
@@ -487,7 +520,7 @@ class all_to_all_dispatcher
     const auto E = detail::uz(s_.num_experts), EP = detail::uz(s_.ep), ETP = detail::uz(s_.etp),
                L = detail::uz(local_experts());
     b.stamp = c.take<detail::dispatch_stamp>(1);
-    b.gathered_host = c.take<int>(EP * ETP * E);
+    b.gathered_host = c.take<int>(EP * ETP * (E + 2));  // status rows [P, E + 2], then counts
     b.input_splits = c.take<int>(EP);
     b.output_splits = c.take<int>(EP);
     b.output_splits_tp = c.take<int>(ETP);
@@ -502,7 +535,7 @@ class all_to_all_dispatcher
     const auto E = detail::uz(s_.num_experts), EP = detail::uz(s_.ep), ETP = detail::uz(s_.etp),
                W = detail::uz(packed_width());
     const auto R = detail::uz(recv_rows(capacity)), S = detail::uz(send_rows(capacity));
-    b.gathered = c.take<int>(EP * ETP * E);
+    b.gathered = c.take<int>(EP * ETP * (E + 2));  // status rows [P, E + 2]
     b.rows_a = c.take<T>(R * W);
     b.rows_b = c.take<T>(R * W);
     b.rows_c = c.take<T>(S * W);

@@ -87,6 +87,7 @@ class dispatch_handle {
   int hidden_ = 0;
   int num_tokens_ = 0;
   basic_permute_plan<space> plan_{};
+  bool plan_unchecked_ = false;  // its record's faults are still in plan_'s status row
   std::span<const int> per_expert_;
   row_view<value_type, space> x_{};
   row_view<prob_type, space> p_{};

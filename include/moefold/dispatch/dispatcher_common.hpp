@@ -78,6 +78,28 @@ struct packed_layout {
   return {};
 }
 
+//! The error of the fault slots the plan kernels left in a pad-mode plan's status row (INT_MAX:
+//! none), for a dispatcher's device_status(): the lowest slot naming a bad id or an expert its
+//! token named before, else the lowest beyond its expert's capacity.
+[[nodiscard]] inline status pad_record_fault(int bad_slot, int over_slot, int topk, int experts,
+                                             int capacity) {
+  constexpr int none = 2147483647;
+  const int k = topk > 0 ? topk : 1;
+  if (bad_slot != none)
+    return make_error(errc::invalid_argument,
+                      "dispatch: token " + to_decimal(bad_slot / k) + " slot " +
+                          to_decimal(bad_slot % k) + " of the routing record names an expert " +
+                          "outside [-1, " + to_decimal(experts) +
+                          ") or one its token named before (no rows were planned for the record)");
+  if (over_slot != none)
+    return make_error(errc::invalid_argument,
+                      "dispatch: token " + to_decimal(over_slot / k) + " slot " +
+                          to_decimal(over_slot % k) + " of the routing record is beyond its " +
+                          "expert's capacity " + to_decimal(capacity) +
+                          " (drop before padding; no rows were planned for it)");
+  return {};
+}
+
 }  // namespace detail
 
 template <class D, class T, class Comm, class Exec, class P = T>

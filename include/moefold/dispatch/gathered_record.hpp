@@ -1,10 +1,10 @@
 //! @file gathered_record.hpp
 //! @brief The AllGather dispatcher's checks of what the tp-ep group gathered: every rank's header
-//! row (token count, pad capacity, the first bad entry of its routing record, its routed pairs per
-//! expert), from which the ids, the per-source capacity and the rows each EP rank would receive
-//! are checked on the host without reading the gathered record itself. Every rank runs them on the
-//! same gathered data, so a bad rank makes every rank fail alike, with the same error, before any
-//! row moves.
+//! row (token count, pad capacity, the first bad entry of its routing record (a bad id or an
+//! expert named twice by a token), its routed pairs per expert), from which the ids, the per-source
+//! capacity and the rows each EP rank would receive are checked on the host without reading the
+//! gathered record itself. Every rank runs them on the same gathered data, so a bad rank makes
+//! every rank fail alike, with the same error, before any row moves.
 #pragma once
 
 #include <cstddef>
@@ -19,7 +19,8 @@ inline namespace v0_1 {
 namespace detail {
 
 //! The columns of one rank's header row: its token count, its pad capacity (-1: off), the first
-//! bad entry of its routing record (slot -1: none) and the expert it names, then its routed pairs
+//! bad entry of its routing record (slot -1: none; an id outside [-1, E), or an expert its token
+//! named before) and the expert it names, then its routed pairs
 //! per expert [E]. Every rank gathers every rank's row, so all of them check the same table.
 struct gathered_header {
   static constexpr int tokens = 0, capacity = 1, fault_slot = 2, fault_expert = 3, counts = 4;
@@ -54,19 +55,26 @@ struct gathered_header {
   return total;
 }
 
-//! The group's routing records as their header rows tell them: every id in [-1, E), and in pad
-//! mode (capacity >= 0) at most `capacity` pairs per (source rank, expert), checked in rank order.
-//! header [P, 4 + E] (host)
+//! The group's routing records as their header rows tell them: every id in [-1, E), no expert
+//! twice for a token, and in pad mode (capacity >= 0) at most `capacity` pairs per (source rank,
+//! expert), checked in rank order.   header [P, 4 + E] (host)
 [[nodiscard]] inline status check_gathered_routing(std::span<const int> header, int width,
-                                                   int ranks, int num_experts, int capacity) {
+                                                   int ranks, int num_experts, int topk,
+                                                   int capacity) {
   using h = gathered_header;
+  const int k = topk > 0 ? topk : 1;
   for (int q = 0; q < ranks; ++q) {
     const int* row = header.data() + uz(q) * uz(width);
-    if (row[h::fault_slot] >= 0)
-      return make_error(errc::invalid_argument,
-                        "dispatch: tp-ep rank " + to_decimal(q) + " names expert " +
-                            to_decimal(row[h::fault_expert]) + ", outside [0, " +
-                            to_decimal(num_experts) + ") (use -1 for a dropped pair)");
+    if (const int slot = row[h::fault_slot], e = row[h::fault_expert]; slot >= 0) {
+      if (e >= -1 && e < num_experts)
+        return make_error(errc::invalid_argument, "dispatch: tp-ep rank " + to_decimal(q) +
+                                                      ": token " + to_decimal(slot / k) +
+                                                      " names expert " + to_decimal(e) + " twice");
+      return make_error(errc::invalid_argument, "dispatch: tp-ep rank " + to_decimal(q) +
+                                                    " names expert " + to_decimal(e) +
+                                                    ", outside [0, " + to_decimal(num_experts) +
+                                                    ") (use -1 for a dropped pair)");
+    }
     for (int e = 0; capacity >= 0 && e < num_experts; ++e)
       if (row[h::counts + e] > capacity)
         return make_error(errc::invalid_argument, "dispatch: tp-ep rank " + to_decimal(q) +
@@ -94,6 +102,17 @@ inline void gathered_rows_per_expert(std::span<const int> header, int width, int
         capacity >= 0
             ? capacity * ranks
             : static_cast<int>(gathered_pairs(header, width, ranks, first + static_cast<int>(l)));
+}
+
+//! The status row of a plan over the gathered tokens' local experts (first .. first + L - 1),
+//! as the header tells it: the group's routed pairs per local expert, no faults (the header's
+//! checks have passed).   header [P, 4 + E] (host) -> out [L + 2]
+inline void gathered_local_status(std::span<const int> header, int width, int ranks, int first,
+                                  std::span<int> out) noexcept {
+  const std::size_t L = out.size() - 2;
+  for (std::size_t l = 0; l < L; ++l)
+    out[l] = static_cast<int>(gathered_pairs(header, width, ranks, first + static_cast<int>(l)));
+  out[L] = out[L + 1] = 2147483647;
 }
 
 //! The rows the most loaded EP rank would receive (checked header), and the first EP rank with

@@ -16,6 +16,7 @@
 //! that pair was dropped (or never routed). A token names each expert at most once.
 #pragma once
 
+#include <climits>
 #include <cstddef>
 #include <numeric>
 #include <optional>
@@ -137,8 +138,14 @@ class basic_permute_plan {
   [[nodiscard]] row_view<const int, Space> slot_rows() const noexcept {
     return {slot_row_, n_ * k_, 1};
   }
-  //! The routed pairs per expert as one row [1, E] (what the All-to-All dispatcher gathers).
+  //! The routed pairs per expert as one row [1, E].
   [[nodiscard]] row_view<const int, Space> count_row() const noexcept { return {real_, 1, e_}; }
+  //! The counts and the record's two fault slots [1, E + 2] (what the All-to-All dispatcher
+  //! gathers): columns E and E + 1 hold the lowest slot naming a bad id or a repeated expert,
+  //! and in pad mode the lowest slot beyond its expert's capacity; INT_MAX for none.
+  [[nodiscard]] row_view<const int, Space> status_row() const noexcept {
+    return {real_, 1, e_ + 2};
+  }
 
  private:
   friend struct detail::plan_builder_access;
@@ -159,6 +166,7 @@ class basic_permute_plan {
     workspace_carver c(workspace);
     basic_permute_plan p = carve(c, a, a.capacity ? pad_rows(a) : routed);
     if (!c.fits()) return workspace_error(c, workspace);
+    p.fault_[0] = p.fault_[1] = INT_MAX;  // a plan it returns is valid: no fault in its status row
     if (const overflow o = p.build(a, ex); o.expert >= 0) return p.overflow_error(a, ex, o);
     return p;
   }
@@ -245,17 +253,19 @@ class basic_permute_plan {
     p.k_ = a.topk;
     p.e_ = a.num_experts;
     p.m_ = rows;
-    p.real_ = c.take<int>(static_cast<std::size_t>(a.num_experts)).data();
+    // The counts and the kernels' two fault slots side by side: the status row [1, E + 2] a
+    // dispatcher brings to the host (or gathers) in one piece.
+    p.real_ = c.take<int>(static_cast<std::size_t>(a.num_experts) + 2).data();
+    p.fault_ = p.real_ == nullptr ? nullptr : p.real_ + a.num_experts;
     p.offsets_ = c.take<int>(static_cast<std::size_t>(a.num_experts) + 1).data();
     p.row_slot_ = c.take<int>(static_cast<std::size_t>(rows)).data();
     p.slot_row_ = c.take<int>(static_cast<std::size_t>(a.num_tokens) * a.topk).data();
     p.cursor_ = c.take<int>(static_cast<std::size_t>(a.num_experts)).data();
-    // The plan kernels' scratch (kernels/permute_plan.hpp): per-tile counts, the two fault
-    // slots, each source's first token.
+    // The plan kernels' scratch (kernels/permute_plan.hpp): per-tile counts, each source's first
+    // token.
     const auto tiles = static_cast<std::size_t>(
         kernels::plan_args::tiles_of(static_cast<long long>(a.num_tokens) * a.topk));
     p.tile_counts_ = c.take<int>(tiles * static_cast<std::size_t>(a.num_experts)).data();
-    p.fault_ = c.take<int>(2).data();
     p.source_first_ =
         c.take<int>(static_cast<std::size_t>(a.num_sources > 1 ? a.num_sources : 0) + 1).data();
     return p;

@@ -3,9 +3,12 @@
 //! the contexts whose memory the host can address: the permutation plan builder and the
 //! per-expert count of a record. On host_exec they run the host logic on that memory; on
 //! cpu_exec (which runs kernels) they launch the kernels a GPU would run (kernels/permute_plan.hpp,
-//! kernels/histogram.hpp), reading their small results back directly.
+//! kernels/histogram.hpp) and read nothing back except through the context's counted copies:
+//! their results (counts, the record's faults) stay in the context's memory, where a dispatcher
+//! brings them to the host together with what it needs there anyway (one device-to-host copy per
+//! forward), or not at all (pad mode; see the dispatchers' device_status()).
 //!
-//! Both validate the record: ids in [-1, E), each expert at most once per token (the plan), so a
+//! Both validate the record: ids in [-1, E), each expert at most once per token, so a
 //! dispatcher checks its routing record once, here, at the API boundary.
 #pragma once
 
@@ -15,6 +18,7 @@
 #include <cstddef>
 #include <span>
 #include <string>
+#include <vector>
 
 // The plan kernels: <moefold/kernels/...> where kernels/ is installed under the include tree (or
 // linked there by the build), else from the source tree.
@@ -33,6 +37,14 @@
 
 namespace moefold {
 inline namespace v0_1 {
+
+//! Whether a context's operations are kernel launches (cpu_exec, cuda_exec): its bookkeeping
+//! builders then launch kernels and read nothing back.
+template <class X>
+inline constexpr bool runs_kernels_v = requires {
+  requires X::runs_kernels;
+};
+
 namespace detail {
 
 struct plan_builder_access {
@@ -51,45 +63,46 @@ struct plan_builder_access {
   static expected<basic_permute_plan<S>> build(const plan_input<S>& in,
                                                std::span<std::byte> storage) {
     const permute_args a = args_of(in);
-    const std::size_t entries =
-        in.expert.contiguous() ? static_cast<std::size_t>(in.expert.extent()) : std::size_t{0};
     if (!in.expert.contiguous() || in.expert.rows() != in.num_tokens ||
         (in.num_tokens > 0 && in.expert.width() != in.topk))
-      return make_error(errc::shape_mismatch,
-                        "permute: the routing record must be a contiguous [N, k] view (got [" +
-                            to_decimal(in.expert.rows()) + ", " + to_decimal(in.expert.width()) +
-                            "] for N = " + to_decimal(in.num_tokens) +
-                            ", k = " + to_decimal(in.topk) + ")");
+      return shape_error(in);
+    const auto entries = static_cast<std::size_t>(in.expert.extent());
     return basic_permute_plan<S>::make_in_addressable_memory(a, in.expert.data(), entries, storage);
   }
 
-  // The same plan from the plan kernels (kernels/permute_plan.hpp) on an executor that runs
-  // kernels over memory the host can address (cpu_exec): the counts are read back directly to
-  // size the rows; the errors are the host builder's, for the lowest offending pair.
+  // The plan kernels (kernels/permute_plan.hpp) enqueued on an executor that runs kernels: no
+  // result is read back. In pad mode the plan is complete (its sizes are the capacity's); else
+  // its rows are bounded by N k until resolve() learns the counts. The record's faults stay in
+  // the plan's status row.
   template <class Exec, class S>
-  static expected<basic_permute_plan<S>> build_with_kernels(Exec& x, const plan_input<S>& in,
-                                                            std::span<std::byte> storage) {
+  static expected<basic_permute_plan<S>> enqueue(Exec& x, const plan_input<S>& in,
+                                                 std::span<std::byte> storage) {
     using plan = basic_permute_plan<S>;
     const permute_args a = args_of(in);
     if (!in.expert.contiguous() || in.expert.rows() != in.num_tokens ||
         (in.num_tokens > 0 && in.expert.width() != in.topk))
-      return build(in, storage);  // the host builder names the shape error
+      return shape_error(in);
     const auto entries = static_cast<std::size_t>(in.expert.extent());
     if (auto st = plan::check_args(a, entries); !st) return unexpected<error>(st.error());
-    const int* ex = in.expert.data();
     const int upper = a.capacity ? plan::pad_rows(a) : a.num_tokens * a.topk;
     workspace_carver c(storage);
     plan p = plan::carve(c, a, upper);
     if (!c.fits()) return plan::workspace_error(c, storage);
-    // Host-written bookkeeping in the workspace (the executor's memory is the host's here).
+    // The fault slots start at INT_MAX (a fill on the context); each source's first token comes
+    // from the host (a host-to-device copy: no wait).
+    if (auto st = x.template fill<int>(row_view<int, S>(p.fault_, 1, 2), INT_MAX); !st)
+      return unexpected<error>(st.error());
     const int sources = a.num_sources;
     if (sources > 1) {
-      p.source_first_[0] = 0;
-      for (int i = 0; i < sources; ++i)
-        p.source_first_[i + 1] = p.source_first_[i] + a.source_tokens[static_cast<std::size_t>(i)];
+      std::vector<int> first(static_cast<std::size_t>(sources) + 1, 0);
+      for (std::size_t i = 0; i < static_cast<std::size_t>(sources); ++i)
+        first[i + 1] = first[i] + a.source_tokens[i];
+      if (auto st = x.copy(row_view<const int>(first.data(), 1, sources + 1),
+                           row_view<int, S>(p.source_first_, 1, sources + 1));
+          !st)
+        return unexpected<error>(st.error());
     }
-    p.fault_[0] = p.fault_[1] = INT_MAX;
-    kernels::plan_args pa{.expert = ex,
+    kernels::plan_args pa{.expert = in.expert.data(),
                           .num_tokens = a.num_tokens,
                           .topk = a.topk,
                           .num_experts = a.num_experts,
@@ -106,6 +119,8 @@ struct plan_builder_access {
     const int tiles = static_cast<int>(std::clamp<long long>(pa.tiles(), 1, Exec::max_grid_blocks));
     const int experts = static_cast<int>(
         std::clamp<long long>((a.num_experts + 255) / 256, 1, Exec::max_grid_blocks));
+    const int row_blocks =
+        static_cast<int>(std::clamp<long long>((upper + 255) / 256, 1, Exec::max_grid_blocks));
     if (auto st = launch(
             x,
             launch_grid{.blocks = tiles,
@@ -116,14 +131,6 @@ struct plan_builder_access {
     if (auto st = launch(x, launch_grid{.blocks = experts}, kernels::plan_tile_scan_kernel{pa});
         !st)
       return unexpected<error>(st.error());
-    if (p.fault_[0] != INT_MAX) return plan::entry_error(a, ex, p.fault_[0]);
-    if (!a.capacity) {
-      long long routed = 0;
-      for (int e = 0; e < a.num_experts; ++e) routed += p.real_[e];
-      p.m_ = pa.rows = static_cast<int>(routed);
-    }
-    const int row_blocks =
-        static_cast<int>(std::clamp<long long>((pa.rows + 255) / 256, 1, Exec::max_grid_blocks));
     if (auto st = launch(x, launch_grid{.blocks = row_blocks}, kernels::plan_offsets_kernel{pa});
         !st)
       return unexpected<error>(st.error());
@@ -132,23 +139,71 @@ struct plan_builder_access {
             kernels::plan_rows_kernel{pa});
         !st)
       return unexpected<error>(st.error());
-    if (const int s = p.fault_[1]; s != INT_MAX) {
-      typename plan::overflow o{.expert = ex[s], .source = 0};
-      const int t = s / a.topk;
-      while (o.source + 1 < sources && t >= p.source_first_[o.source + 1]) ++o.source;
-      return p.overflow_error(a, ex, o);
-    }
     return p;
+  }
+
+  // An enqueued plan completed from its status row on the host ([E + 2]: counts, fault slots):
+  // a fault becomes the host builder's error (the record is brought to the host for its words:
+  // an error path may wait), else the rows are the routed pairs (pad mode: unchanged).
+  template <class Exec, class S>
+  static status resolve(Exec& x, const plan_input<S>& in, basic_permute_plan<S>& p,
+                        std::span<const int> status_row) {
+    using plan = basic_permute_plan<S>;
+    const permute_args a = args_of(in);
+    const auto E = static_cast<std::size_t>(a.num_experts);
+    if (status_row.size() != E + 2)
+      return make_error(errc::shape_mismatch, "permute: a plan's status row has E + 2 = " +
+                                                  to_decimal(static_cast<long long>(E) + 2) +
+                                                  " entries, not " + to_decimal(status_row.size()));
+    const int bad = status_row[E], over = status_row[E + 1];
+    if (bad != INT_MAX || over != INT_MAX) {
+      std::vector<int> rec(static_cast<std::size_t>(in.expert.extent()));
+      if (auto st =
+              x.copy(in.expert, row_view<int>(rec.data(), in.expert.rows(), in.expert.width()));
+          !st)
+        return st;
+      if (bad != INT_MAX) return plan::entry_error(a, rec.data(), bad);
+      typename plan::overflow o{.expert = rec[static_cast<std::size_t>(over)], .source = 0};
+      const int t = over / a.topk;
+      for (int first = 0; o.source + 1 < a.num_sources; ++o.source) {
+        first += a.source_tokens[static_cast<std::size_t>(o.source)];
+        if (t < first) break;
+      }
+      return p.overflow_error(a, rec.data(), o);
+    }
+    if (!a.capacity) {
+      long long routed = 0;
+      for (std::size_t e = 0; e < E; ++e) routed += status_row[e];
+      p.m_ = static_cast<int>(routed);
+    }
+    return {};
+  }
+
+  // The plan complete in one call: enqueue, the status row to the host (one device-to-host copy,
+  // which waits for the kernels), resolve.
+  template <class Exec, class S>
+  static expected<basic_permute_plan<S>> build_with_kernels(Exec& x, const plan_input<S>& in,
+                                                            std::span<std::byte> storage) {
+    auto p = enqueue(x, in, storage);
+    if (!p) return p;
+    std::vector<int> st(static_cast<std::size_t>(in.num_experts) + 2);
+    if (auto c = x.copy(p->status_row(), row_view<int>(st.data(), 1, in.num_experts + 2)); !c)
+      return unexpected<error>(c.error());
+    if (auto r = resolve(x, in, *p, st); !r) return unexpected<error>(r.error());
+    return p;
+  }
+
+  template <class S>
+  static unexpected<error> shape_error(const plan_input<S>& in) {
+    return make_error(errc::shape_mismatch,
+                      "permute: the routing record must be a contiguous [N, k] view (got [" +
+                          to_decimal(in.expert.rows()) + ", " + to_decimal(in.expert.width()) +
+                          "] for N = " + to_decimal(in.num_tokens) +
+                          ", k = " + to_decimal(in.topk) + ")");
   }
 };
 
 }  // namespace detail
-
-//! A bad entry of a routing record: the first pair naming an expert outside [-1, E).
-struct routing_fault {
-  int slot = -1;   //!< t*k + j; -1: none
-  int expert = 0;  //!< the id it names
-};
 
 //! Builds the permutation plan of `in` (its record in x's memory) in `storage` (x's memory, of
 //! basic_permute_plan::workspace_bytes bytes), validating the record. The plan's sizes
@@ -159,7 +214,8 @@ template <host_addressable_context Exec>
   return detail::plan_builder_access::build(in, storage);
 }
 //! The same on an executor that runs kernels (cpu_exec): the plan kernels
-//! (kernels/permute_plan.hpp), the plan entry for entry the host builder's.
+//! (kernels/permute_plan.hpp), the plan entry for entry the host builder's, then its status row
+//! to the host (one device-to-host copy: the host waits for the kernels).
 template <host_addressable_context Exec>
 requires(Exec::runs_kernels)
     [[nodiscard]] expected<basic_permute_plan<typename Exec::memory_space>> build_permute_plan(
@@ -167,46 +223,79 @@ requires(Exec::runs_kernels)
   return detail::plan_builder_access::build_with_kernels(x, in, storage);
 }
 
-//! counts[0, e] = pairs of `expert` [n, k] naming expert e, for e in [0, E); the first entry
-//! outside [-1, E) is returned (its count is not taken), with counts then unspecified.
-//! expert [n, k] contiguous, counts [1, E]; both in x's memory.
+//! The plan without waiting for it, for a caller that brings its status row
+//! (plan.status_row(): counts and fault slots) to the host with data of its own (the All-to-All
+//! dispatcher gathers it with every rank's) and then calls resolve_permute_plan. On a context
+//! whose builder is host code the plan is complete and validated at once (a bad record is
+//! reported here); on one that runs kernels nothing is read back: in pad mode the plan is
+//! complete but unvalidated (a faulty record gets no rows), otherwise num_rows() is the bound
+//! N k until resolved.
 template <host_addressable_context Exec>
-[[nodiscard]] expected<routing_fault> count_routed_pairs(
-    Exec&, row_view<const int, typename Exec::memory_space> expert,
-    row_view<int, typename Exec::memory_space> counts) {
-  if (!expert.contiguous() || counts.rows() != 1)
+[[nodiscard]] expected<basic_permute_plan<typename Exec::memory_space>> enqueue_permute_plan(
+    Exec& x, const plan_input<typename Exec::memory_space>& in, std::span<std::byte> storage) {
+  if constexpr (runs_kernels_v<Exec>)
+    return detail::plan_builder_access::enqueue(x, in, storage);
+  else
+    return build_permute_plan(x, in, storage);
+}
+
+//! Completes an enqueued plan from its status row on the host ([E + 2]): a fault the kernels
+//! found becomes the host builder's error for the same record (which is then read from x's
+//! memory: an error path may wait); otherwise the plan's rows become the routed pairs.
+template <host_addressable_context Exec>
+[[nodiscard]] status resolve_permute_plan(Exec& x,
+                                          const plan_input<typename Exec::memory_space>& in,
+                                          basic_permute_plan<typename Exec::memory_space>& plan,
+                                          std::span<const int> status_row) {
+  return detail::plan_builder_access::resolve(x, in, plan, status_row);
+}
+
+//! counts[0, e] = pairs of `expert` [n, k] naming expert e, for e in [0, E); fault [1, 2] =
+//! {slot, id} of the first bad entry (an id outside [-1, E), or an expert its token named in an
+//! earlier slot), {-1, 0} when there is none (counts then unspecified). All three in x's memory.
+template <host_addressable_context Exec>
+[[nodiscard]] status count_routed_pairs(Exec&,
+                                        row_view<const int, typename Exec::memory_space> expert,
+                                        row_view<int, typename Exec::memory_space> counts,
+                                        row_view<int, typename Exec::memory_space> fault) {
+  if (!expert.contiguous() || counts.rows() != 1 || fault.rows() != 1 || fault.width() != 2)
     return make_error(errc::shape_mismatch,
-                      "count_routed_pairs: need a contiguous record [n, k] and counts [1, E]");
-  const int E = counts.width();
+                      "count_routed_pairs: need a contiguous record [n, k], counts [1, E] and "
+                      "fault [1, 2]");
+  const int E = counts.width(), k = expert.width() > 0 ? expert.width() : 1;
   int* c = counts.data();
   for (int e = 0; e < E; ++e) c[e] = 0;
   const int* ex = expert.data();
   const long long entries = expert.extent();
+  fault.data()[0] = -1;
+  fault.data()[1] = 0;
   for (long long s = 0; s < entries; ++s) {
     const int e = ex[s];
-    if (e < -1 || e >= E) return routing_fault{static_cast<int>(s), e};
+    bool bad = e < -1 || e >= E;
+    for (long long q = s - s % k; q < s && !bad && e >= 0; ++q) bad = ex[q] == e;
+    if (bad) {
+      fault.data()[0] = static_cast<int>(s);
+      fault.data()[1] = e;
+      return {};
+    }
     if (e >= 0) ++c[e];
   }
-  return routing_fault{};
+  return {};
 }
 
-//! The same on an executor that runs kernels (cpu_exec): the per-expert histogram kernel
-//! (kernels/histogram.hpp: integer atomics, the lowest bad slot by an atomic min). Its memory is
-//! host memory, so the fault's slot is read back directly.
+//! The same on an executor that runs kernels (cpu_exec): the per-expert histogram kernel and
+//! the fault's (kernels/histogram.hpp: integer atomics, the lowest bad slot by an atomic min),
+//! all written in x's memory, nothing read back.
 template <host_addressable_context Exec>
-requires(Exec::runs_kernels) [[nodiscard]] expected<routing_fault> count_routed_pairs(
-    Exec& x, row_view<const int, typename Exec::memory_space> expert,
-    row_view<int, typename Exec::memory_space> counts) {
-  if (!expert.contiguous() || counts.rows() != 1)
+requires(Exec::runs_kernels) [[nodiscard]] status
+    count_routed_pairs(Exec& x, row_view<const int, typename Exec::memory_space> expert,
+                       row_view<int, typename Exec::memory_space> counts,
+                       row_view<int, typename Exec::memory_space> fault) {
+  if (!expert.contiguous() || counts.rows() != 1 || fault.rows() != 1 || fault.width() != 2)
     return make_error(errc::shape_mismatch,
-                      "count_routed_pairs: need a contiguous record [n, k] and counts [1, E]");
-  int first_bad = 0;
-  if (auto st = x.expert_histogram(expert, counts,
-                                   row_view<int, typename Exec::memory_space>(&first_bad, 1, 1));
-      !st)
-    return unexpected<error>(st.error());
-  if (first_bad != 2147483647) return routing_fault{first_bad, expert.data()[first_bad]};
-  return routing_fault{};
+                      "count_routed_pairs: need a contiguous record [n, k], counts [1, E] and "
+                      "fault [1, 2]");
+  return x.expert_histogram(expert, counts, fault);
 }
 
 //! A context a dispatcher can run on: an execution context with the plan builders above and the
@@ -219,7 +308,8 @@ concept dispatch_context = execution_context<X> &&
              row_view<const float, typename X::memory_space> src,
              row_view<float, typename X::memory_space> dst) {
   {build_permute_plan(x, in, storage)};
-  {count_routed_pairs(x, ids, out)};
+  {enqueue_permute_plan(x, in, storage)};
+  {count_routed_pairs(x, ids, out, out)};
   { x.template gather_rows<float>(src, ids, 1, dst) } -> std::same_as<status>;
   { x.template gather_sum_rows<float>(src, ids, src, dst) } -> std::same_as<status>;
   { x.template copy_chunks<float>(src, ids, ids, ids, dst) } -> std::same_as<status>;

@@ -19,6 +19,7 @@
 #include <moefold/kernels/capacity.hpp>
 #include <moefold/kernels/expert_bias.hpp>
 #include <moefold/kernels/grouped_gemm.hpp>
+#include <moefold/kernels/histogram.hpp>
 #include <moefold/kernels/permute_plan.hpp>
 #include <moefold/kernels/router.hpp>
 #include <moefold/kernels/router_aux_loss.hpp>
@@ -113,6 +114,36 @@ TEST_CASE("[kernel][small] atomic histogram: cuda_exec equals cpu_exec") {
   REQUIRE(launch(cuda_exec{nullptr}, g, histogram_kernel{dids.p, n, bins, dcounts.p}));
   REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
   CHECK(cpu == dcounts.host());
+}
+
+TEST_CASE(
+    "[kernel][small] expert histogram with the record's first fault (a repeat), then "
+    "record_fault: cuda_exec equals cpu_exec") {
+  std::mt19937 rng(static_cast<unsigned>(test::simt_seed()) + 3);
+  const int tokens = 5000, k = 8, E = 64;
+  std::vector<int> ids(static_cast<std::size_t>(tokens) * k);
+  for (int t = 0; t < tokens; ++t)
+    for (int j = 0; j < k; ++j) ids[static_cast<std::size_t>(t * k + j)] = (t + j * 7) % E;
+  ids[static_cast<std::size_t>(4000 * k + 5)] = ids[static_cast<std::size_t>(4000 * k + 1)];
+  ids[static_cast<std::size_t>(4500 * k)] = E + 1;  // a later bad id: the repeat's slot wins
+  device_vec<int> dids(ids);
+  std::vector<int> counts(E, 0), fault = {INT_MAX, 0};
+  device_vec<int> dcounts(counts), dfault(fault);
+  const launch_grid g{.blocks = 40, .smem_bytes = kernels::expert_histogram_kernel::smem_bytes(E)};
+  const auto hist = [&](const int* i, int* c, int* f) {
+    return kernels::expert_histogram_kernel{
+        .ids = i, .n = tokens * k, .num_experts = E, .counts = c, .first_bad = f, .topk = k};
+  };
+  REQUIRE(launch(cpu_exec{test::simt_seed()}, g, hist(ids.data(), counts.data(), fault.data())));
+  REQUIRE(launch(cpu_exec{2}, launch_grid{.blocks = 1},
+                 kernels::record_fault_kernel{.ids = ids.data(), .fault = fault.data()}));
+  REQUIRE(launch(cuda_exec{nullptr}, g, hist(dids.p, dcounts.p, dfault.p)));
+  REQUIRE(launch(cuda_exec{nullptr}, launch_grid{.blocks = 1},
+                 kernels::record_fault_kernel{.ids = dids.p, .fault = dfault.p}));
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  CHECK(fault == std::vector<int>{4000 * k + 5, ids[static_cast<std::size_t>(4000 * k + 1)]});
+  CHECK(fault == dfault.host());
+  CHECK(counts == dcounts.host());
 }
 
 TEST_CASE("[kernel][small] moefold's exp, log, sqrt, bf16 and fma: the same bits on the GPU") {
