@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "collective_reference.hpp"
+#include "device_vec.hpp"
 
 using namespace moefold;
 using namespace moefold::test;
@@ -53,11 +54,6 @@ std::mutex print_mutex;
     }                                                                                       \
   } while (0)
 
-// The fills below run on the legacy default stream, the collectives on non-blocking streams,
-// which do not wait for it; a pageable cudaMemcpy may return before its data lands and
-// cudaMemset is asynchronous. So every fill ends by synchronizing the legacy stream before any
-// collective can read the buffer (not the device: a loopback rank's collective may be waiting
-// for a peer that is still filling its buffers).
 void expect_cuda(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return;
   std::lock_guard<std::mutex> lk_(print_mutex);
@@ -65,34 +61,37 @@ void expect_cuda(cudaError_t e, const char* what) {
   ++failures;
 }
 
-// A device copy of a host vector (at least one element, so pointers are never null).
+// The CUDA runtime calls of the buffer set-up (device_vec.hpp: the same sequence the
+// stream-order fake checks on the CPU in tests/comm/stream_order_test.cpp), every error counted.
+struct cuda_setup_calls {
+  void* allocate(std::size_t bytes) {
+    void* p = nullptr;
+    expect_cuda(cudaMalloc(&p, bytes), "cudaMalloc");
+    return p;
+  }
+  void release(void* p) { cudaFree(p); }
+  void fill_from_host(void* dst, const void* src, std::size_t bytes) {
+    expect_cuda(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "cudaMemcpy");
+  }
+  void fill_bytes(void* dst, int byte, std::size_t bytes) {
+    expect_cuda(cudaMemset(dst, byte, bytes), "cudaMemset");
+  }
+  void synchronize_legacy() {
+    expect_cuda(cudaStreamSynchronize(nullptr), "cudaStreamSynchronize (after a fill)");
+  }
+  void to_host(void* dst, const void* src, std::size_t bytes) {
+    expect_cuda(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy");
+  }
+};
+
+cuda_setup_calls cuda_calls;  // stateless: one for the whole program
+
 template <class T>
-struct device_vec {
-  T* p = nullptr;
-  std::size_t n = 0;
-  explicit device_vec(const std::vector<T>& h) : n(h.size()) {
-    expect_cuda(cudaMalloc(&p, sizeof(T) * (n ? n : 1)), "cudaMalloc");
-    if (n)
-      expect_cuda(cudaMemcpy(p, h.data(), sizeof(T) * n, cudaMemcpyHostToDevice), "cudaMemcpy");
-    expect_cuda(cudaStreamSynchronize(nullptr), "cudaStreamSynchronize (after a fill)");
-  }
-  explicit device_vec(std::size_t count) : n(count) {
-    expect_cuda(cudaMalloc(&p, sizeof(T) * (n ? n : 1)), "cudaMalloc");
-    expect_cuda(cudaMemset(p, 0xff, sizeof(T) * (n ? n : 1)), "cudaMemset");
-    expect_cuda(cudaStreamSynchronize(nullptr), "cudaStreamSynchronize (after a fill)");
-  }
-  device_vec(const device_vec&) = delete;
-  device_vec& operator=(const device_vec&) = delete;
-  ~device_vec() { cudaFree(p); }
-  std::span<T> span() { return {p, n}; }
-  std::vector<T> host() const {
-    std::vector<T> h(n);
-    // Callers synchronize the collective's stream first; a device-to-host cudaMemcpy returns
-    // once the copy has completed.
-    if (n)
-      expect_cuda(cudaMemcpy(h.data(), p, sizeof(T) * n, cudaMemcpyDeviceToHost), "cudaMemcpy");
-    return h;
-  }
+struct device_vec : basic_device_vec<T, cuda_setup_calls> {
+  explicit device_vec(const std::vector<T>& h)
+      : basic_device_vec<T, cuda_setup_calls>(cuda_calls, h) {}
+  explicit device_vec(std::size_t count)
+      : basic_device_vec<T, cuda_setup_calls>(cuda_calls, count) {}
 };
 
 // The collective checks, for any device communicator with synchronize(). Every rank draws the

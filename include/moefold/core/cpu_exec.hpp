@@ -26,14 +26,6 @@
 namespace moefold {
 inline namespace v0_1 {
 
-//! Transfers a context made: calls and bytes per direction.
-struct copy_counts {
-  long long to_device = 0, to_host = 0, on_device = 0;                    //!< calls
-  long long bytes_to_device = 0, bytes_to_host = 0, bytes_on_device = 0;  //!< bytes moved
-
-  friend bool operator==(const copy_counts&, const copy_counts&) = default;
-};
-
 class cpu_exec : public detail::simt_memory_ops<cpu_exec, cpu_device_space> {
  public:
   using memory_space = cpu_device_space;

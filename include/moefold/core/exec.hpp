@@ -2,15 +2,17 @@
 //! @brief The execution-context concept. Every operation of the dispatcher and its kernels takes
 //! a context, which says where the buffers live (its memory space) and how work runs on them:
 //!
-//! | context            | header               | memory space       | runs |
-//! |--------------------|----------------------|--------------------|------------------------------|
-//! | `host_exec`        | core/host_exec.hpp   | `host_space`       | host loops, now | |
-//! `cpu_exec{seed}`   | core/cpu_exec.hpp    | `cpu_device_space` | the CUDA kernel bodies, CPU  |
-//! | `cuda_exec{stream}`| core/cuda/cuda_exec.hpp | `device_space`  | enqueued on the stream |
+//! | context              | header                         | space              | runs        |
+//! |----------------------|--------------------------------|--------------------|-------------|
+//! | `host_exec`          | core/host_exec.hpp             | `host_space`       | host loops  |
+//! | `cpu_exec{seed}`     | core/cpu_exec.hpp              | `cpu_device_space` | kernels, CPU|
+//! | `cuda_exec{stream}`  | core/cuda/cuda_exec.hpp        | `device_space`     | copies, GPU |
+//! | `cuda_kernel_exec`   | core/cuda/cuda_kernel_exec.cuh | `device_space`     | kernels, GPU|
 //!
 //! Each context copies between its own space and host memory (`copy(src, dst)`, views of equal
-//! rows and width) and allocates in its space (core/exec_buffer.hpp). A stream travels inside
-//! cuda_exec, through every call, never as mutable state of a communicator.
+//! rows and width; a copy to host memory returns when the host can read the data, so it is where
+//! the host waits for the device) and allocates in its space (core/exec_buffer.hpp). A stream
+//! travels inside cuda_exec, through every call, never as mutable state of a communicator.
 #pragma once
 
 #include <concepts>
@@ -41,6 +43,28 @@ concept execution_context = memory_space<typename X::memory_space> &&
   x.deallocate_bytes(p, bytes);
   { x.synchronize() } -> std::same_as<status>;
 };
+
+//! Transfers a context made: calls and bytes per direction (cpu_exec and cuda_kernel_exec count
+//! them; a copy to the host is where the host waits).
+struct copy_counts {
+  long long to_device = 0, to_host = 0, on_device = 0;                    //!< calls
+  long long bytes_to_device = 0, bytes_to_host = 0, bytes_on_device = 0;  //!< bytes moved
+
+  friend bool operator==(const copy_counts&, const copy_counts&) = default;
+};
+
+//! The errors a context's kernels left in device memory since the last call, where it keeps them
+//! (cuda_kernel_exec::device_status(): one copy to the host, a wait); contexts that report
+//! errors at once (host_exec, cpu_exec) have none.
+template <class X>
+[[nodiscard]] status device_status_of(X& x) {
+  if constexpr (requires {
+                  { x.device_status() } -> std::same_as<status>;
+                })
+    return x.device_status();
+  else
+    return {};
+}
 
 namespace detail {
 

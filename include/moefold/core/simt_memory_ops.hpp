@@ -56,9 +56,10 @@ namespace detail {
   return static_cast<int>(std::min<long long>((n + threads - 1) / threads, cap));
 }
 
-//! The row operations over memory space S as kernel launches on the synchronous executor Derived
-//! (host-addressable memory), which provides `launch(const Derived&, launch_grid, kernel)`,
-//! `max_grid_blocks` and `check_indices_first`.
+//! The row operations over memory space S as kernel launches on the executor Derived, which
+//! provides `launch(const Derived&, launch_grid, kernel)`, `max_grid_blocks` and
+//! `check_indices_first` (true: a synchronous executor over host-addressable memory, cpu_exec;
+//! false: a GPU executor with `fault_word()`, core/cuda/cuda_kernel_exec.cuh).
 template <class Derived, class S>
 struct simt_memory_ops {
   //! dst[r] = src[index[r] / divisor] (0 where index[r] == -1).
@@ -300,12 +301,19 @@ struct simt_memory_ops {
   };
   const Derived& self() const noexcept { return static_cast<const Derived&>(*this); }
 
-  //! One launch; a kernel with a fault counter gets one here, read back after the launch
-  //! (the executor is synchronous: launch returns when the kernel is done).
+  //! One launch. A kernel with a fault counter gets, on an executor whose memory the host can
+  //! address (check_indices_first), one here, read back after the launch (that executor is
+  //! synchronous: launch returns when the kernel is done); on a GPU executor its device error
+  //! word (Derived::fault_word()), which its next host-side status call reads.
   template <class K>
   [[nodiscard]] status run(const char* op, int blocks, K kernel) const {
     int faults = 0;
-    if constexpr (requires { kernel.fault; }) kernel.fault = &faults;
+    if constexpr (requires { kernel.fault; }) {
+      if constexpr (Derived::check_indices_first)
+        kernel.fault = &faults;
+      else
+        kernel.fault = self().fault_word();
+    }
     if (auto st = launch(self(), launch_grid{.blocks = blocks}, kernel); !st) return st;
     if (faults != 0)
       return make_error(errc::invalid_argument, std::string(Derived::name) + "::" + op + ": " +

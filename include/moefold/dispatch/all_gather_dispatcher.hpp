@@ -259,9 +259,11 @@ class all_gather_dispatcher
 
   //! The All-to-All dispatcher's check of a record its forward left to the device; here the
   //! forward checks every rank's record on the gathered header (its one wait) in every mode, so
-  //! this returns at once for a handle of this dispatcher.
-  [[nodiscard]] status device_status(Exec&, const handle_type& h) const {
-    return h.check_issued_by(this);
+  //! this returns at once for a handle of this dispatcher, after reading the context's device
+  //! error word where it has one (cuda_kernel_exec: bad indices its row kernels met).
+  [[nodiscard]] status device_status(Exec& x, const handle_type& h) const {
+    if (auto st = h.check_issued_by(this); !st) return st;
+    return device_status_of(x);  // the context's error word, if any
   }
 
   //! Forward combine: y [M, H] -> out [N, H].

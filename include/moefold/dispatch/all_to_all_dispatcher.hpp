@@ -286,9 +286,11 @@ class all_to_all_dispatcher
   //! outside [-1, E), one expert twice for a token, or more pairs for an expert than the
   //! capacity gets no rows (its tokens' outputs and gradients are zero) and is reported here,
   //! at the cost of one device-to-host copy (a wait). Otherwise the forward checked the record
-  //! (every rank every rank's) and this returns at once.
+  //! (every rank every rank's) and this returns at once. On a context with a device error word
+  //! (cuda_kernel_exec: bad indices its row kernels met) that word is read too (one more copy).
   [[nodiscard]] status device_status(Exec& x, const handle_type& h) const {
     if (auto st = h.check_issued_by(this); !st) return st;
+    if (auto st = device_status_of(x); !st) return st;  // the context's error word, if any
     if (!h.plan_unchecked_) return {};
     int fault[2] = {0, 0};
     const row_view<const int, space> words(h.plan_.status_row().data() + s_.num_experts, 1, 2);

@@ -1,12 +1,12 @@
 //! @file plan_builders.hpp
-//! @brief The dispatchers' bookkeeping operations on a routing record in a context's memory, for
-//! the contexts whose memory the host can address: the permutation plan builder and the
-//! per-expert count of a record. On host_exec they run the host logic on that memory; on
-//! cpu_exec (which runs kernels) they launch the kernels a GPU would run (kernels/permute_plan.hpp,
-//! kernels/histogram.hpp) and read nothing back except through the context's counted copies:
-//! their results (counts, the record's faults) stay in the context's memory, where a dispatcher
-//! brings them to the host together with what it needs there anyway (one device-to-host copy per
-//! forward), or not at all (pad mode; see the dispatchers' device_status()).
+//! @brief The dispatchers' bookkeeping operations on a routing record in a context's memory: the
+//! permutation plan builder and the per-expert count of a record. On host_exec they run the host
+//! logic on that memory; on a context that runs kernels (cpu_exec, cuda_kernel_exec) they launch
+//! the plan kernels (kernels/permute_plan.hpp, kernels/histogram.hpp) and read nothing back
+//! except through the context's counted copies: their results (counts, the record's faults) stay in
+//! the context's memory, where a dispatcher brings them to the host together with what it needs
+//! there anyway (one device-to-host copy per forward), or not at all (pad mode; see the
+//! dispatchers' device_status()).
 //!
 //! Both validate the record: ids in [-1, E), each expert at most once per token, so a
 //! dispatcher checks its routing record once, here, at the API boundary.
@@ -209,15 +209,16 @@ struct plan_builder_access {
 //! basic_permute_plan::workspace_bytes bytes), validating the record. The plan's sizes
 //! (num_rows()) are known on the host when it returns.
 template <host_addressable_context Exec>
-[[nodiscard]] expected<basic_permute_plan<typename Exec::memory_space>> build_permute_plan(
-    Exec&, const plan_input<typename Exec::memory_space>& in, std::span<std::byte> storage) {
+requires(!runs_kernels_v<Exec>)
+    [[nodiscard]] expected<basic_permute_plan<typename Exec::memory_space>> build_permute_plan(
+        Exec&, const plan_input<typename Exec::memory_space>& in, std::span<std::byte> storage) {
   return detail::plan_builder_access::build(in, storage);
 }
 //! The same on an executor that runs kernels (cpu_exec): the plan kernels
 //! (kernels/permute_plan.hpp), the plan entry for entry the host builder's, then its status row
 //! to the host (one device-to-host copy: the host waits for the kernels).
-template <host_addressable_context Exec>
-requires(Exec::runs_kernels)
+template <execution_context Exec>
+requires(runs_kernels_v<Exec>)
     [[nodiscard]] expected<basic_permute_plan<typename Exec::memory_space>> build_permute_plan(
         Exec& x, const plan_input<typename Exec::memory_space>& in, std::span<std::byte> storage) {
   return detail::plan_builder_access::build_with_kernels(x, in, storage);
@@ -230,9 +231,10 @@ requires(Exec::runs_kernels)
 //! reported here); on one that runs kernels nothing is read back: in pad mode the plan is
 //! complete but unvalidated (a faulty record gets no rows), otherwise num_rows() is the bound
 //! N k until resolved.
-template <host_addressable_context Exec>
-[[nodiscard]] expected<basic_permute_plan<typename Exec::memory_space>> enqueue_permute_plan(
-    Exec& x, const plan_input<typename Exec::memory_space>& in, std::span<std::byte> storage) {
+template <execution_context Exec>
+requires(runs_kernels_v<Exec> || host_addressable_context<Exec>)
+    [[nodiscard]] expected<basic_permute_plan<typename Exec::memory_space>> enqueue_permute_plan(
+        Exec& x, const plan_input<typename Exec::memory_space>& in, std::span<std::byte> storage) {
   if constexpr (runs_kernels_v<Exec>)
     return detail::plan_builder_access::enqueue(x, in, storage);
   else
@@ -242,11 +244,11 @@ template <host_addressable_context Exec>
 //! Completes an enqueued plan from its status row on the host ([E + 2]): a fault the kernels
 //! found becomes the host builder's error for the same record (which is then read from x's
 //! memory: an error path may wait); otherwise the plan's rows become the routed pairs.
-template <host_addressable_context Exec>
-[[nodiscard]] status resolve_permute_plan(Exec& x,
-                                          const plan_input<typename Exec::memory_space>& in,
-                                          basic_permute_plan<typename Exec::memory_space>& plan,
-                                          std::span<const int> status_row) {
+template <execution_context Exec>
+requires(runs_kernels_v<Exec> || host_addressable_context<Exec>) [[nodiscard]] status
+    resolve_permute_plan(Exec& x, const plan_input<typename Exec::memory_space>& in,
+                         basic_permute_plan<typename Exec::memory_space>& plan,
+                         std::span<const int> status_row) {
   return detail::plan_builder_access::resolve(x, in, plan, status_row);
 }
 
@@ -254,10 +256,10 @@ template <host_addressable_context Exec>
 //! {slot, id} of the first bad entry (an id outside [-1, E), or an expert its token named in an
 //! earlier slot), {-1, 0} when there is none (counts then unspecified). All three in x's memory.
 template <host_addressable_context Exec>
-[[nodiscard]] status count_routed_pairs(Exec&,
-                                        row_view<const int, typename Exec::memory_space> expert,
-                                        row_view<int, typename Exec::memory_space> counts,
-                                        row_view<int, typename Exec::memory_space> fault) {
+requires(!runs_kernels_v<Exec>) [[nodiscard]] status
+    count_routed_pairs(Exec&, row_view<const int, typename Exec::memory_space> expert,
+                       row_view<int, typename Exec::memory_space> counts,
+                       row_view<int, typename Exec::memory_space> fault) {
   if (!expert.contiguous() || counts.rows() != 1 || fault.rows() != 1 || fault.width() != 2)
     return make_error(errc::shape_mismatch,
                       "count_routed_pairs: need a contiguous record [n, k], counts [1, E] and "
@@ -286,8 +288,8 @@ template <host_addressable_context Exec>
 //! The same on an executor that runs kernels (cpu_exec): the per-expert histogram kernel and
 //! the fault's (kernels/histogram.hpp: integer atomics, the lowest bad slot by an atomic min),
 //! all written in x's memory, nothing read back.
-template <host_addressable_context Exec>
-requires(Exec::runs_kernels) [[nodiscard]] status
+template <execution_context Exec>
+requires(runs_kernels_v<Exec>) [[nodiscard]] status
     count_routed_pairs(Exec& x, row_view<const int, typename Exec::memory_space> expert,
                        row_view<int, typename Exec::memory_space> counts,
                        row_view<int, typename Exec::memory_space> fault) {

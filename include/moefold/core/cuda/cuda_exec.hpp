@@ -3,8 +3,12 @@
 //! enqueued on its stream and returns without waiting (synchronize() waits). The stream is the
 //! context's, passed with every call: communicators and dispatchers hold none.
 //!
-//! Copies from or to pageable host memory may make the host wait for the stream (the CUDA
-//! runtime's rule); pinned host memory keeps them asynchronous.
+//! A copy to host memory returns when the host can read the data: it waits for the stream (a
+//! pinned destination would otherwise be written after the call returns, and the callers, the
+//! dispatchers among them, read what they copied at once). These copies are the host's waits,
+//! and a dispatcher makes at most one per forward. A copy from host memory does not wait for the
+//! device; from pageable memory the runtime stages the source before it returns, from pinned
+//! memory the source must stay unchanged until the stream has run the copy.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -34,11 +38,12 @@ class cuda_exec {
   [[nodiscard]] status copy(row_view<U, host_space> src, row_view<T, memory_space> dst) const {
     return copy_2d(src, dst, cudaMemcpyHostToDevice);
   }
-  //! Device to host.
+  //! Device to host; returns when the data is there (waits for the stream).
   template <class U, class T>
   requires std::is_same_v<std::remove_const_t<U>, T>
   [[nodiscard]] status copy(row_view<U, memory_space> src, row_view<T, host_space> dst) const {
-    return copy_2d(src, dst, cudaMemcpyDeviceToHost);
+    if (auto st = copy_2d(src, dst, cudaMemcpyDeviceToHost); !st) return st;
+    return synchronize();
   }
   //! Device to device.
   template <class U, class T>
