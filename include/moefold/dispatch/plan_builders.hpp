@@ -38,7 +38,7 @@
 namespace moefold {
 inline namespace v0_1 {
 
-//! Whether a context's operations are kernel launches (cpu_exec, cuda_exec): its bookkeeping
+//! Whether a context's operations are kernel launches (cpu_exec, cuda_kernel_exec): its bookkeeping
 //! builders then launch kernels and read nothing back.
 template <class X>
 inline constexpr bool runs_kernels_v = requires {
