@@ -14,6 +14,8 @@
 
 #include <moefold/core/config.hpp>
 
+#include "record_pair.hpp"
+
 namespace moefold::kernels {
 
 struct expert_histogram_kernel {
@@ -41,9 +43,7 @@ struct expert_histogram_kernel {
     for (long long s = static_cast<long long>(c.block()) * block_threads + c.thread(); s < n;
          s += step) {
       const int e = ids[s];
-      bool bad = e < -1 || e >= num_experts;
-      for (long long q = s - s % topk; q < s && !bad && e >= 0; ++q) bad = ids[q] == e;
-      if (bad)
+      if (bad_record_pair(ids, s, topk, num_experts))
         c.atomic_min(first_bad, static_cast<int>(s));
       else if (e >= 0)
         c.atomic_add(&local[e], 1);

@@ -28,6 +28,8 @@
 
 #include <moefold/core/config.hpp>
 
+#include "record_pair.hpp"
+
 namespace moefold::kernels {
 
 //! What the four launches share.
@@ -74,9 +76,7 @@ struct plan_tile_counts_kernel {
       const long long s = tile * plan_args::tile + c.thread();
       if (s < a.slots()) {
         const int e = a.expert[s];
-        bool bad = e < -1 || e >= E;
-        for (long long q = s - s % k; q < s && !bad && e >= 0; ++q) bad = a.expert[q] == e;
-        if (bad)
+        if (bad_record_pair(a.expert, s, k, E))
           c.atomic_min(&a.fault[0], static_cast<int>(s));
         else if (e >= 0)
           c.atomic_add(&local[e], 1);

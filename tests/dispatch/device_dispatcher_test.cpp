@@ -53,12 +53,13 @@ void host_equals_device(const problem& p, bool all_to_all) {
     const trip<T, P>&a = host[i], &b = dev[i];
     check_same_results(a, b);
     // Transfers: the All-to-All path brings the gathered status rows (counts, faults) to the
-    // host (none in pad mode) and the chunk table to the context; the AllGather path sends its
+    // host and the chunk table to the context, and in pad mode moves nothing (the table is
+    // written in the context from the fold, kernels/chunk_table.hpp); the AllGather path sends its
     // header row (and in pad mode each source's first token for the local plan) and brings the
     // group's table back. Everything else stays in the context's memory.
     const copy_counts& c = b.dispatch_copies;
     CHECK(c.to_host == (all_to_all && p.pad ? 0 : 1));
-    CHECK(c.to_device == (!all_to_all && p.pad ? 2 : 1));
+    CHECK(c.to_device == (all_to_all ? (p.pad ? 0 : 1) : (p.pad ? 2 : 1)));
     CHECK(b.later_copies.to_host == 0);
     CHECK(b.later_copies.to_device == 0);
   }
@@ -101,15 +102,8 @@ TEST_CASE("a device dispatcher refuses host-shaped mistakes: a wrong view, a sho
     auto xs = exec_buffer<float, cpu_exec>::make(x, 4, 3).value();
     auto es = exec_buffer<int, cpu_exec>::make(x, 4, 2).value();
     auto ps = exec_buffer<float, cpu_exec>::make(x, 4, 2).value();
-    const auto sizes = d->workspace_sizes();
-    auto saved =
-        exec_buffer<std::byte, cpu_exec>::make(x, 1, static_cast<long long>(sizes.saved)).value();
-    auto scratch =
-        exec_buffer<std::byte, cpu_exec>::make(x, 1, static_cast<long long>(sizes.scratch)).value();
-    std::vector<std::byte> host(sizes.host);
-    const dispatch_workspace ws{.saved = {saved.view().data(), sizes.saved},
-                                .scratch = {scratch.view().data(), sizes.scratch},
-                                .host = host};
+    auto wsb = test::make_exec_workspace(x, d->workspace_sizes()).value();
+    const dispatch_workspace ws = wsb.view();
     // probs of the wrong width: refused before any collective, on every rank alike.
     const dispatch_input<float, cpu_device_space> bad{
         .num_tokens = 4, .x = xs.cview(), .expert = es.cview(), .probs = {ps.view().data(), 4, 1}};
@@ -119,9 +113,8 @@ TEST_CASE("a device dispatcher refuses host-shaped mistakes: a wrong view, a sho
         h.error().message.find("probs [4, 1]") == std::string::npos)
       return unexpected<error>(h.error());
     // A host part too small.
-    const dispatch_workspace short_ws{.saved = ws.saved,
-                                      .scratch = ws.scratch,
-                                      .host = std::span<std::byte>(host).first(host.size() / 2)};
+    const dispatch_workspace short_ws{
+        .saved = ws.saved, .scratch = ws.scratch, .host = ws.host.first(ws.host.size() / 2)};
     const dispatch_input<float, cpu_device_space> ok{
         .num_tokens = 4, .x = xs.cview(), .expert = es.cview(), .probs = ps.cview()};
     auto h2 = d->dispatch(x, ok, g, short_ws);
@@ -286,15 +279,8 @@ std::vector<bad_step> bad_record_step(const std::vector<int>& bad, std::optional
         TRY_ASSIGN(xs, upload(x, std::vector<float>(6, 1.f), 2, 3));
         TRY_ASSIGN(es, upload(x, r == 2 ? bad : good, 2, 2));
         TRY_ASSIGN(ps, upload(x, std::vector<float>(4, 0.5f), 2, 2));
-        const auto sizes = d->workspace_sizes(cap);
-        TRY_ASSIGN(saved, (exec_buffer<std::byte, cpu_exec>::make(
-                              x, 1, static_cast<long long>(sizes.saved))));
-        TRY_ASSIGN(scratch, (exec_buffer<std::byte, cpu_exec>::make(
-                                x, 1, static_cast<long long>(sizes.scratch))));
-        std::vector<std::byte> host(sizes.host);
-        const dispatch_workspace ws{.saved = {saved->view().data(), sizes.saved},
-                                    .scratch = {scratch->view().data(), sizes.scratch},
-                                    .host = host};
+        TRY_ASSIGN(wsb, test::make_exec_workspace(x, d->workspace_sizes(cap)));
+        const dispatch_workspace ws = wsb->view();
         const dispatch_input<float, cpu_device_space> in{.num_tokens = 2,
                                                          .x = xs->cview(),
                                                          .expert = es->cview(),

@@ -11,9 +11,11 @@
 #include <moefold/dispatch/all_gather_dispatcher.hpp>
 #include <moefold/dispatch/all_to_all_dispatcher.hpp>
 
+#include <cstddef>
 #include <cstring>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "dispatch_harness.hpp"
@@ -35,6 +37,31 @@ struct trip {
   std::vector<int> counts;
   copy_counts dispatch_copies{}, later_copies{};  // contexts that count their copies
 };
+
+// A dispatcher's workspace in a context's memory: saved and scratch there, host on the host.
+template <class Exec>
+struct exec_workspace {
+  exec_buffer<std::byte, Exec> saved, scratch;
+  std::vector<std::byte> host;
+  dispatch_workspace_bytes sizes{};
+  [[nodiscard]] dispatch_workspace view() {
+    return {.saved = {saved.view().data(), sizes.saved},
+            .scratch = {scratch.view().data(), sizes.scratch},
+            .host = host};
+  }
+};
+
+template <class Exec>
+expected<exec_workspace<Exec>> make_exec_workspace(Exec& x, const dispatch_workspace_bytes& sizes) {
+  auto saved = exec_buffer<std::byte, Exec>::make(x, 1, static_cast<long long>(sizes.saved));
+  if (!saved) return unexpected<error>(saved.error());
+  auto scratch = exec_buffer<std::byte, Exec>::make(x, 1, static_cast<long long>(sizes.scratch));
+  if (!scratch) return unexpected<error>(scratch.error());
+  return exec_workspace<Exec>{.saved = std::move(*saved),
+                              .scratch = std::move(*scratch),
+                              .host = std::vector<std::byte>(sizes.host),
+                              .sizes = sizes};
+}
 
 template <class T, class Exec>
 expected<exec_buffer<T, Exec>> upload(Exec& x, const std::vector<T>& v, int rows, int width) {
@@ -106,15 +133,8 @@ expected<trip<T, P>> round_trip(const problem& p, Comm& world, Exec& x) {
                                             .etp = fold.etp()});
   if (!disp) return unexpected<error>(disp.error());
   const std::optional<int> cap = p.pad ? std::optional<int>(p.capacity) : std::nullopt;
-  const dispatch_workspace_bytes sizes = disp->workspace_sizes(cap);
-  TRY_ASSIGN(saved,
-             (exec_buffer<std::byte, Exec>::make(x, 1, static_cast<long long>(sizes.saved))));
-  TRY_ASSIGN(scratch,
-             (exec_buffer<std::byte, Exec>::make(x, 1, static_cast<long long>(sizes.scratch))));
-  std::vector<std::byte> host(sizes.host);
-  const dispatch_workspace ws{.saved = {saved->view().data(), sizes.saved},
-                              .scratch = {scratch->view().data(), sizes.scratch},
-                              .host = host};
+  TRY_ASSIGN(wsb, make_exec_workspace(x, disp->workspace_sizes(cap)));
+  const dispatch_workspace ws = wsb->view();
   using S = typename Exec::memory_space;
   const dispatch_input<T, S, P> din{.num_tokens = n,
                                     .x = dx_in->cview(),

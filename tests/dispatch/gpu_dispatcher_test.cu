@@ -91,15 +91,8 @@ TEST_CASE("[dispatch] cuda_kernel_exec: a bad routing record on one rank fails e
     TRY_ASSIGN(xs, upload(*x, std::vector<float>(6, 1.f), 2, 3));
     TRY_ASSIGN(es, upload(*x, rec, 2, 2));
     TRY_ASSIGN(ps, upload(*x, std::vector<float>(4, 0.5f), 2, 2));
-    const auto sizes = d->workspace_sizes();
-    TRY_ASSIGN(saved, (exec_buffer<std::byte, cuda_kernel_exec>::make(
-                          *x, 1, static_cast<long long>(sizes.saved))));
-    TRY_ASSIGN(scratch, (exec_buffer<std::byte, cuda_kernel_exec>::make(
-                            *x, 1, static_cast<long long>(sizes.scratch))));
-    std::vector<std::byte> host(sizes.host);
-    const dispatch_workspace ws{.saved = {saved->view().data(), sizes.saved},
-                                .scratch = {scratch->view().data(), sizes.scratch},
-                                .host = host};
+    TRY_ASSIGN(wsb, make_exec_workspace(*x, d->workspace_sizes()));
+    const dispatch_workspace ws = wsb->view();
     const dispatch_input<float, device_space> in{
         .num_tokens = 2, .x = xs->cview(), .expert = es->cview(), .probs = ps->cview()};
     auto h = d->dispatch(*x, in, g, ws);

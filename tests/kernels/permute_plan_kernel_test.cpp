@@ -14,6 +14,7 @@
 #include <moefold/dispatch/permute.hpp>
 #include <moefold/dispatch/plan_builders.hpp>
 #include <moefold/kernels/permute_plan.hpp>
+#include <moefold/kernels/record_pair.hpp>
 #include <numeric>
 #include <optional>
 #include <random>
@@ -209,6 +210,38 @@ TEST_CASE("permutation plan kernels: a bad record gives its lowest offending slo
     CHECK(dev.fault_capacity == 90 * K);
     CHECK(dev.fault_id == INT_MAX);
   }
+}
+
+TEST_CASE(
+    "the record rule (kernels/record_pair.hpp): one verdict for the host builder and the "
+    "kernels, on every token of three slots") {
+  // Every token [3] over ids -2..3 with E = 3: the rule written out independently (an id outside
+  // [-1, E), or an expert an earlier slot of its token named), then bad_record_pair, the host
+  // builder's refusal and the plan kernels' lowest bad slot, all against it.
+  const int K = 3, E = 3;
+  std::mt19937_64 rng(test::simt_seed() + 11);
+  int bad_tokens = 0;
+  for (int code = 0; code < 6 * 6 * 6; ++code) {
+    const std::vector<int> tok = {code % 6 - 2, code / 6 % 6 - 2, code / 36 - 2};
+    int first_bad = INT_MAX;
+    for (int j = K - 1; j >= 0; --j) {
+      const int e = tok[static_cast<std::size_t>(j)];
+      const bool repeated = e >= 0 && std::find(tok.begin(), tok.begin() + j, e) != tok.begin() + j;
+      const bool bad = e < -1 || e >= E || repeated;
+      CAPTURE(code);
+      CAPTURE(j);
+      CHECK(k::bad_record_pair(tok.data(), j, K, E) == bad);
+      if (bad) first_bad = j;
+    }
+    bad_tokens += first_bad != INT_MAX ? 1 : 0;
+    const permute_args pa{.num_tokens = 1, .topk = K, .num_experts = E, .expert = tok};
+    std::vector<std::byte> ws(permute_plan::workspace_bytes(pa));
+    CHECK(static_cast<bool>(permute_plan::make(pa, ws)) == (first_bad == INT_MAX));
+    CHECK(run_kernels(tok, 1, K, E, std::nullopt, {}, K, rng).fault_id == first_bad);
+  }
+  // Good tokens use ids -1..2 with no expert twice: by the number of -1 slots (3, 2, 1, 0),
+  // 1 + 3 * 3 + 3 * (3 * 2) + 3 * 2 * 1.
+  CHECK(bad_tokens == 216 - (1 + 9 + 18 + 6));
 }
 
 TEST_CASE("cpu_exec's build_permute_plan runs the kernels: the host builder's plans and errors") {

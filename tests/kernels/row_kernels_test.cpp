@@ -6,11 +6,13 @@
 // 16-byte path (rows a multiple of 16 bytes) and the element path (hidden 7, odd strides).
 #include <doctest/doctest.h>
 
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <moefold/core/cpu_exec.hpp>
 #include <moefold/core/dtype.hpp>
 #include <moefold/core/host_exec.hpp>
+#include <moefold/dispatch/chunk_sort.hpp>
 #include <moefold/dispatch/plan_builders.hpp>
 #include <random>
 #include <string>
@@ -190,6 +192,47 @@ TEST_CASE_TEMPLATE("chunk copies: the host's result, bit for bit", T, float, bfl
         CAPTURE(hidden);
         check_chunks<T>(rng, rows, hidden, pad);
       }
+}
+
+TEST_CASE(
+    "pad-mode chunk table (uniform_chunk_table): the host's order and offsets on both "
+    "contexts") {
+  // The reference: dispatch/chunk_sort.hpp's expert-major order and chunk offsets over sizes all
+  // equal to the capacity, as the dispatcher built the table on the host before.
+  for (const auto& [etp, ep, L] : {std::array{1, 1, 1}, std::array{2, 4, 2}, std::array{1, 8, 3},
+                                   std::array{4, 2, 5}, std::array{2, 64, 4}})
+    for (int cap : {0, 1, 3}) {
+      CAPTURE(etp);
+      CAPTURE(ep);
+      CAPTURE(L);
+      CAPTURE(cap);
+      const int C = etp * ep * L;
+      std::vector<int> sizes(static_cast<std::size_t>(C), cap), order(sizes.size()),
+          src(sizes.size()), dst(sizes.size());
+      dispatch::expert_major_chunk_order(etp, ep, L, order);
+      dispatch::chunk_offsets(sizes, order, src, dst);
+      std::vector<int> want = sizes;
+      want.insert(want.end(), src.begin(), src.end());
+      want.insert(want.end(), dst.begin(), dst.end());
+      const kernels::uniform_chunks u{.etp = etp, .ep = ep, .local_experts = L, .rows = cap};
+      mat<int> host(3, C, 1), device(3, C, 1);
+      REQUIRE(host_exec{}.uniform_chunk_table(host.view(), u));
+      REQUIRE(cpu_exec{test::simt_seed()}.uniform_chunk_table(dev(device.view()), u));
+      for (int r = 0; r < 3; ++r)
+        for (int c = 0; c < C; ++c) {
+          const int w = want[static_cast<std::size_t>(r * C + c)];
+          CHECK(host.view().row_data(r)[c] == w);
+          CHECK(device.view().row_data(r)[c] == w);
+        }
+      CHECK(device.v[static_cast<std::size_t>(C)] == -1);  // the row padding is not written
+    }
+  // A table of the wrong shape or a fold below one is refused, naming the rule.
+  mat<int> t(3, 8);
+  const auto bad = cpu_exec{}.uniform_chunk_table(
+      dev(t.view()), {.etp = 2, .ep = 2, .local_experts = 1, .rows = 1});
+  REQUIRE_FALSE(bad);
+  CHECK(bad.error().message.find("[3, etp * ep * local_experts]") != std::string::npos);
+  CHECK_FALSE(host_exec{}.uniform_chunk_table(t.view(), {.etp = 0, .ep = 8, .rows = 1}));
 }
 
 TEST_CASE("elementwise kernels: relabel, add, add_converted, convert, scale, fill") {

@@ -6,6 +6,7 @@
 #include <moefold/kernels/activation.hpp>
 #include <moefold/kernels/capacity.hpp>
 #include <moefold/kernels/chunk_copy.hpp>
+#include <moefold/kernels/chunk_table.hpp>
 #include <moefold/kernels/elementwise.hpp>
 #include <moefold/kernels/expert_bias.hpp>
 #include <moefold/kernels/grouped_gemm.hpp>
@@ -30,6 +31,7 @@ MOEFOLD_SASS_PROBE(k::gather_sum_rows_kernel<float, float, float>);
 MOEFOLD_SASS_PROBE(k::gather_sum_rows_kernel<bfloat16, bfloat16, float>);
 MOEFOLD_SASS_PROBE(k::copy_chunks_kernel<float>);
 MOEFOLD_SASS_PROBE(k::copy_chunks_kernel<bfloat16>);
+MOEFOLD_SASS_PROBE(k::uniform_chunk_table_kernel);
 MOEFOLD_SASS_PROBE(k::relabel_kernel);
 MOEFOLD_SASS_PROBE(k::add_converted_kernel<bfloat16, float>);
 MOEFOLD_SASS_PROBE(k::add_converted_kernel<float, float>);

@@ -13,6 +13,15 @@
 #include <string>
 #include <type_traits>
 
+// The pad-mode chunk table's entries (one formula for the host loop and the kernel): <moefold/
+// kernels/...> where kernels/ is installed under the include tree (or linked there by the build),
+// else from the source tree.
+#if __has_include(<moefold/kernels/chunk_table.hpp>)
+#include <moefold/kernels/chunk_table.hpp>
+#else
+#include "../../../kernels/chunk_table.hpp"
+#endif
+
 #include "dtype.hpp"
 #include "exec.hpp"
 #include "expected.hpp"
@@ -98,6 +107,20 @@ template <class A, class B>
 [[nodiscard]] status check_same_shape(const char* ctx, const char* op, const A& src, const B& dst) {
   if (src.rows() != dst.rows() || src.width() != dst.width())
     return op_shape_error(ctx, op, "src and dst must have one shape");
+  return {};
+}
+
+//! uniform_chunk_table: a table [3, chunks] for a fold of rows >= 0.
+template <class B>
+[[nodiscard]] status check_uniform_chunk_table(const char* ctx, const B& table,
+                                               const kernels::uniform_chunks& u) {
+  if (u.etp < 1 || u.ep < 1 || u.local_experts < 1 || u.rows < 0)
+    return op_shape_error(ctx, "uniform_chunk_table",
+                          "need etp, ep, local_experts >= 1 and rows >= 0");
+  if (table.rows() != 3 || static_cast<long long>(table.width()) !=
+                               static_cast<long long>(u.etp) * u.ep * u.local_experts)
+    return op_shape_error(ctx, "uniform_chunk_table",
+                          "the table must be [3, etp * ep * local_experts]");
   return {};
 }
 
@@ -198,6 +221,20 @@ struct host_memory_ops {
       int* d = dst.row_data(r);
       for (int c = 0; c < dst.width(); ++c)
         d[c] = (s[c] >= first && s[c] - first < count) ? s[c] - first : -1;
+    }
+    return {};
+  }
+
+  //! The chunk table of a pad-mode dispatch (kernels/chunk_table.hpp): sizes, offsets before
+  //! and after the expert-major sort, from the fold alone.   table [3, etp * ep * L]
+  [[nodiscard]] status uniform_chunk_table(row_view<int, S> table,
+                                           const kernels::uniform_chunks& u) const {
+    if (auto st = check_uniform_chunk_table(Derived::name, table, u); !st) return st;
+    for (int c = 0; c < table.width(); ++c) {
+      const kernels::uniform_chunk_entry e = kernels::uniform_chunk(u, c);
+      table.row_data(0)[c] = e.size;
+      table.row_data(1)[c] = e.from;
+      table.row_data(2)[c] = e.to;
     }
     return {};
   }

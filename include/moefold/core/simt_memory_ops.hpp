@@ -19,6 +19,7 @@
 // linked there by the build), else from the source tree, so that -I include alone still works.
 #if __has_include(<moefold/kernels/permute.hpp>)
 #include <moefold/kernels/chunk_copy.hpp>
+#include <moefold/kernels/chunk_table.hpp>
 #include <moefold/kernels/elementwise.hpp>
 #include <moefold/kernels/histogram.hpp>
 #include <moefold/kernels/permute.hpp>
@@ -27,6 +28,7 @@
 #include <moefold/kernels/unpermute.hpp>
 #else
 #include "../../../kernels/chunk_copy.hpp"
+#include "../../../kernels/chunk_table.hpp"
 #include "../../../kernels/elementwise.hpp"
 #include "../../../kernels/histogram.hpp"
 #include "../../../kernels/permute.hpp"
@@ -161,6 +163,19 @@ struct simt_memory_ops {
                    .width = dst.width(),
                    .vec16 = vec16,
                });
+  }
+
+  //! The chunk table of a pad-mode dispatch, written by a kernel (nothing copied from the
+  //! host).   table [3, etp * ep * L]
+  [[nodiscard]] status uniform_chunk_table(row_view<int, S> table,
+                                           const kernels::uniform_chunks& u) const {
+    if (auto st = check_uniform_chunk_table(Derived::name, table, u); !st) return st;
+    if (table.width() == 0) return {};
+    return run("uniform_chunk_table",
+               element_grid(table.width(), kernels::uniform_chunk_table_kernel::block_threads,
+                            Derived::max_grid_blocks),
+               kernels::uniform_chunk_table_kernel{
+                   .u = u, .table = table.data(), .stride = table.stride()});
   }
 
   //! dst = ids - first where first <= ids < first + count, else -1.   ids, dst [n, k]

@@ -228,10 +228,17 @@ class all_to_all_dispatcher
         return dispatch::receive_bound_error(peak, recv_rows(cap));
     dispatch::expert_major_chunk_order(s_.etp, s_.ep, local_experts(), h.st_.order);
     dispatch::chunk_offsets(h.st_.chunk_counts, h.st_.order, h.st_.chunk_src, h.st_.chunk_dst);
-    // The chunk sizes and offsets to the context, where the chunk copies read them.
+    // The chunk sizes and offsets in the context's memory, where the chunk copies read them:
+    // copied from the host table, or in pad mode written there from the fold alone (nothing
+    // copied: the host table is rewritten by the next dispatch with no wait in between, which
+    // would race a copy from a pinned host part the stream had not yet run).
     const row_view<int, space> meta(b.chunk_meta.data(), 3, static_cast<int>(C));
+    const kernels::uniform_chunks uniform{
+        .etp = s_.etp, .ep = s_.ep, .local_experts = local_experts(), .rows = pad ? cap : 0};
     if (auto st =
-            x.copy(row_view<const int>(b.chunk_meta_host.data(), 3, static_cast<int>(C)), meta);
+            pad ? x.uniform_chunk_table(meta, uniform)
+                : x.copy(row_view<const int>(b.chunk_meta_host.data(), 3, static_cast<int>(C)),
+                         meta);
         !st)
       return unexpected<error>(st.error());
     h.st_.chunk_sizes = meta.subrows(0, 1);

@@ -40,6 +40,10 @@ struct dispatch_shape {
 //! execution context's memory space (device memory for cuda_exec and cpu_exec: addresses the
 //! host never dereferences). `host`: host memory for the bookkeeping the host reads (splits,
 //! gathered counts, chunk order), kept with the handle like `saved`; small (O(EP * ETP * E)).
+//! On a GPU context `host` may be pinned; a dispatch's copy from it may then still be pending
+//! when dispatch returns, so the caller writes into it (for another purpose) only after a wait of
+//! the context: a later copy to the host, or synchronize(). The dispatchers themselves rewrite it
+//! only after such a wait (All-to-All pad mode, which never waits, copies nothing from it).
 struct dispatch_workspace {
   std::span<std::byte> saved{};
   std::span<std::byte> scratch{};

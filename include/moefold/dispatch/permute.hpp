@@ -178,11 +178,7 @@ class basic_permute_plan {
   }
   // Pair s names an id outside [-1, E), or an expert its token named before.
   static bool bad_entry(const permute_args& a, const int* ex, int s) noexcept {
-    const int e = ex[s];
-    if (e < -1 || e >= a.num_experts) return true;
-    for (int q = s - s % a.topk; q < s && e >= 0; ++q)
-      if (ex[q] == e) return true;
-    return false;
+    return kernels::bad_record_pair(ex, s, a.topk, a.num_experts);
   }
   // The error of bad pair s (bad_entry), naming its token, slot and expert.
   static unexpected<error> entry_error(const permute_args& a, const int* ex, int s) {

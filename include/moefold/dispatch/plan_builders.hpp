@@ -273,9 +273,7 @@ requires(!runs_kernels_v<Exec>) [[nodiscard]] status
   fault.data()[1] = 0;
   for (long long s = 0; s < entries; ++s) {
     const int e = ex[s];
-    bool bad = e < -1 || e >= E;
-    for (long long q = s - s % k; q < s && !bad && e >= 0; ++q) bad = ex[q] == e;
-    if (bad) {
+    if (kernels::bad_record_pair(ex, s, k, E)) {
       fault.data()[0] = static_cast<int>(s);
       fault.data()[1] = e;
       return {};
@@ -316,6 +314,7 @@ concept dispatch_context = execution_context<X> &&
   { x.template gather_sum_rows<float>(src, ids, src, dst) } -> std::same_as<status>;
   { x.template copy_chunks<float>(src, ids, ids, ids, dst) } -> std::same_as<status>;
   { x.relabel(ids, 0, 1, out) } -> std::same_as<status>;
+  { x.uniform_chunk_table(out, kernels::uniform_chunks{}) } -> std::same_as<status>;
   { x.template fill<float>(dst, 0.f) } -> std::same_as<status>;
 };
 
