@@ -20,19 +20,14 @@
 #include <vector>
 
 #include "../support/simt_test_sizes.hpp"
+#include "../support/ulp.hpp"
 
 using namespace moefold;
 namespace k = moefold::kernels;
 
 namespace {
 
-int ulp_distance(float a, float b) {
-  std::int32_t x, y;
-  std::memcpy(&x, &a, 4);
-  std::memcpy(&y, &b, 4);
-  if ((x < 0) != (y < 0)) return a == b ? 0 : 1 << 30;
-  return std::abs(x - y);
-}
+using test::ulp_distance;
 
 struct variant {
   const char* name;

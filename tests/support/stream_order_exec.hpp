@@ -70,40 +70,27 @@ class stream_order_exec
   template <class U, class T>
   requires std::is_same_v<std::remove_const_t<U>, T>
   [[nodiscard]] status copy(row_view<U, host_space> src, row_view<T, memory_space> dst) {
-    check_sources();
-    if (auto st = moefold::detail::check_copy(src, dst, name); !st) return st;
-    moefold::detail::host_copy_rows(src, dst);
-    const auto what = "copy to the device #" + std::to_string(++counts_.to_device);
-    counts_.bytes_to_device += bytes_of(src);
-    fake_->enqueue(stream_, {range_of(src)}, {range_of(dst)}, what);
-    if (is_pinned(range_of(src))) snapshot(src, what);
-    return {};
+    const auto st =
+        enqueue_copy(src, dst, counts_.to_device, counts_.bytes_to_device, "copy to the device #");
+    if (st && is_pinned(range_of(src)))
+      snapshot(src, "copy to the device #" + std::to_string(counts_.to_device));
+    return st;
   }
   //! Device to host: waits for the stream.
   template <class U, class T>
   requires std::is_same_v<std::remove_const_t<U>, T>
   [[nodiscard]] status copy(row_view<U, memory_space> src, row_view<T, host_space> dst) {
-    check_sources();
-    if (auto st = moefold::detail::check_copy(src, dst, name); !st) return st;
-    moefold::detail::host_copy_rows(src, dst);
-    ++counts_.to_host;
-    counts_.bytes_to_host += bytes_of(src);
-    fake_->enqueue(stream_, {range_of(src)}, {range_of(dst)},
-                   "copy to the host #" + std::to_string(counts_.to_host));
-    wait();
-    return {};
+    const auto st =
+        enqueue_copy(src, dst, counts_.to_host, counts_.bytes_to_host, "copy to the host #");
+    if (st) wait();
+    return st;
   }
   //! Device to device.
   template <class U, class T>
   requires std::is_same_v<std::remove_const_t<U>, T>
   [[nodiscard]] status copy(row_view<U, memory_space> src, row_view<T, memory_space> dst) {
-    check_sources();
-    if (auto st = moefold::detail::check_copy(src, dst, name); !st) return st;
-    moefold::detail::host_copy_rows(src, dst);
-    ++counts_.on_device;
-    counts_.bytes_on_device += bytes_of(src);
-    fake_->enqueue(stream_, {range_of(src)}, {range_of(dst)}, "copy on the device");
-    return {};
+    return enqueue_copy(src, dst, counts_.on_device, counts_.bytes_on_device,
+                        "copy on the device #");
   }
 
   [[nodiscard]] expected<void*> allocate_bytes(std::size_t bytes) const {
@@ -151,6 +138,17 @@ class stream_order_exec
     std::string what;
   };
 
+  // A copy as the stream runs it: counted, and reported to the fake as "<what><n>".
+  template <class U, class S1, class T, class S2>
+  status enqueue_copy(const row_view<U, S1>& src, const row_view<T, S2>& dst, long long& calls,
+                      long long& bytes, const char* what) {
+    check_sources();
+    if (auto st = moefold::detail::check_copy(src, dst, name); !st) return st;
+    moefold::detail::host_copy_rows(src, dst);
+    bytes += bytes_of(src);
+    fake_->enqueue(stream_, {range_of(src)}, {range_of(dst)}, what + std::to_string(++calls));
+    return {};
+  }
   template <class T, class S>
   static range range_of(const row_view<T, S>& v) {
     if (v.rows() == 0 || v.width() == 0) return {v.data(), 0};

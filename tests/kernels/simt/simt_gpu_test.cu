@@ -12,6 +12,7 @@
 #include <cstring>
 #include <moefold/core/cpu_exec.hpp>
 #include <moefold/core/cuda/cuda_exec.hpp>
+#include <moefold/core/cuda/cuda_kernel_exec.cuh>
 #include <moefold/core/cuda/cuda_launch.cuh>
 #include <moefold/core/exec_buffer.hpp>
 #include <moefold/experts/simt_mlp.hpp>
@@ -25,6 +26,7 @@
 #include <moefold/kernels/router_aux_loss.hpp>
 #include <moefold/kernels/router_block.hpp>
 #include <moefold/kernels/router_z_loss.hpp>
+#include <moefold/routing/simt_router.hpp>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -611,6 +613,85 @@ TEST_CASE(
   CHECK(same_bits(a.dprobs, b.dprobs));
   CHECK(same_bits(a.g1, b.g1));
   CHECK(same_bits(a.g2, b.g2));
+}
+
+namespace {
+
+// The router on one executor (routing/simt_router.hpp), forward and backward, results on the host.
+struct router_results {
+  std::vector<float> logits, probs, dlogits, dx, grad;
+  std::vector<int> indices;
+};
+template <class Exec>
+router_results run_simt_router(Exec& ex, const topk_router_options& o, int N, int H,
+                               const std::vector<float>& w, const std::vector<float>& x,
+                               const std::vector<float>& dprobs) {
+  using S = typename Exec::memory_space;
+  const int E = o.num_experts, K = o.topk;
+  auto up = [&](const auto& v, int rows, int width) {
+    using V = typename std::decay_t<decltype(v)>::value_type;
+    auto b = exec_buffer<V, Exec>::make(ex, rows, width);
+    REQUIRE(b);
+    REQUIRE(ex.copy(row_view<const V, host_space>(v.data(), rows, width), b->view()));
+    return std::move(*b);
+  };
+  auto down = [&](auto v) {
+    using V = std::remove_const_t<typename decltype(v)::value_type>;
+    std::vector<V> h(static_cast<std::size_t>(v.rows()) * v.width());
+    REQUIRE(ex.copy(v, row_view<V, host_space>(h.data(), v.rows(), v.width())));
+    REQUIRE(ex.synchronize());
+    return h;
+  };
+  auto dw = up(w, E, H), dg = up(std::vector<float>(w.size(), 0.5f), E, H), dx_in = up(x, N, H),
+       dlog = up(std::vector<float>(static_cast<std::size_t>(N) * E), N, E),
+       dpr = up(std::vector<float>(static_cast<std::size_t>(N) * K), N, K), ddp = up(dprobs, N, K),
+       ddl = up(std::vector<float>(static_cast<std::size_t>(N) * E), N, E),
+       ddx = up(std::vector<float>(x.size()), N, H);
+  auto di = up(std::vector<int>(static_cast<std::size_t>(N) * K), N, K);
+  auto r = simt_router<float, Exec>::make(ex, o, H, dw.cview(), dg.view());
+  REQUIRE(r);
+  REQUIRE(r->forward(
+      {.x = dx_in.cview(), .logits = dlog.view(), .indices = di.view(), .probs = dpr.view()}));
+  REQUIRE(r->backward_logits({.logits = dlog.cview(),
+                              .indices = di.cview(),
+                              .dprobs = ddp.cview(),
+                              .dlogits = ddl.view()}));
+  REQUIRE(r->backward_gating({.x = dx_in.cview(), .dlogits = ddl.cview(), .dx = ddx.view()}));
+  return {down(dlog.cview()), down(dpr.cview()), down(ddl.cview()),
+          down(ddx.cview()),  down(dg.cview()),  down(di.cview())};
+}
+
+}  // namespace
+
+TEST_CASE(
+    "[kernel][small] the router on a context (simt_router): cuda_kernel_exec equals cpu_exec") {
+  std::mt19937 rng(static_cast<unsigned>(test::simt_seed()) + 5);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  const int N = 300, H = 72;
+  for (const topk_router_options& o :
+       {topk_router_options{.num_experts = 64, .topk = 8, .pre_softmax = true},
+        topk_router_options{.num_experts = 1024, .topk = 4}}) {
+    CAPTURE(o.num_experts);
+    auto fill = [&](std::size_t size, float scale) {
+      std::vector<float> v(size);
+      for (auto& x : v) x = scale * d(rng);
+      return v;
+    };
+    const auto w = fill(static_cast<std::size_t>(o.num_experts) * H, 0.2f),
+               x = fill(static_cast<std::size_t>(N) * H, 1.0f),
+               dp = fill(static_cast<std::size_t>(N) * o.topk, 1.0f);
+    cpu_exec cpu(3);
+    auto gpu = cuda_kernel_exec::make(nullptr);
+    REQUIRE(gpu);
+    const auto a = run_simt_router(cpu, o, N, H, w, x, dp);
+    const auto b = run_simt_router(*gpu, o, N, H, w, x, dp);
+    CHECK(same_bits(a.logits, b.logits));
+    CHECK(a.indices == b.indices);
+    CHECK(same_bits(a.probs, b.probs));
+    CHECK(same_bits(a.dlogits, b.dlogits));
+    CHECK(same_bits(a.dx, b.dx));
+    CHECK(same_bits(a.grad, b.grad));
+  }
 }
 
 TEST_CASE(
