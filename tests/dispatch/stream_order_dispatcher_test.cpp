@@ -1,6 +1,7 @@
 // The stream-order check over both dispatchers: each rank runs two micro-batches through one
 // workspace, F1 B1 F2 B2 with nothing read back in between (the second with other values, other
-// experts and, in pad mode, another capacity, so every host-written table changes), on
+// experts and, in pad mode, another capacity, so every host-written table changes; and a dropless
+// step followed by a padded one), on
 // stream_order_exec (tests/support/stream_order_exec.hpp): cuda_kernel_exec's code path, one
 // stream, the host part of the workspace pinned. The stream-order fake must find no access that
 // CUDA's order leaves unordered (above all: no host write into a pinned source a copy the stream
@@ -13,6 +14,8 @@
 #include <moefold/core/exec_buffer.hpp>
 #include <moefold/dispatch/all_gather_dispatcher.hpp>
 #include <moefold/dispatch/all_to_all_dispatcher.hpp>
+
+#include <algorithm>
 
 #include <cstddef>
 #include <optional>
@@ -52,8 +55,13 @@ void pin(Exec& x, const dispatch_workspace& ws) {
 
 // F1 B1 F2 B2 on one workspace; the "experts" pass their rows through (y = x, dx_rows = x,
 // dprob_rows = p, as copies on the context), so no step reads anything back before the end.
+// The modes of the two micro-batches: both routed as they come, both padded, or a dropless one
+// and then a padded one (a layer whose drop policy starts dropping), whose host tables must not
+// touch what the first one's copies may still read.
+enum class steps_mode { dropless, pad, dropless_then_pad };
+
 template <template <class, class, class, class> class Disp, class Exec>
-expected<two_steps_result> two_steps(const problem& p, comm_t& world, Exec& x) {
+expected<two_steps_result> two_steps(const problem& p, steps_mode mode, comm_t& world, Exec& x) {
   TRY_ASSIGN(rg, groups_of(p, world));
   const dispatch_groups<comm_t> g = rg->dispatch();
   const int K = p.topk, H = p.hidden;
@@ -64,12 +72,17 @@ expected<two_steps_result> two_steps(const problem& p, comm_t& world, Exec& x) {
                                                       .ep = rg->fold.ep(),
                                                       .etp = rg->fold.etp()});
   if (!disp) return unexpected<error>(disp.error());
-  // Pad mode: capacity 3, then 2 (the workspace sized for the larger).
+  // Pad mode: capacity 3, then 2; the workspace sized for both steps.
   problem p2 = p;
   if (p.pad) p2.capacity = 2;
-  const std::optional<int> cap1 = p.pad ? std::optional<int>(p.capacity) : std::nullopt;
-  const std::optional<int> cap2 = p.pad ? std::optional<int>(p2.capacity) : std::nullopt;
-  TRY_ASSIGN(wsb, make_exec_workspace(x, disp->workspace_sizes(cap1)));
+  const std::optional<int> cap1 =
+      mode == steps_mode::pad ? std::optional<int>(p.capacity) : std::nullopt;
+  const std::optional<int> cap2 =
+      mode != steps_mode::dropless ? std::optional<int>(p2.capacity) : std::nullopt;
+  const dispatch_workspace_bytes b1 = disp->workspace_sizes(cap1), b2 = disp->workspace_sizes(cap2);
+  TRY_ASSIGN(wsb, make_exec_workspace(x, {.saved = std::max(b1.saved, b2.saved),
+                                          .scratch = std::max(b1.scratch, b2.scratch),
+                                          .host = std::max(b1.host, b2.host)}));
   const dispatch_workspace ws = wsb->view();
   pin(x, ws);
   const rank_inputs in1 = inputs_of(p, rg->groups, world.rank());
@@ -123,15 +136,16 @@ expected<two_steps_result> two_steps(const problem& p, comm_t& world, Exec& x) {
 }
 
 template <template <class, class, class, class> class Disp>
-void check_stream_order(const problem& p, const char* name) {
+void check_stream_order(const problem& p, steps_mode mode, const std::string& name) {
   CAPTURE(name);
+  CAPTURE(static_cast<int>(mode));
   const int W = p.fold.world;
   std::vector<two_steps_result> ref(static_cast<std::size_t>(W)), got(static_cast<std::size_t>(W));
   std::vector<std::vector<std::string>> violations(static_cast<std::size_t>(W));
   const auto rs = run_thread_world(W, [&](thread_communicator& world) -> status {
     auto dw = std::move(world).in_space<cpu_device_space>();
     cpu_exec x(3);
-    auto t = two_steps<Disp, cpu_exec>(p, dw, x);
+    auto t = two_steps<Disp, cpu_exec>(p, mode, dw, x);
     if (!t) return unexpected<error>(t.error());
     ref[static_cast<std::size_t>(dw.rank())] = std::move(*t);
     return {};
@@ -142,7 +156,7 @@ void check_stream_order(const problem& p, const char* name) {
     const auto r = static_cast<std::size_t>(dw.rank());
     {
       stream_order_exec x(fake, 3);
-      auto t = two_steps<Disp, stream_order_exec>(p, dw, x);
+      auto t = two_steps<Disp, stream_order_exec>(p, mode, dw, x);
       if (!t) return unexpected<error>(t.error());
       x.check();
       got[r] = std::move(*t);
@@ -166,11 +180,10 @@ void check_stream_order(const problem& p, const char* name) {
 }  // namespace
 
 TEST_CASE("stream order: both dispatchers, two micro-batches on one workspace, EP 4 x ETP 2") {
-  for (bool pad : {false, true}) {
-    CAPTURE(pad);
-    const problem p = folded_problem(pad);
-    check_stream_order<all_to_all_dispatcher>(p, "all_to_all");
-    check_stream_order<all_gather_dispatcher>(p, "all_gather");
+  for (steps_mode mode : {steps_mode::dropless, steps_mode::pad, steps_mode::dropless_then_pad}) {
+    const problem p = folded_problem(mode != steps_mode::dropless);
+    check_stream_order<all_to_all_dispatcher>(p, mode, "all_to_all");
+    check_stream_order<all_gather_dispatcher>(p, mode, "all_gather");
   }
 }
 

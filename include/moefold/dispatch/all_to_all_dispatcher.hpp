@@ -214,7 +214,9 @@ class all_to_all_dispatcher
                                   .output_splits = h.st_.output_splits,
                                   .output_splits_tp = h.st_.output_splits_tp,
                                   .tokens_per_local_expert = h.st_.per_expert,
-                                  .chunk_counts = h.st_.chunk_counts};
+                                  // Pad mode leaves the host chunk table alone: a dropless
+                                  // dispatch's copy from it may still be pending.
+                                  .chunk_counts = pad ? std::span<int>{} : h.st_.chunk_counts};
     if (pad)
       dispatch::uniform_splits(cap, s_.ep, s_.etp, local_experts(), sv);
     else if (auto st = dispatch::compute_splits(sa, sv); !st)
@@ -226,8 +228,10 @@ class all_to_all_dispatcher
       if (const dispatch::receive_peak peak = dispatch::peak_receive(sa);
           peak.rows > recv_rows(cap))
         return dispatch::receive_bound_error(peak, recv_rows(cap));
-    dispatch::expert_major_chunk_order(s_.etp, s_.ep, local_experts(), h.st_.order);
-    dispatch::chunk_offsets(h.st_.chunk_counts, h.st_.order, h.st_.chunk_src, h.st_.chunk_dst);
+    if (!pad) {  // the host chunk table (pad mode writes its own on the context, below)
+      dispatch::expert_major_chunk_order(s_.etp, s_.ep, local_experts(), h.st_.order);
+      dispatch::chunk_offsets(h.st_.chunk_counts, h.st_.order, h.st_.chunk_src, h.st_.chunk_dst);
+    }
     // The chunk sizes and offsets in the context's memory, where the chunk copies read them:
     // copied from the host table, or in pad mode written there from the fold alone (nothing
     // copied: the host table is rewritten by the next dispatch with no wait in between, which

@@ -33,6 +33,7 @@
 #include "../core/exec.hpp"
 #include "../core/exec_buffer.hpp"
 #include "../core/expected.hpp"
+#include "../core/grouped_gemm_launch.hpp"
 #include "../core/row_view.hpp"
 #include "../core/simt_launch.hpp"
 #include "grouped_mlp.hpp"
@@ -254,27 +255,10 @@ class simt_mlp {
                    .b = pb,
                    .c = pc,
                    .accumulate = accumulate};
-    // Tiles: every expert's rows (or, for a weight gradient, its [m, n]) in 32 x 32 pieces.
-    long long tiles = 0;
-    const long long tn = (n + K::tile_n - 1) / K::tile_n;
-    for (std::size_t g = 0; g + 1 < host_offsets_.size(); ++g) {
-      const long long rows = grouping == kernels::gemm_grouping::rows_are_m
-                                 ? host_offsets_[g + 1] - host_offsets_[g]
-                                 : m;
-      tiles += (rows + K::tile_m - 1) / K::tile_m * tn;
-    }
-    if (tiles == 0) return {};
-    return run(kernel, launch_grid{.blocks = static_cast<int>(std::min<long long>(tiles, cap())),
-                                   .smem_bytes = K::smem_bytes});
+    return launch_grouped_gemm(*x_, kernel, std::span<const long long>(host_offsets_));
   }
   static launch_grid elements_grid(long long n, int threads) {
-    return {.blocks = static_cast<int>(std::min<long long>((n + threads - 1) / threads, cap()))};
-  }
-  static constexpr long long cap() {
-    if constexpr (requires { Exec::max_grid_blocks; })
-      return Exec::max_grid_blocks;
-    else
-      return 1024;
+    return {.blocks = capped_blocks<Exec>(n, threads)};
   }
   template <class K>
   status run(const K& kernel, launch_grid grid) {

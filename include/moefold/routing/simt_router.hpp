@@ -34,6 +34,7 @@
 #include "../core/exec.hpp"
 #include "../core/exec_buffer.hpp"
 #include "../core/expected.hpp"
+#include "../core/grouped_gemm_launch.hpp"
 #include "../core/row_view.hpp"
 #include "../core/simt_launch.hpp"
 #include "topk_router.hpp"
@@ -205,7 +206,6 @@ class simt_router {
     }
     host_offsets_[0] = 0;
     host_offsets_[1] = n;
-    rows_ = n;
     return x_->copy(row_view<const long long, host_space>(host_offsets_, 1, 2), offsets_.view());
   }
 
@@ -243,8 +243,7 @@ class simt_router {
   }
   template <class K>
   static launch_grid token_grid(int N, int tokens_per_block) {
-    const long long blocks = (static_cast<long long>(N) + tokens_per_block - 1) / tokens_per_block;
-    return {.blocks = static_cast<int>(std::min<long long>(blocks, cap())),
+    return {.blocks = capped_blocks<Exec>(N, tokens_per_block),
             .smem_bytes = static_cast<std::size_t>(K::smem_bytes)};
   }
 
@@ -263,23 +262,12 @@ class simt_router {
                    .b = pb,
                    .c = pc,
                    .accumulate = accumulate};
-    const long long rows = grouping == kernels::gemm_grouping::rows_are_m ? rows_ : m;
-    const long long tiles = (rows + K::tile_m - 1) / K::tile_m * ((n + K::tile_n - 1) / K::tile_n);
-    return launch(*x_,
-                  launch_grid{.blocks = static_cast<int>(std::min<long long>(tiles, cap())),
-                              .smem_bytes = K::smem_bytes},
-                  kernel);
-  }
-  static constexpr long long cap() {
-    if constexpr (requires { Exec::max_grid_blocks; })
-      return Exec::max_grid_blocks;
-    else
-      return 1024;
+    return launch_grouped_gemm(*x_, kernel, std::span<const long long>(host_offsets_));
   }
 
   Exec* x_ = nullptr;
   topk_router_options o_{};
-  int hidden_ = 0, rows_ = 0;
+  int hidden_ = 0;
   row_view<const T, space> w_{};
   row_view<G, space> g_{};
   long long host_offsets_[2] = {0, 0};

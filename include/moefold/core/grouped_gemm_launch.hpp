@@ -1,0 +1,62 @@
+//! @file grouped_gemm_launch.hpp
+//! @brief The host side of the SIMT grouped GEMM (kernels/grouped_gemm.hpp) for the objects that
+//! run it on an execution context (simt_mlp, simt_router): the grid from the groups' row ranges
+//! as the host knows them, capped at the context's grid limit (the kernel's tiles stride over
+//! the grid), and the launch. One place, so that the tile arithmetic cannot drift between them.
+#pragma once
+
+#include <algorithm>
+#include <span>
+
+#if __has_include(<moefold/kernels/grouped_gemm.hpp>)
+#include <moefold/kernels/grouped_gemm.hpp>
+#else
+#include "../../../kernels/grouped_gemm.hpp"
+#endif
+
+#include "exec.hpp"
+#include "expected.hpp"
+#include "simt_launch.hpp"
+
+namespace moefold {
+inline namespace v0_1 {
+
+//! The most blocks a grid of `Exec` takes (its max_grid_blocks, or 1,024 for a context without
+//! one); kernels over more work loop over their blocks.
+template <class Exec>
+[[nodiscard]] constexpr long long grid_cap() noexcept {
+  if constexpr (requires { Exec::max_grid_blocks; })
+    return Exec::max_grid_blocks;
+  else
+    return 1024;
+}
+
+//! A grid of ceil(n / per_block) blocks, at least one, capped (see grid_cap).
+template <class Exec>
+[[nodiscard]] constexpr int capped_blocks(long long n, long long per_block) noexcept {
+  return static_cast<int>(
+      std::clamp<long long>((n + per_block - 1) / per_block, 1, grid_cap<Exec>()));
+}
+
+//! Launches `k` with one block per 32 x 32 output tile (capped): per group, its rows (rows_are_m)
+//! or its [m, n] weight gradient (rows_are_k) over n. `host_offsets` [groups + 1] are the row
+//! ranges `k.offsets` holds on the context. No tile (every group empty): nothing is launched.
+template <execution_context Exec, class TA, class TB, class TC>
+[[nodiscard]] status launch_grouped_gemm(Exec& x, const kernels::grouped_gemm_kernel<TA, TB, TC>& k,
+                                         std::span<const long long> host_offsets) {
+  using K = kernels::grouped_gemm_kernel<TA, TB, TC>;
+  const long long tn = (static_cast<long long>(k.n) + K::tile_n - 1) / K::tile_n;
+  long long tiles = 0;
+  for (std::size_t g = 0; g + 1 < host_offsets.size(); ++g) {
+    const long long rows = k.grouping == kernels::gemm_grouping::rows_are_m
+                               ? host_offsets[g + 1] - host_offsets[g]
+                               : static_cast<long long>(k.m);
+    tiles += (rows + K::tile_m - 1) / K::tile_m * tn;
+  }
+  if (tiles == 0) return {};
+  return launch(
+      x, launch_grid{.blocks = capped_blocks<Exec>(tiles, 1), .smem_bytes = K::smem_bytes}, k);
+}
+
+}  // namespace v0_1
+}  // namespace moefold
