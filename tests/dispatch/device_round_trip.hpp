@@ -10,6 +10,7 @@
 #include <moefold/core/exec_buffer.hpp>
 #include <moefold/dispatch/all_gather_dispatcher.hpp>
 #include <moefold/dispatch/all_to_all_dispatcher.hpp>
+#include <moefold/dispatch/exec_workspace.hpp>
 
 #include <cstddef>
 #include <cstring>
@@ -38,30 +39,9 @@ struct trip {
   copy_counts dispatch_copies{}, later_copies{};  // contexts that count their copies
 };
 
-// A dispatcher's workspace in a context's memory: saved and scratch there, host on the host.
-template <class Exec>
-struct exec_workspace {
-  exec_buffer<std::byte, Exec> saved, scratch;
-  std::vector<std::byte> host;
-  dispatch_workspace_bytes sizes{};
-  [[nodiscard]] dispatch_workspace view() {
-    return {.saved = {saved.view().data(), sizes.saved},
-            .scratch = {scratch.view().data(), sizes.scratch},
-            .host = host};
-  }
-};
-
-template <class Exec>
-expected<exec_workspace<Exec>> make_exec_workspace(Exec& x, const dispatch_workspace_bytes& sizes) {
-  auto saved = exec_buffer<std::byte, Exec>::make(x, 1, static_cast<long long>(sizes.saved));
-  if (!saved) return unexpected<error>(saved.error());
-  auto scratch = exec_buffer<std::byte, Exec>::make(x, 1, static_cast<long long>(sizes.scratch));
-  if (!scratch) return unexpected<error>(scratch.error());
-  return exec_workspace<Exec>{.saved = std::move(*saved),
-                              .scratch = std::move(*scratch),
-                              .host = std::vector<std::byte>(sizes.host),
-                              .sizes = sizes};
-}
+// The library's workspace on a context (dispatch/exec_workspace.hpp), as the tests name it.
+using moefold::exec_workspace;
+using moefold::make_exec_workspace;
 
 template <class T, class Exec>
 expected<exec_buffer<T, Exec>> upload(Exec& x, const std::vector<T>& v, int rows, int width) {

@@ -26,3 +26,49 @@
 #else
 #define MOEFOLD_NO_UNIQUE_ADDRESS [[no_unique_address]]
 #endif
+
+// How the CPU executor (core/cpu_launch.hpp) runs the CUDA threads of a block. Under
+// ThreadSanitizer, each on its own OS thread: TSan then checks every shared-memory access between
+// two barriers against the other threads'. Everywhere else, as fibers of one OS thread per block
+// (core/cpu_fibers.hpp): a barrier is a switch of stacks instead of waking every thread of the
+// block through the kernel, ten to a hundred times cheaper on a machine with few cores. Define
+// MOEFOLD_CPU_EXEC_THREADS to 1 to have OS threads in any build.
+#if !defined(MOEFOLD_CPU_EXEC_THREADS)
+#if defined(__SANITIZE_THREAD__)
+#define MOEFOLD_CPU_EXEC_THREADS 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define MOEFOLD_CPU_EXEC_THREADS 1
+#endif
+#endif
+#endif
+#if !defined(MOEFOLD_CPU_EXEC_THREADS)
+#if __has_include(<ucontext.h>)
+#define MOEFOLD_CPU_EXEC_THREADS 0
+#else
+#define MOEFOLD_CPU_EXEC_THREADS 1
+#endif
+#endif
+
+// How the CPU executor's fibers switch stacks (core/cpu_fibers.hpp): on x86-64 without shadow
+// stacks, by a six-register switch of moefold's own; elsewhere (or defined to 0) by glibc's
+// swapcontext, which makes a system call for the signal mask at every switch.
+#if !defined(MOEFOLD_CPU_FIBER_ASM)
+#if defined(__x86_64__) && !(defined(__CET__) && (__CET__ & 2))
+#define MOEFOLD_CPU_FIBER_ASM 1
+#else
+#define MOEFOLD_CPU_FIBER_ASM 0
+#endif
+#endif
+
+// AddressSanitizer must be told when the CPU executor switches stacks between fibers.
+#if defined(__SANITIZE_ADDRESS__)
+#define MOEFOLD_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define MOEFOLD_ASAN 1
+#endif
+#endif
+#if !defined(MOEFOLD_ASAN)
+#define MOEFOLD_ASAN 0
+#endif

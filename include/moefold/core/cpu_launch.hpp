@@ -1,13 +1,17 @@
 //! @file cpu_launch.hpp
 //! @brief What launch(cpu_exec, grid, kernel) (core/cpu_exec.hpp) does: a kernel body run on the
-//! CPU the way a GPU runs it, so that ThreadSanitizer and AddressSanitizer can check it. Every
-//! CUDA thread of a block is a real std::thread (its own TSan thread identity), so a missing
-//! `sync()` between a shared-memory write and another thread's read is a data race TSan reports
-//! with the body's file and line.
+//! CPU the way a GPU runs it, so that ThreadSanitizer and AddressSanitizer can check it.
 //!
-//! - Two blocks run at once (when the grid has two), each on its own set of `block_threads`
-//!   threads, and blocks start in an order drawn from the executor's seed: a body that depends on
-//!   block order or on one block running alone gives different results for different seeds.
+//! - Under ThreadSanitizer, every CUDA thread of a block is a real std::thread (its own TSan
+//!   thread identity), so a missing `sync()` between a shared-memory write and another thread's
+//!   read is a data race TSan reports with the body's file and line. In every other build
+//!   (config.hpp, MOEFOLD_CPU_EXEC_THREADS) the threads of a block are fibers of one OS thread
+//!   (core/cpu_fibers.hpp), resumed in an order drawn from the seed and the block at every
+//!   barrier: the same semantics, with a barrier costing two stack switches per thread instead
+//!   of a kernel wake-up per thread.
+//! - Two blocks run at once (when the grid has two), each on its own OS thread(s), and blocks
+//!   start in an order drawn from the executor's seed: a body that depends on block order or on
+//!   one block running alone gives different results for different seeds.
 //! - Shared memory is poisoned (every byte 0xFF: NaN as a float) at each block's start, so a read
 //!   of an element no thread of this block wrote shows in the result. It is its own heap
 //!   allocation of exactly `smem_bytes`, so ASan reports an access past its end.
@@ -17,9 +21,9 @@
 //!   end the launch with errc::kernel_fault naming the block, warp and operations, where a GPU
 //!   would hang or compute garbage.
 //!
-//! Cost: 2 x block_threads threads per launch, created once per host thread and reused
-//! (core/cpu_workers.hpp), and every barrier wakes each of its threads. This is a checker, not a
-//! fast path: host_exec is the fast CPU path.
+//! Cost: OS threads (2, or 2 x block_threads under TSan) created once per host thread and reused
+//! (core/cpu_workers.hpp); fiber stacks kept per OS thread. This is a checker, not a fast path:
+//! host_exec is the fast CPU path.
 #pragma once
 
 #include <algorithm>
@@ -40,6 +44,7 @@
 
 #include "config.hpp"
 #include "counter_rng.hpp"
+#include "cpu_fibers.hpp"
 #include "cpu_workers.hpp"
 #include "simt_launch.hpp"
 
@@ -72,17 +77,33 @@ struct simt_abort {};
 //! otherwise hang the launch.
 class simt_barriers {
  public:
-  simt_barriers(int threads)
+  explicit simt_barriers(int threads)
       : threads_(threads), bars_(static_cast<std::size_t>(1 + threads / 32)) {
     bars_[0].n = threads;
     for (std::size_t w = 1; w < bars_.size(); ++w) bars_[w].n = 32;
   }
 
+#if !MOEFOLD_CPU_EXEC_THREADS
+  //! The block's threads are the fibers of `f` (all on the calling OS thread): a thread that
+  //! must wait yields to the next fiber instead of blocking.
+  void use_fibers(cpu_fibers* f) {
+    fibers_ = f;
+    waits_.assign(static_cast<std::size_t>(threads_), wait_point{});
+  }
+  //! Whether fiber `who`, which yielded at a barrier, can go on (the barrier completed, or the
+  //! block failed and it must unwind).
+  [[nodiscard]] bool ready(int who) const noexcept {
+    const auto& w = waits_[static_cast<std::size_t>(who)];
+    return broken_ || bars_[static_cast<std::size_t>(w.bar)].phase != w.phase;
+  }
+#endif
+
   //! Thread `who` arrives at barrier `b` with `op` and waits for the others. Returns false when
   //! the block has failed (threads met with different operations, all threads wait and none can
   //! go on, or a fault elsewhere in the block); fault() then says why.
   [[nodiscard]] bool arrive_and_wait(int b, simt_op op, int who) {
-    std::unique_lock lk(m_);
+    std::unique_lock lk(m_, std::defer_lock);
+    if (!fibers_) lk.lock();  // fibers of one OS thread never interleave inside this function
     if (broken_) return false;
     auto& B = bars_[static_cast<std::size_t>(b)];
     if (B.arrived == 0) {
@@ -110,6 +131,13 @@ class simt_barriers {
       return false;
     }
     const unsigned long long phase = B.phase;
+#if !MOEFOLD_CPU_EXEC_THREADS
+    if (fibers_) {
+      waits_[static_cast<std::size_t>(who)] = wait_point{b, phase};
+      fibers_->yield(who);  // the scheduler resumes it once ready(who)
+      return B.phase != phase;
+    }
+#endif
     B.cv.wait(lk, [&] { return B.phase != phase || broken_; });
     return B.phase != phase;
   }
@@ -117,6 +145,11 @@ class simt_barriers {
   [[nodiscard]] std::string fault() {
     std::lock_guard lk(m_);
     return fault_;
+  }
+  //! Ends the block with `why` (the first fault is the one reported).
+  void fail(const std::string& why) {
+    std::lock_guard lk(m_);
+    fail_locked(why);
   }
 
  private:
@@ -134,6 +167,17 @@ class simt_barriers {
     broken_ = true;
     for (auto& B : bars_) B.cv.notify_all();
   }
+
+#if !MOEFOLD_CPU_EXEC_THREADS
+  struct wait_point {
+    int bar = 0;
+    unsigned long long phase = 0;
+  };
+  std::vector<wait_point> waits_;  // (threads) where each fiber last yielded
+  cpu_fibers* fibers_ = nullptr;   // set: fiber mode (no locking, no condition waits)
+#else
+  static constexpr bool fibers_ = false;
+#endif
 
   std::mutex m_;
   int threads_, blocked_ = 0;
@@ -308,6 +352,32 @@ static_assert(simt_context<cpu_ctx<32>>);
 
 namespace detail {
 
+//! v = a permutation of [0, v.size()) drawn from `seed` (Fisher-Yates over SplitMix64 draws of
+//! (seed, i)).
+inline void seeded_permutation(std::vector<int>& v, std::uint64_t seed) {
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = static_cast<int>(i);
+  for (std::size_t i = v.size(); i-- > 1;) {
+    const auto r = mix64(seed ^ mix64(static_cast<std::uint64_t>(i)));
+    std::swap(v[i], v[static_cast<std::size_t>(r % static_cast<std::uint64_t>(i + 1))]);
+  }
+}
+
+//! Thread t of the block in `sl`: the body, then the exit barriers; a broken barrier unwinds it.
+template <int Threads, class K>
+void run_body(simt_block_slot& sl, int t, int grid_blocks, const K& kernel) {
+  cpu_ctx<Threads> c(sl, t, grid_blocks);
+#if defined(__cpp_exceptions)
+  try {
+    kernel(c);
+    c.finish();
+  } catch (const simt_abort&) {
+  }
+#else
+  kernel(c);
+  c.finish();
+#endif
+}
+
 //! The CPU executor's launch (cpu_exec.hpp's launch calls it): runs `kernel` over `grid.blocks`
 //! blocks of K::block_threads threads, two blocks at a time in the seed's order; returns when
 //! every block is done. Errors: a negative grid or too much shared memory (invalid_argument,
@@ -320,20 +390,16 @@ requires simt_kernel<K>
   if (auto st = detail::check_launch(grid, exec_name, detail::kernel_name<K>()); !st) return st;
   if (grid.blocks == 0) return {};
 
-  // Blocks in a seeded random order (Fisher-Yates over SplitMix64 draws of (seed, i)).
+  // Blocks in a seeded random order.
   std::vector<int> order(static_cast<std::size_t>(grid.blocks));
-  for (int i = 0; i < grid.blocks; ++i) order[static_cast<std::size_t>(i)] = i;
-  for (int i = grid.blocks - 1; i > 0; --i) {
-    const auto r = detail::mix64(seed ^ detail::mix64(static_cast<std::uint64_t>(i)));
-    std::swap(order[static_cast<std::size_t>(i)],
-              order[static_cast<std::size_t>(r % static_cast<std::uint64_t>(i + 1))]);
-  }
+  detail::seeded_permutation(order, seed);
 
   const int slots = std::min(2, grid.blocks);
   std::vector<std::unique_ptr<detail::simt_block_slot>> slot;
   for (int s = 0; s < slots; ++s)
     slot.push_back(std::make_unique<detail::simt_block_slot>(threads, grid.smem_bytes));
 
+#if MOEFOLD_CPU_EXEC_THREADS
   auto run_thread = [&](int s, int t) {
     auto& sl = *slot[static_cast<std::size_t>(s)];
     for (int i = s; i < grid.blocks; i += slots) {
@@ -342,18 +408,7 @@ requires simt_kernel<K>
         std::memset(sl.smem, poison, sl.smem_bytes);
       }
       if (!sl.bars.arrive_and_wait(0, detail::simt_op::sync, t)) return;  // block start
-      cpu_ctx<threads> c(sl, t, grid.blocks);
-#if defined(__cpp_exceptions)
-      try {
-        kernel(c);
-        c.finish();
-      } catch (const detail::simt_abort&) {
-        return;
-      }
-#else
-      kernel(c);
-      c.finish();
-#endif
+      run_body<threads>(sl, t, grid.blocks, kernel);
     }
   };
 
@@ -362,6 +417,39 @@ requires simt_kernel<K>
       slots * threads,
       [](void* f, int i) { (*static_cast<decltype(run_thread)*>(f))(i / threads, i % threads); },
       &run_thread);
+#else
+  // A slot's blocks on one OS thread each, their threads as fibers resumed in an order drawn
+  // from (seed, block): a body that reads what another thread writes without a barrier between
+  // gives different results for different seeds.
+  struct slot_run {
+    detail::simt_block_slot* sl;
+    int grid_blocks;
+    const K* kernel;
+    static void body(void* p, int t) {
+      auto& r = *static_cast<slot_run*>(p);
+      run_body<threads>(*r.sl, t, r.grid_blocks, *r.kernel);
+    }
+    static bool ready(void* p, int t) { return static_cast<slot_run*>(p)->sl->bars.ready(t); }
+  };
+  auto run_slot = [&](int s) {
+    auto& sl = *slot[static_cast<std::size_t>(s)];
+    auto& fibers = detail::local_fibers();
+    sl.bars.use_fibers(&fibers);
+    std::vector<int> thread_order(static_cast<std::size_t>(threads));
+    slot_run r{&sl, grid.blocks, &kernel};
+    for (int i = s; i < grid.blocks; i += slots) {
+      sl.block = order[static_cast<std::size_t>(i)];
+      std::memset(sl.smem, poison, sl.smem_bytes);
+      detail::seeded_permutation(thread_order,
+                                 seed ^ detail::mix64(static_cast<std::uint64_t>(sl.block) + 1));
+      if (!fibers.run(threads, thread_order.data(), &slot_run::body, &slot_run::ready, &r))
+        sl.bars.fail("fibers remain that wait and none can go on");
+      if (!sl.bars.fault().empty()) return;
+    }
+  };
+  detail::local_workers().run(
+      slots, [](void* f, int s) { (*static_cast<decltype(run_slot)*>(f))(s); }, &run_slot);
+#endif
 
   for (auto& sl : slot)
     if (auto why = sl->bars.fault(); !why.empty())

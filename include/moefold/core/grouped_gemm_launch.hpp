@@ -1,11 +1,11 @@
 //! @file grouped_gemm_launch.hpp
 //! @brief The host side of the SIMT grouped GEMM (kernels/grouped_gemm.hpp) for the objects that
 //! run it on an execution context (simt_mlp, simt_router): the grid from the groups' row ranges
-//! as the host knows them, capped at the context's grid limit (the kernel's tiles stride over
-//! the grid), and the launch. One place, so that the tile arithmetic cannot drift between them.
+//! as the host knows them, capped at the context's grid limit (capped_blocks, simt_launch.hpp; the
+//! kernel's tiles stride over the grid), and the launch. One place, so that the tile arithmetic
+//! cannot drift between them.
 #pragma once
 
-#include <algorithm>
 #include <span>
 
 #if __has_include(<moefold/kernels/grouped_gemm.hpp>)
@@ -20,23 +20,6 @@
 
 namespace moefold {
 inline namespace v0_1 {
-
-//! The most blocks a grid of `Exec` takes (its max_grid_blocks, or 1,024 for a context without
-//! one); kernels over more work loop over their blocks.
-template <class Exec>
-[[nodiscard]] constexpr long long grid_cap() noexcept {
-  if constexpr (requires { Exec::max_grid_blocks; })
-    return Exec::max_grid_blocks;
-  else
-    return 1024;
-}
-
-//! A grid of ceil(n / per_block) blocks, at least one, capped (see grid_cap).
-template <class Exec>
-[[nodiscard]] constexpr int capped_blocks(long long n, long long per_block) noexcept {
-  return static_cast<int>(
-      std::clamp<long long>((n + per_block - 1) / per_block, 1, grid_cap<Exec>()));
-}
 
 //! Launches `k` with one block per 32 x 32 output tile (capped): per group, its rows (rows_are_m)
 //! or its [m, n] weight gradient (rows_are_k) over n. `host_offsets` [groups + 1] are the row

@@ -18,6 +18,7 @@
 //! float atomics, no communication between blocks of one launch, no `#ifdef __CUDA_ARCH__`.
 #pragma once
 
+#include <algorithm>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
@@ -36,6 +37,31 @@ struct launch_grid {
   int blocks = 1;
   std::size_t smem_bytes = 0;
 };
+
+//! The most blocks a grid of `Exec` takes (its max_grid_blocks, or 1,024 for a context without
+//! one); kernels over more work loop over their blocks.
+template <class Exec>
+[[nodiscard]] constexpr long long grid_cap() noexcept {
+  if constexpr (requires { Exec::max_grid_blocks; })
+    return Exec::max_grid_blocks;
+  else
+    return 1024;
+}
+
+//! A grid of ceil(n / per_block) blocks, at least one, capped (see grid_cap).
+template <class Exec>
+[[nodiscard]] constexpr int capped_blocks(long long n, long long per_block) noexcept {
+  return static_cast<int>(
+      std::clamp<long long>((n + per_block - 1) / per_block, 1, grid_cap<Exec>()));
+}
+
+//! The grid of kernel K over n items, per_block of them per block (capped), with K's shared
+//! memory: the router kernels' one token per warp or per block.
+template <class Exec, class K>
+[[nodiscard]] constexpr launch_grid capped_grid(long long n, long long per_block) noexcept {
+  return {.blocks = capped_blocks<Exec>(n, per_block),
+          .smem_bytes = static_cast<std::size_t>(K::smem_bytes)};
+}
 
 //! The most dynamic shared memory one block may ask for: Hopper's 227 KiB per block (H100/H200,
 //! after cudaFuncSetAttribute raises the 48 KiB default, which cuda_launch does).

@@ -116,11 +116,9 @@ struct plan_builder_access {
                           .row_slot = p.row_slot_,
                           .slot_row = p.slot_row_,
                           .fault = p.fault_};
-    const int tiles = static_cast<int>(std::clamp<long long>(pa.tiles(), 1, Exec::max_grid_blocks));
-    const int experts = static_cast<int>(
-        std::clamp<long long>((a.num_experts + 255) / 256, 1, Exec::max_grid_blocks));
-    const int row_blocks =
-        static_cast<int>(std::clamp<long long>((upper + 255) / 256, 1, Exec::max_grid_blocks));
+    const int tiles = capped_blocks<Exec>(pa.tiles(), 1);
+    const int experts = capped_blocks<Exec>(a.num_experts, 256);
+    const int row_blocks = capped_blocks<Exec>(upper, 256);
     if (auto st = launch(
             x,
             launch_grid{.blocks = tiles,

@@ -85,6 +85,18 @@ struct moe_layer_options {
   moe_shared_expert_options shared_expert{};
 };
 
+//! The dispatcher shape of a layer of these options (moe_layer and simt_moe_layer).
+[[nodiscard]] inline dispatch_shape moe_dispatch_shape(const moe_layer_options& o) noexcept {
+  const dispatch_shape shape{.max_tokens = o.max_tokens,
+                             .hidden = o.hidden,
+                             .topk = o.router.topk,
+                             .num_experts = o.router.num_experts,
+                             .ep = o.ep,
+                             .etp = o.etp,
+                             .max_recv_rows = o.max_recv_rows};
+  return shape;
+}
+
 //! One forward's input: x [N, H] and, for full-sequence dropping by position, the tokens' true
 //! sequence positions `order_keys` [N] (or empty; see sequence_order_keys).
 template <class T>
@@ -282,14 +294,7 @@ class moe_layer {
 
   //! The dispatcher shape of a layer.
   [[nodiscard]] static dispatch_shape dispatch_shape_of(const moe_layer_options& o) noexcept {
-    const dispatch_shape shape{.max_tokens = o.max_tokens,
-                               .hidden = o.hidden,
-                               .topk = o.router.topk,
-                               .num_experts = o.router.num_experts,
-                               .ep = o.ep,
-                               .etp = o.etp,
-                               .max_recv_rows = o.max_recv_rows};
-    return shape;
+    return moe_dispatch_shape(o);
   }
   //! The dispatcher workspace a layer of these options holds, per part (saved for the backward;
   //! scratch, which layers of a model could share), without making the layer or allocating.

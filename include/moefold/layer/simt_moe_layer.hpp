@@ -50,6 +50,7 @@
 #include "../core/grouped_gemm_launch.hpp"
 #include "../core/row_view.hpp"
 #include "../dispatch/dispatch_args.hpp"
+#include "../dispatch/exec_workspace.hpp"
 #include "../experts/simt_mlp.hpp"
 #include "../routing/simt_router.hpp"
 #include "moe_layer.hpp"
@@ -129,14 +130,7 @@ class simt_moe_layer {
     auto router =
         simt_router<T, Exec, grad_type>::make(exec, o.router, o.hidden, router_weight, router_grad);
     if (!router) return unexpected<error>(router.error());
-    const dispatch_shape shape{.max_tokens = o.max_tokens,
-                               .hidden = o.hidden,
-                               .topk = o.router.topk,
-                               .num_experts = o.router.num_experts,
-                               .ep = o.ep,
-                               .etp = o.etp,
-                               .max_recv_rows = o.max_recv_rows};
-    auto disp = Dispatcher::make(shape);
+    auto disp = Dispatcher::make(moe_dispatch_shape(o));
     if (!disp) return unexpected<error>(disp.error());
     simt_moe_layer l(exec, o, std::move(*router), std::move(*disp), std::move(experts));
     if (auto st = l.allocate(); !st) return unexpected<error>(st.error());
@@ -298,13 +292,9 @@ class simt_moe_layer {
           make(column_sums_, 1, E), make(counts_, 1, E), make(dscores_, 1, E),
           make(aux_loss_, 1, 1), make(lse_, 1, N), make(z_loss_, 1, 1), make(valid_, 1, 1)})
       if (!st) return st;
-    const dispatch_workspace_bytes sizes = disp_.workspace_sizes(std::nullopt);
-    for (status st :
-         {make(ws_.saved, 1, static_cast<long long>(std::max<std::size_t>(sizes.saved, 1))),
-          make(ws_.scratch, 1, static_cast<long long>(std::max<std::size_t>(sizes.scratch, 1)))})
-      if (!st) return st;
-    ws_.sizes = sizes;
-    ws_.host.resize(sizes.host);
+    auto ws = make_exec_workspace(*x_, disp_.workspace_sizes(std::nullopt));
+    if (!ws) return unexpected<error>(ws.error());
+    ws_ = std::move(*ws);
     return {};
   }
 
@@ -323,10 +313,7 @@ class simt_moe_layer {
   template <class Team, class K>
   status per_token(const K& kernel, int n) const {
     const int per_block = Team::width == 32 ? K::block_threads / 32 : 1;
-    return launch(*x_,
-                  launch_grid{.blocks = capped_blocks<Exec>(n, per_block),
-                              .smem_bytes = static_cast<std::size_t>(K::smem_bytes)},
-                  kernel);
+    return launch(*x_, capped_grid<Exec, K>(n, per_block), kernel);
   }
 
   // The micro-batch loss: scores and top-k map over all E, their column sums and counts, the
@@ -428,17 +415,6 @@ class simt_moe_layer {
     return per_token<Team>(k, n);
   }
 
-  struct workspace {
-    buffer<std::byte> saved, scratch;
-    std::vector<std::byte> host;
-    dispatch_workspace_bytes sizes{};
-    [[nodiscard]] dispatch_workspace view() {
-      return {.saved = {saved.view().data(), sizes.saved},
-              .scratch = {scratch.view().data(), sizes.scratch},
-              .host = host};
-    }
-  };
-
   Exec* x_;
   moe_layer_options o_;
   simt_router<T, Exec, grad_type> router_;
@@ -460,7 +436,7 @@ class simt_moe_layer {
   buffer<double> counts_;                                    // [1, E]
   buffer<float> lse_, z_loss_;                               // [1, N], [1, 1]
   buffer<int> valid_;                                        // [1, 1]
-  workspace ws_{};
+  exec_workspace<Exec> ws_{};
 };
 
 }  // namespace v0_1

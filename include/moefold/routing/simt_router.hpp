@@ -224,7 +224,7 @@ class simt_router {
                    .scaling_factor = static_cast<float>(o_.scaling_factor.value_or(1.0)),
                    .indices = f.indices.data(),
                    .probs = f.probs.data()};
-    return launch(*x_, token_grid<K>(N, tokens_per_block), kernel);
+    return launch(*x_, capped_grid<Exec, K>(N, tokens_per_block), kernel);
   }
   template <class K>
   status logits_grad(const simt_router_logits_grad<space>& b, int N, int tokens_per_block) {
@@ -239,14 +239,8 @@ class simt_router {
                    .scale = o_.scaling_factor.has_value(),
                    .scaling_factor = static_cast<float>(o_.scaling_factor.value_or(1.0)),
                    .dlogits = b.dlogits.data()};
-    return launch(*x_, token_grid<K>(N, tokens_per_block), kernel);
+    return launch(*x_, capped_grid<Exec, K>(N, tokens_per_block), kernel);
   }
-  template <class K>
-  static launch_grid token_grid(int N, int tokens_per_block) {
-    return {.blocks = capped_blocks<Exec>(N, tokens_per_block),
-            .smem_bytes = static_cast<std::size_t>(K::smem_bytes)};
-  }
-
   template <class TA, class TB, class TC>
   status gemm(kernels::gemm_grouping grouping, int m, int n, int k,
               kernels::gemm_operand<const TA> pa, kernels::gemm_operand<const TB> pb,
