@@ -1,18 +1,25 @@
 //! @file simt_moe_layer.hpp
 //! @brief One MoE layer on an execution context that runs kernels (cpu_exec in CI, under the
 //! sanitizers; cuda_kernel_exec on a GPU): the router (simt_router: gating GEMM, fused top-k),
-//! the micro-batch load-balancing loss and the z-loss as device values (kernels/router_aux_loss,
-//! kernels/router_z_loss), the dispatcher on the context (either of moefold's), the experts on
-//! the context (simt_mlp, or any functor of its shape) and the combine, forward and backward,
-//! dropless. Every tensor lives in the context's memory; the host sees the counts the
-//! dispatcher needs for its collectives and the experts' row ranges, nothing else (no loss value
-//! is read back: the stats are views the caller reads when it wants them).
+//! the load-balancing losses (per micro-batch, per sequence, global) and the z-loss as device
+//! values (kernels/router_aux_loss, kernels/router_z_loss), the expert bias with its counts and
+//! its once-per-global-batch update (kernels/expert_bias), the dispatcher on the context (either of
+//! moefold's), the experts on the context (simt_mlp, or any functor of its shape) and the combine,
+//! forward and backward, dropless. Every tensor lives in the context's memory; the host sees the
+//! counts the dispatcher needs for its collectives and the experts' row ranges, nothing else (no
+//! loss value is read back: the stats are views the caller reads when it wants them).
 //!
 //! It computes what moe_layer computes on the host for the same options (tested over folds of
-//! the thread world against moe_layer and the fp64 single-rank reference); what it does not take
-//! yet is refused by make() with the rule named: a drop policy (pad mode), the per-sequence and
-//! global load-balancing losses, the expert bias, a shared expert. One forward in flight: the
-//! layer keeps the forward's activations in its own buffers until the backward.
+//! the thread world against moe_layer and the fp64 single-rank reference, and over micro-batches
+//! and a global batch's end for the losses with state and the bias); what it does not take yet is
+//! refused by make() with the rule named: a shared expert. It has no drop policy (it is the
+//! dropless layer). One forward in flight: the layer keeps the forward's activations in its own
+//! buffers until the backward.
+//!
+//! State across micro-batches, in the context's memory: the expert bias [1, E] and this global
+//! batch's routed counts [1, E] (fp32, whole numbers), the global loss's running counts [1, E]
+//! (fp64, summed over tp-dp-cp) with the micro-batches they cover (a host integer, as Megatron's
+//! ga_steps). end_global_batch updates the bias and restarts the running counts.
 //!
 //! Numerics: Megatron-Core's router dtype fp32 (logits, probabilities, losses and their
 //! gradients in fp32 for fp32 and bf16 tokens); probabilities travel to the experts in fp32; the
@@ -24,6 +31,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <concepts>
 #include <cstdint>
@@ -35,9 +43,11 @@
 #include <vector>
 
 #if __has_include(<moefold/kernels/router_aux_loss.hpp>)
+#include <moefold/kernels/expert_bias.hpp>
 #include <moefold/kernels/router_aux_loss.hpp>
 #include <moefold/kernels/router_z_loss.hpp>
 #else
+#include "../../../kernels/expert_bias.hpp"
 #include "../../../kernels/router_aux_loss.hpp"
 #include "../../../kernels/router_z_loss.hpp"
 #endif
@@ -74,8 +84,10 @@ concept device_experts = requires(E& e, const device_expert_batch<T, float, S>& 
 //! is off or in evaluation): valid until the next forward.
 template <class S>
 struct simt_moe_forward_stats {
-  row_view<const float, S> aux_loss{};  //!< this rank's part of the micro-batch loss
-  row_view<const float, S> z_loss{};    //!< this rank's part of the z-loss
+  row_view<const float, S> aux_loss{};         //!< this rank's part of the micro-batch loss
+  row_view<const float, S> seq_aux_loss{};     //!< this rank's part of the per-sequence loss
+  row_view<const float, S> global_aux_loss{};  //!< this rank's part of the global-batch loss
+  row_view<const float, S> z_loss{};           //!< this rank's part of the z-loss
 };
 
 template <class T, execution_context Exec, class Comm, class Dispatcher, class Experts>
@@ -104,18 +116,18 @@ class simt_moe_layer {
     const auto refuse = [](const std::string& what, errc code = errc::not_supported) {
       return unexpected<error>(make_error(code, "simt_moe_layer: " + what));
     };
-    if (o.seq_aux_loss_coeff != 0 || o.global_aux_loss_coeff != 0)
-      return refuse(
-          "the per-sequence and global load-balancing losses do not run on a context yet "
-          "(seq_aux_loss_coeff and global_aux_loss_coeff must be 0; moe_layer has them)");
-    if (o.router.expert_bias)
-      return refuse("the expert bias does not run on a context yet (moe_layer has it)");
     if (o.shared_expert.ffn != 0)
       return refuse("a shared expert does not run on a context yet (moe_layer has it)");
-    if (!(std::isfinite(o.aux_loss_coeff) && o.aux_loss_coeff >= 0 &&
-          std::isfinite(o.z_loss_coeff) && o.z_loss_coeff >= 0))
+    const auto coeff_ok = [](double c) { return std::isfinite(c) && c >= 0; };
+    if (!(coeff_ok(o.aux_loss_coeff) && coeff_ok(o.z_loss_coeff) &&
+          coeff_ok(o.seq_aux_loss_coeff) && coeff_ok(o.global_aux_loss_coeff)))
       return refuse("loss coefficients must be finite and >= 0 (0 turns one off)",
                     errc::invalid_argument);
+    if (o.batch < 1)
+      return refuse("batch (sequences per micro-batch) must be >= 1", errc::invalid_argument);
+    if (o.router.expert_bias &&
+        !(std::isfinite(o.expert_bias_update_rate) && o.expert_bias_update_rate >= 0))
+      return refuse("expert_bias_update_rate must be finite and >= 0", errc::invalid_argument);
     if (o.max_tokens < 1 || o.hidden < 1)
       return unexpected<error>(
           make_error(errc::invalid_size, "simt_moe_layer: max_tokens and hidden must be >= 1"));
@@ -155,6 +167,21 @@ class simt_moe_layer {
     return handle_ ? &*handle_ : nullptr;
   }
 
+  //! The expert bias [1, E] (with options.router.expert_bias; zeros after make, writable, e.g. to
+  //! load a checkpoint), this global batch's routed counts [1, E] that end_global_batch turns into
+  //! its update, and the global loss's running counts [1, E] (fp64, summed over tp-dp-cp) with the
+  //! micro-batches they cover. Views are empty when the feature is off.
+  [[nodiscard]] row_view<float, space> expert_bias() noexcept {
+    return o_.router.expert_bias ? bias_.view() : row_view<float, space>{};
+  }
+  [[nodiscard]] row_view<const float, space> expert_bias_counts() const noexcept {
+    return o_.router.expert_bias ? bias_counts_.cview() : row_view<const float, space>{};
+  }
+  [[nodiscard]] row_view<const double, space> global_aux_counts() const noexcept {
+    return o_.global_aux_loss_coeff > 0 ? running_.cview() : row_view<const double, space>{};
+  }
+  [[nodiscard]] int global_aux_steps() const noexcept { return steps_; }
+
   //! Training (default): the forward computes the losses. Evaluation: it does not.
   void set_training(bool training) noexcept { training_ = training; }
   [[nodiscard]] bool training() const noexcept { return training_; }
@@ -172,22 +199,48 @@ class simt_moe_layer {
                         "simt_moe_layer: x and out must be [N, H] with N <= max_tokens = " +
                             detail::to_decimal(o_.max_tokens) +
                             ", H = " + detail::to_decimal(o_.hidden));
+    const bool seq_on = training_ && o_.seq_aux_loss_coeff > 0,
+               global_on = training_ && o_.global_aux_loss_coeff > 0;
+    if (seq_on && n % o_.batch != 0)
+      return make_error(errc::shape_mismatch,
+                        "simt_moe_layer: the per-sequence loss needs N a multiple of batch (N = " +
+                            detail::to_decimal(n) + ", batch = " + detail::to_decimal(o_.batch) +
+                            "; token n = s * batch + b is sequence b)");
+    if (global_on && g.tp_dp_cp == nullptr)
+      return make_error(errc::invalid_argument,
+                        "simt_moe_layer: the global load-balancing loss needs the tp-dp-cp "
+                        "communicator in moe_layer_groups::tp_dp_cp");
     // The input is kept for the router's weight gradient (the caller may reuse its buffer).
     const auto xs = input_.view().first(n);
     if (auto st = x_->copy(x, xs); !st) return unexpected<error>(st.error());
-    if (auto st = router_.forward({.x = xs,
-                                   .logits = logits_.view().first(n),
-                                   .indices = indices_.view().first(n),
-                                   .probs = probs_.view().first(n)});
+    if (auto st = router_.forward(
+            {.x = xs,
+             .expert_bias = o_.router.expert_bias ? bias_.cview() : row_view<const float, space>{},
+             .logits = logits_.view().first(n),
+             .indices = indices_.view().first(n),
+             .probs = probs_.view().first(n)});
         !st)
       return unexpected<error>(st.error());
     simt_moe_forward_stats<space> stats;
-    aux_on_ = training_ && o_.aux_loss_coeff > 0;
+    aux_on_ = {training_ && o_.aux_loss_coeff > 0, seq_on, global_on};
     z_on_ = training_ && o_.z_loss_coeff > 0;
-    if (aux_on_) {
-      if (auto st = aux_forward(g.tp_cp, n); !st) return unexpected<error>(st.error());
-      stats.aux_loss = aux_loss_.cview();
+    if (aux_on_[0] || seq_on || global_on)
+      if (auto st = aux_scores(n); !st) return unexpected<error>(st.error());
+    if (aux_on_[0]) {
+      if (auto st = aux_term(0, g.tp_cp, n); !st) return unexpected<error>(st.error());
+      stats.aux_loss = terms_[0].loss.cview();
     }
+    if (seq_on) {
+      if (auto st = aux_term(1, g.tp_cp, n); !st) return unexpected<error>(st.error());
+      stats.seq_aux_loss = terms_[1].loss.cview();
+    }
+    if (global_on) {
+      if (auto st = aux_term(2, *g.tp_dp_cp, n); !st) return unexpected<error>(st.error());
+      stats.global_aux_loss = terms_[2].loss.cview();
+    }
+    // The bias's counts: every routed pair (the layer is dropless), once per training forward.
+    if (training_ && o_.router.expert_bias)
+      if (auto st = add_routed_counts(n); !st) return unexpected<error>(st.error());
     if (z_on_) {
       if (auto st = z_forward(g.tp_cp, n); !st) return unexpected<error>(st.error());
       stats.z_loss = z_loss_.cview();
@@ -242,9 +295,11 @@ class simt_moe_layer {
                                            .dlogits = dlogits});
         !st)
       return st;
-    if (aux_on_)
-      if (auto st = by_team([&]<class Team>() { return aux_backward<Team>(n, loss_seed); }); !st)
-        return st;
+    for (int i = 0; i < 3; ++i)  // micro-batch, per sequence, global: the host's order
+      if (aux_on_[i])
+        if (auto st = by_team([&]<class Team>() { return aux_backward<Team>(i, n, loss_seed); });
+            !st)
+          return st;
     if (z_on_)
       if (auto st = by_team([&]<class Team>() { return z_backward<Team>(n, loss_seed); }); !st)
         return st;
@@ -266,6 +321,28 @@ class simt_moe_layer {
     return {};
   }
 
+  //! Once per global batch, after the last backward: the expert bias moves by rate * sign(mean -
+  //! count) on the counts summed over tp-dp-cp, its counts restart at 0, and so do the global
+  //! loss's running counts. Collective over tp-dp-cp when the bias is enabled.
+  [[nodiscard]] status end_global_batch(Comm& tp_dp_cp) {
+    const int E = o_.router.num_experts;
+    if (o_.router.expert_bias) {
+      if (auto st = x_->copy(bias_counts_.cview(), bias_summed_.view()); !st) return st;
+      if (tp_dp_cp.size() > 1)
+        if (auto st = tp_dp_cp.all_reduce(*x_, bias_summed_.view(), reduce_op::sum); !st) return st;
+      const kernels::expert_bias_update_kernel k{.summed = bias_summed_.view().data(),
+                                                 .num_experts = E,
+                                                 .rate = o_.expert_bias_update_rate,
+                                                 .bias = bias_.view().data(),
+                                                 .local = bias_counts_.view().data()};
+      if (auto st = launch(*x_, launch_grid{.blocks = 1}, k); !st) return st;
+    }
+    if (o_.global_aux_loss_coeff > 0)
+      if (auto st = x_->template fill<double>(running_.view(), 0.0); !st) return st;
+    steps_ = 0;
+    return {};
+  }
+
  private:
   simt_moe_layer(Exec& x, const moe_layer_options& o, simt_router<T, Exec, grad_type> r,
                  Dispatcher d, Experts e)
@@ -275,7 +352,8 @@ class simt_moe_layer {
   using buffer = exec_buffer<U, Exec>;
 
   status allocate() {
-    const long long N = o_.max_tokens, H = o_.hidden, E = o_.router.num_experts, K = o_.router.topk;
+    const long long N = o_.max_tokens, H = o_.hidden, E = o_.router.num_experts, K = o_.router.topk,
+                    B = o_.batch;
     // The experts' rows: the receive bound (by default every routed pair of the tp-ep group).
     const long long M = o_.max_recv_rows.value_or(detail::worst_recv_rows(disp_.shape()));
     const auto make = [&]<class U>(buffer<U>& b, long long rows, long long width) -> status {
@@ -284,13 +362,40 @@ class simt_moe_layer {
       b = std::move(*v);
       return {};
     };
-    for (status st :
-         {make(input_, N, H), make(logits_, N, E), make(indices_, N, K), make(probs_, N, K),
-          make(dprobs_, N, K), make(dlogits_, N, E), make(dx_router_, N, H),
-          make(rows_a_, std::max(M, 1LL), H), make(rows_b_, std::max(M, 1LL), H),
-          make(prob_rows_, std::max(M, 1LL), 1), make(scores_, N, E), make(map_, N, E),
-          make(column_sums_, 1, E), make(counts_, 1, E), make(dscores_, 1, E),
-          make(aux_loss_, 1, 1), make(lse_, 1, N), make(z_loss_, 1, 1), make(valid_, 1, 1)})
+    for (status st : {make(input_, N, H),
+                      make(logits_, N, E),
+                      make(indices_, N, K),
+                      make(probs_, N, K),
+                      make(dprobs_, N, K),
+                      make(dlogits_, N, E),
+                      make(dx_router_, N, H),
+                      make(rows_a_, std::max(M, 1LL), H),
+                      make(rows_b_, std::max(M, 1LL), H),
+                      make(prob_rows_, std::max(M, 1LL), 1),
+                      make(scores_, N, E),
+                      make(map_, N, E),
+                      make(lse_, 1, N),
+                      make(z_loss_, 1, 1),
+                      make(valid_, 1, 1),
+                      make(bias_, 1, E),
+                      make(bias_counts_, 1, E),
+                      make(bias_summed_, 1, E),
+                      make(histogram_, 1, E),
+                      make(fault_, 1, 2),
+                      make(running_, 1, E)})
+      if (!st) return st;
+    for (int i = 0; i < 3; ++i) {
+      // The per-sequence loss's columns are (sequence, expert): B E.
+      const long long cols = i == 1 ? B * E : E;
+      auto& t = terms_[static_cast<std::size_t>(i)];
+      for (status st : {make(t.sums, 1, cols), make(t.counts, 1, cols), make(t.dscores, 1, cols),
+                        make(t.loss, 1, 1)})
+        if (!st) return st;
+    }
+    // The state starts at zero (the context may poison new memory).
+    for (status st : {x_->template fill<float>(bias_.view(), 0.0f),
+                      x_->template fill<float>(bias_counts_.view(), 0.0f),
+                      x_->template fill<double>(running_.view(), 0.0)})
       if (!st) return st;
     auto ws = make_exec_workspace(*x_, disp_.workspace_sizes(std::nullopt));
     if (!ws) return unexpected<error>(ws.error());
@@ -316,65 +421,87 @@ class simt_moe_layer {
     return launch(*x_, capped_grid<Exec, K>(n, per_block), kernel);
   }
 
-  // The micro-batch loss: scores and top-k map over all E, their column sums and counts, the
-  // counts summed over tp-cp (on the context), the loss and d loss / d scores. T = N |tp-cp|.
-  status aux_forward(Comm& tp_cp, int n) {
-    const int E = o_.router.num_experts;
-    if (auto st = by_team([&]<class Team>() {
-          const kernels::basic_aux_scores_kernel<Team> k{
-              .logits = logits_.view().data(),
-              .padding = nullptr,
-              .num_tokens = n,
-              .num_experts = E,
-              .topk = o_.router.topk,
-              .score = static_cast<kernels::router_score>(static_cast<int>(o_.router.score)),
-              .scores = scores_.view().data(),
-              .map = map_.view().data()};
-          return per_token<Team>(k, n);
-        });
-        !st)
-      return st;
+  // The load-balancing losses' scores and top-k map over all E [N, E], shared by the three.
+  status aux_scores(int n) {
+    return by_team([&]<class Team>() {
+      const kernels::basic_aux_scores_kernel<Team> k{.logits = logits_.view().data(),
+                                                     .padding = nullptr,
+                                                     .num_tokens = n,
+                                                     .num_experts = o_.router.num_experts,
+                                                     .topk = o_.router.topk,
+                                                     .score = score_kind(),
+                                                     .scores = scores_.view().data(),
+                                                     .map = map_.view().data()};
+      return per_token<Team>(k, n);
+    });
+  }
+  // One load-balancing term: 0 micro-batch (counts over tp-cp, T = N |tp-cp|), 1 per sequence
+  // (columns (sequence b, expert e) of the scores viewed as [N / B, B E], counts over tp-cp,
+  // T = (N / B) |tp-cp|, the mean over the B sequences), 2 global (counts over tp-dp-cp added to
+  // the running counts, which the loss uses divided by the micro-batches so far; T = N
+  // |tp-dp-cp|). Column sums, the group's all-reduce of the counts, the loss and d loss / d scores.
+  status aux_term(int i, Comm& group, int n) {
+    const int E = o_.router.num_experts, B = i == 1 ? o_.batch : 1;
+    auto& t = terms_[static_cast<std::size_t>(i)];
     const kernels::aux_column_sums_kernel sums{.scores = scores_.view().data(),
                                                .map = map_.view().data(),
-                                               .rows = n,
-                                               .columns = E,
-                                               .sums = column_sums_.view().data(),
-                                               .counts = counts_.view().data()};
-    if (auto st =
-            launch(*x_, launch_grid{.blocks = capped_blocks<Exec>(E, sums.block_threads)}, sums);
+                                               .rows = n / B,
+                                               .columns = B * E,
+                                               .sums = t.sums.view().data(),
+                                               .counts = t.counts.view().data()};
+    if (auto st = launch(*x_, launch_grid{.blocks = capped_blocks<Exec>(B * E, sums.block_threads)},
+                         sums);
         !st)
       return st;
-    if (tp_cp.size() > 1)
-      if (auto st = tp_cp.all_reduce(*x_, counts_.view(), reduce_op::sum); !st) return st;
-    const kernels::switch_loss_kernel loss{.column_sums = column_sums_.view().data(),
-                                           .counts = counts_.view().data(),
-                                           .columns = E,
-                                           .total_tokens = static_cast<double>(n) * tp_cp.size(),
-                                           .per_token = static_cast<double>(o_.router.topk),
-                                           .topk = o_.router.topk,
-                                           .num_experts = E,
-                                           .coeff = o_.aux_loss_coeff,
-                                           .divide_by = 1.0,
-                                           .running = nullptr,
-                                           .steps = 0,
-                                           .used = nullptr,
-                                           .loss = aux_loss_.view().data(),
-                                           .dscores = dscores_.view().data()};
+    if (group.size() > 1)
+      if (auto st = group.all_reduce(*x_, t.counts.view(), reduce_op::sum); !st) return st;
+    if (i == 2) ++steps_;
+    const kernels::switch_loss_kernel loss{
+        .column_sums = t.sums.view().data(),
+        .counts = t.counts.view().data(),
+        .columns = B * E,
+        .total_tokens = static_cast<double>(n / B) * group.size(),
+        .per_token = static_cast<double>(o_.router.topk) * B,
+        .topk = o_.router.topk,
+        .num_experts = E,
+        .coeff = i == 0 ? o_.aux_loss_coeff
+                        : (i == 1 ? o_.seq_aux_loss_coeff : o_.global_aux_loss_coeff),
+        .divide_by = static_cast<double>(B),
+        .running = i == 2 ? running_.view().data() : nullptr,
+        .steps = i == 2 ? steps_ : 0,
+        .used = nullptr,
+        .loss = t.loss.view().data(),
+        .dscores = t.dscores.view().data()};
     return launch(*x_, launch_grid{.blocks = 1}, loss);
   }
   template <class Team>
-  status aux_backward(int n, float seed) {
-    const kernels::basic_aux_loss_backward_kernel<Team> k{
-        .logits = logits_.view().data(),
-        .padding = nullptr,
-        .num_tokens = n,
-        .num_experts = o_.router.num_experts,
-        .score = static_cast<kernels::router_score>(static_cast<int>(o_.router.score)),
-        .dscores = dscores_.view().data(),
-        .columns = o_.router.num_experts,
-        .seed = seed,
-        .dlogits = dlogits_.view().data()};
+  status aux_backward(int i, int n, float seed) {
+    const auto& t = terms_[static_cast<std::size_t>(i)];
+    const kernels::basic_aux_loss_backward_kernel<Team> k{.logits = logits_.view().data(),
+                                                          .padding = nullptr,
+                                                          .num_tokens = n,
+                                                          .num_experts = o_.router.num_experts,
+                                                          .score = score_kind(),
+                                                          .dscores = t.dscores.view().data(),
+                                                          .columns = t.dscores.view().width(),
+                                                          .seed = seed,
+                                                          .dlogits = dlogits_.view().data()};
     return per_token<Team>(k, n);
+  }
+  kernels::router_score score_kind() const noexcept {
+    return static_cast<kernels::router_score>(static_cast<int>(o_.router.score));
+  }
+
+  // The routed pairs of this forward per expert (an exact integer histogram of the record, whose
+  // ids the router wrote: its fault word stays {-1, 0}) added to the bias's counts.
+  status add_routed_counts(int n) {
+    const int E = o_.router.num_experts;
+    if (auto st = x_->expert_histogram(indices_.cview().first(n), histogram_.view(), fault_.view());
+        !st)
+      return st;
+    const kernels::expert_counts_accumulate_kernel k{
+        .counts = histogram_.view().data(), .num_experts = E, .local = bias_counts_.view().data()};
+    return launch(*x_, launch_grid{.blocks = capped_blocks<Exec>(E, k.block_threads)}, k);
   }
 
   // The z-loss with the coefficient divided by |tp-cp| (the group's parts sum to its mean).
@@ -420,22 +547,30 @@ class simt_moe_layer {
   simt_router<T, Exec, grad_type> router_;
   Dispatcher disp_;
   Experts experts_;
-  bool training_ = true, aux_on_ = false, z_on_ = false;
+  bool training_ = true, z_on_ = false;
+  std::array<bool, 3> aux_on_{};  // the forward's load-balancing terms (see aux_term)
   float z_coeff_ = 0;
-  int n_ = 0;
+  int n_ = 0, steps_ = 0;  // steps_: micro-batches in the global loss's running counts
   std::optional<handle_type> handle_{};
   // One forward's activations and the backward's scratch, in the context's memory.
-  buffer<T> input_;                                          // [max_tokens, H] the forward's input
-  buffer<float> logits_, probs_, dprobs_;                    // [N, E], [N, k], [N, k]
-  buffer<int> indices_;                                      // [N, k]
-  buffer<float> dlogits_, dx_router_;                        // [N, E], [N, H]
-  buffer<T> rows_a_, rows_b_;                                // [M, H]: y then dy; dx rows
-  buffer<float> prob_rows_;                                  // [M, 1] dprob rows
-  buffer<float> scores_, column_sums_, dscores_, aux_loss_;  // [N, E], [1, E], [1, E], [1, 1]
-  buffer<std::uint8_t> map_;                                 // [N, E]
-  buffer<double> counts_;                                    // [1, E]
-  buffer<float> lse_, z_loss_;                               // [1, N], [1, 1]
-  buffer<int> valid_;                                        // [1, 1]
+  buffer<T> input_;                        // [max_tokens, H] the forward's input
+  buffer<float> logits_, probs_, dprobs_;  // [N, E], [N, k], [N, k]
+  buffer<int> indices_;                    // [N, k]
+  buffer<float> dlogits_, dx_router_;      // [N, E], [N, H]
+  buffer<T> rows_a_, rows_b_;              // [M, H]: y then dy; dx rows
+  buffer<float> prob_rows_;                // [M, 1] dprob rows
+  buffer<float> scores_;                   // [N, E] the losses' scores
+  buffer<std::uint8_t> map_;               // [N, E] their top-k map
+  struct aux_buffers {
+    buffer<float> sums, dscores, loss;  // [1, C], [1, C], [1, 1]; C = E, or B E per sequence
+    buffer<double> counts;              // [1, C] summed over the term's group
+  };
+  std::array<aux_buffers, 3> terms_{};              // micro-batch, per sequence, global
+  buffer<double> running_;                          // [1, E] the global loss's running counts
+  buffer<float> bias_, bias_counts_, bias_summed_;  // [1, E] each: the expert bias's state
+  buffer<int> histogram_, fault_;                   // [1, E], [1, 2]
+  buffer<float> lse_, z_loss_;                      // [1, N], [1, 1]
+  buffer<int> valid_;                               // [1, 1]
   exec_workspace<Exec> ws_{};
 };
 
