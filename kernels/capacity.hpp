@@ -196,4 +196,29 @@ struct drop_totals_kernel {
   }
 };
 
+//! After keep_rank_kernel, what the dispatcher and the expert bias take: the kept record
+//! (kept[p] = expert[p] where keep[p], else -1: a dropped pair) and the rows each expert receives
+//! from the counted rows, dispatched[e] = routed[e] - dropped[e] + padded[e] (Megatron-Core's
+//! post-drop routing map, which the expert bias counts). Grid-strided over pairs, then experts.
+struct kept_record_kernel {
+  static constexpr int block_threads = 256;
+  static constexpr const char* name = "kept_record";
+  const int* expert;         // [N * k]
+  const std::uint8_t* keep;  // [N * k]
+  long long pairs;
+  int* kept;  // [N * k]
+  const int *routed, *dropped, *padded;
+  int num_experts;
+  int* dispatched;  // [E]
+
+  template <class Ctx>
+  MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
+    const long long step = static_cast<long long>(c.grid_blocks()) * block_threads,
+                    first = static_cast<long long>(c.block()) * block_threads + c.thread();
+    for (long long p = first; p < pairs; p += step) kept[p] = keep[p] != 0 ? expert[p] : -1;
+    for (long long e = first; e < num_experts; e += step)
+      dispatched[e] = routed[e] - dropped[e] + padded[e];
+  }
+};
+
 }  // namespace moefold::kernels

@@ -12,9 +12,11 @@
 //! It computes what moe_layer computes on the host for the same options (tested over folds of
 //! the thread world against moe_layer and the fp64 single-rank reference, and over micro-batches
 //! and a global batch's end for the losses with state and the bias); what it does not take yet is
-//! refused by make() with the rule named: a shared expert. It has no drop policy (it is the
-//! dropless layer). One forward in flight: the layer keeps the forward's activations in its own
-//! buffers until the backward.
+//! refused by make() with the rule named: a shared expert. Drop policies: dropless (default) or
+//! sub-sequence dropping (`sub_sequence`: capacity from this rank's tokens, by probability or by
+//! position, pad mode included) as kernels (kernels/capacity.hpp); full-sequence dropping, which
+//! gathers the tp-cp group's routing, is moe_layer's only. One forward in flight: the layer keeps
+//! the forward's activations in its own buffers until the backward.
 //!
 //! State across micro-batches, in the context's memory: the expert bias [1, E] and this global
 //! batch's routed counts [1, E] (fp32, whole numbers), the global loss's running counts [1, E]
@@ -43,10 +45,12 @@
 #include <vector>
 
 #if __has_include(<moefold/kernels/router_aux_loss.hpp>)
+#include <moefold/kernels/capacity.hpp>
 #include <moefold/kernels/expert_bias.hpp>
 #include <moefold/kernels/router_aux_loss.hpp>
 #include <moefold/kernels/router_z_loss.hpp>
 #else
+#include "../../../kernels/capacity.hpp"
 #include "../../../kernels/expert_bias.hpp"
 #include "../../../kernels/router_aux_loss.hpp"
 #include "../../../kernels/router_z_loss.hpp"
@@ -60,6 +64,7 @@
 #include "../core/grouped_gemm_launch.hpp"
 #include "../core/row_view.hpp"
 #include "../dispatch/dispatch_args.hpp"
+#include "../dispatch/drop_policy_local.hpp"
 #include "../dispatch/exec_workspace.hpp"
 #include "../experts/simt_mlp.hpp"
 #include "../routing/simt_router.hpp"
@@ -84,6 +89,10 @@ concept device_experts = requires(E& e, const device_expert_batch<T, float, S>& 
 //! is off or in evaluation): valid until the next forward.
 template <class S>
 struct simt_moe_forward_stats {
+  //! With a drop policy: the capacity C per expert (a host value: it depends on N only) and
+  //! {dropped pairs, tokens that lost all k experts} [1, 2] on the context; empty when dropless.
+  std::optional<int> capacity{};
+  row_view<const long long, S> drop_totals{};
   row_view<const float, S> aux_loss{};         //!< this rank's part of the micro-batch loss
   row_view<const float, S> seq_aux_loss{};     //!< this rank's part of the per-sequence loss
   row_view<const float, S> global_aux_loss{};  //!< this rank's part of the global-batch loss
@@ -106,12 +115,14 @@ class simt_moe_layer {
   using handle_type = typename Dispatcher::handle_type;
 
   //! Checks the options (what moe_layer checks, and what this layer does not take yet), makes
-  //! the router and the dispatcher and allocates every buffer of one forward in flight. `exec`,
-  //! the router weight and its gradient buffer must outlive the layer.
+  //! the router and the dispatcher and allocates every buffer of one forward in flight (in pad
+  //! mode for the capacity of max_tokens). `exec`, the router weight and its gradient buffer must
+  //! outlive the layer. `drop`: sub-sequence dropping, or none (dropless).
   [[nodiscard]] static expected<simt_moe_layer> make(Exec& exec, const moe_layer_options& o,
                                                      row_view<const T, space> router_weight,
                                                      row_view<grad_type, space> router_grad,
-                                                     Experts experts) {
+                                                     Experts experts,
+                                                     std::optional<sub_sequence> drop = {}) {
     using detail::to_decimal;
     const auto refuse = [](const std::string& what, errc code = errc::not_supported) {
       return unexpected<error>(make_error(code, "simt_moe_layer: " + what));
@@ -131,6 +142,15 @@ class simt_moe_layer {
     if (o.max_tokens < 1 || o.hidden < 1)
       return unexpected<error>(
           make_error(errc::invalid_size, "simt_moe_layer: max_tokens and hidden must be >= 1"));
+    if (drop) {
+      if (drop->by != drop_by::probs && drop->by != drop_by::position)
+        return refuse("drop.by must be drop_by::probs or drop_by::position",
+                      errc::invalid_argument);
+      // The capacity factor's rule, and the capacity of max_tokens fits.
+      auto c = expert_capacity(static_cast<long long>(o.max_tokens) * o.router.topk,
+                               o.router.num_experts, drop->capacity_factor);
+      if (!c) return refuse(c.error().message, c.error().code);
+    }
     if (experts.hidden() != o.hidden || experts.num_local_experts() * o.ep != o.router.num_experts)
       return unexpected<error>(
           make_error(errc::shape_mismatch,
@@ -145,6 +165,7 @@ class simt_moe_layer {
     auto disp = Dispatcher::make(moe_dispatch_shape(o));
     if (!disp) return unexpected<error>(disp.error());
     simt_moe_layer l(exec, o, std::move(*router), std::move(*disp), std::move(experts));
+    l.drop_ = drop;
     if (auto st = l.allocate(); !st) return unexpected<error>(st.error());
     return l;
   }
@@ -162,6 +183,21 @@ class simt_moe_layer {
   [[nodiscard]] row_view<const float, space> last_logits() const noexcept {
     return logits_.cview().first(n_);
   }
+  //! The last forward's record as dispatched [N, k]: the selected experts, -1 where a pair was
+  //! dropped (the same as last_indices() when dropless).
+  [[nodiscard]] row_view<const int, space> last_kept() const noexcept {
+    return drop_ ? kept_.cview().first(n_) : last_indices();
+  }
+  //! With a drop policy, the last training or evaluation forward's pairs per expert [1, E]:
+  //! routed, dropped beyond capacity, zero-probability filler rows (pad mode); empty dropless.
+  struct drop_views {
+    row_view<const int, space> routed{}, dropped{}, padded{};
+  };
+  [[nodiscard]] drop_views last_drop_counts() const noexcept {
+    if (!drop_) return {};
+    return {routed_.cview(), dropped_.cview(), padded_.cview()};
+  }
+  [[nodiscard]] const std::optional<sub_sequence>& drop_policy() const noexcept { return drop_; }
   //! The last forward's dispatch (rows per local expert on the host, the batch's rows).
   [[nodiscard]] const handle_type* last_dispatch() const noexcept {
     return handle_ ? &*handle_ : nullptr;
@@ -222,6 +258,14 @@ class simt_moe_layer {
         !st)
       return unexpected<error>(st.error());
     simt_moe_forward_stats<space> stats;
+    std::optional<int> pad_rows;
+    if (drop_) {
+      auto c = drop_pairs(n);
+      if (!c) return unexpected<error>(c.error());
+      stats.capacity = *c;
+      stats.drop_totals = drop_totals_.cview();
+      if (drop_->pad_to_capacity) pad_rows = *c;
+    }
     aux_on_ = {training_ && o_.aux_loss_coeff > 0, seq_on, global_on};
     z_on_ = training_ && o_.z_loss_coeff > 0;
     if (aux_on_[0] || seq_on || global_on)
@@ -238,7 +282,8 @@ class simt_moe_layer {
       if (auto st = aux_term(2, *g.tp_dp_cp, n); !st) return unexpected<error>(st.error());
       stats.global_aux_loss = terms_[2].loss.cview();
     }
-    // The bias's counts: every routed pair (the layer is dropless), once per training forward.
+    // The bias's counts: the rows each expert receives (routed - dropped + padded), once per
+    // training forward.
     if (training_ && o_.router.expert_bias)
       if (auto st = add_routed_counts(n); !st) return unexpected<error>(st.error());
     if (z_on_) {
@@ -247,8 +292,9 @@ class simt_moe_layer {
     }
     const dispatch_input<T, space, float> din{.num_tokens = n,
                                               .x = xs,
-                                              .expert = indices_.cview().first(n),
-                                              .probs = probs_.cview().first(n)};
+                                              .expert = last_record(n),
+                                              .probs = probs_.cview().first(n),
+                                              .capacity = pad_rows};
     auto h = disp_.dispatch(*x_, din, g.dispatch, ws_.view());
     if (!h) return unexpected<error>(h.error());
     const int M = h->num_rows();
@@ -355,7 +401,12 @@ class simt_moe_layer {
     const long long N = o_.max_tokens, H = o_.hidden, E = o_.router.num_experts, K = o_.router.topk,
                     B = o_.batch;
     // The experts' rows: the receive bound (by default every routed pair of the tp-ep group).
-    const long long M = o_.max_recv_rows.value_or(detail::worst_recv_rows(disp_.shape()));
+    // In pad mode every expert receives C rows from each rank of the group: C E etp in all, which
+    // may exceed the routed pairs (capacity factors above 1).
+    const std::optional<int> pad_max = max_pad_rows();
+    const long long M = o_.max_recv_rows.value_or(
+        std::max<long long>(detail::worst_recv_rows(disp_.shape()),
+                            pad_max ? static_cast<long long>(*pad_max) * E * o_.etp : 0));
     const auto make = [&]<class U>(buffer<U>& b, long long rows, long long width) -> status {
       auto v = buffer<U>::make(*x_, rows, width);
       if (!v) return unexpected<error>(v.error());
@@ -384,6 +435,12 @@ class simt_moe_layer {
                       make(fault_, 1, 2),
                       make(running_, 1, E)})
       if (!st) return st;
+    if (drop_)
+      for (status st :
+           {make(kept_, N, K), make(keep_, N, K), make(lists_, N, K), make(offsets_, 1, E + 1),
+            make(scan_scratch_, 1, scan_scratch(E)), make(routed_, 1, E), make(dropped_, 1, E),
+            make(padded_, 1, E), make(drop_totals_, 1, 2)})
+        if (!st) return st;
     for (int i = 0; i < 3; ++i) {
       // The per-sequence loss's columns are (sequence, expert): B E.
       const long long cols = i == 1 ? B * E : E;
@@ -397,7 +454,9 @@ class simt_moe_layer {
                       x_->template fill<float>(bias_counts_.view(), 0.0f),
                       x_->template fill<double>(running_.view(), 0.0)})
       if (!st) return st;
-    auto ws = make_exec_workspace(*x_, disp_.workspace_sizes(std::nullopt));
+    // The workspace of the larger of the two forwards pad mode may run (a capacity of 0 rows
+    // is the smallest; max_tokens' the largest).
+    auto ws = make_exec_workspace(*x_, disp_.workspace_sizes(pad_max));
     if (!ws) return unexpected<error>(ws.error());
     ws_ = std::move(*ws);
     return {};
@@ -492,16 +551,117 @@ class simt_moe_layer {
     return static_cast<kernels::router_score>(static_cast<int>(o_.router.score));
   }
 
-  // The routed pairs of this forward per expert (an exact integer histogram of the record, whose
-  // ids the router wrote: its fault word stays {-1, 0}) added to the bias's counts.
+  // The rows each expert receives from this forward added to the bias's counts: with a drop
+  // policy the kept and filler rows (kept_record_kernel's dispatched), dropless every routed pair
+  // (an exact integer histogram of the record, whose ids the router wrote: its fault word stays
+  // {-1, 0}).
   status add_routed_counts(int n) {
     const int E = o_.router.num_experts;
-    if (auto st = x_->expert_histogram(indices_.cview().first(n), histogram_.view(), fault_.view());
-        !st)
-      return st;
+    if (!drop_)
+      if (auto st =
+              x_->expert_histogram(indices_.cview().first(n), histogram_.view(), fault_.view());
+          !st)
+        return st;
     const kernels::expert_counts_accumulate_kernel k{
         .counts = histogram_.view().data(), .num_experts = E, .local = bias_counts_.view().data()};
     return launch(*x_, launch_grid{.blocks = capped_blocks<Exec>(E, k.block_threads)}, k);
+  }
+
+  // The record the dispatcher takes.
+  row_view<const int, space> last_record(int n) const noexcept {
+    return drop_ ? kept_.cview().first(n) : indices_.cview().first(n);
+  }
+  // The largest pad-mode capacity (that of max_tokens), or none without pad mode.
+  std::optional<int> max_pad_rows() const {
+    if (!drop_ || !drop_->pad_to_capacity) return std::nullopt;
+    auto c = expert_capacity(static_cast<long long>(o_.max_tokens) * o_.router.topk,
+                             o_.router.num_experts, drop_->capacity_factor);
+    return c ? std::optional<int>(*c) : std::nullopt;  // make() checked it
+  }
+  static long long scan_scratch(long long n) {
+    return std::max<long long>(Exec::exclusive_scan_scratch(n), 1);
+  }
+
+  // Sub-sequence dropping over this rank's n tokens (drop_policy_local.hpp's sub_sequence, as
+  // kernels): C = ceil(n k / E x capacity factor); the routed pairs grouped by expert (histogram,
+  // exclusive scan, lists), each pair's rank among its expert's, kept below C; the kept record
+  // (-1 where dropped), the per-expert counts and the totals. Returns C.
+  expected<int> drop_pairs(int n) {
+    const int E = o_.router.num_experts, K = o_.router.topk;
+    auto c = expert_capacity(static_cast<long long>(n) * K, E, drop_->capacity_factor);
+    if (!c) return unexpected<error>(c.error());
+    if (drop_->pad_to_capacity && *c > n)
+      return make_error(errc::invalid_argument,
+                        "simt_moe_layer: pad_to_capacity: capacity " + detail::to_decimal(*c) +
+                            " exceeds the " + detail::to_decimal(n) +
+                            " tokens, so no expert can be padded to it (lower capacity_factor "
+                            "to at most num_experts/topk)");
+    const auto ids = indices_.cview().first(n);
+    if (auto st = x_->expert_histogram(ids, histogram_.view(), fault_.view()); !st)
+      return unexpected<error>(st.error());
+    int* off = offsets_.view().data();  // [E + 1]: the scan's E offsets, then its total
+    if (auto st = x_->exclusive_scan(histogram_.cview(), row_view<int, space>(off, 1, E),
+                                     row_view<int, space>(off + E, 1, 1), scan_scratch_.view());
+        !st)
+      return unexpected<error>(st.error());
+    const kernels::keep_args<float> a{.expert = indices_.view().data(),
+                                      .probs = probs_.view().data(),
+                                      .order = nullptr,
+                                      .by_order = nullptr,
+                                      .offsets = off,
+                                      .scratch = lists_.view().data(),
+                                      .num_tokens = n,
+                                      .topk = K,
+                                      .num_experts = E,
+                                      .capacity = *c,
+                                      .by = drop_->by,
+                                      .pad = drop_->pad_to_capacity,
+                                      .first = 0,
+                                      .count = n,
+                                      .keep = keep_.view().data(),
+                                      .routed = routed_.view().data(),
+                                      .dropped = dropped_.view().data(),
+                                      .padded = padded_.view().data(),
+                                      .filler_map = nullptr};
+    const long long pairs = static_cast<long long>(n) * K;
+    const kernels::expert_lists_kernel<float> lists{a};
+    const kernels::keep_rank_kernel<float> rank{a};
+    const kernels::drop_totals_kernel totals{.keep = a.keep,
+                                             .dropped = a.dropped,
+                                             .topk = K,
+                                             .num_experts = E,
+                                             .first = 0,
+                                             .count = n,
+                                             .totals = drop_totals_.view().data()};
+    const kernels::kept_record_kernel record{.expert = a.expert,
+                                             .keep = a.keep,
+                                             .pairs = pairs,
+                                             .kept = kept_.view().data(),
+                                             .routed = a.routed,
+                                             .dropped = a.dropped,
+                                             .padded = a.padded,
+                                             .num_experts = E,
+                                             .dispatched = histogram_.view().data()};
+    // In order, each after the previous one's success.
+    if (auto st =
+            launch(*x_, launch_grid{.blocks = capped_blocks<Exec>(E, lists.block_threads)}, lists);
+        !st)
+      return unexpected<error>(st.error());
+    if (pairs > 0)
+      if (auto st = launch(
+              *x_, launch_grid{.blocks = capped_blocks<Exec>(pairs, rank.block_threads)}, rank);
+          !st)
+        return unexpected<error>(st.error());
+    if (auto st = launch(*x_, launch_grid{.blocks = 1, .smem_bytes = totals.smem_bytes}, totals);
+        !st)
+      return unexpected<error>(st.error());
+    if (auto st = launch(*x_,
+                         launch_grid{.blocks = capped_blocks<Exec>(std::max<long long>(pairs, E),
+                                                                   record.block_threads)},
+                         record);
+        !st)
+      return unexpected<error>(st.error());
+    return *c;
   }
 
   // The z-loss with the coefficient divided by |tp-cp| (the group's parts sum to its mean).
@@ -569,8 +729,15 @@ class simt_moe_layer {
   buffer<double> running_;                          // [1, E] the global loss's running counts
   buffer<float> bias_, bias_counts_, bias_summed_;  // [1, E] each: the expert bias's state
   buffer<int> histogram_, fault_;                   // [1, E], [1, 2]
-  buffer<float> lse_, z_loss_;                      // [1, N], [1, 1]
-  buffer<int> valid_;                               // [1, 1]
+  // Sub-sequence dropping's state of one forward (allocated with a drop policy only).
+  std::optional<sub_sequence> drop_{};
+  buffer<int> kept_, lists_;               // [N, k] the kept record; pairs grouped by expert
+  buffer<std::uint8_t> keep_;              // [N, k] 1 kept, 0 dropped
+  buffer<int> offsets_, scan_scratch_;     // [1, E + 1]; the scan's tiles
+  buffer<int> routed_, dropped_, padded_;  // [1, E] each
+  buffer<long long> drop_totals_;          // [1, 2] dropped pairs, fully dropped tokens
+  buffer<float> lse_, z_loss_;             // [1, N], [1, 1]
+  buffer<int> valid_;                      // [1, 1]
   exec_workspace<Exec> ws_{};
 };
 
