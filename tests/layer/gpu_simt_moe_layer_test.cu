@@ -1,0 +1,84 @@
+// Part of the GPU test program (test-simt-gpu, whose main is in
+// tests/kernels/simt/simt_gpu_test.cu): the whole layer, simt_moe_layer, on cuda_kernel_exec over
+// the loopback world (8 ranks on one GPU, EP 4 x ETP 2), dropless and with sub-sequence dropping
+// in pad mode, against the same layer on cpu_exec over the thread world. The same routing and
+// kept record (the router's bodies are bitwise on both), the same host waits (run_simt_rank
+// checks them: one device-to-host copy per dropless forward, none in pad mode, none in the
+// backward), the kernels' error word clear, and outputs, gradients and losses within 1e-6
+// normwise (the same kernel bodies; the bound leaves room for the GPU's own rounding of a sum
+// it might contract, which the CPU tests of each kernel pin where it matters).
+#include <doctest/doctest.h>
+#include <moefold/comm/cuda/loopback_world.cuh>
+#include <moefold/comm/thread_world.hpp>
+#include <moefold/core/cpu_exec.hpp>
+#include <moefold/core/cuda/cuda_kernel_exec.cuh>
+#include <moefold/dispatch/all_to_all_dispatcher.hpp>
+
+#include <algorithm>
+#include <optional>
+#include <vector>
+
+#include "simt_layer_rank.hpp"
+
+using namespace moefold;
+using namespace moefold::test;
+
+namespace {
+
+void gpu_layer_equals_cpu(const problem& p, std::optional<sub_sequence> drop) {
+  const int W = p.fold.world;
+  std::vector<layer_result> cpu(static_cast<std::size_t>(W)), gpu(static_cast<std::size_t>(W));
+  const auto cs = run_thread_world(W, [&](thread_communicator& world) -> status {
+    auto dw = std::move(world).in_space<cpu_device_space>();
+    cpu_exec x;
+    auto r = run_simt_rank<float, all_to_all_dispatcher>(p, dw, x, drop);
+    if (!r) return unexpected<error>(r.error());
+    cpu[static_cast<std::size_t>(dw.rank())] = std::move(*r);
+    return {};
+  });
+  const auto gs = run_loopback_world(W, [&](loopback_communicator& c) -> status {
+    auto x = cuda_kernel_exec::make(c.stream());
+    if (!x) return unexpected<error>(x.error());
+    auto r = run_simt_rank<float, all_to_all_dispatcher>(p, c, *x, drop);
+    if (!r) return unexpected<error>(r.error());
+    if (auto st = x->device_status(); !st) return st;  // no index out of range anywhere
+    gpu[static_cast<std::size_t>(c.rank())] = std::move(*r);
+    return {};
+  });
+  double worst = 0;
+  for (int r = 0; r < W; ++r) {
+    CAPTURE(r);
+    const auto i = static_cast<std::size_t>(r);
+    REQUIRE_MESSAGE(cs[i].has_value(), cs[i].error().message);
+    REQUIRE_MESSAGE(gs[i].has_value(), gs[i].error().message);
+    const layer_result &a = cpu[i], &b = gpu[i];
+    CHECK(a.indices == b.indices);
+    CHECK(a.kept == b.kept);
+    CHECK(a.dropped == b.dropped);
+    using field = std::vector<double> layer_result::*;
+    for (field v : {&layer_result::out, &layer_result::dx, &layer_result::dw_router,
+                    &layer_result::dw1, &layer_result::dw2}) {
+      const double e = rel_err(a.*v, b.*v);
+      worst = std::max(worst, e);
+      CHECK(e <= 1e-6);
+    }
+    CHECK(a.aux == doctest::Approx(b.aux).epsilon(1e-6));
+    CHECK(a.z == doctest::Approx(b.z).epsilon(1e-6));
+  }
+  MESSAGE("simt_moe_layer cuda_kernel_exec vs cpu_exec, worst normwise difference: ", worst);
+}
+
+}  // namespace
+
+TEST_CASE(
+    "[layer] simt_moe_layer on cuda_kernel_exec (loopback world, EP 4 x ETP 2) equals the layer "
+    "on cpu_exec: dropless and sub-sequence pad mode") {
+  problem p{.fold = {.world = 8, .tp = 2, .ep = 4, .etp = 2}};
+  p.experts = 8;
+  p.topk = 2;
+  p.hidden = 12;
+  p.ffn = 4;
+  p.tokens = 6;
+  gpu_layer_equals_cpu(p, std::nullopt);
+  gpu_layer_equals_cpu(p, sub_sequence{.capacity_factor = 1.0, .pad_to_capacity = true});
+}

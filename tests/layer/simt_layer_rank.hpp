@@ -1,0 +1,191 @@
+// One rank of simt_moe_layer on any execution context and communicator (cpu_exec over the
+// device-space thread world in layer-simt-moe-layer; cuda_kernel_exec over the loopback world in
+// simt-gpu): the weights of layer_harness.hpp uploaded to the context, forward, backward (seed 1),
+// gradients reduced, everything read back and widened; the drop counts checked against the
+// records and the host waits counted (one device-to-host copy per forward, none in pad mode or
+// the backward).
+#pragma once
+
+#include <moefold/core/exec_buffer.hpp>
+#include <moefold/experts/simt_mlp.hpp>
+#include <moefold/layer/simt_moe_layer.hpp>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "../dispatch/device_round_trip.hpp"
+#include "layer_harness.hpp"
+
+namespace moefold::test {
+
+template <class T>
+std::vector<double> widen_all(const std::vector<T>& v) {
+  return widen(std::span<const T>(v));
+}
+
+// The options both layers run with (layer_harness.hpp's: softmax top-k, aux and z-loss).
+inline moe_layer_options options_of(const problem& p, const dynamic_folded_mesh& fold) {
+  return {.hidden = p.hidden,
+          .max_tokens = p.tokens,
+          .ep = fold.ep(),
+          .etp = fold.etp(),
+          .router = {.num_experts = p.experts, .topk = p.topk},
+          .aux_loss_coeff = aux_coeff,
+          .z_loss_coeff = z_coeff};
+}
+
+// The drop counts of a forward against what its records say, recomputed on the host: routed
+// pairs per expert from the router's record, kept ones from the kept record, none kept beyond C,
+// the totals, and in pad mode exactly C rows per expert (kept + fillers).
+template <class Exec, class Layer, class Stats>
+status check_drop_counts(Exec& x, const Layer& layer, const Stats& stats, const problem& p,
+                         const sub_sequence& drop, layer_result& res) {
+  const int E = p.experts;
+  if (!stats.capacity || stats.drop_totals.empty())
+    return make_error(errc::invalid_argument, "a forward with a drop policy reports no capacity");
+  const int C = *stats.capacity;
+  const auto c = layer.last_drop_counts();
+  TRY_ASSIGN(routed, (download<int>(x, c.routed)));
+  TRY_ASSIGN(dropped, (download<int>(x, c.dropped)));
+  TRY_ASSIGN(padded, (download<int>(x, c.padded)));
+  TRY_ASSIGN(totals, (download<long long>(x, stats.drop_totals)));
+  std::vector<int> want_routed(static_cast<std::size_t>(E)), kept(static_cast<std::size_t>(E));
+  for (int id : res.indices) ++want_routed[static_cast<std::size_t>(id)];
+  long long lost = 0, dropped_pairs = 0;
+  for (std::size_t t = 0; t * static_cast<std::size_t>(p.topk) < res.kept.size(); ++t) {
+    bool any = false;
+    for (int i = 0; i < p.topk; ++i) {
+      const int id = res.kept[t * static_cast<std::size_t>(p.topk) + static_cast<std::size_t>(i)];
+      if (id >= 0) ++kept[static_cast<std::size_t>(id)];
+      any = any || id >= 0;
+    }
+    lost += any ? 0 : 1;
+  }
+  for (int e = 0; e < E; ++e) {
+    const auto i = static_cast<std::size_t>(e);
+    dropped_pairs += (*dropped)[i];
+    const bool ok = (*routed)[i] == want_routed[i] && kept[i] == (*routed)[i] - (*dropped)[i] &&
+                    kept[i] == std::min(want_routed[i], C) &&
+                    (drop.pad_to_capacity ? kept[i] + (*padded)[i] == C : (*padded)[i] == 0);
+    if (!ok)
+      return make_error(errc::invalid_argument,
+                        "expert " + std::to_string(e) + ": routed " + std::to_string((*routed)[i]) +
+                            ", dropped " + std::to_string((*dropped)[i]) + ", padded " +
+                            std::to_string((*padded)[i]) + ", kept " + std::to_string(kept[i]) +
+                            " with capacity " + std::to_string(C));
+  }
+  if ((*totals)[0] != dropped_pairs || (*totals)[1] != lost)
+    return make_error(errc::invalid_argument, "the drop totals do not match the counts");
+  // Pad mode's static shape: C rows per expert from every rank of the tp-ep group.
+  const auto fold = make_folded(p.fold).value();
+  if (drop.pad_to_capacity && layer.last_dispatch()->num_rows() != C * E * fold.etp())
+    return make_error(errc::invalid_argument,
+                      "pad mode: the experts got " +
+                          std::to_string(layer.last_dispatch()->num_rows()) + " rows, not C E etp");
+  res.dropped = dropped_pairs;
+  return {};
+}
+
+// One rank's simt_moe_layer: the weights of layer_harness.hpp uploaded to the context, forward,
+// backward (seed 1), gradients reduced; everything read back and widened.
+template <class T, template <class, class, class, class> class Disp, class Exec, class Comm>
+expected<layer_result> run_simt_rank(const problem& p, Comm& world, Exec& x,
+                                     std::optional<sub_sequence> drop) {
+  using G = main_grad_t<T>;
+  using layer_t = simt_moe_layer<T, Exec, Comm, Disp<T, Comm, Exec, float>,
+                                 simt_mlp<T, Exec, main_grad_t<T>, float>>;
+  const auto copies = [&x] {
+    if constexpr (counts_copies<Exec>)
+      return x.copies();
+    else
+      return copy_counts{};
+  };
+  const auto fold = make_folded(p.fold).value();
+  const megatron_groups groups(fold);
+  const int r = world.rank(), H = p.hidden, E = p.experts, L = E / fold.ep();
+  auto get = [&](group_kind k) { return group_communicator(world, groups, {k}).value(); };
+  auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep);
+  auto tp_cp = get(group_kind::tp_cp), stage = get(group_kind::tp_dp_cp),
+       edp = get(group_kind::edp);
+  // The experts' weights in the library's layout, from the host reference expert's loader.
+  const data w = make_weights(p);
+  TRY_ASSIGN(ref, (rank_experts<T, float>(p, fold, r, w.w1, w.w2)));
+  const int fs = p.ffn / fold.etp();
+  const std::vector<T> fc1(ref->weights_fc1().begin(), ref->weights_fc1().end());
+  const std::vector<T> fc2(ref->weights_fc2().begin(), ref->weights_fc2().end());
+  TRY_ASSIGN(d_fc1, upload(x, fc1, L * 2 * fs, H));
+  TRY_ASSIGN(d_fc2, upload(x, fc2, L * H, fs));
+  TRY_ASSIGN(d_g1, upload(x, std::vector<G>(fc1.size(), G(0)), L * 2 * fs, H));
+  TRY_ASSIGN(d_g2, upload(x, std::vector<G>(fc2.size(), G(0)), L * H, fs));
+  TRY_ASSIGN(mlp, (simt_mlp<T, Exec, G, float>::make(x,
+                                                     {.hidden = H,
+                                                      .ffn = p.ffn,
+                                                      .num_local_experts = L,
+                                                      .etp = fold.etp(),
+                                                      .etp_rank = fold.moe_coord_of(r).etp,
+                                                      .act = activation::swiglu},
+                                                     {d_fc1->cview(), d_fc2->cview()},
+                                                     {d_g1->view(), d_g2->view()})));
+  const auto wr = router_weight(p);
+  TRY_ASSIGN(d_w, upload(x, cast<T>(wr), E, H));
+  TRY_ASSIGN(d_dw, upload(x, std::vector<G>(wr.size(), G(0)), E, H));
+  TRY_ASSIGN(layer, (layer_t::make(x, options_of(p, fold), d_w->cview(), d_dw->view(),
+                                   std::move(*mlp), drop)));
+  std::vector<T> xs, douts;
+  for (int t = 0; t < p.tokens; ++t) {
+    const auto d = make_token(p, r, t);
+    for (double v : d.x) xs.push_back(static_cast<T>(v));
+    for (double v : d.dout) douts.push_back(static_cast<T>(v));
+  }
+  TRY_ASSIGN(d_x, upload(x, xs, p.tokens, H));
+  TRY_ASSIGN(d_dout, upload(x, douts, p.tokens, H));
+  TRY_ASSIGN(d_out, (exec_buffer<T, Exec>::make(x, p.tokens, H)));
+  TRY_ASSIGN(d_dx, (exec_buffer<T, Exec>::make(x, p.tokens, H)));
+  const moe_layer_groups<Comm> g{tp_cp, {ep, etp, tp_ep}};
+  const copy_counts before = copies();
+  TRY_ASSIGN(stats, layer->forward(d_x->cview(), g, d_out->view()));
+  const copy_counts after_forward = copies();
+  layer_result res;
+  TRY_ASSIGN(aux, (download<float>(x, stats->aux_loss)));
+  TRY_ASSIGN(z, (download<float>(x, stats->z_loss)));
+  if (aux->size() != 1 || z->size() != 1)
+    return make_error(errc::invalid_argument, "the training forward gave no loss values");
+  res.aux = (*aux)[0];
+  res.z = (*z)[0];
+  TRY_ASSIGN(idx, (download<int>(x, layer->last_indices())));
+  res.indices = *idx;
+  TRY_ASSIGN(kept, (download<int>(x, layer->last_kept())));
+  res.kept = *kept;
+  if (drop) {
+    TRY(check_drop_counts(x, *layer, *stats, p, *drop, res));
+  } else if (res.kept != res.indices || stats->capacity || !stats->drop_totals.empty()) {
+    return make_error(errc::invalid_argument, "the dropless layer reports a drop");
+  }
+  const copy_counts before_backward = copies();
+  TRY(layer->backward(d_dout->cview(), 1.0f, g, d_dx->view()));
+  // The host waits: one copy of the counts per dropless forward (the collectives need them),
+  // none in pad mode, none in the backward.
+  const long long forward_waits = after_forward.to_host - before.to_host,
+                  backward_waits = copies().to_host - before_backward.to_host;
+  const long long want_forward = drop && drop->pad_to_capacity ? 0 : 1;
+  if (forward_waits != want_forward || backward_waits != 0)
+    return make_error(errc::invalid_argument, "device-to-host copies: forward " +
+                                                  std::to_string(forward_waits) + " (want " +
+                                                  std::to_string(want_forward) + "), backward " +
+                                                  std::to_string(backward_waits) + " (want 0)");
+  TRY(layer->reduce_gradients(stage, edp, d_dw->view(), {d_g1->view(), d_g2->view()}));
+  TRY_ASSIGN(out, (download<T>(x, d_out->cview())));
+  TRY_ASSIGN(dx, (download<T>(x, d_dx->cview())));
+  TRY_ASSIGN(dw, (download<G>(x, d_dw->cview())));
+  TRY_ASSIGN(g1, (download<G>(x, d_g1->cview())));
+  TRY_ASSIGN(g2, (download<G>(x, d_g2->cview())));
+  res.out = widen_all(*out);
+  res.dx = widen_all(*dx);
+  res.dw_router = widen_all(*dw);
+  res.dw1 = widen_all(*g1);
+  res.dw2 = widen_all(*g2);
+  return res;
+}
+
+}  // namespace moefold::test
