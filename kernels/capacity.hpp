@@ -12,8 +12,9 @@
 //! and the work is small); the rank is O(m) per pair for an expert with m routed pairs, the
 //! reference rule, where a GPU at large m wants a segmented sort (CUB) after measurement. The
 //! expert offsets come from expert_histogram_kernel and the exclusive scan (kernels/histogram.hpp,
-//! kernels/scan.hpp), which also reject expert ids outside [0, E): a record with one would have
-//! offsets that do not add up, so check first.
+//! kernels/scan.hpp), which also reject expert ids outside [0, E): such a pair is in no list, so
+//! its keep byte is not written (the ranks run over the listed pairs only, offsets[E], which keeps
+//! every access in bounds); kept_record_kernel passes its id on for the dispatcher to report.
 #pragma once
 
 #include <cstddef>
@@ -130,8 +131,9 @@ struct keep_rank_kernel {
   keep_args<P> a;
   template <class Ctx>
   MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
-    const long long pairs = static_cast<long long>(a.num_tokens) * a.topk;
-    for (long long i = static_cast<long long>(c.block()) * block_threads + c.thread(); i < pairs;
+    // The listed pairs: all N k of a valid record, fewer when ids outside [0, E) were left out.
+    const long long listed = a.offsets[a.num_experts];
+    for (long long i = static_cast<long long>(c.block()) * block_threads + c.thread(); i < listed;
          i += static_cast<long long>(c.grid_blocks()) * block_threads) {
       // The expert of list position i: the last e with offsets[e] <= i (binary search).
       int lo = 0, hi = a.num_experts - 1;
@@ -197,9 +199,10 @@ struct drop_totals_kernel {
 };
 
 //! After keep_rank_kernel, what the dispatcher and the expert bias take: the kept record
-//! (kept[p] = expert[p] where keep[p], else -1: a dropped pair) and the rows each expert receives
-//! from the counted rows, dispatched[e] = routed[e] - dropped[e] + padded[e] (Megatron-Core's
-//! post-drop routing map, which the expert bias counts). Grid-strided over pairs, then experts.
+//! (kept[p] = expert[p] where keep[p], else -1: a dropped pair; an id outside [0, E) unchanged) and
+//! the rows each expert receives from the counted rows, dispatched[e] = routed[e] - dropped[e] +
+//! padded[e] (Megatron-Core's post-drop routing map, which the expert bias counts). Grid-strided
+//! over pairs, then experts.
 struct kept_record_kernel {
   static constexpr int block_threads = 256;
   static constexpr const char* name = "kept_record";
@@ -215,7 +218,12 @@ struct kept_record_kernel {
   MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
     const long long step = static_cast<long long>(c.grid_blocks()) * block_threads,
                     first = static_cast<long long>(c.block()) * block_threads + c.thread();
-    for (long long p = first; p < pairs; p += step) kept[p] = keep[p] != 0 ? expert[p] : -1;
+    // An id outside [0, E) (a router fed NaN) was in no expert's list, so its keep byte was
+    // never written: it passes through, for the dispatcher to report with its position.
+    for (long long p = first; p < pairs; p += step) {
+      const int e = expert[p];
+      kept[p] = (e < 0 || e >= num_experts || keep[p] != 0) ? e : -1;
+    }
     for (long long e = first; e < num_experts; e += step)
       dispatched[e] = routed[e] - dropped[e] + padded[e];
   }

@@ -502,6 +502,17 @@ TEST_CASE("simt_moe_layer refuses what it does not run and misuse, naming the ru
     auto lp = layer_t::make(xx, ok, w.cview(), dw.view(), experts(),
                             sub_sequence{.capacity_factor = 1.5, .pad_to_capacity = true});
     if (!lp) return unexpected<error>(lp.error());
+    // Tokens the router cannot route (NaN: no expert id in [0, E)) are an error named by the
+    // dispatcher, not pairs silently dropped.
+    auto lnan = layer_t::make(xx, ok, w.cview(), dw.view(), experts(),
+                              sub_sequence{.capacity_factor = 1.0});
+    if (!lnan) return unexpected<error>(lnan.error());
+    TRY(xx.fill<float>(in.view(), std::numeric_limits<float>::quiet_NaN()));
+    auto fnan = lnan->forward(in.cview().first(2), g, out.view().first(2));
+    REQUIRE_FALSE(fnan.has_value());
+    CHECK_MESSAGE(fnan.error().message.find("outside [0, 2)") != std::string::npos,
+                  fnan.error().message);
+    TRY(xx.fill<float>(in.view(), 0.25f));
     auto f5 = lp->forward(in.cview().first(2), g, out.view().first(2));
     REQUIRE_FALSE(f5.has_value());
     CHECK(f5.error().message.find("pad_to_capacity: capacity 3 exceeds the 2 tokens") !=

@@ -407,9 +407,13 @@ class simt_moe_layer {
     const long long M = o_.max_recv_rows.value_or(
         std::max<long long>(detail::worst_recv_rows(disp_.shape()),
                             pad_max ? static_cast<long long>(*pad_max) * E * o_.etp : 0));
+    // Once an allocation fails, the ones after it are skipped (the lists below evaluate every
+    // call) and each returns that first failure.
+    status failed{};
     const auto make = [&]<class U>(buffer<U>& b, long long rows, long long width) -> status {
+      if (!failed) return failed;
       auto v = buffer<U>::make(*x_, rows, width);
-      if (!v) return unexpected<error>(v.error());
+      if (!v) return failed = unexpected<error>(v.error());
       b = std::move(*v);
       return {};
     };
