@@ -87,6 +87,52 @@ status check_drop_counts(Exec& x, const Layer& layer, const Stats& stats, const 
   return {};
 }
 
+// One rank's parameters on the context: the experts' weights of layer_harness.hpp in the
+// library's layout (from the host reference expert's loader) and the router weight, with zeroed
+// gradients.
+template <class T, class Exec>
+struct simt_rank_params {
+  using G = main_grad_t<T>;
+  exec_buffer<T, Exec> fc1, fc2, w;  // [L 2 F/etp, H], [L H, F/etp], [E, H]
+  exec_buffer<G, Exec> g1, g2, dw;   // their gradients
+};
+template <class T, class Exec>
+expected<simt_rank_params<T, Exec>> upload_rank_params(const problem& p,
+                                                       const dynamic_folded_mesh& fold, int r,
+                                                       Exec& x) {
+  using G = main_grad_t<T>;
+  const int H = p.hidden, E = p.experts, L = E / fold.ep(), fs = p.ffn / fold.etp();
+  const data w = make_weights(p);
+  TRY_ASSIGN(ref, (rank_experts<T, float>(p, fold, r, w.w1, w.w2)));
+  const std::vector<T> fc1(ref->weights_fc1().begin(), ref->weights_fc1().end());
+  const std::vector<T> fc2(ref->weights_fc2().begin(), ref->weights_fc2().end());
+  const auto wr = router_weight(p);
+  TRY_ASSIGN(d_fc1, upload(x, fc1, L * 2 * fs, H));
+  TRY_ASSIGN(d_fc2, upload(x, fc2, L * H, fs));
+  TRY_ASSIGN(d_w, upload(x, cast<T>(wr), E, H));
+  TRY_ASSIGN(d_g1, upload(x, std::vector<G>(fc1.size(), G(0)), L * 2 * fs, H));
+  TRY_ASSIGN(d_g2, upload(x, std::vector<G>(fc2.size(), G(0)), L * H, fs));
+  TRY_ASSIGN(d_dw, upload(x, std::vector<G>(wr.size(), G(0)), E, H));
+  return simt_rank_params<T, Exec>{std::move(*d_fc1), std::move(*d_fc2), std::move(*d_w),
+                                   std::move(*d_g1),  std::move(*d_g2),  std::move(*d_dw)};
+}
+// The rank's simt_mlp experts (SwiGLU, its ETP shard) over those parameters.
+template <class T, class Exec>
+expected<simt_mlp<T, Exec, main_grad_t<T>, float>> rank_mlp(const problem& p,
+                                                            const dynamic_folded_mesh& fold, int r,
+                                                            Exec& x,
+                                                            simt_rank_params<T, Exec>& par) {
+  return simt_mlp<T, Exec, main_grad_t<T>, float>::make(x,
+                                                        {.hidden = p.hidden,
+                                                         .ffn = p.ffn,
+                                                         .num_local_experts = p.experts / fold.ep(),
+                                                         .etp = fold.etp(),
+                                                         .etp_rank = fold.moe_coord_of(r).etp,
+                                                         .act = activation::swiglu},
+                                                        {par.fc1.cview(), par.fc2.cview()},
+                                                        {par.g1.view(), par.g2.view()});
+}
+
 // One rank's simt_moe_layer: the weights of layer_harness.hpp uploaded to the context, forward,
 // backward (seed 1), gradients reduced; everything read back and widened.
 template <class T, template <class, class, class, class> class Disp, class Exec, class Comm>
@@ -103,35 +149,16 @@ expected<layer_result> run_simt_rank(const problem& p, Comm& world, Exec& x,
   };
   const auto fold = make_folded(p.fold).value();
   const megatron_groups groups(fold);
-  const int r = world.rank(), H = p.hidden, E = p.experts, L = E / fold.ep();
+  const int r = world.rank(), H = p.hidden;
   auto get = [&](group_kind k) { return group_communicator(world, groups, {k}).value(); };
   auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep);
   auto tp_cp = get(group_kind::tp_cp), stage = get(group_kind::tp_dp_cp),
        edp = get(group_kind::edp);
-  // The experts' weights in the library's layout, from the host reference expert's loader.
-  const data w = make_weights(p);
-  TRY_ASSIGN(ref, (rank_experts<T, float>(p, fold, r, w.w1, w.w2)));
-  const int fs = p.ffn / fold.etp();
-  const std::vector<T> fc1(ref->weights_fc1().begin(), ref->weights_fc1().end());
-  const std::vector<T> fc2(ref->weights_fc2().begin(), ref->weights_fc2().end());
-  TRY_ASSIGN(d_fc1, upload(x, fc1, L * 2 * fs, H));
-  TRY_ASSIGN(d_fc2, upload(x, fc2, L * H, fs));
-  TRY_ASSIGN(d_g1, upload(x, std::vector<G>(fc1.size(), G(0)), L * 2 * fs, H));
-  TRY_ASSIGN(d_g2, upload(x, std::vector<G>(fc2.size(), G(0)), L * H, fs));
-  TRY_ASSIGN(mlp, (simt_mlp<T, Exec, G, float>::make(x,
-                                                     {.hidden = H,
-                                                      .ffn = p.ffn,
-                                                      .num_local_experts = L,
-                                                      .etp = fold.etp(),
-                                                      .etp_rank = fold.moe_coord_of(r).etp,
-                                                      .act = activation::swiglu},
-                                                     {d_fc1->cview(), d_fc2->cview()},
-                                                     {d_g1->view(), d_g2->view()})));
-  const auto wr = router_weight(p);
-  TRY_ASSIGN(d_w, upload(x, cast<T>(wr), E, H));
-  TRY_ASSIGN(d_dw, upload(x, std::vector<G>(wr.size(), G(0)), E, H));
-  TRY_ASSIGN(layer, (layer_t::make(x, options_of(p, fold), d_w->cview(), d_dw->view(),
+  TRY_ASSIGN(par, (upload_rank_params<T>(p, fold, r, x)));
+  TRY_ASSIGN(mlp, (rank_mlp(p, fold, r, x, *par)));
+  TRY_ASSIGN(layer, (layer_t::make(x, options_of(p, fold), par->w.cview(), par->dw.view(),
                                    std::move(*mlp), drop)));
+  auto &d_g1 = par->g1, &d_g2 = par->g2, &d_dw = par->dw;
   std::vector<T> xs, douts;
   for (int t = 0; t < p.tokens; ++t) {
     const auto d = make_token(p, r, t);
@@ -174,12 +201,12 @@ expected<layer_result> run_simt_rank(const problem& p, Comm& world, Exec& x,
                                                   std::to_string(forward_waits) + " (want " +
                                                   std::to_string(want_forward) + "), backward " +
                                                   std::to_string(backward_waits) + " (want 0)");
-  TRY(layer->reduce_gradients(stage, edp, d_dw->view(), {d_g1->view(), d_g2->view()}));
+  TRY(layer->reduce_gradients(stage, edp, d_dw.view(), {d_g1.view(), d_g2.view()}));
   TRY_ASSIGN(out, (download<T>(x, d_out->cview())));
   TRY_ASSIGN(dx, (download<T>(x, d_dx->cview())));
-  TRY_ASSIGN(dw, (download<G>(x, d_dw->cview())));
-  TRY_ASSIGN(g1, (download<G>(x, d_g1->cview())));
-  TRY_ASSIGN(g2, (download<G>(x, d_g2->cview())));
+  TRY_ASSIGN(dw, (download<G>(x, d_dw.cview())));
+  TRY_ASSIGN(g1, (download<G>(x, d_g1.cview())));
+  TRY_ASSIGN(g2, (download<G>(x, d_g2.cview())));
   res.out = widen_all(*out);
   res.dx = widen_all(*dx);
   res.dw_router = widen_all(*dw);

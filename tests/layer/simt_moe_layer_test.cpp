@@ -236,35 +236,17 @@ expected<feature_out> run_simt_features_rank(const problem& p, dev_comm& world, 
   using G = float;
   const auto fold = make_folded(p.fold).value();
   const megatron_groups groups(fold);
-  const int r = world.rank(), H = p.hidden, E = p.experts, L = E / fold.ep();
+  const int r = world.rank(), H = p.hidden, E = p.experts;
   auto get = [&](group_kind k) { return group_communicator(world, groups, {k}).value(); };
   auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep);
   auto tp_cp = get(group_kind::tp_cp), stage = get(group_kind::tp_dp_cp),
        edp = get(group_kind::edp);
-  const data w = make_weights(p);
-  TRY_ASSIGN(ref, (rank_experts<float, float>(p, fold, r, w.w1, w.w2)));
-  const int fs = p.ffn / fold.etp();
-  const std::vector<float> fc1(ref->weights_fc1().begin(), ref->weights_fc1().end());
-  const std::vector<float> fc2(ref->weights_fc2().begin(), ref->weights_fc2().end());
-  TRY_ASSIGN(d_fc1, upload(x, fc1, L * 2 * fs, H));
-  TRY_ASSIGN(d_fc2, upload(x, fc2, L * H, fs));
-  TRY_ASSIGN(d_g1, upload(x, std::vector<G>(fc1.size(), G(0)), L * 2 * fs, H));
-  TRY_ASSIGN(d_g2, upload(x, std::vector<G>(fc2.size(), G(0)), L * H, fs));
-  TRY_ASSIGN(mlp, (simt_mlp<float, cpu_exec, G, float>::make(x,
-                                                             {.hidden = H,
-                                                              .ffn = p.ffn,
-                                                              .num_local_experts = L,
-                                                              .etp = fold.etp(),
-                                                              .etp_rank = fold.moe_coord_of(r).etp,
-                                                              .act = activation::swiglu},
-                                                             {d_fc1->cview(), d_fc2->cview()},
-                                                             {d_g1->view(), d_g2->view()})));
-  const auto wr = router_weight(p);
-  TRY_ASSIGN(d_w, upload(x, cast<float>(wr), E, H));
-  TRY_ASSIGN(d_dw, upload(x, std::vector<G>(wr.size(), G(0)), E, H));
-  TRY_ASSIGN(layer,
-             (simt_layer_t<float, all_to_all_dispatcher>::make(
-                 x, feature_options(p, fold), d_w->cview(), d_dw->view(), std::move(*mlp), drop)));
+  TRY_ASSIGN(par, (upload_rank_params<float>(p, fold, r, x)));
+  TRY_ASSIGN(mlp, (rank_mlp(p, fold, r, x, *par)));
+  TRY_ASSIGN(layer, (simt_layer_t<float, all_to_all_dispatcher>::make(
+                        x, feature_options(p, fold), par->w.cview(), par->dw.view(),
+                        std::move(*mlp), drop)));
+  auto &d_g1 = par->g1, &d_g2 = par->g2, &d_dw = par->dw;
   TRY_ASSIGN(d_bias, upload(x, feature_bias(E), 1, E));
   TRY(x.copy(d_bias->cview(), layer->expert_bias()));
   const moe_layer_groups<dev_comm> g{
@@ -299,10 +281,10 @@ expected<feature_out> run_simt_features_rank(const problem& p, dev_comm& world, 
     res.out[m] = widen_all(*out);
     res.dx[m] = widen_all(*dx);
   }
-  TRY(layer->reduce_gradients(stage, edp, d_dw->view(), {d_g1->view(), d_g2->view()}));
-  TRY_ASSIGN(dw, (download<G>(x, d_dw->cview())));
-  TRY_ASSIGN(g1, (download<G>(x, d_g1->cview())));
-  TRY_ASSIGN(g2, (download<G>(x, d_g2->cview())));
+  TRY(layer->reduce_gradients(stage, edp, d_dw.view(), {d_g1.view(), d_g2.view()}));
+  TRY_ASSIGN(dw, (download<G>(x, d_dw.cview())));
+  TRY_ASSIGN(g1, (download<G>(x, d_g1.cview())));
+  TRY_ASSIGN(g2, (download<G>(x, d_g2.cview())));
   res.dw_router = widen_all(*dw);
   res.dw1 = widen_all(*g1);
   res.dw2 = widen_all(*g2);
