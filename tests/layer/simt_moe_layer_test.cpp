@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "../dispatch/device_round_trip.hpp"
+#include "../support/stream_order_exec.hpp"
 #include "layer_harness.hpp"
 #include "simt_layer_rank.hpp"
 
@@ -604,4 +605,58 @@ TEST_CASE(
   }
   MESSAGE("pairs dropped over all runs and ranks: ", dropped);
   CHECK(dropped > 0);  // pairs were dropped: the drop path was exercised
+}
+
+TEST_CASE("stream order: the whole layer on the GPU code path, dropless and in pad mode") {
+  // stream_order_exec runs the kernels as cpu_exec does but takes cuda_kernel_exec's path (no
+  // host-addressable memory: results only through copies, bad indices into a device word) and
+  // checks every read against the stream order of one GPU stream. The layer's results equal
+  // cpu_exec's bit for bit and no operation reads what the stream has not yet written.
+  const fold_config f = simt_layer_folds[0];  // EP 4 x ETP 2
+  problem p{.fold = f};
+  p.experts = 8;
+  p.topk = 2;
+  p.hidden = 12;
+  p.ffn = 4;
+  p.tokens = 6;
+  for (const std::optional<sub_sequence> drop :
+       {std::optional<sub_sequence>{}, std::optional<sub_sequence>{sub_sequence{
+                                           .capacity_factor = 1.0, .pad_to_capacity = true}}}) {
+    CAPTURE(drop.has_value());
+    const auto ref = run_simt<float, all_to_all_dispatcher>(p, drop);
+    const int W = f.world;
+    std::vector<layer_result> got(static_cast<std::size_t>(W));
+    std::vector<std::vector<std::string>> violations(static_cast<std::size_t>(W));
+    const auto st = run_thread_world(W, [&](thread_communicator& world) -> status {
+      auto dw = std::move(world).in_space<space>();
+      const auto r = static_cast<std::size_t>(dw.rank());
+      stream_order_fake fake;  // one per rank: a rank is one process with one stream
+      {
+        stream_order_exec x(fake, static_cast<std::uint64_t>(7 + dw.rank()));
+        auto res = run_simt_rank<float, all_to_all_dispatcher>(p, dw, x, drop);
+        if (!res) return unexpected<error>(res.error());
+        if (auto s = x.device_status(); !s) return s;
+        x.check();
+        got[r] = std::move(*res);
+      }
+      violations[r] = fake.violations();
+      return {};
+    });
+    for (int r = 0; r < W; ++r) {
+      CAPTURE(r);
+      const auto i = static_cast<std::size_t>(r);
+      REQUIRE_MESSAGE(st[i].has_value(), st[i].error().message);
+      for (const std::string& v : violations[i]) FAIL_CHECK(v);
+      const layer_result &a = ref[i], &b = got[i];
+      CHECK(a.indices == b.indices);
+      CHECK(a.kept == b.kept);
+      CHECK(a.out == b.out);
+      CHECK(a.dx == b.dx);
+      CHECK(a.dw_router == b.dw_router);
+      CHECK(a.dw1 == b.dw1);
+      CHECK(a.dw2 == b.dw2);
+      CHECK(a.aux == b.aux);
+      CHECK(a.z == b.z);
+    }
+  }
 }

@@ -5,7 +5,7 @@
 //! values (kernels/router_aux_loss, kernels/router_z_loss), the expert bias with its counts and
 //! its once-per-global-batch update (kernels/expert_bias), the dispatcher on the context (either of
 //! moefold's), the experts on the context (simt_mlp, or any functor of its shape) and the combine,
-//! forward and backward, dropless. Every tensor lives in the context's memory; the host sees the
+//! forward and backward. Every tensor lives in the context's memory; the host sees the
 //! counts the dispatcher needs for its collectives and the experts' row ranges, nothing else (no
 //! loss value is read back: the stats are views the caller reads when it wants them).
 //!
