@@ -51,6 +51,7 @@ record draw_record(int N, int K, int E, bool skew, std::mt19937_64& rng) {
 struct outcome {
   std::vector<std::uint8_t> keep, filler;
   std::vector<int> routed, dropped, padded;
+  std::vector<int> kept, dispatched;  // the kept record (-1 = dropped), rows per expert
   long long dropped_pairs = 0, fully_dropped = 0;
 };
 
@@ -74,15 +75,21 @@ outcome host_rule(const record& r, int C, drop_by by, bool pad, const std::vecto
                                static_cast<std::size_t>(count), c, ws);
   o.dropped_pairs = c.dropped_pairs;
   o.fully_dropped = c.fully_dropped_tokens;
+  for (std::size_t p = 0; p < r.expert.size(); ++p)
+    o.kept.push_back(o.keep[p] != 0 ? r.expert[p] : -1);
+  for (std::size_t e = 0; e < static_cast<std::size_t>(r.E); ++e)
+    o.dispatched.push_back(c.dispatched(e));
   return o;
 }
 
 outcome kernel_rule(const record& r, int C, drop_by by, bool pad,
                     const std::vector<long long>& order, long long first, long long count,
                     std::mt19937_64& rng) {
-  // Offsets of the pairs grouped by expert (what the histogram and scan kernels give).
+  // Offsets of the pairs grouped by expert (what the histogram and scan kernels give: ids
+  // outside [0, E) are counted nowhere).
   std::vector<int> offsets(static_cast<std::size_t>(r.E) + 1, 0);
-  for (int e : r.expert) ++offsets[static_cast<std::size_t>(e) + 1];
+  for (int e : r.expert)
+    if (e >= 0 && e < r.E) ++offsets[static_cast<std::size_t>(e) + 1];
   std::partial_sum(offsets.begin(), offsets.end(), offsets.begin());
   std::vector<long long> by_order(order.size());
   for (std::size_t t = 0; t < order.size(); ++t) by_order[static_cast<std::size_t>(order[t])] = t;
@@ -126,6 +133,18 @@ outcome kernel_rule(const record& r, int C, drop_by by, bool pad,
                  totals_k));
   o.dropped_pairs = totals[0];
   o.fully_dropped = totals[1];
+  o.kept.assign(r.expert.size(), -7);
+  o.dispatched.assign(static_cast<std::size_t>(r.E), -7);
+  const k::kept_record_kernel record{.expert = r.expert.data(),
+                                     .keep = o.keep.data(),
+                                     .pairs = static_cast<long long>(r.expert.size()),
+                                     .kept = o.kept.data(),
+                                     .routed = o.routed.data(),
+                                     .dropped = o.dropped.data(),
+                                     .padded = o.padded.data(),
+                                     .num_experts = r.E,
+                                     .dispatched = o.dispatched.data()};
+  REQUIRE(launch(cpu_exec{rng()}, launch_grid{.blocks = 2}, record));
   return o;
 }
 
@@ -185,6 +204,8 @@ TEST_CASE("capacity keep kernels equal the host's keep rule") {
               CHECK(got.filler == want.filler);
               CHECK(got.dropped_pairs == want.dropped_pairs);
               CHECK(got.fully_dropped == want.fully_dropped);
+              CHECK(got.kept == want.kept);
+              CHECK(got.dispatched == want.dispatched);
               ++cases;
               dropped_somewhere += want.dropped_pairs > 0;
               padded_somewhere +=
@@ -197,4 +218,42 @@ TEST_CASE("capacity keep kernels equal the host's keep rule") {
                 << " padded");
   CHECK(dropped_somewhere > 0);
   CHECK(padded_somewhere > 0);
+}
+
+TEST_CASE("capacity keep kernels: an expert id outside [0, E) stays in bounds and passes through") {
+  // A router fed NaN names expert INT_MAX: the histogram counts it nowhere, so it is in no list;
+  // the ranks run over the listed pairs only (no read or write past them: ASan checks), its keep
+  // byte stays unwritten, and the kept record passes the id on for the dispatcher to report. The
+  // other pairs obey the rule: each expert keeps min(routed, C) of its pairs, the most probable.
+  std::mt19937_64 rng(test::simt_seed());
+  record r = draw_record(7, 2, 8, true, rng);
+  const int C = 1;  // expert 0 holds every token's first pair: most are dropped
+  const std::size_t bad = 5;
+  r.expert[bad] = 2147483647;
+  const outcome got = kernel_rule(r, C, drop_by::probs, false, {}, 0, r.N, rng);
+  CHECK(got.keep[bad] == 0xEE);  // never written
+  CHECK(got.kept[bad] == 2147483647);
+  for (int e = 0; e < r.E; ++e) {
+    CAPTURE(e);
+    int routed = 0, kept = 0;
+    float lowest_kept = 2.0f, highest_dropped = -1.0f;
+    for (std::size_t p = 0; p < r.expert.size(); ++p) {
+      if (r.expert[p] != e) continue;
+      ++routed;
+      CHECK(got.kept[p] == (got.keep[p] != 0 ? e : -1));
+      if (got.keep[p] != 0) {
+        ++kept;
+        lowest_kept = std::min(lowest_kept, r.probs[p]);
+      } else {
+        highest_dropped = std::max(highest_dropped, r.probs[p]);
+      }
+    }
+    const auto i = static_cast<std::size_t>(e);
+    CHECK(got.routed[i] == routed);
+    CHECK(kept == std::min(routed, C));
+    CHECK(got.dropped[i] == routed - kept);
+    CHECK(got.dispatched[i] == kept);
+    CHECK(lowest_kept >= highest_dropped);
+  }
+  CHECK(got.dropped_pairs > 0);
 }

@@ -185,9 +185,7 @@ class simt_moe_layer {
   }
   //! The last forward's record as dispatched [N, k]: the selected experts, -1 where a pair was
   //! dropped (the same as last_indices() when dropless).
-  [[nodiscard]] row_view<const int, space> last_kept() const noexcept {
-    return drop_ ? kept_.cview().first(n_) : last_indices();
-  }
+  [[nodiscard]] row_view<const int, space> last_kept() const noexcept { return last_record(n_); }
   //! With a drop policy, the last training or evaluation forward's pairs per expert [1, E]:
   //! routed, dropped beyond capacity, zero-probability filler rows (pad mode); empty dropless.
   struct drop_views {

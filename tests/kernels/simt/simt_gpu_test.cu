@@ -841,7 +841,7 @@ TEST_CASE("[kernel][small] activations forward and backward: cuda_exec equals cp
   }
 }
 
-TEST_CASE("[kernel][small] capacity keep decision: cuda_exec equals cpu_exec") {
+TEST_CASE("[kernel][small] capacity keep decision and kept record: cuda_exec equals cpu_exec") {
   namespace k = moefold::kernels;
   std::mt19937 rng(static_cast<unsigned>(test::simt_seed()));
   const int N = 300, E = 64, K = 8, C = 30;  // C: capacity factor 0.8
@@ -870,9 +870,10 @@ TEST_CASE("[kernel][small] capacity keep decision: cuda_exec equals cpu_exec") {
     CAPTURE(by_probs);
     CAPTURE(with_order);
     const long long first = with_order ? 100 : 0, count = with_order ? 150 : N;
-    // Outputs: keep [N K] | filler [count E] as bytes; routed | dropped | padded [E] | scratch.
+    // Outputs: keep [N K] | filler [count E] as bytes; routed | dropped | padded [E] | scratch
+    // [N K] | kept record [N K] | dispatched [E] as ints.
     std::vector<std::uint8_t> bytes(static_cast<std::size_t>(N * K + count * E), 0xEE);
-    std::vector<int> ints(static_cast<std::size_t>(3 * E + N * K), -5);
+    std::vector<int> ints(static_cast<std::size_t>(4 * E + 2 * N * K), -5);
     std::vector<long long> totals(2, -3);
     device_vec<std::uint8_t> d_bytes(bytes);
     device_vec<int> d_ints(ints);
@@ -911,6 +912,16 @@ TEST_CASE("[kernel][small] capacity keep decision: cuda_exec equals cpu_exec") {
                                            .first = first,
                                            .count = count,
                                            .totals = tot}));
+      REQUIRE(launch(exec, launch_grid{.blocks = 2},
+                     k::kept_record_kernel{.expert = a.expert,
+                                           .keep = a.keep,
+                                           .pairs = static_cast<long long>(N) * K,
+                                           .kept = a.scratch + N * K,
+                                           .routed = a.routed,
+                                           .dropped = a.dropped,
+                                           .padded = a.padded,
+                                           .num_experts = E,
+                                           .dispatched = a.scratch + 2 * N * K}));
     };
     run(cpu_exec{5},
         args(expert.data(), probs.data(), order.data(), by_order.data(), offsets.data(),
