@@ -337,6 +337,119 @@ std::vector<feature_out> run_simt_features(const problem& p, std::optional<sub_s
   for (const auto& s : st) REQUIRE_MESSAGE(s.has_value(), s.error().message);
   return res;
 }
+
+// Forwards in flight: two micro-batches through one rank's layer with every loss and the expert
+// bias, either one at a time (forward, backward, forward, backward: the one-in-flight form) or
+// both forwards first, each into its own context, then the backwards in reverse order, the first
+// one's context moved before its backward. What each forward reports and each backward computes.
+struct flight_out {
+  std::vector<double> out[2], dx[2], losses[2];  // losses: aux, per sequence, global, z
+  std::vector<int> kept[2];
+  std::vector<double> dw_router, dw1, dw2;
+  std::vector<float> counts;
+  std::vector<double> running;
+  bool contexts_ok = true;  // ready() where it should be, a consumed context refused
+};
+expected<flight_out> run_flight_rank(const problem& p, dev_comm& world, cpu_exec& x,
+                                     std::optional<sub_sequence> drop, bool in_flight) {
+  using layer_t = simt_layer_t<float, all_to_all_dispatcher>;
+  const auto fold = make_folded(p.fold).value();
+  const megatron_groups groups(fold);
+  const int r = world.rank(), H = p.hidden;
+  auto get = [&](group_kind k) { return group_communicator(world, groups, {k}).value(); };
+  auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep);
+  auto tp_cp = get(group_kind::tp_cp), stage = get(group_kind::tp_dp_cp);
+  TRY_ASSIGN(par, (upload_rank_params<float>(p, fold, r, x)));
+  TRY_ASSIGN(mlp, (rank_mlp(p, fold, r, x, *par)));
+  TRY_ASSIGN(layer, (layer_t::make(x, feature_options(p, fold), par->w.cview(), par->dw.view(),
+                                   std::move(*mlp), drop)));
+  TRY_ASSIGN(d_bias, upload(x, feature_bias(p.experts), 1, p.experts));
+  TRY(x.copy(d_bias->cview(), layer->expert_bias()));
+  const moe_layer_groups<dev_comm> g{
+      .tp_cp = tp_cp, .dispatch = {ep, etp, tp_ep}, .tp_dp_cp = &stage};
+  std::vector<exec_buffer<float, cpu_exec>> xs, douts, outs, dxs;
+  for (int m = 0; m < 2; ++m) {
+    std::vector<float> hx, hd;
+    feature_inputs(p, m, r, hx, hd);
+    TRY_ASSIGN(a, upload(x, hx, p.tokens, H));
+    TRY_ASSIGN(b, upload(x, hd, p.tokens, H));
+    TRY_ASSIGN(c, (exec_buffer<float, cpu_exec>::make(x, p.tokens, H)));
+    TRY_ASSIGN(d, (exec_buffer<float, cpu_exec>::make(x, p.tokens, H)));
+    xs.push_back(std::move(*a));
+    douts.push_back(std::move(*b));
+    outs.push_back(std::move(*c));
+    dxs.push_back(std::move(*d));
+  }
+  flight_out res;
+  // The stats' views are the layer's: read before the next forward.
+  const auto read = [&](int m, const simt_moe_forward_stats<space>& st,
+                        row_view<const int, space> kept) -> status {
+    for (const auto& v : {st.aux_loss, st.seq_aux_loss, st.global_aux_loss, st.z_loss}) {
+      TRY_ASSIGN(h, (download<float>(x, v)));
+      if (h->size() != 1) return make_error(errc::invalid_argument, "a loss view is not [1, 1]");
+      res.losses[m].push_back((*h)[0]);
+    }
+    TRY_ASSIGN(k, (download<int>(x, kept)));
+    res.kept[m] = *k;
+    return {};
+  };
+  if (in_flight) {
+    typename layer_t::context c[2];
+    for (int m = 0; m < 2; ++m) {
+      TRY_ASSIGN(st, layer->forward(xs[m].cview(), g, outs[m].view(), c[m]));
+      TRY(read(m, *st, c[m].kept()));
+    }
+    res.contexts_ok = c[0].ready() && c[1].ready() && c[1].num_tokens() == p.tokens;
+    TRY(layer->backward(c[1], douts[1].cview(), 1.0f, g, dxs[1].view()));
+    typename layer_t::context later = std::move(c[0]);
+    res.contexts_ok = res.contexts_ok && !c[1].ready() && !c[0].ready() && later.ready();
+    TRY(layer->backward(later, douts[0].cview(), 1.0f, g, dxs[0].view()));
+    // Consumed contexts and the moved-from one are refused, naming the rule.
+    for (auto* ctx : {&c[0], &c[1], &later}) {
+      const status again = layer->backward(*ctx, douts[0].cview(), 1.0f, g, dxs[0].view());
+      res.contexts_ok = res.contexts_ok && !again &&
+                        again.error().message.find("no forward filled") != std::string::npos;
+    }
+  } else {
+    for (int m = 0; m < 2; ++m) {
+      TRY_ASSIGN(st, layer->forward(xs[m].cview(), g, outs[m].view()));
+      TRY(read(m, *st, layer->last_kept()));
+      TRY(layer->backward(douts[m].cview(), 1.0f, g, dxs[m].view()));
+    }
+  }
+  for (int m = 0; m < 2; ++m) {
+    TRY_ASSIGN(o, (download<float>(x, outs[m].cview())));
+    TRY_ASSIGN(d, (download<float>(x, dxs[m].cview())));
+    res.out[m] = widen_all(*o);
+    res.dx[m] = widen_all(*d);
+  }
+  TRY_ASSIGN(dw, (download<float>(x, par->dw.cview())));
+  TRY_ASSIGN(g1, (download<float>(x, par->g1.cview())));
+  TRY_ASSIGN(g2, (download<float>(x, par->g2.cview())));
+  TRY_ASSIGN(counts, (download<float>(x, layer->expert_bias_counts())));
+  TRY_ASSIGN(running, (download<double>(x, layer->global_aux_counts())));
+  res.dw_router = widen_all(*dw);
+  res.dw1 = widen_all(*g1);
+  res.dw2 = widen_all(*g2);
+  res.counts = *counts;
+  res.running = *running;
+  return res;
+}
+std::vector<flight_out> run_flight(const problem& p, std::optional<sub_sequence> drop,
+                                   bool in_flight) {
+  const int W = p.fold.world;
+  std::vector<flight_out> res(static_cast<std::size_t>(W));
+  const auto st = run_thread_world(W, [&](thread_communicator& world) -> status {
+    auto dw = std::move(world).in_space<space>();
+    cpu_exec x(static_cast<std::uint64_t>(5 + dw.rank()));
+    auto r = run_flight_rank(p, dw, x, drop, in_flight);
+    if (!r) return unexpected<error>(r.error());
+    res[static_cast<std::size_t>(dw.rank())] = std::move(*r);
+    return {};
+  });
+  for (const auto& s : st) REQUIRE_MESSAGE(s.has_value(), s.error().message);
+  return res;
+}
 }  // namespace
 
 TEST_CASE("simt_moe_layer on cpu_exec equals the host layer and the fp64 reference: All-to-All") {
@@ -441,7 +554,7 @@ TEST_CASE("simt_moe_layer refuses what it does not run and misuse, naming the ru
     const moe_layer_groups<dev_comm> g{d, {d, d, d}};
     auto b = l->backward(in.cview().first(2), 1.0f, g, out.view().first(2));
     REQUIRE_FALSE(b.has_value());
-    CHECK(b.error().message.find("backward without a forward") != std::string::npos);
+    CHECK(b.error().message.find("no forward filled") != std::string::npos);
     auto f = l->forward(in.cview(), g, out.view());  // 4 tokens > max_tokens 3
     REQUIRE_FALSE(f.has_value());
     CHECK(f.error().message.find("N <= max_tokens") != std::string::npos);
@@ -647,5 +760,48 @@ TEST_CASE("stream order: the whole layer on the GPU code path, dropless and in p
       CHECK(a.aux == b.aux);
       CHECK(a.z == b.z);
     }
+  }
+}
+
+TEST_CASE("simt_moe_layer: forwards in flight, each backward from its own context") {
+  // Both forwards before either backward, backwards in reverse order: every output, input
+  // gradient, loss and kept record equals the one-at-a-time run bit for bit, and so do the
+  // accumulated gradients (two terms per element: their sum does not depend on the order), the
+  // bias's counts and the running counts. Dropless, sub-sequence dropping and pad mode.
+  const std::optional<sub_sequence> drops[] = {
+      std::nullopt, sub_sequence{.capacity_factor = 1.0, .by = drop_by::probs},
+      sub_sequence{.capacity_factor = 1.0, .pad_to_capacity = true}};
+  const auto fold = make_folded(simt_layer_folds[0]).value();  // EP 4 x ETP 2
+  problem p{.fold = simt_layer_folds[0]};
+  p.experts = 2 * fold.ep();
+  p.topk = 2;
+  p.hidden = 12;
+  p.ffn = 2 * fold.etp();
+  p.tokens = 6;
+  for (const auto& drop : drops) {
+    CAPTURE(drop.has_value());
+    CAPTURE(drop && drop->pad_to_capacity);
+    const auto one = run_flight(p, drop, false), two = run_flight(p, drop, true);
+    bool differ = false;  // the two micro-batches differ, so a mixed-up context would show
+    for (std::size_t r = 0; r < one.size(); ++r) {
+      CAPTURE(r);
+      const flight_out &a = one[r], &b = two[r];
+      CHECK(b.contexts_ok);
+      for (int m = 0; m < 2; ++m) {
+        CAPTURE(m);
+        CHECK(a.out[m] == b.out[m]);
+        CHECK(a.dx[m] == b.dx[m]);
+        CHECK(a.losses[m] == b.losses[m]);
+        CHECK(a.kept[m] == b.kept[m]);
+        CHECK(a.losses[m].size() == 4);
+      }
+      CHECK(a.dw_router == b.dw_router);
+      CHECK(a.dw1 == b.dw1);
+      CHECK(a.dw2 == b.dw2);
+      CHECK(a.counts == b.counts);
+      CHECK(a.running == b.running);
+      differ = differ || a.dx[0] != a.dx[1] || a.losses[0] != a.losses[1];
+    }
+    CHECK(differ);
   }
 }

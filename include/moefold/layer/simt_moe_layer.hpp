@@ -15,8 +15,13 @@
 //! refused by make() with the rule named: a shared expert. Drop policies: dropless (default) or
 //! sub-sequence dropping (`sub_sequence`: capacity from this rank's tokens, by probability or by
 //! position, pad mode included) as kernels (kernels/capacity.hpp); full-sequence dropping, which
-//! gathers the tp-cp group's routing, is moe_layer's only. One forward in flight: the layer keeps
-//! the forward's activations in its own buffers until the backward.
+//! gathers the tp-cp group's routing, is moe_layer's only.
+//!
+//! Forwards in flight: forward(x, groups, out, context) fills a simt_moe_layer::context (its
+//! input, logits, routing, the losses' gradients and the dispatcher's saved and host parts, in
+//! the context's memory, allocated at its first forward) and backward(context, ...) consumes it,
+//! in any order (pipeline schedules, two forwards before either backward). forward(x, groups,
+//! out) and backward(dout, ...) are the one-in-flight form over a context the layer holds.
 //!
 //! State across micro-batches, in the context's memory: the expert bias [1, E] and this global
 //! batch's routed counts [1, E] (fp32, whole numbers), the global loss's running counts [1, E]
@@ -106,6 +111,9 @@ requires std::same_as<typename Dispatcher::value_type, T> &&
     device_experts<Experts, T, typename Exec::memory_space> &&
     communicator_for<Comm, Exec, double> && communicator_for<Comm, Exec, float>
 class simt_moe_layer {
+  template <class U>
+  using buffer = exec_buffer<U, Exec>;
+
  public:
   using value_type = T;
   using space = typename Exec::memory_space;
@@ -114,10 +122,97 @@ class simt_moe_layer {
   using dispatcher_type = Dispatcher;
   using handle_type = typename Dispatcher::handle_type;
 
+  //! One forward in flight: what its backward needs, in the context's memory. Made empty by the
+  //! caller; the layer's first forward into it allocates its buffers (for max_tokens; a context
+  //! kept per micro-batch slot allocates nothing afterwards). Move-only: a copy would let one
+  //! forward be backwarded twice. A moved-from context holds no forward.
+  class context {
+   public:
+    context() = default;
+    context(const context&) = delete;
+    context& operator=(const context&) = delete;
+    context(context&& o) noexcept { *this = std::move(o); }
+    context& operator=(context&& o) noexcept {
+      if (this == &o) return *this;
+      handle_ = std::move(o.handle_);
+      o.handle_.reset();
+      n_ = std::exchange(o.n_, 0);
+      aux_on_ = std::exchange(o.aux_on_, {});
+      z_on_ = std::exchange(o.z_on_, false);
+      z_coeff_ = o.z_coeff_;
+      key_ = std::exchange(o.key_, {});
+      input_ = std::move(o.input_);
+      logits_ = std::move(o.logits_);
+      probs_ = std::move(o.probs_);
+      indices_ = std::move(o.indices_);
+      kept_ = std::move(o.kept_);
+      dscores_ = std::move(o.dscores_);
+      lse_ = std::move(o.lse_);
+      valid_ = std::move(o.valid_);
+      saved_ = std::move(o.saved_);
+      host_ = std::move(o.host_);
+      return *this;
+    }
+    ~context() = default;
+
+    //! True from a forward into it until its backward.
+    [[nodiscard]] bool ready() const noexcept { return handle_.has_value(); }
+    //! N of its last forward (kept after the backward, with the views below).
+    [[nodiscard]] int num_tokens() const noexcept { return n_; }
+    //! Its forward's routing (selected experts and probabilities [N, k]), logits [N, E] and the
+    //! record as dispatched [N, k] (-1 where a pair was dropped; the selection when dropless).
+    [[nodiscard]] row_view<const int, space> indices() const noexcept {
+      return indices_.cview().first(n_);
+    }
+    [[nodiscard]] row_view<const float, space> probs() const noexcept {
+      return probs_.cview().first(n_);
+    }
+    [[nodiscard]] row_view<const float, space> logits() const noexcept {
+      return logits_.cview().first(n_);
+    }
+    [[nodiscard]] row_view<const int, space> kept() const noexcept {
+      return key_.drop ? kept_.cview().first(n_) : indices();
+    }
+    //! Its dispatch (rows per local expert on the host, the batch's rows); null unless ready().
+    [[nodiscard]] const handle_type* dispatch() const noexcept {
+      return handle_ ? &*handle_ : nullptr;
+    }
+
+   private:
+    friend class simt_moe_layer;
+    // The sizes its buffers were allocated for: a context filled by a layer of other options
+    // is reallocated, never overrun.
+    struct sizes_key {
+      long long tokens = 0, hidden = 0, experts = 0, topk = 0, batch = 0;
+      bool drop = false;
+      dispatch_workspace_bytes ws{};
+      bool operator==(const sizes_key& k) const noexcept {
+        return tokens == k.tokens && hidden == k.hidden && experts == k.experts && topk == k.topk &&
+               batch == k.batch && drop == k.drop && ws.saved == k.ws.saved &&
+               ws.scratch == k.ws.scratch && ws.host == k.ws.host;
+      }
+    };
+    std::optional<handle_type> handle_{};
+    int n_ = 0;
+    std::array<bool, 3> aux_on_{};  // the forward's load-balancing terms (see aux_term)
+    bool z_on_ = false;
+    float z_coeff_ = 0;
+    sizes_key key_{};               // tokens 0: nothing allocated
+    buffer<T> input_;               // [max_tokens, H] the forward's input
+    buffer<float> logits_, probs_;  // [N, E], [N, k]
+    buffer<int> indices_, kept_;    // [N, k] the selection; the kept record (a drop policy)
+    std::array<buffer<float>, 3> dscores_{};  // [1, C] d loss / d scores of each term
+    buffer<float> lse_;                       // [1, N] the z-loss's log-sum-exp
+    buffer<int> valid_;                       // [1, 1] its token count
+    buffer<std::byte> saved_;                 // the dispatcher's saved part
+    std::vector<std::byte> host_;             // and its host part
+  };
+  using context_type = context;
+
   //! Checks the options (what moe_layer checks, and what this layer does not take yet), makes
-  //! the router and the dispatcher and allocates every buffer of one forward in flight (in pad
-  //! mode for the capacity of max_tokens). `exec`, the router weight and its gradient buffer must
-  //! outlive the layer. `drop`: sub-sequence dropping, or none (dropless).
+  //! the router and the dispatcher and allocates the layer's scratch and the buffers of its own
+  //! context (in pad mode for the capacity of max_tokens). `exec`, the router weight and its
+  //! gradient buffer must outlive the layer. `drop`: sub-sequence dropping, or none (dropless).
   [[nodiscard]] static expected<simt_moe_layer> make(Exec& exec, const moe_layer_options& o,
                                                      row_view<const T, space> router_weight,
                                                      row_view<grad_type, space> router_grad,
@@ -173,19 +268,13 @@ class simt_moe_layer {
   [[nodiscard]] const moe_layer_options& options() const noexcept { return o_; }
   [[nodiscard]] Experts& experts() noexcept { return experts_; }
   [[nodiscard]] const Dispatcher& dispatcher() const noexcept { return disp_; }
-  //! The last forward's routing (selected experts and probabilities [N, k]) and logits [N, E].
-  [[nodiscard]] row_view<const int, space> last_indices() const noexcept {
-    return indices_.cview().first(n_);
-  }
-  [[nodiscard]] row_view<const float, space> last_probs() const noexcept {
-    return probs_.cview().first(n_);
-  }
-  [[nodiscard]] row_view<const float, space> last_logits() const noexcept {
-    return logits_.cview().first(n_);
-  }
-  //! The last forward's record as dispatched [N, k]: the selected experts, -1 where a pair was
-  //! dropped (the same as last_indices() when dropless).
-  [[nodiscard]] row_view<const int, space> last_kept() const noexcept { return last_record(n_); }
+  //! The one-in-flight form's last forward (its context's views): routing (selected experts and
+  //! probabilities [N, k]), logits [N, E], the record as dispatched [N, k] (-1 where a pair was
+  //! dropped; the same as last_indices() when dropless).
+  [[nodiscard]] row_view<const int, space> last_indices() const noexcept { return own_.indices(); }
+  [[nodiscard]] row_view<const float, space> last_probs() const noexcept { return own_.probs(); }
+  [[nodiscard]] row_view<const float, space> last_logits() const noexcept { return own_.logits(); }
+  [[nodiscard]] row_view<const int, space> last_kept() const noexcept { return own_.kept(); }
   //! With a drop policy, the last training or evaluation forward's pairs per expert [1, E]:
   //! routed, dropped beyond capacity, zero-probability filler rows (pad mode); empty dropless.
   struct drop_views {
@@ -196,10 +285,9 @@ class simt_moe_layer {
     return {routed_.cview(), dropped_.cview(), padded_.cview()};
   }
   [[nodiscard]] const std::optional<sub_sequence>& drop_policy() const noexcept { return drop_; }
-  //! The last forward's dispatch (rows per local expert on the host, the batch's rows).
-  [[nodiscard]] const handle_type* last_dispatch() const noexcept {
-    return handle_ ? &*handle_ : nullptr;
-  }
+  //! The one-in-flight form's dispatch (rows per local expert on the host, the batch's rows),
+  //! until its backward.
+  [[nodiscard]] const handle_type* last_dispatch() const noexcept { return own_.dispatch(); }
 
   //! The expert bias [1, E] (with options.router.expert_bias; zeros after make, writable, e.g. to
   //! load a checkpoint), this global batch's routed counts [1, E] that end_global_batch turns into
@@ -220,12 +308,22 @@ class simt_moe_layer {
   void set_training(bool training) noexcept { training_ = training; }
   [[nodiscard]] bool training() const noexcept { return training_; }
 
-  //! out [N, H] for x [N, H]; keeps what the backward needs until it runs.
+  //! out [N, H] for x [N, H] into the layer's own context (one forward in flight: the next
+  //! forward replaces it).
   [[nodiscard]] expected<simt_moe_forward_stats<space>> forward(row_view<const T, space> x,
                                                                 const moe_layer_groups<Comm>& g,
                                                                 row_view<T, space> out) {
-    handle_.reset();
-    n_ = 0;
+    return forward(x, g, out, own_);
+  }
+  //! out [N, H] for x [N, H]; `ctx` keeps what the backward needs until backward(ctx, ...) runs
+  //! (a forward into a ready context replaces the forward it held). The stats' views are the
+  //! layer's, valid until its next forward.
+  [[nodiscard]] expected<simt_moe_forward_stats<space>> forward(row_view<const T, space> x,
+                                                                const moe_layer_groups<Comm>& g,
+                                                                row_view<T, space> out,
+                                                                context& ctx) {
+    ctx.handle_.reset();
+    ctx.n_ = 0;
     const int n = x.rows();
     if (n < 0 || n > o_.max_tokens || x.width() != o_.hidden || out.rows() != n ||
         out.width() != o_.hidden)
@@ -244,83 +342,96 @@ class simt_moe_layer {
       return make_error(errc::invalid_argument,
                         "simt_moe_layer: the global load-balancing loss needs the tp-dp-cp "
                         "communicator in moe_layer_groups::tp_dp_cp");
+    if (auto st = prepare(ctx); !st) return unexpected<error>(st.error());
     // The input is kept for the router's weight gradient (the caller may reuse its buffer).
-    const auto xs = input_.view().first(n);
+    const auto xs = ctx.input_.view().first(n);
     if (auto st = x_->copy(x, xs); !st) return unexpected<error>(st.error());
     if (auto st = router_.forward(
             {.x = xs,
              .expert_bias = o_.router.expert_bias ? bias_.cview() : row_view<const float, space>{},
-             .logits = logits_.view().first(n),
-             .indices = indices_.view().first(n),
-             .probs = probs_.view().first(n)});
+             .logits = ctx.logits_.view().first(n),
+             .indices = ctx.indices_.view().first(n),
+             .probs = ctx.probs_.view().first(n)});
         !st)
       return unexpected<error>(st.error());
     simt_moe_forward_stats<space> stats;
     std::optional<int> pad_rows;
     if (drop_) {
-      auto c = drop_pairs(n);
+      auto c = drop_pairs(ctx, n);
       if (!c) return unexpected<error>(c.error());
       stats.capacity = *c;
       stats.drop_totals = drop_totals_.cview();
       if (drop_->pad_to_capacity) pad_rows = *c;
     }
-    aux_on_ = {training_ && o_.aux_loss_coeff > 0, seq_on, global_on};
-    z_on_ = training_ && o_.z_loss_coeff > 0;
-    if (aux_on_[0] || seq_on || global_on)
-      if (auto st = aux_scores(n); !st) return unexpected<error>(st.error());
-    if (aux_on_[0]) {
-      if (auto st = aux_term(0, g.tp_cp, n); !st) return unexpected<error>(st.error());
+    ctx.aux_on_ = {training_ && o_.aux_loss_coeff > 0, seq_on, global_on};
+    ctx.z_on_ = training_ && o_.z_loss_coeff > 0;
+    if (ctx.aux_on_[0] || seq_on || global_on)
+      if (auto st = aux_scores(ctx, n); !st) return unexpected<error>(st.error());
+    if (ctx.aux_on_[0]) {
+      if (auto st = aux_term(ctx, 0, g.tp_cp, n); !st) return unexpected<error>(st.error());
       stats.aux_loss = terms_[0].loss.cview();
     }
     if (seq_on) {
-      if (auto st = aux_term(1, g.tp_cp, n); !st) return unexpected<error>(st.error());
+      if (auto st = aux_term(ctx, 1, g.tp_cp, n); !st) return unexpected<error>(st.error());
       stats.seq_aux_loss = terms_[1].loss.cview();
     }
     if (global_on) {
-      if (auto st = aux_term(2, *g.tp_dp_cp, n); !st) return unexpected<error>(st.error());
+      if (auto st = aux_term(ctx, 2, *g.tp_dp_cp, n); !st) return unexpected<error>(st.error());
       stats.global_aux_loss = terms_[2].loss.cview();
     }
     // The bias's counts: the rows each expert receives (routed - dropped + padded), once per
     // training forward.
     if (training_ && o_.router.expert_bias)
-      if (auto st = add_routed_counts(n); !st) return unexpected<error>(st.error());
-    if (z_on_) {
-      if (auto st = z_forward(g.tp_cp, n); !st) return unexpected<error>(st.error());
+      if (auto st = add_routed_counts(ctx, n); !st) return unexpected<error>(st.error());
+    if (ctx.z_on_) {
+      if (auto st = z_forward(ctx, g.tp_cp, n); !st) return unexpected<error>(st.error());
       stats.z_loss = z_loss_.cview();
     }
     const dispatch_input<T, space, float> din{.num_tokens = n,
                                               .x = xs,
-                                              .expert = last_record(n),
-                                              .probs = probs_.cview().first(n),
+                                              .expert = record_of(ctx, n),
+                                              .probs = ctx.probs_.cview().first(n),
                                               .capacity = pad_rows};
-    auto h = disp_.dispatch(*x_, din, g.dispatch, ws_.view());
+    // The saved and host parts are the context's (they live until its backward), the scratch
+    // part the layer's.
+    const dispatch_workspace ws{.saved = {ctx.saved_.view().data(), ctx.key_.ws.saved},
+                                .scratch = {scratch_.view().data(), ctx.key_.ws.scratch},
+                                .host = ctx.host_};
+    auto h = disp_.dispatch(*x_, din, g.dispatch, ws);
     if (!h) return unexpected<error>(h.error());
     const int M = h->num_rows();
     const auto y = rows_a_.view().first(M);
     if (auto st = experts_.forward(batch_of(*h), y); !st) return unexpected<error>(st.error());
     if (auto st = disp_.combine(*x_, *h, y, g.dispatch, out); !st)
       return unexpected<error>(st.error());
-    handle_.emplace(std::move(*h));
-    n_ = n;
+    ctx.handle_.emplace(std::move(*h));
+    ctx.n_ = n;
     return stats;
   }
 
-  //! dx [N, H] from dout [N, H] of the last forward, which it consumes; `loss_seed` is d(training
-  //! loss) / d(each auxiliary loss). Adds the router weight's and the experts' gradients.
+  //! The one-in-flight form: the backward of the layer's own context.
   [[nodiscard]] status backward(row_view<const T, space> dout, float loss_seed,
                                 const moe_layer_groups<Comm>& g, row_view<T, space> dx) {
-    if (!handle_)
+    return backward(own_, dout, loss_seed, g, dx);
+  }
+  //! dx [N, H] from dout [N, H] of the forward `ctx` holds, which it consumes (whatever the
+  //! outcome); `loss_seed` is d(training loss) / d(each auxiliary loss). Adds the router weight's
+  //! and the experts' gradients. The other contexts in flight are untouched.
+  [[nodiscard]] status backward(context& ctx, row_view<const T, space> dout, float loss_seed,
+                                const moe_layer_groups<Comm>& g, row_view<T, space> dx) {
+    if (!ctx.handle_)
       return make_error(errc::invalid_argument,
-                        "simt_moe_layer: backward without a forward (or its backward already ran)");
+                        "simt_moe_layer: backward of a context no forward filled (or its backward "
+                        "already ran)");
     if (!std::isfinite(loss_seed))
       return make_error(errc::invalid_argument, "simt_moe_layer: the loss seed must be finite");
-    const int n = n_;
+    const int n = ctx.n_;
     if (dout.rows() != n || dout.width() != o_.hidden || dx.rows() != n || dx.width() != o_.hidden)
       return make_error(errc::shape_mismatch,
                         "simt_moe_layer: dout and dx must be [N, H] = [" + detail::to_decimal(n) +
                             ", " + detail::to_decimal(o_.hidden) + "] (the forward's N)");
-    const handle_type h = std::move(*handle_);
-    handle_.reset();  // consumed, whatever the outcome
+    const handle_type h = std::move(*ctx.handle_);
+    ctx.handle_.reset();  // consumed, whatever the outcome
     const int M = h.num_rows();
     const auto dy = rows_a_.view().first(M), dx_rows = rows_b_.view().first(M);
     const auto dprob_rows = prob_rows_.view().first(M);
@@ -333,23 +444,24 @@ class simt_moe_layer {
       return st;
     // Router's path: the Jacobian, the losses' gradients added to dlogits, the gating GEMM.
     const auto dlogits = dlogits_.view().first(n);
-    if (auto st = router_.backward_logits({.logits = logits_.cview().first(n),
-                                           .indices = indices_.cview().first(n),
+    if (auto st = router_.backward_logits({.logits = ctx.logits_.cview().first(n),
+                                           .indices = ctx.indices_.cview().first(n),
                                            .dprobs = dprobs_.cview().first(n),
                                            .dlogits = dlogits});
         !st)
       return st;
     for (int i = 0; i < 3; ++i)  // micro-batch, per sequence, global: the host's order
-      if (aux_on_[i])
-        if (auto st = by_team([&]<class Team>() { return aux_backward<Team>(i, n, loss_seed); });
+      if (ctx.aux_on_[static_cast<std::size_t>(i)])
+        if (auto st =
+                by_team([&]<class Team>() { return aux_backward<Team>(ctx, i, n, loss_seed); });
             !st)
           return st;
-    if (z_on_)
-      if (auto st = by_team([&]<class Team>() { return z_backward<Team>(n, loss_seed); }); !st)
+    if (ctx.z_on_)
+      if (auto st = by_team([&]<class Team>() { return z_backward<Team>(ctx, n, loss_seed); }); !st)
         return st;
     const auto dxr = dx_router_.view().first(n);
     if (auto st = router_.backward_gating(
-            {.x = input_.cview().first(n), .dlogits = dlogits_.cview().first(n), .dx = dxr});
+            {.x = ctx.input_.cview().first(n), .dlogits = dlogits_.cview().first(n), .dx = dxr});
         !st)
       return st;
     return x_->template add_converted<T, float>(dx_router_.cview().first(n), dx);
@@ -392,9 +504,6 @@ class simt_moe_layer {
                  Dispatcher d, Experts e)
       : x_(&x), o_(o), router_(std::move(r)), disp_(std::move(d)), experts_(std::move(e)) {}
 
-  template <class U>
-  using buffer = exec_buffer<U, Exec>;
-
   status allocate() {
     const long long N = o_.max_tokens, H = o_.hidden, E = o_.router.num_experts, K = o_.router.topk,
                     B = o_.batch;
@@ -415,40 +524,23 @@ class simt_moe_layer {
       b = std::move(*v);
       return {};
     };
-    for (status st : {make(input_, N, H),
-                      make(logits_, N, E),
-                      make(indices_, N, K),
-                      make(probs_, N, K),
-                      make(dprobs_, N, K),
-                      make(dlogits_, N, E),
-                      make(dx_router_, N, H),
-                      make(rows_a_, std::max(M, 1LL), H),
-                      make(rows_b_, std::max(M, 1LL), H),
-                      make(prob_rows_, std::max(M, 1LL), 1),
-                      make(scores_, N, E),
-                      make(map_, N, E),
-                      make(lse_, 1, N),
-                      make(z_loss_, 1, 1),
-                      make(valid_, 1, 1),
-                      make(bias_, 1, E),
-                      make(bias_counts_, 1, E),
-                      make(bias_summed_, 1, E),
-                      make(histogram_, 1, E),
-                      make(fault_, 1, 2),
+    for (status st : {make(dprobs_, N, K), make(dlogits_, N, E), make(dx_router_, N, H),
+                      make(rows_a_, std::max(M, 1LL), H), make(rows_b_, std::max(M, 1LL), H),
+                      make(prob_rows_, std::max(M, 1LL), 1), make(scores_, N, E), make(map_, N, E),
+                      make(z_loss_, 1, 1), make(bias_, 1, E), make(bias_counts_, 1, E),
+                      make(bias_summed_, 1, E), make(histogram_, 1, E), make(fault_, 1, 2),
                       make(running_, 1, E)})
       if (!st) return st;
     if (drop_)
-      for (status st :
-           {make(kept_, N, K), make(keep_, N, K), make(lists_, N, K), make(offsets_, 1, E + 1),
-            make(scan_scratch_, 1, scan_scratch(E)), make(routed_, 1, E), make(dropped_, 1, E),
-            make(padded_, 1, E), make(drop_totals_, 1, 2)})
+      for (status st : {make(keep_, N, K), make(lists_, N, K), make(offsets_, 1, E + 1),
+                        make(scan_scratch_, 1, scan_scratch(E)), make(routed_, 1, E),
+                        make(dropped_, 1, E), make(padded_, 1, E), make(drop_totals_, 1, 2)})
         if (!st) return st;
     for (int i = 0; i < 3; ++i) {
       // The per-sequence loss's columns are (sequence, expert): B E.
       const long long cols = i == 1 ? B * E : E;
       auto& t = terms_[static_cast<std::size_t>(i)];
-      for (status st : {make(t.sums, 1, cols), make(t.counts, 1, cols), make(t.dscores, 1, cols),
-                        make(t.loss, 1, 1)})
+      for (status st : {make(t.sums, 1, cols), make(t.counts, 1, cols), make(t.loss, 1, 1)})
         if (!st) return st;
     }
     // The state starts at zero (the context may poison new memory).
@@ -457,10 +549,55 @@ class simt_moe_layer {
                       x_->template fill<double>(running_.view(), 0.0)})
       if (!st) return st;
     // The workspace of the larger of the two forwards pad mode may run (a capacity of 0 rows
-    // is the smallest; max_tokens' the largest).
-    auto ws = make_exec_workspace(*x_, disp_.workspace_sizes(pad_max));
-    if (!ws) return unexpected<error>(ws.error());
-    ws_ = std::move(*ws);
+    // is the smallest; max_tokens' the largest): its scratch part here, the saved and host
+    // parts in each context.
+    ws_sizes_ = disp_.workspace_sizes(pad_max);
+    if (auto st =
+            make(scratch_, 1, std::max<long long>(static_cast<long long>(ws_sizes_.scratch), 1));
+        !st)
+      return st;
+    return prepare(own_);
+  }
+
+  // The sizes a context's buffers take for this layer.
+  typename context::sizes_key key() const noexcept {
+    return {.tokens = o_.max_tokens,
+            .hidden = o_.hidden,
+            .experts = o_.router.num_experts,
+            .topk = o_.router.topk,
+            .batch = o_.batch,
+            .drop = drop_.has_value(),
+            .ws = ws_sizes_};
+  }
+  // Allocates a context's buffers unless they have this layer's sizes already (its first
+  // forward, or one filled by a layer of other options). On failure the context holds none.
+  status prepare(context& c) {
+    const auto k = key();
+    if (c.key_ == k) return {};
+    c = context{};
+    const long long N = k.tokens, H = k.hidden, E = k.experts, K = k.topk;
+    status failed{};
+    const auto make = [&]<class U>(buffer<U>& b, long long rows, long long width) -> status {
+      if (!failed) return failed;
+      auto v = buffer<U>::make(*x_, rows, width);
+      if (!v) return failed = unexpected<error>(v.error());
+      b = std::move(*v);
+      return {};
+    };
+    const auto bytes = [](std::size_t n) {
+      return std::max<long long>(static_cast<long long>(n), 1);
+    };
+    for (status st :
+         {make(c.input_, N, H), make(c.logits_, N, E), make(c.probs_, N, K), make(c.indices_, N, K),
+          make(c.kept_, k.drop ? N : 1, k.drop ? K : 1), make(c.dscores_[0], 1, E),
+          make(c.dscores_[1], 1, k.batch * E), make(c.dscores_[2], 1, E), make(c.lse_, 1, N),
+          make(c.valid_, 1, 1), make(c.saved_, 1, bytes(k.ws.saved))})
+      if (!st) {
+        c = context{};
+        return st;
+      }
+    c.host_.assign(k.ws.host, std::byte{0});
+    c.key_ = k;
     return {};
   }
 
@@ -483,9 +620,9 @@ class simt_moe_layer {
   }
 
   // The load-balancing losses' scores and top-k map over all E [N, E], shared by the three.
-  status aux_scores(int n) {
+  status aux_scores(const context& ctx, int n) {
     return by_team([&]<class Team>() {
-      const kernels::basic_aux_scores_kernel<Team> k{.logits = logits_.view().data(),
+      const kernels::basic_aux_scores_kernel<Team> k{.logits = ctx.logits_.view().data(),
                                                      .padding = nullptr,
                                                      .num_tokens = n,
                                                      .num_experts = o_.router.num_experts,
@@ -501,7 +638,8 @@ class simt_moe_layer {
   // T = (N / B) |tp-cp|, the mean over the B sequences), 2 global (counts over tp-dp-cp added to
   // the running counts, which the loss uses divided by the micro-batches so far; T = N
   // |tp-dp-cp|). Column sums, the group's all-reduce of the counts, the loss and d loss / d scores.
-  status aux_term(int i, Comm& group, int n) {
+  // d loss / d scores goes to the context, for its backward.
+  status aux_term(context& ctx, int i, Comm& group, int n) {
     const int E = o_.router.num_experts, B = i == 1 ? o_.batch : 1;
     auto& t = terms_[static_cast<std::size_t>(i)];
     const kernels::aux_column_sums_kernel sums{.scores = scores_.view().data(),
@@ -532,21 +670,22 @@ class simt_moe_layer {
         .steps = i == 2 ? steps_ : 0,
         .used = nullptr,
         .loss = t.loss.view().data(),
-        .dscores = t.dscores.view().data()};
+        .dscores = ctx.dscores_[static_cast<std::size_t>(i)].view().data()};
     return launch(*x_, launch_grid{.blocks = 1}, loss);
   }
   template <class Team>
-  status aux_backward(int i, int n, float seed) {
-    const auto& t = terms_[static_cast<std::size_t>(i)];
-    const kernels::basic_aux_loss_backward_kernel<Team> k{.logits = logits_.view().data(),
-                                                          .padding = nullptr,
-                                                          .num_tokens = n,
-                                                          .num_experts = o_.router.num_experts,
-                                                          .score = score_kind(),
-                                                          .dscores = t.dscores.view().data(),
-                                                          .columns = t.dscores.view().width(),
-                                                          .seed = seed,
-                                                          .dlogits = dlogits_.view().data()};
+  status aux_backward(const context& ctx, int i, int n, float seed) {
+    const auto& ds = ctx.dscores_[static_cast<std::size_t>(i)];
+    const kernels::basic_aux_loss_backward_kernel<Team> k{
+        .logits = ctx.logits_.view().data(),
+        .padding = nullptr,
+        .num_tokens = n,
+        .num_experts = o_.router.num_experts,
+        .score = score_kind(),
+        .dscores = ds.view().data(),
+        .columns = i == 1 ? o_.batch * o_.router.num_experts : o_.router.num_experts,
+        .seed = seed,
+        .dlogits = dlogits_.view().data()};
     return per_token<Team>(k, n);
   }
   kernels::router_score score_kind() const noexcept {
@@ -557,11 +696,11 @@ class simt_moe_layer {
   // policy the kept and filler rows (kept_record_kernel's dispatched), dropless every routed pair
   // (an exact integer histogram of the record, whose ids the router wrote: its fault word stays
   // {-1, 0}).
-  status add_routed_counts(int n) {
+  status add_routed_counts(const context& ctx, int n) {
     const int E = o_.router.num_experts;
     if (!drop_)
       if (auto st =
-              x_->expert_histogram(indices_.cview().first(n), histogram_.view(), fault_.view());
+              x_->expert_histogram(ctx.indices_.cview().first(n), histogram_.view(), fault_.view());
           !st)
         return st;
     const kernels::expert_counts_accumulate_kernel k{
@@ -570,8 +709,8 @@ class simt_moe_layer {
   }
 
   // The record the dispatcher takes.
-  row_view<const int, space> last_record(int n) const noexcept {
-    return drop_ ? kept_.cview().first(n) : indices_.cview().first(n);
+  row_view<const int, space> record_of(const context& ctx, int n) const noexcept {
+    return drop_ ? ctx.kept_.cview().first(n) : ctx.indices_.cview().first(n);
   }
   // The largest pad-mode capacity (that of max_tokens), or none without pad mode.
   std::optional<int> max_pad_rows() const {
@@ -588,7 +727,7 @@ class simt_moe_layer {
   // kernels): C = ceil(n k / E x capacity factor); the routed pairs grouped by expert (histogram,
   // exclusive scan, lists), each pair's rank among its expert's, kept below C; the kept record
   // (-1 where dropped), the per-expert counts and the totals. Returns C.
-  expected<int> drop_pairs(int n) {
+  expected<int> drop_pairs(context& ctx, int n) {
     const int E = o_.router.num_experts, K = o_.router.topk;
     auto c = expert_capacity(static_cast<long long>(n) * K, E, drop_->capacity_factor);
     if (!c) return unexpected<error>(c.error());
@@ -598,7 +737,7 @@ class simt_moe_layer {
                             " exceeds the " + detail::to_decimal(n) +
                             " tokens, so no expert can be padded to it (lower capacity_factor "
                             "to at most num_experts/topk)");
-    const auto ids = indices_.cview().first(n);
+    const auto ids = ctx.indices_.cview().first(n);
     if (auto st = x_->expert_histogram(ids, histogram_.view(), fault_.view()); !st)
       return unexpected<error>(st.error());
     int* off = offsets_.view().data();  // [E + 1]: the scan's E offsets, then its total
@@ -606,8 +745,8 @@ class simt_moe_layer {
                                      row_view<int, space>(off + E, 1, 1), scan_scratch_.view());
         !st)
       return unexpected<error>(st.error());
-    const kernels::keep_args<float> a{.expert = indices_.view().data(),
-                                      .probs = probs_.view().data(),
+    const kernels::keep_args<float> a{.expert = ctx.indices_.view().data(),
+                                      .probs = ctx.probs_.view().data(),
                                       .order = nullptr,
                                       .by_order = nullptr,
                                       .offsets = off,
@@ -638,7 +777,7 @@ class simt_moe_layer {
     const kernels::kept_record_kernel record{.expert = a.expert,
                                              .keep = a.keep,
                                              .pairs = pairs,
-                                             .kept = kept_.view().data(),
+                                             .kept = ctx.kept_.view().data(),
                                              .routed = a.routed,
                                              .dropped = a.dropped,
                                              .padded = a.padded,
@@ -670,35 +809,35 @@ class simt_moe_layer {
   float z_coeff(const Comm& tp_cp) const {
     return static_cast<float>(o_.z_loss_coeff / tp_cp.size());
   }
-  status z_forward(Comm& tp_cp, int n) {
-    z_coeff_ = z_coeff(tp_cp);
+  status z_forward(context& ctx, Comm& tp_cp, int n) {
+    ctx.z_coeff_ = z_coeff(tp_cp);
     if (auto st = by_team([&]<class Team>() {
-          const kernels::basic_logsumexp_kernel<Team> k{.logits = logits_.view().data(),
+          const kernels::basic_logsumexp_kernel<Team> k{.logits = ctx.logits_.view().data(),
                                                         .padding = nullptr,
                                                         .num_tokens = n,
                                                         .num_experts = o_.router.num_experts,
-                                                        .lse = lse_.view().data()};
+                                                        .lse = ctx.lse_.view().data()};
           return per_token<Team>(k, n);
         });
         !st)
       return st;
-    const kernels::z_loss_total_kernel total{.lse = lse_.view().data(),
+    const kernels::z_loss_total_kernel total{.lse = ctx.lse_.view().data(),
                                              .padding = nullptr,
                                              .num_tokens = n,
-                                             .coeff = z_coeff_,
+                                             .coeff = ctx.z_coeff_,
                                              .loss = z_loss_.view().data(),
-                                             .valid = valid_.view().data()};
+                                             .valid = ctx.valid_.view().data()};
     return launch(*x_, launch_grid{.blocks = 1, .smem_bytes = total.smem_bytes}, total);
   }
   template <class Team>
-  status z_backward(int n, float seed) {
-    const kernels::basic_z_loss_backward_kernel<Team> k{.logits = logits_.view().data(),
+  status z_backward(const context& ctx, int n, float seed) {
+    const kernels::basic_z_loss_backward_kernel<Team> k{.logits = ctx.logits_.view().data(),
                                                         .padding = nullptr,
-                                                        .lse = lse_.view().data(),
-                                                        .valid = valid_.view().data(),
+                                                        .lse = ctx.lse_.view().data(),
+                                                        .valid = ctx.valid_.view().data(),
                                                         .num_tokens = n,
                                                         .num_experts = o_.router.num_experts,
-                                                        .coeff = z_coeff_,
+                                                        .coeff = ctx.z_coeff_,
                                                         .seed = seed,
                                                         .dlogits = dlogits_.view().data()};
     return per_token<Team>(k, n);
@@ -709,38 +848,35 @@ class simt_moe_layer {
   simt_router<T, Exec, grad_type> router_;
   Dispatcher disp_;
   Experts experts_;
-  bool training_ = true, z_on_ = false;
-  std::array<bool, 3> aux_on_{};  // the forward's load-balancing terms (see aux_term)
-  float z_coeff_ = 0;
-  int n_ = 0, steps_ = 0;  // steps_: micro-batches in the global loss's running counts
-  std::optional<handle_type> handle_{};
-  // One forward's activations and the backward's scratch, in the context's memory.
-  buffer<T> input_;                        // [max_tokens, H] the forward's input
-  buffer<float> logits_, probs_, dprobs_;  // [N, E], [N, k], [N, k]
-  buffer<int> indices_;                    // [N, k]
-  buffer<float> dlogits_, dx_router_;      // [N, E], [N, H]
-  buffer<T> rows_a_, rows_b_;              // [M, H]: y then dy; dx rows
-  buffer<float> prob_rows_;                // [M, 1] dprob rows
-  buffer<float> scores_;                   // [N, E] the losses' scores
-  buffer<std::uint8_t> map_;               // [N, E] their top-k map
+  bool training_ = true;
+  int steps_ = 0;  // micro-batches in the global loss's running counts
+  context own_{};  // the one-in-flight form's
+  // The scratch of one forward or backward (dead after the call), in the context's memory.
+  buffer<float> dprobs_;               // [N, k]
+  buffer<float> dlogits_, dx_router_;  // [N, E], [N, H]
+  buffer<T> rows_a_, rows_b_;          // [M, H]: y then dy; dx rows
+  buffer<float> prob_rows_;            // [M, 1] dprob rows
+  buffer<float> scores_;               // [N, E] the losses' scores
+  buffer<std::uint8_t> map_;           // [N, E] their top-k map
   struct aux_buffers {
-    buffer<float> sums, dscores, loss;  // [1, C], [1, C], [1, 1]; C = E, or B E per sequence
-    buffer<double> counts;              // [1, C] summed over the term's group
+    buffer<float> sums, loss;  // [1, C], [1, 1]; C = E, or B E per sequence
+    buffer<double> counts;     // [1, C] summed over the term's group
   };
   std::array<aux_buffers, 3> terms_{};              // micro-batch, per sequence, global
   buffer<double> running_;                          // [1, E] the global loss's running counts
   buffer<float> bias_, bias_counts_, bias_summed_;  // [1, E] each: the expert bias's state
   buffer<int> histogram_, fault_;                   // [1, E], [1, 2]
-  // Sub-sequence dropping's state of one forward (allocated with a drop policy only).
+  // Sub-sequence dropping's scratch (allocated with a drop policy only; the kept record is the
+  // context's).
   std::optional<sub_sequence> drop_{};
-  buffer<int> kept_, lists_;               // [N, k] the kept record; pairs grouped by expert
+  buffer<int> lists_;                      // [N, k] pairs grouped by expert
   buffer<std::uint8_t> keep_;              // [N, k] 1 kept, 0 dropped
   buffer<int> offsets_, scan_scratch_;     // [1, E + 1]; the scan's tiles
   buffer<int> routed_, dropped_, padded_;  // [1, E] each
   buffer<long long> drop_totals_;          // [1, 2] dropped pairs, fully dropped tokens
-  buffer<float> lse_, z_loss_;             // [1, N], [1, 1]
-  buffer<int> valid_;                      // [1, 1]
-  exec_workspace<Exec> ws_{};
+  buffer<float> z_loss_;                   // [1, 1]
+  buffer<std::byte> scratch_;              // the dispatcher's scratch part
+  dispatch_workspace_bytes ws_sizes_{};
 };
 
 }  // namespace v0_1
