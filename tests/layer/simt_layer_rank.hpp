@@ -10,6 +10,9 @@
 #include <moefold/experts/simt_mlp.hpp>
 #include <moefold/layer/simt_moe_layer.hpp>
 
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <vector>
@@ -201,6 +204,20 @@ expected<layer_result> run_simt_rank(const problem& p, Comm& world, Exec& x,
                                                   std::to_string(forward_waits) + " (want " +
                                                   std::to_string(want_forward) + "), backward " +
                                                   std::to_string(backward_waits) + " (want 0)");
+  // The layer's row buffers start every row 16 bytes apart (H padded up), and its kept input is
+  // the forward's, bit for bit.
+  const auto kept_x = layer->last_input();
+  if (kept_x.rows() != p.tokens || kept_x.width() != H ||
+      (kept_x.stride() * static_cast<std::int64_t>(sizeof(T))) % 16 != 0 ||
+      kept_x.stride() >= kept_x.width() + static_cast<std::int64_t>(16 / sizeof(T)))
+    return make_error(errc::invalid_argument,
+                      "the kept input is not [N, H] with a row stride of H padded to 16 bytes "
+                      "(stride " +
+                          std::to_string(kept_x.stride()) + ")");
+  TRY_ASSIGN(kept_host, (download<T>(x, kept_x)));
+  if (!std::equal(kept_host->begin(), kept_host->end(), xs.begin(), xs.end(),
+                  [](T a, T b) { return std::memcmp(&a, &b, sizeof(T)) == 0; }))
+    return make_error(errc::invalid_argument, "the kept input differs from the forward's");
   TRY(layer->reduce_gradients(stage, edp, d_dw.view(), {d_g1.view(), d_g2.view()}));
   TRY_ASSIGN(out, (download<T>(x, d_out->cview())));
   TRY_ASSIGN(dx, (download<T>(x, d_dx->cview())));

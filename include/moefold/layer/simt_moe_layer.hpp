@@ -173,6 +173,12 @@ class simt_moe_layer {
     [[nodiscard]] row_view<const int, space> kept() const noexcept {
       return key_.drop ? kept_.cview().first(n_) : indices();
     }
+    //! Its forward's input as the layer keeps it [N, H] (for the router's weight gradient; its
+    //! row stride padded to 16 bytes, as every row buffer the layer allocates).
+    [[nodiscard]] row_view<const T, space> input() const noexcept {
+      const auto v = input_.cview();
+      return row_view<const T, space>(v.data(), n_, static_cast<int>(key_.hidden), v.width());
+    }
     //! Its dispatch (rows per local expert on the host, the batch's rows); null unless ready().
     [[nodiscard]] const handle_type* dispatch() const noexcept {
       return handle_ ? &*handle_ : nullptr;
@@ -198,7 +204,7 @@ class simt_moe_layer {
     bool z_on_ = false;
     float z_coeff_ = 0;
     sizes_key key_{};               // tokens 0: nothing allocated
-    buffer<T> input_;               // [max_tokens, H] the forward's input
+    buffer<T> input_;               // [max_tokens, H] the forward's input (rows padded)
     buffer<float> logits_, probs_;  // [N, E], [N, k]
     buffer<int> indices_, kept_;    // [N, k] the selection; the kept record (a drop policy)
     std::array<buffer<float>, 3> dscores_{};  // [1, C] d loss / d scores of each term
@@ -275,6 +281,8 @@ class simt_moe_layer {
   [[nodiscard]] row_view<const float, space> last_probs() const noexcept { return own_.probs(); }
   [[nodiscard]] row_view<const float, space> last_logits() const noexcept { return own_.logits(); }
   [[nodiscard]] row_view<const int, space> last_kept() const noexcept { return own_.kept(); }
+  //! Its input as kept [N, H] (row stride padded to 16 bytes; context::input()).
+  [[nodiscard]] row_view<const T, space> last_input() const noexcept { return own_.input(); }
   //! With a drop policy, the last training or evaluation forward's pairs per expert [1, E]:
   //! routed, dropped beyond capacity, zero-probability filler rows (pad mode); empty dropless.
   struct drop_views {
@@ -344,7 +352,7 @@ class simt_moe_layer {
                         "communicator in moe_layer_groups::tp_dp_cp");
     if (auto st = prepare(ctx); !st) return unexpected<error>(st.error());
     // The input is kept for the router's weight gradient (the caller may reuse its buffer).
-    const auto xs = ctx.input_.view().first(n);
+    const auto xs = hidden_rows(ctx.input_, n);
     if (auto st = x_->copy(x, xs); !st) return unexpected<error>(st.error());
     if (auto st = router_.forward(
             {.x = xs,
@@ -400,7 +408,7 @@ class simt_moe_layer {
     auto h = disp_.dispatch(*x_, din, g.dispatch, ws);
     if (!h) return unexpected<error>(h.error());
     const int M = h->num_rows();
-    const auto y = rows_a_.view().first(M);
+    const auto y = hidden_rows(rows_a_, M);
     if (auto st = experts_.forward(batch_of(*h), y); !st) return unexpected<error>(st.error());
     if (auto st = disp_.combine(*x_, *h, y, g.dispatch, out); !st)
       return unexpected<error>(st.error());
@@ -433,7 +441,7 @@ class simt_moe_layer {
     const handle_type h = std::move(*ctx.handle_);
     ctx.handle_.reset();  // consumed, whatever the outcome
     const int M = h.num_rows();
-    const auto dy = rows_a_.view().first(M), dx_rows = rows_b_.view().first(M);
+    const auto dy = hidden_rows(rows_a_, M), dx_rows = hidden_rows(rows_b_, M);
     const auto dprob_rows = prob_rows_.view().first(M);
     // Experts' path: dout -> dy rows -> dx rows, dprob rows -> dx [N, H], dprobs [N, k].
     if (auto st = disp_.combine_backward(*x_, h, dout, g.dispatch, dy); !st) return st;
@@ -459,12 +467,12 @@ class simt_moe_layer {
     if (ctx.z_on_)
       if (auto st = by_team([&]<class Team>() { return z_backward<Team>(ctx, n, loss_seed); }); !st)
         return st;
-    const auto dxr = dx_router_.view().first(n);
+    const auto dxr = hidden_rows(dx_router_, n);
     if (auto st = router_.backward_gating(
-            {.x = ctx.input_.cview().first(n), .dlogits = dlogits_.cview().first(n), .dx = dxr});
+            {.x = hidden_rows(ctx.input_, n), .dlogits = dlogits_.cview().first(n), .dx = dxr});
         !st)
       return st;
-    return x_->template add_converted<T, float>(dx_router_.cview().first(n), dx);
+    return x_->template add_converted<T, float>(dxr, dx);
   }
 
   //! Sums the local gradients over their groups: the router weight over tp-dp-cp, the experts'
@@ -524,12 +532,13 @@ class simt_moe_layer {
       b = std::move(*v);
       return {};
     };
-    for (status st : {make(dprobs_, N, K), make(dlogits_, N, E), make(dx_router_, N, H),
-                      make(rows_a_, std::max(M, 1LL), H), make(rows_b_, std::max(M, 1LL), H),
-                      make(prob_rows_, std::max(M, 1LL), 1), make(scores_, N, E), make(map_, N, E),
-                      make(z_loss_, 1, 1), make(bias_, 1, E), make(bias_counts_, 1, E),
-                      make(bias_summed_, 1, E), make(histogram_, 1, E), make(fault_, 1, 2),
-                      make(running_, 1, E)})
+    for (status st :
+         {make(dprobs_, N, K), make(dlogits_, N, E), make(dx_router_, N, padded<float>(H)),
+          make(rows_a_, std::max(M, 1LL), padded<T>(H)),
+          make(rows_b_, std::max(M, 1LL), padded<T>(H)), make(prob_rows_, std::max(M, 1LL), 1),
+          make(scores_, N, E), make(map_, N, E), make(z_loss_, 1, 1), make(bias_, 1, E),
+          make(bias_counts_, 1, E), make(bias_summed_, 1, E), make(histogram_, 1, E),
+          make(fault_, 1, 2), make(running_, 1, E)})
       if (!st) return st;
     if (drop_)
       for (status st : {make(keep_, N, K), make(lists_, N, K), make(offsets_, 1, E + 1),
@@ -557,6 +566,20 @@ class simt_moe_layer {
         !st)
       return st;
     return prepare(own_);
+  }
+
+  // Rows of H values of U the layer allocates start 16 bytes apart (the kernels' 16-byte row
+  // accesses; a stride of H elements is padded up): the buffer's width is the padded stride.
+  template <class U>
+  static long long padded(long long H) noexcept {
+    static_assert(16 % sizeof(U) == 0, "a row element must divide 16 bytes");
+    constexpr auto e = static_cast<long long>(sizeof(U));
+    return (H * e + 15) / 16 * 16 / e;
+  }
+  // The first `rows` rows of such a buffer as [rows, H], its stride the padded one.
+  template <class U>
+  row_view<U, space> hidden_rows(const buffer<U>& b, int rows) const noexcept {
+    return row_view<U, space>(b.view().data(), rows, o_.hidden, b.view().width());
   }
 
   // The sizes a context's buffers take for this layer.
@@ -588,10 +611,10 @@ class simt_moe_layer {
       return std::max<long long>(static_cast<long long>(n), 1);
     };
     for (status st :
-         {make(c.input_, N, H), make(c.logits_, N, E), make(c.probs_, N, K), make(c.indices_, N, K),
-          make(c.kept_, k.drop ? N : 1, k.drop ? K : 1), make(c.dscores_[0], 1, E),
-          make(c.dscores_[1], 1, k.batch * E), make(c.dscores_[2], 1, E), make(c.lse_, 1, N),
-          make(c.valid_, 1, 1), make(c.saved_, 1, bytes(k.ws.saved))})
+         {make(c.input_, N, padded<T>(H)), make(c.logits_, N, E), make(c.probs_, N, K),
+          make(c.indices_, N, K), make(c.kept_, k.drop ? N : 1, k.drop ? K : 1),
+          make(c.dscores_[0], 1, E), make(c.dscores_[1], 1, k.batch * E), make(c.dscores_[2], 1, E),
+          make(c.lse_, 1, N), make(c.valid_, 1, 1), make(c.saved_, 1, bytes(k.ws.saved))})
       if (!st) {
         c = context{};
         return st;
@@ -853,8 +876,8 @@ class simt_moe_layer {
   context own_{};  // the one-in-flight form's
   // The scratch of one forward or backward (dead after the call), in the context's memory.
   buffer<float> dprobs_;               // [N, k]
-  buffer<float> dlogits_, dx_router_;  // [N, E], [N, H]
-  buffer<T> rows_a_, rows_b_;          // [M, H]: y then dy; dx rows
+  buffer<float> dlogits_, dx_router_;  // [N, E], [N, H] (rows padded: hidden_rows)
+  buffer<T> rows_a_, rows_b_;          // [M, H]: y then dy; dx rows (rows padded)
   buffer<float> prob_rows_;            // [M, 1] dprob rows
   buffer<float> scores_;               // [N, E] the losses' scores
   buffer<std::uint8_t> map_;           // [N, E] their top-k map
