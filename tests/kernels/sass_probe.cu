@@ -18,6 +18,7 @@
 #include <moefold/kernels/router_block.hpp>
 #include <moefold/kernels/router_z_loss.hpp>
 #include <moefold/kernels/scan.hpp>
+#include <moefold/kernels/shared_gate.hpp>
 #include <moefold/kernels/unpermute.hpp>
 
 namespace k = moefold::kernels;
@@ -74,3 +75,12 @@ MOEFOLD_SASS_PROBE(k::activation_backward_kernel<bfloat16, float>);
 MOEFOLD_SASS_PROBE(k::expert_lists_kernel<float>);
 MOEFOLD_SASS_PROBE(k::keep_rank_kernel<float>);
 MOEFOLD_SASS_PROBE(k::drop_totals_kernel);
+MOEFOLD_SASS_PROBE(k::kept_record_kernel);
+MOEFOLD_SASS_PROBE(k::shared_gate_forward_kernel<float>);
+MOEFOLD_SASS_PROBE(k::shared_gate_forward_kernel<bfloat16>);
+MOEFOLD_SASS_PROBE(k::shared_gate_backward_kernel<float>);
+MOEFOLD_SASS_PROBE(k::shared_gate_backward_kernel<bfloat16>);
+MOEFOLD_SASS_PROBE(k::shared_gate_weight_grad_kernel<float, float>);
+MOEFOLD_SASS_PROBE(k::shared_gate_weight_grad_kernel<bfloat16, float>);
+MOEFOLD_SASS_PROBE(k::shared_gate_dx_kernel<float>);
+MOEFOLD_SASS_PROBE(k::shared_gate_dx_kernel<bfloat16>);

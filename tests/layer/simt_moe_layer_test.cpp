@@ -9,6 +9,7 @@
 #include <moefold/core/exec_buffer.hpp>
 #include <moefold/dispatch/all_gather_dispatcher.hpp>
 #include <moefold/dispatch/all_to_all_dispatcher.hpp>
+#include <moefold/experts/reference_mlp.hpp>
 #include <moefold/experts/simt_mlp.hpp>
 #include <moefold/layer/simt_moe_layer.hpp>
 
@@ -19,6 +20,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "../dispatch/device_round_trip.hpp"
@@ -131,13 +133,22 @@ struct feature_out {
          global[feature_micro_batches] = {}, z[feature_micro_batches] = {};
   double global_after_reset = 0;
   std::vector<double> dw_router, dw1, dw2, eval_out;
+  std::vector<double> shared_dw1, shared_dw2, gate_dw;  // with the shared expert (reduced)
   std::vector<float> counts_after_train, counts_after_eval, bias_after_update, counts_after_update;
   std::vector<double> running_after_train;
   int steps_after_train = 0, steps_after_eval = 0, steps_after_update = 0;
 };
 
-moe_layer_options feature_options(const problem& p, const dynamic_folded_mesh& fold) {
+// The shared expert of the features run: SwiGLU, F_s = 6, the sigmoid gate, sharded over TP.
+constexpr int shared_ffn = 6;
+moe_layer_options feature_options(const problem& p, const dynamic_folded_mesh& fold, int r,
+                                  bool shared) {
   auto o = options_of(p, fold);
+  if (shared)
+    o.shared_expert = {.ffn = shared_ffn,
+                       .gate = true,
+                       .tp = fold.tp(),
+                       .tp_rank = megatron_groups(fold)(group_kind::tp).find(r).position};
   o.router.score = score_function::sigmoid;
   o.router.expert_bias = true;
   o.seq_aux_loss_coeff = 0.02;
@@ -145,6 +156,21 @@ moe_layer_options feature_options(const problem& p, const dynamic_folded_mesh& f
   o.batch = 2;
   o.expert_bias_update_rate = 0.05f;
   return o;
+}
+// Full shared-expert weights (fc1 [2 F_s, H], fc2 [H, F_s]) and the gate [H].
+struct shared_weights {
+  std::vector<float> fc1, fc2, gate;
+};
+shared_weights make_shared_weights(const problem& p) {
+  problem ps = p;
+  ps.experts = 1;
+  ps.ffn = shared_ffn;
+  const data ws = make_weights(ps);
+  shared_weights w{cast<float>(megatron_fc1_from_columns(ws.w1, p.hidden, 2, shared_ffn)),
+                   cast<float>(megatron_fc2_from_rows(ws.w2, shared_ffn, p.hidden)),
+                   {}};
+  for (int h = 0; h < p.hidden; ++h) w.gate.push_back(static_cast<float>(unit(10, h, 0)));
+  return w;
 }
 std::vector<float> feature_bias(int E) {  // large enough to change selections
   std::vector<float> b;
@@ -165,7 +191,8 @@ void feature_inputs(const problem& p, int m, int r, std::vector<float>& x,
 
 // The host layer (moe_layer on host_exec, reference_mlp experts).
 template <class Policy>
-std::vector<feature_out> run_host_features(const problem& p, const Policy& policy) {
+std::vector<feature_out> run_host_features(const problem& p, const Policy& policy,
+                                           bool shared = false) {
   using D = all_to_all_dispatcher<float, thread_communicator, host_exec, float>;
   using layer_t = moe_layer<float, thread_communicator, Policy, D, reference_mlp<float>>;
   const auto fold = make_folded(p.fold).value();
@@ -178,14 +205,19 @@ std::vector<feature_out> run_host_features(const problem& p, const Policy& polic
     auto get = [&](group_kind k) { return group_communicator(world, groups, {k}).value(); };
     auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep);
     auto tp_cp = get(group_kind::tp_cp), stage = get(group_kind::tp_dp_cp),
-         edp = get(group_kind::edp);
+         edp = get(group_kind::edp), tp = get(group_kind::tp), dp_cp = get(group_kind::dp_cp);
     TRY_ASSIGN(mlp, (rank_experts<float, float>(p, fold, r, w.w1, w.w2)));
-    TRY_ASSIGN(layer, layer_t::make(feature_options(p, fold), policy, std::move(*mlp)));
+    TRY_ASSIGN(layer, layer_t::make(feature_options(p, fold, r, shared), policy, std::move(*mlp)));
     std::transform(wr.begin(), wr.end(), layer->router_weight().begin(),
                    [](double v) { return static_cast<float>(v); });
     layer->expert_bias().bias = feature_bias(p.experts);
+    if (auto* se = layer->shared()) {
+      const shared_weights sw = make_shared_weights(p);
+      TRY(se->mlp().load_full(0, sw.fc1, sw.fc2));
+      std::copy(sw.gate.begin(), sw.gate.end(), se->gate_weight().begin());
+    }
     const moe_layer_groups<thread_communicator> g{
-        .tp_cp = tp_cp, .dispatch = {ep, etp, tp_ep}, .tp_dp_cp = &stage};
+        .tp_cp = tp_cp, .dispatch = {ep, etp, tp_ep}, .tp = &tp, .tp_dp_cp = &stage};
     auto& res = results[static_cast<std::size_t>(r)];
     std::vector<float> x, dout, out, dx;
     for (int m = 0; m < feature_micro_batches; ++m) {
@@ -202,8 +234,13 @@ std::vector<feature_out> run_host_features(const problem& p, const Policy& polic
       res.out[m] = widen_all(out);
       res.dx[m] = widen_all(dx);
     }
-    TRY(layer->reduce_gradients(stage, edp,
-                                {layer->experts().grads_fc1(), layer->experts().grads_fc2()}));
+    TRY(layer->reduce_gradients(
+        stage, edp, {layer->experts().grads_fc1(), layer->experts().grads_fc2()}, &dp_cp));
+    if (auto* se = layer->shared()) {
+      res.shared_dw1 = widen(se->mlp().grads_fc1());
+      res.shared_dw2 = widen(se->mlp().grads_fc2());
+      res.gate_dw = widen(se->gate_grad());
+    }
     res.dw_router = widen(layer->router_weight_grad());
     res.dw1 = widen(layer->experts().grads_fc1());
     res.dw2 = widen(layer->experts().grads_fc2());
@@ -232,9 +269,39 @@ std::vector<feature_out> run_host_features(const problem& p, const Policy& polic
   return results;
 }
 
+// The shared expert's TP shard (the host expert's loader cuts it) and its gate on the context,
+// with zeroed gradients: `sp` holds fc1, fc2, the gate and their gradients; the result views them.
+expected<simt_shared_expert_params<float, space>> upload_shared(
+    const problem& p, const dynamic_folded_mesh& fold, int tp_rank, cpu_exec& x,
+    std::vector<exec_buffer<float, cpu_exec>>& sp) {
+  const int H = p.hidden, fs = shared_ffn / fold.tp();
+  const shared_weights sw = make_shared_weights(p);
+  TRY_ASSIGN(ref, (reference_mlp<float, float>::make({.hidden = H,
+                                                      .ffn = shared_ffn,
+                                                      .num_local_experts = 1,
+                                                      .etp = fold.tp(),
+                                                      .etp_rank = tp_rank})));
+  TRY(ref->load_full(0, sw.fc1, sw.fc2));
+  const std::vector<float> fc1(ref->weights_fc1().begin(), ref->weights_fc1().end()),
+      fc2(ref->weights_fc2().begin(), ref->weights_fc2().end());
+  sp.clear();
+  for (auto [v, rows, width] :
+       {std::tuple{fc1, 2 * fs, H}, std::tuple{fc2, H, fs}, std::tuple{sw.gate, 1, H},
+        std::tuple{std::vector<float>(fc1.size(), 0.0f), 2 * fs, H},
+        std::tuple{std::vector<float>(fc2.size(), 0.0f), H, fs},
+        std::tuple{std::vector<float>(sw.gate.size(), 0.0f), 1, H}}) {
+    TRY_ASSIGN(b, upload(x, v, rows, width));
+    sp.push_back(std::move(*b));
+  }
+  return simt_shared_expert_params<float, space>{.mlp = {sp[0].cview(), sp[1].cview()},
+                                                 .grads = {sp[3].view(), sp[4].view()},
+                                                 .gate = sp[2].cview(),
+                                                 .gate_grad = sp[5].view()};
+}
+
 // One rank of simt_moe_layer on cpu_exec, the same sequence.
 expected<feature_out> run_simt_features_rank(const problem& p, dev_comm& world, cpu_exec& x,
-                                             std::optional<sub_sequence> drop) {
+                                             std::optional<sub_sequence> drop, bool shared) {
   using G = float;
   const auto fold = make_folded(p.fold).value();
   const megatron_groups groups(fold);
@@ -242,17 +309,23 @@ expected<feature_out> run_simt_features_rank(const problem& p, dev_comm& world, 
   auto get = [&](group_kind k) { return group_communicator(world, groups, {k}).value(); };
   auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep);
   auto tp_cp = get(group_kind::tp_cp), stage = get(group_kind::tp_dp_cp),
-       edp = get(group_kind::edp);
+       edp = get(group_kind::edp), tp = get(group_kind::tp), dp_cp = get(group_kind::dp_cp);
   TRY_ASSIGN(par, (upload_rank_params<float>(p, fold, r, x)));
   TRY_ASSIGN(mlp, (rank_mlp(p, fold, r, x, *par)));
+  const moe_layer_options o = feature_options(p, fold, r, shared);
+  std::vector<exec_buffer<float, cpu_exec>> sp;
+  simt_shared_expert_params<float, space> sh{};
+  if (shared) {
+    TRY_ASSIGN(v, upload_shared(p, fold, o.shared_expert.tp_rank, x, sp));
+    sh = *v;
+  }
   TRY_ASSIGN(layer, (simt_layer_t<float, all_to_all_dispatcher>::make(
-                        x, feature_options(p, fold), par->w.cview(), par->dw.view(),
-                        std::move(*mlp), drop)));
+                        x, o, par->w.cview(), par->dw.view(), std::move(*mlp), drop, sh)));
   auto &d_g1 = par->g1, &d_g2 = par->g2, &d_dw = par->dw;
   TRY_ASSIGN(d_bias, upload(x, feature_bias(E), 1, E));
   TRY(x.copy(d_bias->cview(), layer->expert_bias()));
   const moe_layer_groups<dev_comm> g{
-      .tp_cp = tp_cp, .dispatch = {ep, etp, tp_ep}, .tp_dp_cp = &stage};
+      .tp_cp = tp_cp, .dispatch = {ep, etp, tp_ep}, .tp = &tp, .tp_dp_cp = &stage};
   feature_out res;
   const auto value = [&](row_view<const float, space> v) -> expected<double> {
     TRY_ASSIGN(h, (download<float>(x, v)));
@@ -284,6 +357,15 @@ expected<feature_out> run_simt_features_rank(const problem& p, dev_comm& world, 
     res.dx[m] = widen_all(*dx);
   }
   TRY(layer->reduce_gradients(stage, edp, d_dw.view(), {d_g1.view(), d_g2.view()}));
+  if (shared) {
+    TRY(layer->reduce_shared_gradients(dp_cp, stage));
+    TRY_ASSIGN(s1, (download<G>(x, sp[3].cview())));
+    TRY_ASSIGN(s2, (download<G>(x, sp[4].cview())));
+    TRY_ASSIGN(sg, (download<G>(x, sp[5].cview())));
+    res.shared_dw1 = widen_all(*s1);
+    res.shared_dw2 = widen_all(*s2);
+    res.gate_dw = widen_all(*sg);
+  }
   TRY_ASSIGN(dw, (download<G>(x, d_dw.cview())));
   TRY_ASSIGN(g1, (download<G>(x, d_g1.cview())));
   TRY_ASSIGN(g2, (download<G>(x, d_g2.cview())));
@@ -324,13 +406,14 @@ expected<feature_out> run_simt_features_rank(const problem& p, dev_comm& world, 
   return res;
 }
 
-std::vector<feature_out> run_simt_features(const problem& p, std::optional<sub_sequence> drop) {
+std::vector<feature_out> run_simt_features(const problem& p, std::optional<sub_sequence> drop,
+                                           bool shared = false) {
   const int W = p.fold.world;
   std::vector<feature_out> res(static_cast<std::size_t>(W));
   const auto st = run_thread_world(W, [&](thread_communicator& world) -> status {
     auto dw = std::move(world).in_space<space>();
     cpu_exec x(static_cast<std::uint64_t>(11 + dw.rank()));
-    auto r = run_simt_features_rank(p, dw, x, drop);
+    auto r = run_simt_features_rank(p, dw, x, drop, shared);
     if (!r) return unexpected<error>(r.error());
     res[static_cast<std::size_t>(dw.rank())] = std::move(*r);
     return {};
@@ -349,25 +432,34 @@ struct flight_out {
   std::vector<double> dw_router, dw1, dw2;
   std::vector<float> counts;
   std::vector<double> running;
+  std::vector<std::vector<double>> shared_grads;  // fc1, fc2, gate (with the shared expert)
   bool contexts_ok = true;  // ready() where it should be, a consumed context refused
 };
 expected<flight_out> run_flight_rank(const problem& p, dev_comm& world, cpu_exec& x,
-                                     std::optional<sub_sequence> drop, bool in_flight) {
+                                     std::optional<sub_sequence> drop, bool shared,
+                                     bool in_flight) {
   using layer_t = simt_layer_t<float, all_to_all_dispatcher>;
   const auto fold = make_folded(p.fold).value();
   const megatron_groups groups(fold);
   const int r = world.rank(), H = p.hidden;
   auto get = [&](group_kind k) { return group_communicator(world, groups, {k}).value(); };
   auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep);
-  auto tp_cp = get(group_kind::tp_cp), stage = get(group_kind::tp_dp_cp);
+  auto tp_cp = get(group_kind::tp_cp), stage = get(group_kind::tp_dp_cp), tp = get(group_kind::tp);
   TRY_ASSIGN(par, (upload_rank_params<float>(p, fold, r, x)));
   TRY_ASSIGN(mlp, (rank_mlp(p, fold, r, x, *par)));
-  TRY_ASSIGN(layer, (layer_t::make(x, feature_options(p, fold), par->w.cview(), par->dw.view(),
-                                   std::move(*mlp), drop)));
+  const moe_layer_options o = feature_options(p, fold, r, shared);
+  std::vector<exec_buffer<float, cpu_exec>> sp;
+  simt_shared_expert_params<float, space> sh{};
+  if (shared) {
+    TRY_ASSIGN(v, upload_shared(p, fold, o.shared_expert.tp_rank, x, sp));
+    sh = *v;
+  }
+  TRY_ASSIGN(layer,
+             (layer_t::make(x, o, par->w.cview(), par->dw.view(), std::move(*mlp), drop, sh)));
   TRY_ASSIGN(d_bias, upload(x, feature_bias(p.experts), 1, p.experts));
   TRY(x.copy(d_bias->cview(), layer->expert_bias()));
   const moe_layer_groups<dev_comm> g{
-      .tp_cp = tp_cp, .dispatch = {ep, etp, tp_ep}, .tp_dp_cp = &stage};
+      .tp_cp = tp_cp, .dispatch = {ep, etp, tp_ep}, .tp = &tp, .tp_dp_cp = &stage};
   std::vector<exec_buffer<float, cpu_exec>> xs, douts, outs, dxs;
   for (int m = 0; m < 2; ++m) {
     std::vector<float> hx, hd;
@@ -434,16 +526,20 @@ expected<flight_out> run_flight_rank(const problem& p, dev_comm& world, cpu_exec
   res.dw2 = widen_all(*g2);
   res.counts = *counts;
   res.running = *running;
+  for (std::size_t i = 3; i < sp.size(); ++i) {  // the shared expert's local gradients
+    TRY_ASSIGN(gs, (download<float>(x, sp[i].cview())));
+    res.shared_grads.push_back(widen_all(*gs));
+  }
   return res;
 }
-std::vector<flight_out> run_flight(const problem& p, std::optional<sub_sequence> drop,
+std::vector<flight_out> run_flight(const problem& p, std::optional<sub_sequence> drop, bool shared,
                                    bool in_flight) {
   const int W = p.fold.world;
   std::vector<flight_out> res(static_cast<std::size_t>(W));
   const auto st = run_thread_world(W, [&](thread_communicator& world) -> status {
     auto dw = std::move(world).in_space<space>();
     cpu_exec x(static_cast<std::uint64_t>(5 + dw.rank()));
-    auto r = run_flight_rank(p, dw, x, drop, in_flight);
+    auto r = run_flight_rank(p, dw, x, drop, shared, in_flight);
     if (!r) return unexpected<error>(r.error());
     res[static_cast<std::size_t>(dw.rank())] = std::move(*r);
     return {};
@@ -530,10 +626,21 @@ TEST_CASE("simt_moe_layer refuses what it does not run and misuse, naming the ru
     o.expert_bias_update_rate = std::numeric_limits<float>::quiet_NaN();
     refused(o, "expert_bias_update_rate must be finite and >= 0");
   }
-  {
+  {  // the shared expert's rules
     auto o = ok;
+    o.shared_expert.ffn = -1;
+    refused(o, "shared_expert.ffn must be >= 0");
     o.shared_expert.ffn = 4;
-    refused(o, "shared expert");
+    refused(o, "the shared expert: simt_mlp: weights and gradients must be contiguous");
+    o.shared_expert.tp_rank = 1;
+    refused(o, "tp_rank in [0, tp)");
+    o.shared_expert = {.ffn = 2, .gate = true};
+    refused(o, "gate weight and its gradient must be contiguous [1, H]");
+    const simt_shared_expert_params<float, space> gate_only{.gate = w.cview().first(1),
+                                                            .gate_grad = dw.view().first(1)};
+    auto l = layer_t::make(x, ok, w.cview(), dw.view(), experts(), {}, gate_only);
+    REQUIRE_FALSE(l.has_value());
+    CHECK(l.error().message.find("without a shared expert") != std::string::npos);
   }
   refused(ok, "capacity_factor must be finite and > 0", sub_sequence{.capacity_factor = 0.0});
   refused(ok, "drop.by must be", sub_sequence{.by = static_cast<drop_by>(7)});
@@ -571,6 +678,26 @@ TEST_CASE("simt_moe_layer refuses what it does not run and misuse, naming the ru
     auto f2 = l->forward(in.cview().first(2), g, out.view().first(3));
     REQUIRE_FALSE(f2.has_value());
     CHECK(f2.error().code == errc::shape_mismatch);
+    // A shared expert needs the TP communicator, of the options' size; a layer without one has
+    // no shared gradients to reduce.
+    auto s1 = exec_buffer<float, cpu_exec>::make(xx, 4, H).value();
+    auto s2 = exec_buffer<float, cpu_exec>::make(xx, H, 2).value();
+    auto sg1 = exec_buffer<float, cpu_exec>::make(xx, 4, H).value();
+    auto sg2 = exec_buffer<float, cpu_exec>::make(xx, H, 2).value();
+    auto shared_opts = ok;
+    shared_opts.shared_expert = {.ffn = 2};
+    auto lsh = layer_t::make(xx, shared_opts, w.cview(), dw.view(), experts(), {},
+                             {.mlp = {s1.cview(), s2.cview()}, .grads = {sg1.view(), sg2.view()}});
+    if (!lsh) return unexpected<error>(lsh.error());
+    auto fs = lsh->forward(in.cview().first(2), g, out.view().first(2));
+    REQUIRE_FALSE(fs.has_value());
+    CHECK(fs.error().message.find("moe_layer_groups::tp") != std::string::npos);
+    shared_opts.shared_expert.tp = 2;  // the options say TP 2, the communicator has 1 rank
+    auto lsh2 = layer_t::make(xx, shared_opts, w.cview(), dw.view(), experts(), {},
+                              {.mlp = {s1.cview(), s2.cview()}, .grads = {sg1.view(), sg2.view()}});
+    CHECK_FALSE(lsh2.has_value());  // fc1 [4, H] is not TP 2's shard [2, H]
+    CHECK(l->reduce_shared_gradients(d, d).error().message.find("without a shared expert") !=
+          std::string::npos);
     // The per-sequence loss needs whole sequences; the global loss its communicator.
     auto seq_opts = ok;
     seq_opts.seq_aux_loss_coeff = 0.1;
@@ -621,24 +748,30 @@ TEST_CASE(
     "simt_moe_layer: per-sequence and global losses and the expert bias over a global batch") {
   // Dropless over two folds; sub-sequence dropping in pad mode (the bias counts the kept and
   // filler rows, Megatron-Core's post-drop map) over EP 4 x ETP 2.
+  // With the gated shared expert too (sequence parallel over TP 2 on EP 4 x ETP 2, TP 1 on
+  // CP 2 x EP 4): its output, input gradient and reduced gradients against moe_layer's.
   const sub_sequence pad{.capacity_factor = 1.0, .pad_to_capacity = true};
-  const std::pair<fold_config, std::optional<sub_sequence>> runs[] = {
-      {simt_layer_folds[0], std::nullopt},
-      {simt_layer_folds[1], std::nullopt},
-      {simt_layer_folds[0], pad}};
-  for (const auto& [f, drop] : runs) {
+  const std::tuple<fold_config, std::optional<sub_sequence>, bool> runs[] = {
+      {simt_layer_folds[0], std::nullopt, false},
+      {simt_layer_folds[1], std::nullopt, false},
+      {simt_layer_folds[0], pad, false},
+      {simt_layer_folds[0], std::nullopt, true},
+      {simt_layer_folds[1], pad, true}};
+  for (const auto& [f, drop, shared] : runs) {
     const auto fold = make_folded(f).value();
     CAPTURE(fold.ep());
     CAPTURE(fold.etp());
     CAPTURE(drop.has_value());
+    CAPTURE(shared);
     problem p{.fold = f};
     p.experts = 2 * fold.ep();
     p.topk = 2;
     p.hidden = 12;
     p.ffn = 2 * fold.etp();
     p.tokens = 6;  // three sequences of batch 2
-    const auto dev = run_simt_features(p, drop);
-    const auto host = drop ? run_host_features(p, *drop) : run_host_features(p, dropless{});
+    const auto dev = run_simt_features(p, drop, shared);
+    const auto host =
+        drop ? run_host_features(p, *drop, shared) : run_host_features(p, dropless{}, shared);
     const double tol = 2e-5;
     bool bias_moved = false, bias_steered = false;
     for (std::size_t r = 0; r < dev.size(); ++r) {
@@ -664,6 +797,13 @@ TEST_CASE(
       CHECK(rel_err(a.dw1, b.dw1) <= tol);
       CHECK(rel_err(a.dw2, b.dw2) <= tol);
       CHECK(rel_err(a.eval_out, b.eval_out) <= tol);
+      CHECK(a.shared_dw1.size() == (shared ? b.shared_dw1.size() : 0));
+      CHECK(b.gate_dw.size() == (shared ? static_cast<std::size_t>(p.hidden) : 0));
+      if (shared) {
+        CHECK(rel_err(a.shared_dw1, b.shared_dw1) <= tol);
+        CHECK(rel_err(a.shared_dw2, b.shared_dw2) <= tol);
+        CHECK(rel_err(a.gate_dw, b.gate_dw) <= tol);
+      }
       CHECK(a.counts_after_train == b.counts_after_train);
       CHECK(a.counts_after_eval == b.counts_after_train);  // evaluation counts nothing
       CHECK(a.running_after_train == b.running_after_train);
@@ -777,10 +917,13 @@ TEST_CASE("simt_moe_layer: forwards in flight, each backward from its own contex
   // Both forwards before either backward, backwards in reverse order: every output, input
   // gradient, loss and kept record equals the one-at-a-time run bit for bit, and so do the
   // accumulated gradients (two terms per element: their sum does not depend on the order), the
-  // bias's counts and the running counts. Dropless, sub-sequence dropping and pad mode.
-  const std::optional<sub_sequence> drops[] = {
-      std::nullopt, sub_sequence{.capacity_factor = 1.0, .by = drop_by::probs},
-      sub_sequence{.capacity_factor = 1.0, .pad_to_capacity = true}};
+  // bias's counts and the running counts. Dropless, sub-sequence dropping and pad mode, and
+  // dropless with the gated shared expert (its gathered input, output and gates per context).
+  const std::pair<std::optional<sub_sequence>, bool> runs[] = {
+      {std::nullopt, false},
+      {sub_sequence{.capacity_factor = 1.0, .by = drop_by::probs}, false},
+      {sub_sequence{.capacity_factor = 1.0, .pad_to_capacity = true}, false},
+      {std::nullopt, true}};
   const auto fold = make_folded(simt_layer_folds[0]).value();  // EP 4 x ETP 2
   problem p{.fold = simt_layer_folds[0]};
   p.experts = 2 * fold.ep();
@@ -788,10 +931,11 @@ TEST_CASE("simt_moe_layer: forwards in flight, each backward from its own contex
   p.hidden = 12;
   p.ffn = 2 * fold.etp();
   p.tokens = 6;
-  for (const auto& drop : drops) {
+  for (const auto& [drop, shared] : runs) {
     CAPTURE(drop.has_value());
     CAPTURE(drop && drop->pad_to_capacity);
-    const auto one = run_flight(p, drop, false), two = run_flight(p, drop, true);
+    CAPTURE(shared);
+    const auto one = run_flight(p, drop, shared, false), two = run_flight(p, drop, shared, true);
     bool differ = false;  // the two micro-batches differ, so a mixed-up context would show
     for (std::size_t r = 0; r < one.size(); ++r) {
       CAPTURE(r);
@@ -810,6 +954,11 @@ TEST_CASE("simt_moe_layer: forwards in flight, each backward from its own contex
       CHECK(a.dw2 == b.dw2);
       CHECK(a.counts == b.counts);
       CHECK(a.running == b.running);
+      CHECK(a.shared_grads.size() == (shared ? 3 : 0));
+      for (std::size_t i = 0; i < a.shared_grads.size() && i < b.shared_grads.size(); ++i) {
+        CAPTURE(i);
+        CHECK(a.shared_grads[i] == b.shared_grads[i]);
+      }
       differ = differ || a.dx[0] != a.dx[1] || a.losses[0] != a.losses[1];
     }
     CHECK(differ);

@@ -104,11 +104,12 @@ struct full_sequence {
     // 1. Exchange a small header: shape, whether keys are given, whether the local input is good.
     const bool keys_ok =
         order_keys.empty() || order_keys.size() == static_cast<std::size_t>(r.num_tokens);
-    status local = !keys_ok ? status(make_error(errc::shape_mismatch,
-                                                "full_sequence: order_keys must be empty or "
-                                                "have num_tokens entries"))
-                            : detail::check_routing(r);
-    if (local) local = detail::check_counts(out, r.num_tokens, r.num_experts);
+    const status input = !keys_ok ? status(make_error(errc::shape_mismatch,
+                                                      "full_sequence: order_keys must be empty or "
+                                                      "have num_tokens entries"))
+                                  : detail::check_routing(r);
+    // Initialized, not assigned: nvcc warns on the discarded result of an assignment of status.
+    const status local = input ? detail::check_counts(out, r.num_tokens, r.num_experts) : input;
     const int G = tp_cp.size();
     const int hdr[4] = {local ? r.num_tokens : -1, r.num_experts, r.topk,
                         order_keys.empty() ? 0 : 1};

@@ -11,8 +11,11 @@
 //!
 //! It computes what moe_layer computes on the host for the same options (tested over folds of
 //! the thread world against moe_layer and the fp64 single-rank reference, and over micro-batches
-//! and a global batch's end for the losses with state and the bias); what it does not take yet is
-//! refused by make() with the rule named: a shared expert. Drop policies: dropless (default) or
+//! and a global batch's end for the losses with state and the bias). The shared expert
+//! (moe_layer_options::shared_expert, its parameters given to make()) runs as moe_layer's:
+//! Megatron-Core's sequence-parallel MLP over the attention TP group (every TP rank's N equal),
+//! simt_mlp for its shard, the sigmoid gate as kernels (kernels/shared_gate.hpp); its gradients
+//! are reduced by reduce_shared_gradients. Drop policies: dropless (default) or
 //! sub-sequence dropping (`sub_sequence`: capacity from this rank's tokens, by probability or by
 //! position, pad mode included) as kernels (kernels/capacity.hpp); full-sequence dropping, which
 //! gathers the tp-cp group's routing, is moe_layer's only.
@@ -54,11 +57,13 @@
 #include <moefold/kernels/expert_bias.hpp>
 #include <moefold/kernels/router_aux_loss.hpp>
 #include <moefold/kernels/router_z_loss.hpp>
+#include <moefold/kernels/shared_gate.hpp>
 #else
 #include "../../../kernels/capacity.hpp"
 #include "../../../kernels/expert_bias.hpp"
 #include "../../../kernels/router_aux_loss.hpp"
 #include "../../../kernels/router_z_loss.hpp"
+#include "../../../kernels/shared_gate.hpp"
 #endif
 
 #include "../comm/communicator.hpp"
@@ -88,6 +93,19 @@ concept device_experts = requires(E& e, const device_expert_batch<T, float, S>& 
   { e.hidden() } -> std::same_as<int>;
   { e.forward(b, rows) } -> std::same_as<status>;
   { e.backward(b, crows, rows, probs) } -> std::same_as<status>;
+};
+
+//! The shared expert's parameters on a context (moe_layer_options::shared_expert gives its
+//! shape): this attention-TP rank's shard of the MLP, fc1 [F1 / TP, H] (a gated activation's gate
+//! rows, then its up rows; experts/mlp_params.hpp for one expert with TP as its ETP) and fc2
+//! [H, F / TP], the gate weight [1, H] (empty without a gate) and their gradient buffers
+//! (accumulated into), all contiguous in the context's memory, outliving the layer.
+template <class T, class S, class G = main_grad_t<T>>
+struct simt_shared_expert_params {
+  mlp_device_weights<T, S> mlp{};
+  mlp_device_grads<G, S> grads{};
+  row_view<const T, S> gate{};
+  row_view<G, S> gate_grad{};
 };
 
 //! The loss values of a forward, each a [1, 1] view in the context's memory (empty when the loss
@@ -151,6 +169,9 @@ class simt_moe_layer {
       valid_ = std::move(o.valid_);
       saved_ = std::move(o.saved_);
       host_ = std::move(o.host_);
+      sh_xg_ = std::move(o.sh_xg_);
+      sh_y_ = std::move(o.sh_y_);
+      sh_gates_ = std::move(o.sh_gates_);
       return *this;
     }
     ~context() = default;
@@ -191,11 +212,12 @@ class simt_moe_layer {
     struct sizes_key {
       long long tokens = 0, hidden = 0, experts = 0, topk = 0, batch = 0;
       bool drop = false;
+      long long shared_rows = 0;  // tp max_tokens with a shared expert, else 0
       dispatch_workspace_bytes ws{};
       bool operator==(const sizes_key& k) const noexcept {
-        return tokens == k.tokens && hidden == k.hidden && experts == k.experts && topk == k.topk &&
-               batch == k.batch && drop == k.drop && ws.saved == k.ws.saved &&
-               ws.scratch == k.ws.scratch && ws.host == k.ws.host;
+        return shared_rows == k.shared_rows && tokens == k.tokens && hidden == k.hidden &&
+               experts == k.experts && topk == k.topk && batch == k.batch && drop == k.drop &&
+               ws.saved == k.ws.saved && ws.scratch == k.ws.scratch && ws.host == k.ws.host;
       }
     };
     std::optional<handle_type> handle_{};
@@ -212,6 +234,10 @@ class simt_moe_layer {
     buffer<int> valid_;                       // [1, 1] its token count
     buffer<std::byte> saved_;                 // the dispatcher's saved part
     std::vector<std::byte> host_;             // and its host part
+    // The shared expert's (with one): its input gathered over TP [tp N, H], its output before
+    // the gate [N, H] and the gates [1, N] (1 without a gate).
+    buffer<T> sh_xg_, sh_y_;
+    buffer<float> sh_gates_;
   };
   using context_type = context;
 
@@ -219,17 +245,23 @@ class simt_moe_layer {
   //! the router and the dispatcher and allocates the layer's scratch and the buffers of its own
   //! context (in pad mode for the capacity of max_tokens). `exec`, the router weight and its
   //! gradient buffer must outlive the layer. `drop`: sub-sequence dropping, or none (dropless).
-  [[nodiscard]] static expected<simt_moe_layer> make(Exec& exec, const moe_layer_options& o,
-                                                     row_view<const T, space> router_weight,
-                                                     row_view<grad_type, space> router_grad,
-                                                     Experts experts,
-                                                     std::optional<sub_sequence> drop = {}) {
+  [[nodiscard]] static expected<simt_moe_layer> make(
+      Exec& exec, const moe_layer_options& o, row_view<const T, space> router_weight,
+      row_view<grad_type, space> router_grad, Experts experts,
+      std::optional<sub_sequence> drop = {},
+      const simt_shared_expert_params<T, space, grad_type>& shared = {}) {
     using detail::to_decimal;
     const auto refuse = [](const std::string& what, errc code = errc::not_supported) {
       return unexpected<error>(make_error(code, "simt_moe_layer: " + what));
     };
-    if (o.shared_expert.ffn != 0)
-      return refuse("a shared expert does not run on a context yet (moe_layer has it)");
+    const bool any_shared = !shared.mlp.fc1.empty() || !shared.mlp.fc2.empty() ||
+                            !shared.gate.empty() || !shared.gate_grad.empty();
+    if (o.shared_expert.ffn < 0)
+      return refuse("shared_expert.ffn must be >= 0 (0: no shared expert)", errc::invalid_size);
+    if (o.shared_expert.ffn == 0 && any_shared)
+      return refuse(
+          "shared-expert parameters given without a shared expert (shared_expert.ffn = 0)",
+          errc::invalid_argument);
     const auto coeff_ok = [](double c) { return std::isfinite(c) && c >= 0; };
     if (!(coeff_ok(o.aux_loss_coeff) && coeff_ok(o.z_loss_coeff) &&
           coeff_ok(o.seq_aux_loss_coeff) && coeff_ok(o.global_aux_loss_coeff)))
@@ -267,6 +299,32 @@ class simt_moe_layer {
     if (!disp) return unexpected<error>(disp.error());
     simt_moe_layer l(exec, o, std::move(*router), std::move(*disp), std::move(experts));
     l.drop_ = drop;
+    if (o.shared_expert.ffn > 0) {
+      const auto& so = o.shared_expert;
+      if (so.tp < 1 || so.tp_rank < 0 || so.tp_rank >= so.tp)
+        return refuse("shared_expert.tp must be >= 1 and tp_rank in [0, tp)",
+                      errc::invalid_argument);
+      const auto vec = [&](const auto& v) {
+        return v.rows() == 1 && v.width() == o.hidden && v.contiguous();
+      };
+      if (so.gate ? !(vec(shared.gate) && vec(shared.gate_grad))
+                  : !(shared.gate.empty() && shared.gate_grad.empty()))
+        return refuse(so.gate ? "the shared expert's gate weight and its gradient must be "
+                                "contiguous [1, H]"
+                              : "a gate weight given to a shared expert without a gate",
+                      errc::shape_mismatch);
+      auto mlp = simt_mlp<T, Exec, grad_type, float>::make(exec,
+                                                           {.hidden = o.hidden,
+                                                            .ffn = so.ffn,
+                                                            .num_local_experts = 1,
+                                                            .etp = so.tp,
+                                                            .etp_rank = so.tp_rank,
+                                                            .act = so.act},
+                                                           shared.mlp, shared.grads);
+      if (!mlp) return refuse("the shared expert: " + mlp.error().message, mlp.error().code);
+      l.shared_.emplace(std::move(*mlp));
+      l.shared_params_ = shared;
+    }
     if (auto st = l.allocate(); !st) return unexpected<error>(st.error());
     return l;
   }
@@ -350,6 +408,8 @@ class simt_moe_layer {
       return make_error(errc::invalid_argument,
                         "simt_moe_layer: the global load-balancing loss needs the tp-dp-cp "
                         "communicator in moe_layer_groups::tp_dp_cp");
+    if (shared_)
+      if (auto st = check_tp(g); !st) return unexpected<error>(st.error());
     if (auto st = prepare(ctx); !st) return unexpected<error>(st.error());
     // The input is kept for the router's weight gradient (the caller may reuse its buffer).
     const auto xs = hidden_rows(ctx.input_, n);
@@ -412,6 +472,8 @@ class simt_moe_layer {
     if (auto st = experts_.forward(batch_of(*h), y); !st) return unexpected<error>(st.error());
     if (auto st = disp_.combine(*x_, *h, y, g.dispatch, out); !st)
       return unexpected<error>(st.error());
+    if (shared_)  // out += the shared expert's output, the sum Megatron-Core forms after combine
+      if (auto st = shared_forward(ctx, x, g, n, out); !st) return unexpected<error>(st.error());
     ctx.handle_.emplace(std::move(*h));
     ctx.n_ = n;
     return stats;
@@ -433,6 +495,8 @@ class simt_moe_layer {
                         "already ran)");
     if (!std::isfinite(loss_seed))
       return make_error(errc::invalid_argument, "simt_moe_layer: the loss seed must be finite");
+    if (shared_)
+      if (auto st = check_tp(g); !st) return st;
     const int n = ctx.n_;
     if (dout.rows() != n || dout.width() != o_.hidden || dx.rows() != n || dx.width() != o_.hidden)
       return make_error(errc::shape_mismatch,
@@ -472,7 +536,9 @@ class simt_moe_layer {
             {.x = hidden_rows(ctx.input_, n), .dlogits = dlogits_.cview().first(n), .dx = dxr});
         !st)
       return st;
-    return x_->template add_converted<T, float>(dxr, dx);
+    if (auto st = x_->template add_converted<T, float>(dxr, dx); !st) return st;
+    if (shared_) return shared_backward(ctx, dout, g, n, dx);  // dx += dx_shared, the host's order
+    return {};
   }
 
   //! Sums the local gradients over their groups: the router weight over tp-dp-cp, the experts'
@@ -482,6 +548,24 @@ class simt_moe_layer {
     if (auto st = tp_dp_cp.all_reduce(*x_, dw, reduce_op::sum); !st) return st;
     for (const auto& b : experts)
       if (auto st = edp.all_reduce(*x_, b, reduce_op::sum); !st) return st;
+    return {};
+  }
+
+  //! With a shared expert: its MLP's gradients summed over dp-cp (each TP shard saw its TP
+  //! group's tokens), its gate weight's over tp-dp-cp (replicated over TP, it saw this rank's
+  //! tokens only), as moe_layer reduces them. Collective, on the context.
+  [[nodiscard]] status reduce_shared_gradients(Comm& dp_cp, Comm& tp_dp_cp) {
+    if (!shared_)
+      return make_error(errc::invalid_argument,
+                        "simt_moe_layer: reduce_shared_gradients of a layer without a shared "
+                        "expert");
+    const row_view<grad_type, space> mlp_grads[] = {shared_params_.grads.fc1,
+                                                    shared_params_.grads.fc2};
+    for (const auto& b : mlp_grads)
+      if (auto st = dp_cp.all_reduce(*x_, b, reduce_op::sum); !st) return st;
+    if (o_.shared_expert.gate)
+      if (auto st = tp_dp_cp.all_reduce(*x_, shared_params_.gate_grad, reduce_op::sum); !st)
+        return st;
     return {};
   }
 
@@ -565,6 +649,17 @@ class simt_moe_layer {
             make(scratch_, 1, std::max<long long>(static_cast<long long>(ws_sizes_.scratch), 1));
         !st)
       return st;
+    if (shared_) {
+      // The shared expert's scratch: G = tp N gathered rows (collectives: contiguous rows).
+      const long long G = static_cast<long long>(o_.shared_expert.tp) * N;
+      for (status st :
+           {make(sh_in_, N, H), make(sh_rows_a_, G, H), make(sh_rows_b_, G, H), make(sh_dy_, N, H),
+            make(sh_ones_, G, 1), make(sh_dprobs_, G, 1), make(sh_dpre_, 1, N)})
+        if (!st) return st;
+      // Every gathered row's probability is 1 (the MLP applies it after the activation: x 1 is
+      // exact).
+      if (auto st = x_->template fill<float>(sh_ones_.view(), 1.0f); !st) return st;
+    }
     return prepare(own_);
   }
 
@@ -584,13 +679,15 @@ class simt_moe_layer {
 
   // The sizes a context's buffers take for this layer.
   typename context::sizes_key key() const noexcept {
-    return {.tokens = o_.max_tokens,
-            .hidden = o_.hidden,
-            .experts = o_.router.num_experts,
-            .topk = o_.router.topk,
-            .batch = o_.batch,
-            .drop = drop_.has_value(),
-            .ws = ws_sizes_};
+    return {
+        .tokens = o_.max_tokens,
+        .hidden = o_.hidden,
+        .experts = o_.router.num_experts,
+        .topk = o_.router.topk,
+        .batch = o_.batch,
+        .drop = drop_.has_value(),
+        .shared_rows = shared_ ? static_cast<long long>(o_.shared_expert.tp) * o_.max_tokens : 0,
+        .ws = ws_sizes_};
   }
   // Allocates a context's buffers unless they have this layer's sizes already (its first
   // forward, or one filled by a layer of other options). On failure the context holds none.
@@ -619,6 +716,13 @@ class simt_moe_layer {
         c = context{};
         return st;
       }
+    if (k.shared_rows > 0)  // collective buffers: contiguous rows
+      for (status st :
+           {make(c.sh_xg_, k.shared_rows, H), make(c.sh_y_, N, H), make(c.sh_gates_, 1, N)})
+        if (!st) {
+          c = context{};
+          return st;
+        }
     c.host_.assign(k.ws.host, std::byte{0});
     c.key_ = k;
     return {};
@@ -828,6 +932,132 @@ class simt_moe_layer {
     return *c;
   }
 
+  // The shared expert's TP communicator: given, of the options' size and rank.
+  status check_tp(const moe_layer_groups<Comm>& g) const {
+    using detail::to_decimal;
+    const auto& so = o_.shared_expert;
+    if (g.tp == nullptr)
+      return make_error(errc::invalid_argument,
+                        "simt_moe_layer: the layer has a shared expert; pass the attention TP "
+                        "communicator in moe_layer_groups::tp");
+    if (g.tp->size() != so.tp || g.tp->rank() != so.tp_rank)
+      return make_error(errc::shape_mismatch,
+                        "simt_moe_layer: the options say shared_expert.tp = " + to_decimal(so.tp) +
+                            ", tp_rank = " + to_decimal(so.tp_rank) + "; the TP communicator has " +
+                            to_decimal(g.tp->size()) + " ranks and this is rank " +
+                            to_decimal(g.tp->rank()));
+    return {};
+  }
+  device_expert_batch<T, float, space> shared_batch(const context& ctx, const int& rows) const {
+    return {.counts = std::span<const int>(&rows, 1),
+            .x = ctx.sh_xg_.cview().first(rows),
+            .probs = sh_ones_.cview().first(rows)};
+  }
+  // The shared expert (experts/shared_expert.hpp's computation, Megatron-Core's sequence
+  // parallel MLP): x [N, H] gathered over TP [tp N, H] (every TP rank has N tokens: sequence
+  // parallel's equal shards; a rank with another N fails the gather), the MLP shard (fc1
+  // column-parallel, fc2 row-parallel: a partial sum), reduce-scattered back to [N, H], then
+  // out += gate * y.
+  status shared_forward(context& ctx, row_view<const T, space> x, const moe_layer_groups<Comm>& g,
+                        int n, row_view<T, space> out) {
+    const int tp = o_.shared_expert.tp, G = tp * n;
+    const auto xin = sh_in_.view().first(n), y = ctx.sh_y_.view().first(n);
+    const auto xg = ctx.sh_xg_.view().first(G), yp = sh_rows_a_.view().first(G);
+    if (tp > 1) {
+      if (auto st = x_->copy(x, xin); !st) return st;
+      if (auto st = g.tp->all_gather(*x_, row_view<const T, space>(xin), xg); !st) return st;
+    } else if (auto st = x_->copy(x, xg); !st) {
+      return st;
+    }
+    if (auto st = shared_->forward(shared_batch(ctx, G), tp > 1 ? yp : y); !st) return st;
+    if (tp > 1) {
+      const std::vector<int> rows(static_cast<std::size_t>(tp), n);
+      if (auto st =
+              g.tp->reduce_scatter_v(*x_, row_view<const T, space>(yp), rows, y, reduce_op::sum);
+          !st)
+        return st;
+    }
+    const kernels::shared_gate_forward_kernel<T> k{
+        .x = {x.data(), x.stride()},
+        .gate = o_.shared_expert.gate ? shared_params_.gate.data() : nullptr,
+        .y = {y.data(), y.stride()},
+        .num_tokens = n,
+        .hidden = o_.hidden,
+        .gates = ctx.sh_gates_.view().data(),
+        .out = {out.data(), out.stride()}};
+    if (n == 0) return {};
+    return launch(*x_, launch_grid{.blocks = capped_blocks<Exec>(n, k.block_threads)}, k);
+  }
+  // Its backward, the forward's steps reversed: the gate's (dy = gate dout, the gate weight's
+  // gradient), an all-gather (the reduce-scatter's backward), the MLP shard's backward (its
+  // weight gradients added), a reduce-scatter (the all-gather's backward), the gate's part of
+  // dx; then dx += dx_shared.
+  status shared_backward(const context& ctx, row_view<const T, space> dout,
+                         const moe_layer_groups<Comm>& g, int n, row_view<T, space> dx) {
+    if (n == 0) return {};
+    const int tp = o_.shared_expert.tp, G = tp * n, H = o_.hidden;
+    const bool gated = o_.shared_expert.gate;
+    const auto dy = sh_dy_.view().first(n);
+    const auto xmine = ctx.sh_xg_.cview().subrows(o_.shared_expert.tp_rank * n, n);
+    const kernels::shared_gate_backward_kernel<T> back{.dout = {dout.data(), dout.stride()},
+                                                       .y = {ctx.sh_y_.view().data(), H},
+                                                       .gates = ctx.sh_gates_.view().data(),
+                                                       .num_tokens = n,
+                                                       .hidden = H,
+                                                       .gated = gated,
+                                                       .dy = {dy.data(), dy.stride()},
+                                                       .dpre = sh_dpre_.view().data()};
+    if (auto st =
+            launch(*x_, launch_grid{.blocks = capped_blocks<Exec>(n, back.block_threads)}, back);
+        !st)
+      return st;
+    if (gated) {
+      const kernels::shared_gate_weight_grad_kernel<T, grad_type> wg{
+          .x = {xmine.data(), xmine.stride()},
+          .dpre = sh_dpre_.view().data(),
+          .num_tokens = n,
+          .hidden = H,
+          .grad = shared_params_.gate_grad.data()};
+      if (auto st =
+              launch(*x_, launch_grid{.blocks = capped_blocks<Exec>(H, wg.block_threads)}, wg);
+          !st)
+        return st;
+    }
+    const auto dyg = sh_rows_a_.view().first(G), dxg = sh_rows_b_.view().first(G);
+    if (tp > 1)
+      if (auto st = g.tp->all_gather(*x_, row_view<const T, space>(dy), dyg); !st) return st;
+    if (auto st =
+            shared_->backward(shared_batch(ctx, G),
+                              tp > 1 ? row_view<const T, space>(dyg) : row_view<const T, space>(dy),
+                              dxg, sh_dprobs_.view().first(G));
+        !st)
+      return st;
+    // dx_shared [N, H]: the reduce-scatter of the gathered rows' partials (TP > 1), else them.
+    auto dxs = dxg.first(n);
+    if (tp > 1) {
+      dxs = sh_in_.view().first(n);  // the forward's copy of x is dead by now
+      const std::vector<int> rows(static_cast<std::size_t>(tp), n);
+      if (auto st =
+              g.tp->reduce_scatter_v(*x_, row_view<const T, space>(dxg), rows, dxs, reduce_op::sum);
+          !st)
+        return st;
+    }
+    if (gated) {
+      const kernels::shared_gate_dx_kernel<T> k{.dpre = sh_dpre_.view().data(),
+                                                .gate = shared_params_.gate.data(),
+                                                .num_tokens = n,
+                                                .hidden = H,
+                                                .dx = {dxs.data(), dxs.stride()}};
+      if (auto st = launch(*x_,
+                           launch_grid{.blocks = capped_blocks<Exec>(static_cast<long long>(n) * H,
+                                                                     k.block_threads)},
+                           k);
+          !st)
+        return st;
+    }
+    return x_->template add_converted<T, T>(row_view<const T, space>(dxs), dx);
+  }
+
   // The z-loss with the coefficient divided by |tp-cp| (the group's parts sum to its mean).
   float z_coeff(const Comm& tp_cp) const {
     return static_cast<float>(o_.z_loss_coeff / tp_cp.size());
@@ -867,6 +1097,13 @@ class simt_moe_layer {
   }
 
   Exec* x_;
+  // The shared expert (with moe_layer_options::shared_expert.ffn > 0): its MLP shard on the
+  // context, the caller's parameters, and its scratch (dead after each call).
+  std::optional<simt_mlp<T, Exec, grad_type, float>> shared_{};
+  simt_shared_expert_params<T, space, grad_type> shared_params_{};
+  buffer<T> sh_in_, sh_rows_a_, sh_rows_b_, sh_dy_;  // [N, H], [tp N, H] x 2, [N, H]
+  buffer<float> sh_ones_, sh_dprobs_;                // [tp N, 1]: probabilities 1; dprobs
+  buffer<accumulator_t<T>> sh_dpre_;                 // [1, N] d loss / d gate logit
   moe_layer_options o_;
   simt_router<T, Exec, grad_type> router_;
   Dispatcher disp_;

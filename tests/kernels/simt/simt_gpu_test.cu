@@ -26,6 +26,7 @@
 #include <moefold/kernels/router_aux_loss.hpp>
 #include <moefold/kernels/router_block.hpp>
 #include <moefold/kernels/router_z_loss.hpp>
+#include <moefold/kernels/shared_gate.hpp>
 #include <moefold/routing/simt_router.hpp>
 #include <numeric>
 #include <random>
@@ -482,6 +483,58 @@ TEST_CASE("[kernel][small] expert-bias counts and update: cuda_exec equals cpu_e
   REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
   CHECK(same_bits(local, g_local.host()));
   CHECK(same_bits(bias, g_bias.host()));
+}
+
+TEST_CASE("[kernel][small] shared expert's gate, forward and backward: cuda_exec equals cpu_exec") {
+  namespace k = moefold::kernels;
+  std::mt19937 rng(static_cast<unsigned>(test::simt_seed()));
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  const int N = 300, H = 72, S = H + 3;  // odd row strides
+  const auto NS = static_cast<std::size_t>(N) * S;
+  std::vector<float> x(NS), y(NS), dout(NS), out(NS), dx(NS), w(H), grad(H), gates(N, -1.0f),
+      dpre(N, -1.0f), dy(NS, -1.0f);
+  for (auto* v : {&x, &y, &dout, &out, &dx, &w, &grad})
+    for (auto& e : *v) e = d(rng) * (v == &w ? 0.1f : 1.0f);
+  device_vec<float> g_x(x), g_y(y), g_dout(dout), g_out(out), g_dx(dx), g_w(w), g_grad(grad),
+      g_gates(gates), g_dpre(dpre), g_dy(dy);
+  auto chain = [&](const auto& ex, const float* px, const float* pw, const float* py,
+                   const float* pd, float* po, float* pg, float* pp, float* pdy, float* pgr,
+                   float* pdx) {
+    REQUIRE(launch(ex, launch_grid{.blocks = 2},
+                   k::shared_gate_forward_kernel<float>{.x = {px, S},
+                                                        .gate = pw,
+                                                        .y = {py, S},
+                                                        .num_tokens = N,
+                                                        .hidden = H,
+                                                        .gates = pg,
+                                                        .out = {po, S}}));
+    REQUIRE(launch(ex, launch_grid{.blocks = 2},
+                   k::shared_gate_backward_kernel<float>{.dout = {pd, S},
+                                                         .y = {py, S},
+                                                         .gates = pg,
+                                                         .num_tokens = N,
+                                                         .hidden = H,
+                                                         .gated = true,
+                                                         .dy = {pdy, S},
+                                                         .dpre = pp}));
+    REQUIRE(launch(ex, launch_grid{.blocks = 1},
+                   k::shared_gate_weight_grad_kernel<float, float>{
+                       .x = {px, S}, .dpre = pp, .num_tokens = N, .hidden = H, .grad = pgr}));
+    REQUIRE(launch(ex, launch_grid{.blocks = 4},
+                   k::shared_gate_dx_kernel<float>{
+                       .dpre = pp, .gate = pw, .num_tokens = N, .hidden = H, .dx = {pdx, S}}));
+  };
+  chain(cpu_exec{1}, x.data(), w.data(), y.data(), dout.data(), out.data(), gates.data(),
+        dpre.data(), dy.data(), grad.data(), dx.data());
+  chain(cuda_exec{nullptr}, g_x.p, g_w.p, g_y.p, g_dout.p, g_out.p, g_gates.p, g_dpre.p, g_dy.p,
+        g_grad.p, g_dx.p);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  CHECK(same_bits(gates, g_gates.host()));
+  CHECK(same_bits(out, g_out.host()));
+  CHECK(same_bits(dpre, g_dpre.host()));
+  CHECK(same_bits(dy, g_dy.host()));
+  CHECK(same_bits(grad, g_grad.host()));
+  CHECK(same_bits(dx, g_dx.host()));
 }
 
 TEST_CASE(
