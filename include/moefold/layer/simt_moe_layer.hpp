@@ -191,9 +191,7 @@ class simt_moe_layer {
     [[nodiscard]] row_view<const float, space> logits() const noexcept {
       return logits_.cview().first(n_);
     }
-    [[nodiscard]] row_view<const int, space> kept() const noexcept {
-      return key_.drop ? kept_.cview().first(n_) : indices();
-    }
+    [[nodiscard]] row_view<const int, space> kept() const noexcept { return record(n_); }
     //! Its forward's input as the layer keeps it [N, H] (for the router's weight gradient; its
     //! row stride padded to 16 bytes, as every row buffer the layer allocates).
     [[nodiscard]] row_view<const T, space> input() const noexcept {
@@ -207,6 +205,11 @@ class simt_moe_layer {
 
    private:
     friend class simt_moe_layer;
+    // The record the dispatcher takes for n tokens: the kept one with a drop policy, else the
+    // selection.
+    row_view<const int, space> record(int n) const noexcept {
+      return key_.drop ? kept_.cview().first(n) : indices_.cview().first(n);
+    }
     // The sizes its buffers were allocated for: a context filled by a layer of other options
     // is reallocated, never overrun.
     struct sizes_key {
@@ -457,7 +460,7 @@ class simt_moe_layer {
     }
     const dispatch_input<T, space, float> din{.num_tokens = n,
                                               .x = xs,
-                                              .expert = record_of(ctx, n),
+                                              .expert = ctx.record(n),
                                               .probs = ctx.probs_.cview().first(n),
                                               .capacity = pad_rows};
     // The saved and host parts are the context's (they live until its backward), the scratch
@@ -596,6 +599,25 @@ class simt_moe_layer {
                  Dispatcher d, Experts e)
       : x_(&x), o_(o), router_(std::move(r)), disp_(std::move(d)), experts_(std::move(e)) {}
 
+  // Allocates buffers on the context in a list whose calls all run: once one fails, the ones
+  // after it are skipped and each returns that first failure.
+  struct buffer_maker {
+    Exec& x;
+    status failed{};
+    template <class U>
+    status operator()(buffer<U>& b, long long rows, long long width) {
+      if (!failed) return failed;
+      auto v = buffer<U>::make(x, rows, width);
+      if (!v) return failed = unexpected<error>(v.error());
+      b = std::move(*v);
+      return {};
+    }
+    // A workspace part's width in bytes: at least one, so that every view has an address.
+    static long long bytes(std::size_t n) noexcept {
+      return std::max<long long>(static_cast<long long>(n), 1);
+    }
+  };
+
   status allocate() {
     const long long N = o_.max_tokens, H = o_.hidden, E = o_.router.num_experts, K = o_.router.topk,
                     B = o_.batch;
@@ -606,16 +628,7 @@ class simt_moe_layer {
     const long long M = o_.max_recv_rows.value_or(
         std::max<long long>(detail::worst_recv_rows(disp_.shape()),
                             pad_max ? static_cast<long long>(*pad_max) * E * o_.etp : 0));
-    // Once an allocation fails, the ones after it are skipped (the lists below evaluate every
-    // call) and each returns that first failure.
-    status failed{};
-    const auto make = [&]<class U>(buffer<U>& b, long long rows, long long width) -> status {
-      if (!failed) return failed;
-      auto v = buffer<U>::make(*x_, rows, width);
-      if (!v) return failed = unexpected<error>(v.error());
-      b = std::move(*v);
-      return {};
-    };
+    buffer_maker make{*x_};
     for (status st :
          {make(dprobs_, N, K), make(dlogits_, N, E), make(dx_router_, N, padded<float>(H)),
           make(rows_a_, std::max(M, 1LL), padded<T>(H)),
@@ -645,10 +658,7 @@ class simt_moe_layer {
     // is the smallest; max_tokens' the largest): its scratch part here, the saved and host
     // parts in each context.
     ws_sizes_ = disp_.workspace_sizes(pad_max);
-    if (auto st =
-            make(scratch_, 1, std::max<long long>(static_cast<long long>(ws_sizes_.scratch), 1));
-        !st)
-      return st;
+    if (auto st = make(scratch_, 1, buffer_maker::bytes(ws_sizes_.scratch)); !st) return st;
     if (shared_) {
       // The shared expert's scratch: G = tp N gathered rows (collectives: contiguous rows).
       const long long G = static_cast<long long>(o_.shared_expert.tp) * N;
@@ -696,22 +706,12 @@ class simt_moe_layer {
     if (c.key_ == k) return {};
     c = context{};
     const long long N = k.tokens, H = k.hidden, E = k.experts, K = k.topk;
-    status failed{};
-    const auto make = [&]<class U>(buffer<U>& b, long long rows, long long width) -> status {
-      if (!failed) return failed;
-      auto v = buffer<U>::make(*x_, rows, width);
-      if (!v) return failed = unexpected<error>(v.error());
-      b = std::move(*v);
-      return {};
-    };
-    const auto bytes = [](std::size_t n) {
-      return std::max<long long>(static_cast<long long>(n), 1);
-    };
-    for (status st :
-         {make(c.input_, N, padded<T>(H)), make(c.logits_, N, E), make(c.probs_, N, K),
-          make(c.indices_, N, K), make(c.kept_, k.drop ? N : 1, k.drop ? K : 1),
-          make(c.dscores_[0], 1, E), make(c.dscores_[1], 1, k.batch * E), make(c.dscores_[2], 1, E),
-          make(c.lse_, 1, N), make(c.valid_, 1, 1), make(c.saved_, 1, bytes(k.ws.saved))})
+    buffer_maker make{*x_};
+    for (status st : {make(c.input_, N, padded<T>(H)), make(c.logits_, N, E), make(c.probs_, N, K),
+                      make(c.indices_, N, K), make(c.kept_, k.drop ? N : 1, k.drop ? K : 1),
+                      make(c.dscores_[0], 1, E), make(c.dscores_[1], 1, k.batch * E),
+                      make(c.dscores_[2], 1, E), make(c.lse_, 1, N), make(c.valid_, 1, 1),
+                      make(c.saved_, 1, buffer_maker::bytes(k.ws.saved))})
       if (!st) {
         c = context{};
         return st;
@@ -803,16 +803,15 @@ class simt_moe_layer {
   template <class Team>
   status aux_backward(const context& ctx, int i, int n, float seed) {
     const auto& ds = ctx.dscores_[static_cast<std::size_t>(i)];
-    const kernels::basic_aux_loss_backward_kernel<Team> k{
-        .logits = ctx.logits_.view().data(),
-        .padding = nullptr,
-        .num_tokens = n,
-        .num_experts = o_.router.num_experts,
-        .score = score_kind(),
-        .dscores = ds.view().data(),
-        .columns = i == 1 ? o_.batch * o_.router.num_experts : o_.router.num_experts,
-        .seed = seed,
-        .dlogits = dlogits_.view().data()};
+    const kernels::basic_aux_loss_backward_kernel<Team> k{.logits = ctx.logits_.view().data(),
+                                                          .padding = nullptr,
+                                                          .num_tokens = n,
+                                                          .num_experts = o_.router.num_experts,
+                                                          .score = score_kind(),
+                                                          .dscores = ds.view().data(),
+                                                          .columns = ds.view().width(),
+                                                          .seed = seed,
+                                                          .dlogits = dlogits_.view().data()};
     return per_token<Team>(k, n);
   }
   kernels::router_score score_kind() const noexcept {
@@ -835,10 +834,6 @@ class simt_moe_layer {
     return launch(*x_, launch_grid{.blocks = capped_blocks<Exec>(E, k.block_threads)}, k);
   }
 
-  // The record the dispatcher takes.
-  row_view<const int, space> record_of(const context& ctx, int n) const noexcept {
-    return drop_ ? ctx.kept_.cview().first(n) : ctx.indices_.cview().first(n);
-  }
   // The largest pad-mode capacity (that of max_tokens), or none without pad mode.
   std::optional<int> max_pad_rows() const {
     if (!drop_ || !drop_->pad_to_capacity) return std::nullopt;
