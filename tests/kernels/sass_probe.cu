@@ -18,6 +18,7 @@
 #include <moefold/kernels/router_block.hpp>
 #include <moefold/kernels/router_z_loss.hpp>
 #include <moefold/kernels/scan.hpp>
+#include <moefold/kernels/sequence_order.hpp>
 #include <moefold/kernels/shared_gate.hpp>
 #include <moefold/kernels/unpermute.hpp>
 
@@ -76,6 +77,9 @@ MOEFOLD_SASS_PROBE(k::expert_lists_kernel<float>);
 MOEFOLD_SASS_PROBE(k::keep_rank_kernel<float>);
 MOEFOLD_SASS_PROBE(k::drop_totals_kernel);
 MOEFOLD_SASS_PROBE(k::kept_record_kernel);
+MOEFOLD_SASS_PROBE(k::order_key_count_kernel);
+MOEFOLD_SASS_PROBE(k::order_key_check_kernel);
+MOEFOLD_SASS_PROBE(k::order_from_keys_kernel);
 MOEFOLD_SASS_PROBE(k::shared_gate_forward_kernel<float>);
 MOEFOLD_SASS_PROBE(k::shared_gate_forward_kernel<bfloat16>);
 MOEFOLD_SASS_PROBE(k::shared_gate_backward_kernel<float>);

@@ -1,12 +1,13 @@
 // Part of the GPU test program (test-simt-gpu, whose main is in
 // tests/kernels/simt/simt_gpu_test.cu): the whole layer, simt_moe_layer, on cuda_kernel_exec over
-// the loopback world (8 ranks on one GPU, EP 4 x ETP 2), dropless and with sub-sequence dropping
-// in pad mode, against the same layer on cpu_exec over the thread world. The same routing and
-// kept record (the router's bodies are bitwise on both), the same host waits (run_simt_rank
-// checks them: one device-to-host copy per dropless forward, none in pad mode, none in the
-// backward), the kernels' error word clear, and outputs, gradients and losses within 1e-6
-// normwise (the same kernel bodies; the bound leaves room for the GPU's own rounding of a sum
-// it might contract, which the CPU tests of each kernel pin where it matters).
+// the loopback world (8 ranks on one GPU, EP 4 x ETP 2), dropless, with sub-sequence dropping
+// in pad mode and with full-sequence dropping over TP 2 in true sequence order, against the same
+// layer on cpu_exec over the thread world. The same routing and kept record (the router's bodies
+// are bitwise on both), the same host waits (run_simt_rank checks them: one device-to-host copy per
+// dropless forward, none in pad mode, none in the backward), the kernels' error word clear, and
+// outputs, gradients and losses within 1e-6 normwise (the same kernel bodies; the bound leaves room
+// for the GPU's own rounding of a sum it might contract, which the CPU tests of each kernel pin
+// where it matters).
 #include <doctest/doctest.h>
 #include <moefold/comm/cuda/loopback_world.cuh>
 #include <moefold/comm/thread_world.hpp>
@@ -25,13 +26,14 @@ using namespace moefold::test;
 
 namespace {
 
-void gpu_layer_equals_cpu(const problem& p, std::optional<sub_sequence> drop) {
+void gpu_layer_equals_cpu(const problem& p, std::optional<simt_drop_policy> drop,
+                          bool keys = false) {
   const int W = p.fold.world;
   std::vector<layer_result> cpu(static_cast<std::size_t>(W)), gpu(static_cast<std::size_t>(W));
   const auto cs = run_thread_world(W, [&](thread_communicator& world) -> status {
     auto dw = std::move(world).in_space<cpu_device_space>();
     cpu_exec x;
-    auto r = run_simt_rank<float, all_to_all_dispatcher>(p, dw, x, drop);
+    auto r = run_simt_rank<float, all_to_all_dispatcher>(p, dw, x, drop, keys);
     if (!r) return unexpected<error>(r.error());
     cpu[static_cast<std::size_t>(dw.rank())] = std::move(*r);
     return {};
@@ -39,7 +41,7 @@ void gpu_layer_equals_cpu(const problem& p, std::optional<sub_sequence> drop) {
   const auto gs = run_loopback_world(W, [&](loopback_communicator& c) -> status {
     auto x = cuda_kernel_exec::make(c.stream());
     if (!x) return unexpected<error>(x.error());
-    auto r = run_simt_rank<float, all_to_all_dispatcher>(p, c, *x, drop);
+    auto r = run_simt_rank<float, all_to_all_dispatcher>(p, c, *x, drop, keys);
     if (!r) return unexpected<error>(r.error());
     if (auto st = x->device_status(); !st) return st;  // no index out of range anywhere
     gpu[static_cast<std::size_t>(c.rank())] = std::move(*r);
@@ -72,7 +74,7 @@ void gpu_layer_equals_cpu(const problem& p, std::optional<sub_sequence> drop) {
 
 TEST_CASE(
     "[layer] simt_moe_layer on cuda_kernel_exec (loopback world, EP 4 x ETP 2) equals the layer "
-    "on cpu_exec: dropless and sub-sequence pad mode") {
+    "on cpu_exec: dropless, sub-sequence pad mode, full-sequence by position with order keys") {
   problem p{.fold = {.world = 8, .tp = 2, .ep = 4, .etp = 2}};
   p.experts = 8;
   p.topk = 2;
@@ -81,4 +83,9 @@ TEST_CASE(
   p.tokens = 6;
   gpu_layer_equals_cpu(p, std::nullopt);
   gpu_layer_equals_cpu(p, sub_sequence{.capacity_factor = 1.0, .pad_to_capacity = true});
+  // The tp-cp group is TP's 2 ranks: the record gathered over it, the order from device keys.
+  gpu_layer_equals_cpu(
+      p,
+      simt_full_sequence{.policy = {.capacity_factor = 1.0, .by = drop_by::position}, .group = 2},
+      true);
 }

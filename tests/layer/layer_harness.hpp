@@ -14,7 +14,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <map>
+#include <span>
 #include <type_traits>
 #include <vector>
 
@@ -37,6 +39,10 @@ struct layer_result {
   double aux = 0, z = 0;
   long long dropped = 0;
   std::vector<int> indices, kept;  // the implementation's routing and kept pairs [N*k]
+  // With a drop policy, where a runner reports them: the capacity and the rows each expert gets
+  // from this rank (kept pairs and pad mode's fillers) [E].
+  int capacity = -1;
+  std::vector<int> rows_per_expert;
 };
 
 template <class T>
@@ -57,8 +63,11 @@ std::vector<double> widen(std::span<T> v) {
 
 // One rank's layer in T (double, float, or bf16 with its default fp32 router) on any
 // communicator; results widened to double.
+// `order_keys`: this rank's tokens' true sequence keys for full-sequence dropping (empty: rank
+// order).
 template <class T, class Policy, class Dispatcher, class Comm>
-expected<layer_result> run_layer_rank(const problem& p, const Policy& policy, Comm& world) {
+expected<layer_result> run_layer_rank(const problem& p, const Policy& policy, Comm& world,
+                                      std::span<const std::int64_t> order_keys = {}) {
   const auto fold = make_folded(p.fold).value();
   const megatron_groups groups(fold);
   const data w = make_weights(p);
@@ -92,7 +101,7 @@ expected<layer_result> run_layer_rank(const problem& p, const Policy& policy, Co
   const moe_layer_groups<Comm> g{tp_cp, {ep, etp, tp_ep}};
   layer_result res;
   std::vector<T> out(x.size()), dx(x.size());
-  auto stats = layer->forward(p.tokens, x, {}, g, out);
+  auto stats = layer->forward(p.tokens, x, order_keys, g, out);
   if (!stats) return unexpected<error>(stats.error());
   res.aux = stats->aux_loss;
   res.z = stats->z_loss;

@@ -62,7 +62,9 @@ long long check_under_mpi(const problem& p, const Policy& policy, drop_mode mode
               .z = sc[r][1],
               .dropped = static_cast<long long>(sc[r][2]),
               .indices = idx[r],
-              .kept = kept[r]};
+              .kept = kept[r],
+              .capacity = -1,  // not reported by the host runner
+              .rows_per_expert = {}};
   return check_layer_results<double>(p, all, mode);
 }
 

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "../dispatch/device_round_trip.hpp"
@@ -38,12 +39,41 @@ inline moe_layer_options options_of(const problem& p, const dynamic_folded_mesh&
           .z_loss_coeff = z_coeff};
 }
 
+// The drop rule of a simt_moe_layer policy (both policies' capacity fields), and whether the
+// decision is the tp-cp group's (full sequence).
+inline sub_sequence drop_rule(const simt_drop_policy& d) {
+  if (const auto* s = std::get_if<sub_sequence>(&d)) return *s;
+  const auto& f = std::get<simt_full_sequence>(d).policy;
+  return {.capacity_factor = f.capacity_factor, .pad_to_capacity = f.pad_to_capacity, .by = f.by};
+}
+inline bool group_drop(const simt_drop_policy& d) {
+  return std::holds_alternative<simt_full_sequence>(d);
+}
+
+// Rank r's tokens' true sequence keys (sequence_order_keys of its attention tp and cp
+// coordinates; one sequence per micro-batch, N tokens of it per rank).
+inline std::vector<std::int64_t> sequence_keys(const problem& p, const dynamic_folded_mesh& fold,
+                                               int r) {
+  const auto a = fold.attention_coord_of(r);
+  return sequence_order_keys({.tp_rank = a.tp,
+                              .tp = fold.tp(),
+                              .cp_rank = a.cp,
+                              .cp = fold.cp(),
+                              .local_seq = p.tokens,
+                              .batch = 1})
+      .value();
+}
+
 // The drop counts of a forward against what its records say, recomputed on the host: routed
-// pairs per expert from the router's record, kept ones from the kept record, none kept beyond C,
-// the totals, and in pad mode exactly C rows per expert (kept + fillers).
+// pairs per expert from the router's record, kept ones from the kept record, the totals; with
+// this rank's decision (sub-sequence) none kept beyond C and in pad mode exactly C rows per expert
+// (kept + fillers). A group's decision (full sequence) is checked over the group by the caller
+// from res.capacity and res.rows_per_expert.
 template <class Exec, class Layer, class Stats>
 status check_drop_counts(Exec& x, const Layer& layer, const Stats& stats, const problem& p,
-                         const sub_sequence& drop, layer_result& res) {
+                         const simt_drop_policy& policy, layer_result& res) {
+  const sub_sequence drop = drop_rule(policy);
+  const bool group = group_drop(policy);
   const int E = p.experts;
   if (!stats.capacity || stats.drop_totals.empty())
     return make_error(errc::invalid_argument, "a forward with a drop policy reports no capacity");
@@ -69,8 +99,10 @@ status check_drop_counts(Exec& x, const Layer& layer, const Stats& stats, const 
     const auto i = static_cast<std::size_t>(e);
     dropped_pairs += (*dropped)[i];
     const bool ok = (*routed)[i] == want_routed[i] && kept[i] == (*routed)[i] - (*dropped)[i] &&
-                    kept[i] == std::min(want_routed[i], C) &&
-                    (drop.pad_to_capacity ? kept[i] + (*padded)[i] == C : (*padded)[i] == 0);
+                    (group ? kept[i] <= C && kept[i] + (*padded)[i] <= C
+                           : kept[i] == std::min(want_routed[i], C) &&
+                                 (!drop.pad_to_capacity || kept[i] + (*padded)[i] == C)) &&
+                    (drop.pad_to_capacity || (*padded)[i] == 0);
     if (!ok)
       return make_error(errc::invalid_argument,
                         "expert " + std::to_string(e) + ": routed " + std::to_string((*routed)[i]) +
@@ -87,6 +119,11 @@ status check_drop_counts(Exec& x, const Layer& layer, const Stats& stats, const 
                       "pad mode: the experts got " +
                           std::to_string(layer.last_dispatch()->num_rows()) + " rows, not C E etp");
   res.dropped = dropped_pairs;
+  res.capacity = C;
+  res.rows_per_expert.resize(static_cast<std::size_t>(E));
+  for (int e = 0; e < E; ++e)
+    res.rows_per_expert[static_cast<std::size_t>(e)] =
+        kept[static_cast<std::size_t>(e)] + (*padded)[static_cast<std::size_t>(e)];
   return {};
 }
 
@@ -137,10 +174,11 @@ expected<simt_mlp<T, Exec, main_grad_t<T>, float>> rank_mlp(const problem& p,
 }
 
 // One rank's simt_moe_layer: the weights of layer_harness.hpp uploaded to the context, forward,
-// backward (seed 1), gradients reduced; everything read back and widened.
+// backward (seed 1), gradients reduced; everything read back and widened. `keys`: full-sequence
+// dropping in true sequence order (sequence_keys), not the group's rank order.
 template <class T, template <class, class, class, class> class Disp, class Exec, class Comm>
 expected<layer_result> run_simt_rank(const problem& p, Comm& world, Exec& x,
-                                     std::optional<sub_sequence> drop) {
+                                     std::optional<simt_drop_policy> drop, bool keys = false) {
   using G = main_grad_t<T>;
   using layer_t = simt_moe_layer<T, Exec, Comm, Disp<T, Comm, Exec, float>,
                                  simt_mlp<T, Exec, main_grad_t<T>, float>>;
@@ -169,12 +207,19 @@ expected<layer_result> run_simt_rank(const problem& p, Comm& world, Exec& x,
     for (double v : d.dout) douts.push_back(static_cast<T>(v));
   }
   TRY_ASSIGN(d_x, upload(x, xs, p.tokens, H));
+  std::optional<exec_buffer<std::int64_t, Exec>> d_keys;  // none: the group's rank order
+  if (keys) {
+    TRY_ASSIGN(k, upload(x, sequence_keys(p, fold, r), p.tokens, 1));
+    d_keys = std::move(*k);
+  }
+  const auto key_view =
+      d_keys ? d_keys->cview() : row_view<const std::int64_t, typename Exec::memory_space>{};
   TRY_ASSIGN(d_dout, upload(x, douts, p.tokens, H));
   TRY_ASSIGN(d_out, (exec_buffer<T, Exec>::make(x, p.tokens, H)));
   TRY_ASSIGN(d_dx, (exec_buffer<T, Exec>::make(x, p.tokens, H)));
   const moe_layer_groups<Comm> g{tp_cp, {ep, etp, tp_ep}};
   const copy_counts before = copies();
-  TRY_ASSIGN(stats, layer->forward(d_x->cview(), g, d_out->view()));
+  TRY_ASSIGN(stats, layer->forward(d_x->cview(), g, d_out->view(), key_view));
   const copy_counts after_forward = copies();
   layer_result res;
   TRY_ASSIGN(aux, (download<float>(x, stats->aux_loss)));
@@ -198,7 +243,7 @@ expected<layer_result> run_simt_rank(const problem& p, Comm& world, Exec& x,
   // none in pad mode, none in the backward.
   const long long forward_waits = after_forward.to_host - before.to_host,
                   backward_waits = copies().to_host - before_backward.to_host;
-  const long long want_forward = drop && drop->pad_to_capacity ? 0 : 1;
+  const long long want_forward = drop && drop_rule(*drop).pad_to_capacity ? 0 : 1;
   if (forward_waits != want_forward || backward_waits != 0)
     return make_error(errc::invalid_argument, "device-to-host copies: forward " +
                                                   std::to_string(forward_waits) + " (want " +
@@ -218,6 +263,8 @@ expected<layer_result> run_simt_rank(const problem& p, Comm& world, Exec& x,
   if (!std::equal(kept_host->begin(), kept_host->end(), xs.begin(), xs.end(),
                   [](T a, T b) { return std::memcmp(&a, &b, sizeof(T)) == 0; }))
     return make_error(errc::invalid_argument, "the kept input differs from the forward's");
+  // Nothing was left to the device: the keys were good, the record whole.
+  TRY(layer->device_status());
   TRY(layer->reduce_gradients(stage, edp, d_dw.view(), {d_g1.view(), d_g2.view()}));
   TRY_ASSIGN(out, (download<T>(x, d_out->cview())));
   TRY_ASSIGN(dx, (download<T>(x, d_dx->cview())));

@@ -41,13 +41,14 @@ using simt_layer_t = simt_moe_layer<T, cpu_exec, dev_comm, Disp<T, dev_comm, cpu
                                     simt_mlp<T, cpu_exec, main_grad_t<T>, float>>;
 
 template <class T, template <class, class, class, class> class Disp>
-std::vector<layer_result> run_simt(const problem& p, std::optional<sub_sequence> drop = {}) {
+std::vector<layer_result> run_simt(const problem& p, std::optional<simt_drop_policy> drop = {},
+                                   bool keys = false) {
   const int W = p.fold.world;
   std::vector<layer_result> res(static_cast<std::size_t>(W));
   const auto st = run_thread_world(W, [&](thread_communicator& world) -> status {
     auto dw = std::move(world).in_space<space>();
     cpu_exec x(static_cast<std::uint64_t>(7 + dw.rank()));
-    auto r = run_simt_rank<T, Disp>(p, dw, x, drop);
+    auto r = run_simt_rank<T, Disp>(p, dw, x, drop, keys);
     if (!r) return unexpected<error>(r.error());
     res[static_cast<std::size_t>(dw.rank())] = std::move(*r);
     return {};
@@ -56,14 +57,17 @@ std::vector<layer_result> run_simt(const problem& p, std::optional<sub_sequence>
   return res;
 }
 
-// The host layer, the same problem (moe_layer on host_exec, reference_mlp experts, the policy).
+// The host layer, the same problem (moe_layer on host_exec, reference_mlp experts, the policy;
+// `keys`: full-sequence dropping in true sequence order).
 template <class T, template <class, class, class, class> class Disp, class Policy = dropless>
-std::vector<layer_result> run_host(const problem& p, const Policy& policy = {}) {
+std::vector<layer_result> run_host(const problem& p, const Policy& policy = {}, bool keys = false) {
   using D = Disp<T, thread_communicator, host_exec, float>;
   const int W = p.fold.world;
+  const auto fold = make_folded(p.fold).value();
   std::vector<layer_result> res(static_cast<std::size_t>(W));
   const auto st = run_thread_world(W, [&](thread_communicator& world) -> status {
-    auto r = run_layer_rank<T, Policy, D>(p, policy, world);
+    const auto k = keys ? sequence_keys(p, fold, world.rank()) : std::vector<std::int64_t>{};
+    auto r = run_layer_rank<T, Policy, D>(p, policy, world, k);
     if (!r) return unexpected<error>(r.error());
     res[static_cast<std::size_t>(world.rank())] = std::move(*r);
     return {};
@@ -604,7 +608,7 @@ TEST_CASE("simt_moe_layer refuses what it does not run and misuse, naming the ru
   };
   const moe_layer_options ok{.hidden = H, .max_tokens = 3, .router = {.num_experts = E, .topk = 2}};
   const auto refused = [&](moe_layer_options o, const std::string& words,
-                           std::optional<sub_sequence> drop = {}) {
+                           std::optional<simt_drop_policy> drop = {}) {
     auto l = layer_t::make(x, o, w.cview(), dw.view(), experts(), drop);
     REQUIRE_FALSE(l.has_value());
     CHECK_MESSAGE(l.error().message.find(words) != std::string::npos, l.error().message);
@@ -644,6 +648,11 @@ TEST_CASE("simt_moe_layer refuses what it does not run and misuse, naming the ru
   }
   refused(ok, "capacity_factor must be finite and > 0", sub_sequence{.capacity_factor = 0.0});
   refused(ok, "drop.by must be", sub_sequence{.by = static_cast<drop_by>(7)});
+  refused(ok, "group (the ranks of tp_cp) must be >= 1", simt_full_sequence{.group = 0});
+  refused(ok, "drop.by must be",
+          simt_full_sequence{.policy = {.by = static_cast<drop_by>(7)}, .group = 2});
+  refused(ok, "capacity_factor must be finite and > 0",
+          simt_full_sequence{.policy = {.capacity_factor = -1.0}, .group = 2});
   {
     auto o = ok;
     o.aux_loss_coeff = -1;
@@ -739,6 +748,55 @@ TEST_CASE("simt_moe_layer refuses what it does not run and misuse, naming the ru
     REQUIRE_FALSE(f5.has_value());
     CHECK(f5.error().message.find("pad_to_capacity: capacity 3 exceeds the 2 tokens") !=
           std::string::npos);
+    // Full-sequence dropping: order keys only with it, [N, 1]; the group of the communicator.
+    auto keys = exec_buffer<std::int64_t, cpu_exec>::make(xx, 3, 1).value();
+    auto fk = l->forward(in.cview().first(2), g, out.view().first(2), keys.cview().first(2));
+    REQUIRE_FALSE(fk.has_value());
+    CHECK(fk.error().message.find("order keys are for full-sequence dropping") !=
+          std::string::npos);
+    auto lf2 = layer_t::make(xx, ok, w.cview(), dw.view(), experts(),
+                             simt_full_sequence{.policy = {.capacity_factor = 1.0}, .group = 2});
+    if (!lf2) return unexpected<error>(lf2.error());
+    auto fg = lf2->forward(in.cview().first(2), g, out.view().first(2));
+    REQUIRE_FALSE(fg.has_value());
+    CHECK(fg.error().message.find("made for a tp-cp group of 2 ranks; moe_layer_groups::tp_cp "
+                                  "has 1") != std::string::npos);
+    // A group of one by position at capacity 1 (E = k = 2: every token on both experts; C =
+    // ceil(2 x 2 / 2 x 0.5) = 1): each expert keeps the earliest token of the true order.
+    auto lf =
+        layer_t::make(xx, ok, w.cview(), dw.view(), experts(),
+                      simt_full_sequence{
+                          .policy = {.capacity_factor = 0.5, .by = drop_by::position}, .group = 1});
+    if (!lf) return unexpected<error>(lf.error());
+    auto fs2 = lf->forward(in.cview().first(2), g, out.view().first(2), keys.cview());
+    REQUIRE_FALSE(fs2.has_value());
+    CHECK(fs2.error().message.find("must be contiguous [N, 1] = [2, 1]") != std::string::npos);
+    const auto kept_with = [&](std::vector<std::int64_t> k) -> expected<std::vector<int>> {
+      TRY_ASSIGN(kb, upload(xx, k, 2, 1));
+      TRY_ASSIGN(st, lf->forward(in.cview().first(2), g, out.view().first(2), kb->cview()));
+      return download<int>(xx, lf->last_kept());
+    };
+    TRY_ASSIGN(plain, (lf->forward(in.cview().first(2), g, out.view().first(2))));
+    TRY_ASSIGN(kept_plain, download<int>(xx, lf->last_kept()));
+    CHECK(*kept_plain == std::vector<int>{0, 1, -1, -1});  // rank order: token 0 first
+    TRY(lf->device_status());
+    TRY_ASSIGN(kept_reversed, kept_with({1, 0}));
+    CHECK(*kept_reversed == std::vector<int>{-1, -1, 0, 1});  // token 1 first
+    TRY(lf->device_status());
+    // Keys that are not a permutation of [0, 2): the group's rank order, and the fault named by
+    // device_status once (then cleared).
+    const std::pair<std::vector<std::int64_t>, std::string> bad[] = {
+        {{5, 0}, "the group's token 0 has a key outside [0, M)"},
+        {{1, 1}, "no token or more than one token has key 0"}};
+    for (const auto& [k, words] : bad) {
+      TRY_ASSIGN(kept_bad, kept_with(k));
+      CHECK(*kept_bad == *kept_plain);
+      const status ds = lf->device_status();
+      REQUIRE_FALSE(ds.has_value());
+      CHECK_MESSAGE(ds.error().message.find(words) != std::string::npos, ds.error().message);
+      CHECK(ds.error().message.find("permutation of [0, M)") != std::string::npos);
+      TRY(lf->device_status());
+    }
     return {};
   });
   for (const auto& s : st) REQUIRE_MESSAGE(s.has_value(), s.error().message);
@@ -857,6 +915,82 @@ TEST_CASE(
   }
   MESSAGE("pairs dropped over all runs and ranks: ", dropped);
   CHECK(dropped > 0);  // pairs were dropped: the drop path was exercised
+}
+
+TEST_CASE(
+    "simt_moe_layer with full-sequence dropping equals the host layer and the fp64 reference") {
+  // The decision over the tp-cp group (2, 2 and 4 ranks on the three folds): by probability, by
+  // position, pad mode (by either), in the group's rank order and in true sequence order (the
+  // ranks' sequence_order_keys: CP 2's load-balanced chunks put rank 1's tokens in the middle).
+  const full_sequence policies[] = {
+      {.capacity_factor = 1.0, .by = drop_by::probs},
+      {.capacity_factor = 1.0, .by = drop_by::position},
+      {.capacity_factor = 1.0, .pad_to_capacity = true},
+      {.capacity_factor = 1.0, .pad_to_capacity = true, .by = drop_by::position}};
+  long long dropped = 0;
+  int keys_mattered = 0;
+  for (const auto& f : simt_layer_folds) {
+    const auto fold = make_folded(f).value();
+    const megatron_groups groups(fold);
+    const auto tpcp = groups(group_kind::tp_cp);
+    for (const auto& policy : policies) {
+      std::vector<int> kept_in_rank_order;
+      for (const bool keys : {false, true}) {
+        CAPTURE(fold.ep());
+        CAPTURE(fold.tp());
+        CAPTURE(fold.cp());
+        CAPTURE(static_cast<int>(policy.by));
+        CAPTURE(policy.pad_to_capacity);
+        CAPTURE(keys);
+        problem p{.fold = f};
+        p.experts = 8;
+        p.topk = 2;
+        p.hidden = 12;
+        p.ffn = 2 * fold.etp();
+        p.tokens = 6;
+        const int G = tpcp[0].size();
+        const auto dev = run_simt<float, all_to_all_dispatcher>(
+            p, simt_full_sequence{.policy = policy, .group = G}, keys);
+        layer_check judge;
+        dropped += check_layer_results<float>(p, dev, drop_mode::per_sequence, &judge);
+        check_same_layer(dev, run_host<float, all_to_all_dispatcher>(p, policy, keys), 2e-5);
+        // The group's decision: each expert gets min(routed, C) kept rows from the group, and
+        // in pad mode exactly C rows (kept and fillers).
+        for (int gi = 0; gi < tpcp.count(); ++gi) {
+          const auto group = tpcp[gi];
+          std::vector<int> routed(static_cast<std::size_t>(p.experts)),
+              rows(static_cast<std::size_t>(p.experts)), kept(static_cast<std::size_t>(p.experts));
+          int C = -1;
+          for (int q : group) {
+            const auto& r = dev[static_cast<std::size_t>(q)];
+            REQUIRE(r.rows_per_expert.size() == routed.size());
+            CHECK((C < 0 || C == r.capacity));
+            C = r.capacity;
+            for (int id : r.indices) ++routed[static_cast<std::size_t>(id)];
+            for (int id : r.kept)
+              if (id >= 0) ++kept[static_cast<std::size_t>(id)];
+            for (std::size_t e = 0; e < rows.size(); ++e) rows[e] += r.rows_per_expert[e];
+          }
+          CHECK(C == (G * p.tokens * p.topk + p.experts - 1) / p.experts);  // factor 1
+          for (std::size_t e = 0; e < rows.size(); ++e) {
+            CAPTURE(e);
+            CHECK(kept[e] == std::min(routed[e], C));
+            CHECK(rows[e] == (policy.pad_to_capacity ? C : kept[e]));
+          }
+        }
+        std::vector<int> all_kept;
+        for (const auto& r : dev) all_kept.insert(all_kept.end(), r.kept.begin(), r.kept.end());
+        if (!keys)
+          kept_in_rank_order = all_kept;
+        else
+          keys_mattered += all_kept != kept_in_rank_order ? 1 : 0;
+      }
+    }
+  }
+  MESSAGE("pairs dropped over all runs and ranks: ", dropped,
+          "; runs where the true order changed the decision: ", keys_mattered);
+  CHECK(dropped > 0);        // pairs were dropped: the drop path was exercised
+  CHECK(keys_mattered > 0);  // the keys were used, not ignored
 }
 
 TEST_CASE("stream order: the whole layer on the GPU code path, dropless and in pad mode") {

@@ -17,8 +17,10 @@
 //! simt_mlp for its shard, the sigmoid gate as kernels (kernels/shared_gate.hpp); its gradients
 //! are reduced by reduce_shared_gradients. Drop policies: dropless (default) or
 //! sub-sequence dropping (`sub_sequence`: capacity from this rank's tokens, by probability or by
-//! position, pad mode included) as kernels (kernels/capacity.hpp); full-sequence dropping, which
-//! gathers the tp-cp group's routing, is moe_layer's only.
+//! position, pad mode included) and full-sequence dropping (`simt_full_sequence`: the tp-cp
+//! group's routing gathered on the context, capacity and decision over the group's tokens in true
+//! sequence order from device order keys, kernels/sequence_order.hpp), as kernels
+//! (kernels/capacity.hpp).
 //!
 //! Forwards in flight: forward(x, groups, out, context) fills a simt_moe_layer::context (its
 //! input, logits, routing, the losses' gradients and the dispatcher's saved and host parts, in
@@ -50,6 +52,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #if __has_include(<moefold/kernels/router_aux_loss.hpp>)
@@ -57,12 +60,14 @@
 #include <moefold/kernels/expert_bias.hpp>
 #include <moefold/kernels/router_aux_loss.hpp>
 #include <moefold/kernels/router_z_loss.hpp>
+#include <moefold/kernels/sequence_order.hpp>
 #include <moefold/kernels/shared_gate.hpp>
 #else
 #include "../../../kernels/capacity.hpp"
 #include "../../../kernels/expert_bias.hpp"
 #include "../../../kernels/router_aux_loss.hpp"
 #include "../../../kernels/router_z_loss.hpp"
+#include "../../../kernels/sequence_order.hpp"
 #include "../../../kernels/shared_gate.hpp"
 #endif
 
@@ -74,6 +79,7 @@
 #include "../core/grouped_gemm_launch.hpp"
 #include "../core/row_view.hpp"
 #include "../dispatch/dispatch_args.hpp"
+#include "../dispatch/drop_policy_full_sequence.hpp"
 #include "../dispatch/drop_policy_local.hpp"
 #include "../dispatch/exec_workspace.hpp"
 #include "../experts/simt_mlp.hpp"
@@ -94,6 +100,24 @@ concept device_experts = requires(E& e, const device_expert_batch<T, float, S>& 
   { e.forward(b, rows) } -> std::same_as<status>;
   { e.backward(b, crows, rows, probs) } -> std::same_as<status>;
 };
+
+//! Full-sequence dropping on a context (drop_policy_full_sequence.hpp's policy and semantics): the
+//! capacity C = ceil(M k / E x capacity factor) and the keep decision over the M tokens of the
+//! tp-cp group, whose routing every forward gathers on the context. The group's size is given up
+//! front, so that the gathered buffers are allocated at make (group x max_tokens tokens) and no
+//! forward allocates; every rank of the group forwards the same N (sequence parallel's equal
+//! shards: a rank with another N fails the gather's count check).
+//!
+//! The true sequence order comes from device order keys given to forward() ([N, 1] int64 per
+//! rank, sequence_order_keys' values: the group's keys are then a permutation of [0, M)); without
+//! keys the group's rank order is the sequence order, as the host policy's. All ranks must agree
+//! on whether keys are given.
+struct simt_full_sequence {
+  full_sequence policy{};
+  int group = 1;  //!< ranks of moe_layer_groups::tp_cp (tp x cp of the attention mapping)
+};
+//! simt_moe_layer's drop policies.
+using simt_drop_policy = std::variant<sub_sequence, simt_full_sequence>;
 
 //! The shared expert's parameters on a context (moe_layer_options::shared_expert gives its
 //! shape): this attention-TP rank's shard of the MLP, fc1 [F1 / TP, H] (a gated activation's gate
@@ -246,12 +270,13 @@ class simt_moe_layer {
 
   //! Checks the options (what moe_layer checks, and what this layer does not take yet), makes
   //! the router and the dispatcher and allocates the layer's scratch and the buffers of its own
-  //! context (in pad mode for the capacity of max_tokens). `exec`, the router weight and its
-  //! gradient buffer must outlive the layer. `drop`: sub-sequence dropping, or none (dropless).
+  //! context (in pad mode for the capacity of max_tokens, or of the group's tokens). `exec`, the
+  //! router weight and its gradient buffer must outlive the layer. `drop`: sub-sequence or
+  //! full-sequence dropping, or none (dropless).
   [[nodiscard]] static expected<simt_moe_layer> make(
       Exec& exec, const moe_layer_options& o, row_view<const T, space> router_weight,
       row_view<grad_type, space> router_grad, Experts experts,
-      std::optional<sub_sequence> drop = {},
+      std::optional<simt_drop_policy> drop = {},
       const simt_shared_expert_params<T, space, grad_type>& shared = {}) {
     using detail::to_decimal;
     const auto refuse = [](const std::string& what, errc code = errc::not_supported) {
@@ -278,13 +303,34 @@ class simt_moe_layer {
     if (o.max_tokens < 1 || o.hidden < 1)
       return unexpected<error>(
           make_error(errc::invalid_size, "simt_moe_layer: max_tokens and hidden must be >= 1"));
+    // The capacity rule both policies share, and full-sequence dropping's group (0: none).
+    std::optional<sub_sequence> rule;
+    int group = 0;
     if (drop) {
-      if (drop->by != drop_by::probs && drop->by != drop_by::position)
+      if (const auto* sub = std::get_if<sub_sequence>(&*drop)) {
+        rule = *sub;
+      } else {
+        const auto& full = std::get<simt_full_sequence>(*drop);
+        rule = sub_sequence{.capacity_factor = full.policy.capacity_factor,
+                            .pad_to_capacity = full.policy.pad_to_capacity,
+                            .by = full.policy.by};
+        group = full.group;
+        if (group < 1)
+          return refuse("full-sequence dropping's group (the ranks of tp_cp) must be >= 1",
+                        errc::invalid_argument);
+      }
+      if (rule->by != drop_by::probs && rule->by != drop_by::position)
         return refuse("drop.by must be drop_by::probs or drop_by::position",
                       errc::invalid_argument);
-      // The capacity factor's rule, and the capacity of max_tokens fits.
-      auto c = expert_capacity(static_cast<long long>(o.max_tokens) * o.router.topk,
-                               o.router.num_experts, drop->capacity_factor);
+      // The capacity factor's rule, and the capacity of the most tokens it sees fits (the
+      // group's routed pairs as one int: the gathered record's size).
+      const long long tokens = static_cast<long long>(std::max(group, 1)) * o.max_tokens;
+      if (o.max_tokens > 0 && tokens * o.router.topk > 2147483647LL)
+        return refuse(
+            "full-sequence dropping: the group's routed pairs (group x max_tokens x "
+            "topk) reach 2^31",
+            errc::overflow);
+      auto c = expert_capacity(tokens * o.router.topk, o.router.num_experts, rule->capacity_factor);
       if (!c) return refuse(c.error().message, c.error().code);
     }
     if (experts.hidden() != o.hidden || experts.num_local_experts() * o.ep != o.router.num_experts)
@@ -301,7 +347,9 @@ class simt_moe_layer {
     auto disp = Dispatcher::make(moe_dispatch_shape(o));
     if (!disp) return unexpected<error>(disp.error());
     simt_moe_layer l(exec, o, std::move(*router), std::move(*disp), std::move(experts));
-    l.drop_ = drop;
+    l.drop_ = rule;
+    l.drop_group_ = group;
+    l.policy_ = drop;
     if (o.shared_expert.ffn > 0) {
       const auto& so = o.shared_expert;
       if (so.tp < 1 || so.tp_rank < 0 || so.tp_rank >= so.tp)
@@ -353,10 +401,42 @@ class simt_moe_layer {
     if (!drop_) return {};
     return {routed_.cview(), dropped_.cview(), padded_.cview()};
   }
-  [[nodiscard]] const std::optional<sub_sequence>& drop_policy() const noexcept { return drop_; }
+  [[nodiscard]] const std::optional<simt_drop_policy>& drop_policy() const noexcept {
+    return policy_;
+  }
   //! The one-in-flight form's dispatch (rows per local expert on the host, the batch's rows),
   //! until its backward.
   [[nodiscard]] const handle_type* last_dispatch() const noexcept { return own_.dispatch(); }
+
+  //! What the forwards' kernels found and left to the device, read when the caller asks (each
+  //! read a device-to-host copy, a wait): full-sequence order keys that were not a permutation of
+  //! the group's [0, M) since the last call (those forwards dropped in the group's rank order;
+  //! the fault is then cleared), then the dispatch of `ctx` (its dispatcher's device_status: a
+  //! pad-mode record's faults and the context's error word) while it is in flight, else the
+  //! context's error word.
+  [[nodiscard]] status device_status(const context& ctx) {
+    using detail::to_decimal;
+    if (drop_group_ > 0) {
+      int f[2] = {0, 0};
+      if (auto st = x_->copy(key_sticky_.cview(), row_view<int>(f, 1, 2)); !st) return st;
+      if (f[0] != kernels::order_fault_none || f[1] != kernels::order_fault_none) {
+        if (auto st = x_->template fill<int>(key_sticky_.view(), kernels::order_fault_none); !st)
+          return st;
+        return make_error(
+            errc::invalid_argument,
+            "simt_moe_layer: full-sequence dropping's order keys must be a permutation of [0, M) "
+            "over the tp-cp group's M tokens (sequence_order_keys' values): " +
+                (f[0] != kernels::order_fault_none
+                     ? "the group's token " + to_decimal(f[0]) + " has a key outside [0, M)"
+                     : "no token or more than one token has key " + to_decimal(f[1])) +
+                "; those forwards dropped in the group's rank order");
+      }
+    }
+    if (const handle_type* h = ctx.dispatch()) return disp_.device_status(*x_, *h);
+    return device_status_of(*x_);
+  }
+  //! The one-in-flight form's.
+  [[nodiscard]] status device_status() { return device_status(own_); }
 
   //! The expert bias [1, E] (with options.router.expert_bias; zeros after make, writable, e.g. to
   //! load a checkpoint), this global batch's routed counts [1, E] that end_global_batch turns into
@@ -382,15 +462,21 @@ class simt_moe_layer {
   [[nodiscard]] expected<simt_moe_forward_stats<space>> forward(row_view<const T, space> x,
                                                                 const moe_layer_groups<Comm>& g,
                                                                 row_view<T, space> out) {
-    return forward(x, g, out, own_);
+    return forward(x, g, out, own_, {});
+  }
+  //! The same, with full-sequence dropping's order keys [N, 1] (see simt_full_sequence).
+  [[nodiscard]] expected<simt_moe_forward_stats<space>> forward(
+      row_view<const T, space> x, const moe_layer_groups<Comm>& g, row_view<T, space> out,
+      row_view<const std::int64_t, space> order_keys) {
+    return forward(x, g, out, own_, order_keys);
   }
   //! out [N, H] for x [N, H]; `ctx` keeps what the backward needs until backward(ctx, ...) runs
   //! (a forward into a ready context replaces the forward it held). The stats' views are the
-  //! layer's, valid until its next forward.
-  [[nodiscard]] expected<simt_moe_forward_stats<space>> forward(row_view<const T, space> x,
-                                                                const moe_layer_groups<Comm>& g,
-                                                                row_view<T, space> out,
-                                                                context& ctx) {
+  //! layer's, valid until its next forward. `order_keys` [N, 1] (contiguous, or empty): each
+  //! token's key in the true sequence order, for full-sequence dropping only.
+  [[nodiscard]] expected<simt_moe_forward_stats<space>> forward(
+      row_view<const T, space> x, const moe_layer_groups<Comm>& g, row_view<T, space> out,
+      context& ctx, row_view<const std::int64_t, space> order_keys = {}) {
     ctx.handle_.reset();
     ctx.n_ = 0;
     const int n = x.rows();
@@ -400,6 +486,7 @@ class simt_moe_layer {
                         "simt_moe_layer: x and out must be [N, H] with N <= max_tokens = " +
                             detail::to_decimal(o_.max_tokens) +
                             ", H = " + detail::to_decimal(o_.hidden));
+    if (auto st = check_order_keys(order_keys, g, n); !st) return unexpected<error>(st.error());
     const bool seq_on = training_ && o_.seq_aux_loss_coeff > 0,
                global_on = training_ && o_.global_aux_loss_coeff > 0;
     if (seq_on && n % o_.batch != 0)
@@ -428,7 +515,7 @@ class simt_moe_layer {
     simt_moe_forward_stats<space> stats;
     std::optional<int> pad_rows;
     if (drop_) {
-      auto c = drop_pairs(ctx, n);
+      auto c = drop_pairs(ctx, n, g.tp_cp, order_keys);
       if (!c) return unexpected<error>(c.error());
       stats.capacity = *c;
       stats.drop_totals = drop_totals_.cview();
@@ -637,11 +724,21 @@ class simt_moe_layer {
           make(bias_counts_, 1, E), make(bias_summed_, 1, E), make(histogram_, 1, E),
           make(fault_, 1, 2), make(running_, 1, E)})
       if (!st) return st;
+    // The drop decision's rows: this rank's tokens, or the tp-cp group's (full sequence).
+    const long long GN = static_cast<long long>(std::max(drop_group_, 1)) * N;
     if (drop_)
-      for (status st : {make(keep_, N, K), make(lists_, N, K), make(offsets_, 1, E + 1),
+      for (status st : {make(keep_, GN, K), make(lists_, GN, K), make(offsets_, 1, E + 1),
                         make(scan_scratch_, 1, scan_scratch(E)), make(routed_, 1, E),
                         make(dropped_, 1, E), make(padded_, 1, E), make(drop_totals_, 1, 2)})
         if (!st) return st;
+    if (drop_group_ > 0) {
+      for (status st : {make(group_ids_, GN, K), make(group_probs_, GN, K),
+                        make(group_keys_, GN, 1), make(order_, 1, GN), make(by_order_, 1, GN),
+                        make(key_counts_, 1, GN), make(key_fault_, 1, 2), make(key_sticky_, 1, 2)})
+        if (!st) return st;
+      if (auto st = x_->template fill<int>(key_sticky_.view(), kernels::order_fault_none); !st)
+        return st;
+    }
     for (int i = 0; i < 3; ++i) {
       // The per-sequence loss's columns are (sequence, expert): B E.
       const long long cols = i == 1 ? B * E : E;
@@ -837,29 +934,75 @@ class simt_moe_layer {
   // The largest pad-mode capacity (that of max_tokens), or none without pad mode.
   std::optional<int> max_pad_rows() const {
     if (!drop_ || !drop_->pad_to_capacity) return std::nullopt;
-    auto c = expert_capacity(static_cast<long long>(o_.max_tokens) * o_.router.topk,
-                             o_.router.num_experts, drop_->capacity_factor);
+    auto c = expert_capacity(
+        static_cast<long long>(std::max(drop_group_, 1)) * o_.max_tokens * o_.router.topk,
+        o_.router.num_experts, drop_->capacity_factor);
     return c ? std::optional<int>(*c) : std::nullopt;  // make() checked it
   }
   static long long scan_scratch(long long n) {
     return std::max<long long>(Exec::exclusive_scan_scratch(n), 1);
   }
 
-  // Sub-sequence dropping over this rank's n tokens (drop_policy_local.hpp's sub_sequence, as
-  // kernels): C = ceil(n k / E x capacity factor); the routed pairs grouped by expert (histogram,
-  // exclusive scan, lists), each pair's rank among its expert's, kept below C; the kept record
-  // (-1 where dropped), the per-expert counts and the totals. Returns C.
-  expected<int> drop_pairs(context& ctx, int n) {
+  // The order keys' rules (simt_full_sequence), and full-sequence dropping's group.
+  status check_order_keys(row_view<const std::int64_t, space> keys, const moe_layer_groups<Comm>& g,
+                          int n) const {
+    using detail::to_decimal;
+    if (!keys.empty() && drop_group_ == 0)
+      return make_error(errc::invalid_argument,
+                        "simt_moe_layer: order keys are for full-sequence dropping "
+                        "(simt_full_sequence); this layer has none");
+    if (!keys.empty() && (keys.rows() != n || keys.width() != 1 || !keys.contiguous()))
+      return make_error(
+          errc::shape_mismatch,
+          "simt_moe_layer: the order keys must be contiguous [N, 1] = [" + to_decimal(n) + ", 1]");
+    if (drop_group_ > 0 && g.tp_cp.size() != drop_group_)
+      return make_error(errc::shape_mismatch,
+                        "simt_moe_layer: full-sequence dropping was made for a tp-cp group of " +
+                            to_decimal(drop_group_) + " ranks; moe_layer_groups::tp_cp has " +
+                            to_decimal(g.tp_cp.size()));
+    return {};
+  }
+
+  // The dropping policies as kernels (drop_policy_local.hpp's sub_sequence over this rank's n
+  // tokens; drop_policy_full_sequence.hpp's full_sequence over the tp-cp group's M = G n tokens,
+  // their record gathered here): C = ceil(M k / E x capacity factor); the routed pairs grouped by
+  // expert (histogram, exclusive scan, lists), each pair's rank among its expert's (in true
+  // sequence order, from the gathered keys), kept below C; this rank's kept record (-1 where
+  // dropped), per-expert counts and totals. Returns C.
+  expected<int> drop_pairs(context& ctx, int n, Comm& tp_cp,
+                           row_view<const std::int64_t, space> keys) {
     const int E = o_.router.num_experts, K = o_.router.topk;
-    auto c = expert_capacity(static_cast<long long>(n) * K, E, drop_->capacity_factor);
+    const bool full = drop_group_ > 0;
+    const int M = std::max(drop_group_, 1) * n;  // make() bounded M k below 2^31
+    auto c = expert_capacity(static_cast<long long>(M) * K, E, drop_->capacity_factor);
     if (!c) return unexpected<error>(c.error());
-    if (drop_->pad_to_capacity && *c > n)
+    if (drop_->pad_to_capacity && *c > M)
       return make_error(errc::invalid_argument,
                         "simt_moe_layer: pad_to_capacity: capacity " + detail::to_decimal(*c) +
-                            " exceeds the " + detail::to_decimal(n) +
-                            " tokens, so no expert can be padded to it (lower capacity_factor "
-                            "to at most num_experts/topk)");
-    const auto ids = ctx.indices_.cview().first(n);
+                            " exceeds the " + detail::to_decimal(M) +
+                            (full ? " tokens of the sequence group" : " tokens") +
+                            ", so no expert can be padded to it (lower capacity_factor to at "
+                            "most num_experts/topk)");
+    row_view<const int, space> ids = ctx.indices_.cview().first(n);
+    const float* probs = ctx.probs_.view().data();
+    const long long* order = nullptr;
+    const long long* by_order = nullptr;
+    long long first = 0;
+    if (full) {
+      first = static_cast<long long>(tp_cp.rank()) * n;
+      const auto gids = group_ids_.view().first(M);
+      const auto gprobs = group_probs_.view().first(M);
+      if (auto st = tp_cp.all_gather(*x_, ids, gids); !st) return unexpected<error>(st.error());
+      if (auto st = tp_cp.all_gather(*x_, ctx.probs_.cview().first(n), gprobs); !st)
+        return unexpected<error>(st.error());
+      ids = gids;
+      probs = gprobs.data();
+      if (!keys.empty()) {
+        if (auto st = order_from_keys(tp_cp, keys, M); !st) return unexpected<error>(st.error());
+        order = order_.view().data();
+        by_order = by_order_.view().data();
+      }
+    }
     if (auto st = x_->expert_histogram(ids, histogram_.view(), fault_.view()); !st)
       return unexpected<error>(st.error());
     int* off = offsets_.view().data();  // [E + 1]: the scan's E offsets, then its total
@@ -867,38 +1010,39 @@ class simt_moe_layer {
                                      row_view<int, space>(off + E, 1, 1), scan_scratch_.view());
         !st)
       return unexpected<error>(st.error());
-    const kernels::keep_args<float> a{.expert = ctx.indices_.view().data(),
-                                      .probs = ctx.probs_.view().data(),
-                                      .order = nullptr,
-                                      .by_order = nullptr,
+    const kernels::keep_args<float> a{.expert = ids.data(),
+                                      .probs = probs,
+                                      .order = order,
+                                      .by_order = by_order,
                                       .offsets = off,
                                       .scratch = lists_.view().data(),
-                                      .num_tokens = n,
+                                      .num_tokens = M,
                                       .topk = K,
                                       .num_experts = E,
                                       .capacity = *c,
                                       .by = drop_->by,
                                       .pad = drop_->pad_to_capacity,
-                                      .first = 0,
+                                      .first = first,
                                       .count = n,
                                       .keep = keep_.view().data(),
                                       .routed = routed_.view().data(),
                                       .dropped = dropped_.view().data(),
                                       .padded = padded_.view().data(),
                                       .filler_map = nullptr};
-    const long long pairs = static_cast<long long>(n) * K;
+    const long long pairs = static_cast<long long>(M) * K, own = static_cast<long long>(n) * K;
     const kernels::expert_lists_kernel<float> lists{a};
     const kernels::keep_rank_kernel<float> rank{a};
     const kernels::drop_totals_kernel totals{.keep = a.keep,
                                              .dropped = a.dropped,
                                              .topk = K,
                                              .num_experts = E,
-                                             .first = 0,
+                                             .first = first,
                                              .count = n,
                                              .totals = drop_totals_.view().data()};
-    const kernels::kept_record_kernel record{.expert = a.expert,
-                                             .keep = a.keep,
-                                             .pairs = pairs,
+    // This rank's pairs: its own record, its slice of the group's keep bytes.
+    const kernels::kept_record_kernel record{.expert = ctx.indices_.view().data(),
+                                             .keep = a.keep + first * K,
+                                             .pairs = own,
                                              .kept = ctx.kept_.view().data(),
                                              .routed = a.routed,
                                              .dropped = a.dropped,
@@ -919,12 +1063,36 @@ class simt_moe_layer {
         !st)
       return unexpected<error>(st.error());
     if (auto st = launch(*x_,
-                         launch_grid{.blocks = capped_blocks<Exec>(std::max<long long>(pairs, E),
+                         launch_grid{.blocks = capped_blocks<Exec>(std::max<long long>(own, E),
                                                                    record.block_threads)},
                          record);
         !st)
       return unexpected<error>(st.error());
     return *c;
+  }
+
+  // The group's keys gathered, then the true order and its inverse (kernels/sequence_order.hpp):
+  // keys that are not a permutation of [0, M) leave the group's rank order and a sticky fault
+  // that device_status() reports.
+  status order_from_keys(Comm& tp_cp, row_view<const std::int64_t, space> keys, int M) {
+    const auto gkeys = group_keys_.view().first(M);
+    if (auto st = tp_cp.all_gather(*x_, keys, gkeys); !st) return st;
+    const row_view<int, space> counts(key_counts_.view().data(), 1, M);
+    if (auto st = x_->template fill<int>(counts, 0); !st) return st;
+    if (auto st = x_->template fill<int>(key_fault_.view(), kernels::order_fault_none); !st)
+      return st;
+    const kernels::order_key_args a{.keys = gkeys.data(),
+                                    .rows = M,
+                                    .counts = counts.data(),
+                                    .fault = key_fault_.view().data(),
+                                    .sticky = key_sticky_.view().data(),
+                                    .order = order_.view().data(),
+                                    .by_order = by_order_.view().data()};
+    const launch_grid grid{
+        .blocks = capped_blocks<Exec>(M, kernels::order_key_count_kernel::block_threads)};
+    if (auto st = launch(*x_, grid, kernels::order_key_count_kernel{a}); !st) return st;
+    if (auto st = launch(*x_, grid, kernels::order_key_check_kernel{a}); !st) return st;
+    return launch(*x_, grid, kernels::order_from_keys_kernel{a});
   }
 
   // The shared expert's TP communicator: given, of the options' size and rank.
@@ -1123,9 +1291,21 @@ class simt_moe_layer {
   buffer<int> histogram_, fault_;                   // [1, E], [1, 2]
   // Sub-sequence dropping's scratch (allocated with a drop policy only; the kept record is the
   // context's).
+  // drop_: the capacity rule (sub-sequence's fields, full-sequence's alike); drop_group_: the
+  // tp-cp ranks of full-sequence dropping (0: sub-sequence); policy_: as make() was given it.
   std::optional<sub_sequence> drop_{};
-  buffer<int> lists_;                      // [N, k] pairs grouped by expert
-  buffer<std::uint8_t> keep_;              // [N, k] 1 kept, 0 dropped
+  int drop_group_ = 0;
+  std::optional<simt_drop_policy> policy_{};
+  buffer<int> lists_;          // [GN, k] pairs grouped by expert (G: the group, or 1)
+  buffer<std::uint8_t> keep_;  // [GN, k] 1 kept, 0 dropped
+  // Full-sequence dropping: the group's gathered record [GN, k] and keys [GN, 1], the true order
+  // and its inverse [1, GN], the keys' counts [1, GN], fault words [1, 2] (this forward's;
+  // sticky until device_status reads them).
+  buffer<int> group_ids_;
+  buffer<float> group_probs_;
+  buffer<std::int64_t> group_keys_;
+  buffer<long long> order_, by_order_;
+  buffer<int> key_counts_, key_fault_, key_sticky_;
   buffer<int> offsets_, scan_scratch_;     // [1, E + 1]; the scan's tiles
   buffer<int> routed_, dropped_, padded_;  // [1, E] each
   buffer<long long> drop_totals_;          // [1, 2] dropped pairs, fully dropped tokens

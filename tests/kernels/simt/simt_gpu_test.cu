@@ -26,6 +26,7 @@
 #include <moefold/kernels/router_aux_loss.hpp>
 #include <moefold/kernels/router_block.hpp>
 #include <moefold/kernels/router_z_loss.hpp>
+#include <moefold/kernels/sequence_order.hpp>
 #include <moefold/kernels/shared_gate.hpp>
 #include <moefold/routing/simt_router.hpp>
 #include <numeric>
@@ -483,6 +484,52 @@ TEST_CASE("[kernel][small] expert-bias counts and update: cuda_exec equals cpu_e
   REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
   CHECK(same_bits(local, g_local.host()));
   CHECK(same_bits(bias, g_bias.host()));
+}
+
+TEST_CASE("[kernel][small] full-sequence order from keys: cuda_exec equals cpu_exec") {
+  // A permutation of [0, M) (the order and its inverse), then the same keys with one repeated
+  // (the fault words, the identity order, the sticky word).
+  namespace k = moefold::kernels;
+  std::mt19937_64 rng(test::simt_seed());
+  const long long M = 5000;
+  std::vector<std::int64_t> keys(static_cast<std::size_t>(M));
+  std::iota(keys.begin(), keys.end(), std::int64_t{0});
+  std::shuffle(keys.begin(), keys.end(), rng);
+  const bool repeats[] = {false, true};  // named: nvcc 13 rejects a braced list here
+  for (const bool repeat : repeats) {
+    CAPTURE(repeat);
+    if (repeat) keys[17] = keys[4000];
+    std::vector<int> counts(static_cast<std::size_t>(M), 0),
+        fault{k::order_fault_none, k::order_fault_none}, sticky = fault;
+    std::vector<long long> order(static_cast<std::size_t>(M), -7), by_order = order;
+    device_vec<std::int64_t> g_keys(keys);
+    device_vec<int> g_counts(counts), g_fault(fault), g_sticky(sticky);
+    device_vec<long long> g_order(order), g_by(by_order);
+    auto chain = [&](const auto& ex, const std::int64_t* pk, int* pc, int* pf, int* ps,
+                     long long* po, long long* pb) {
+      const k::order_key_args a{.keys = pk,
+                                .rows = M,
+                                .counts = pc,
+                                .fault = pf,
+                                .sticky = ps,
+                                .order = po,
+                                .by_order = pb};
+      const launch_grid g{.blocks = 3};
+      REQUIRE(launch(ex, g, k::order_key_count_kernel{a}));
+      REQUIRE(launch(ex, g, k::order_key_check_kernel{a}));
+      REQUIRE(launch(ex, g, k::order_from_keys_kernel{a}));
+    };
+    chain(cpu_exec{1}, keys.data(), counts.data(), fault.data(), sticky.data(), order.data(),
+          by_order.data());
+    chain(cuda_exec{nullptr}, g_keys.p, g_counts.p, g_fault.p, g_sticky.p, g_order.p, g_by.p);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    CHECK((fault[1] == k::order_fault_none) == !repeat);
+    CHECK(same_bits(counts, g_counts.host()));
+    CHECK(same_bits(fault, g_fault.host()));
+    CHECK(same_bits(sticky, g_sticky.host()));
+    CHECK(same_bits(order, g_order.host()));
+    CHECK(same_bits(by_order, g_by.host()));
+  }
 }
 
 TEST_CASE("[kernel][small] shared expert's gate, forward and backward: cuda_exec equals cpu_exec") {
