@@ -29,6 +29,22 @@
 
 namespace moefold::kernels {
 
+//! The experts' row ranges as the GEMM takes them (64-bit) from a dispatch's (int) that stay on
+//! the context: to[i] = from[i], [count] entries, a thread per entry (grid-strided).
+struct widen_offsets_kernel {
+  static constexpr int block_threads = 256;
+  static constexpr const char* name = "widen_offsets";
+  const int* from;
+  int count;
+  long long* to;
+  template <class Ctx>
+  MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
+    for (int i = c.block() * block_threads + c.thread(); i < count;
+         i += c.grid_blocks() * block_threads)
+      to[i] = from[i];
+  }
+};
+
 //! Which dimension the experts' row ranges index.
 enum class gemm_grouping : int { rows_are_m = 0, rows_are_k = 1 };
 

@@ -16,6 +16,7 @@
 
 #include <cstring>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -84,6 +85,71 @@ TEST_CASE_TEMPLATE("both dispatchers on cpu_exec equal host_exec bitwise, EP 4 x
     const problem p = folded_problem(pad);
     host_equals_device<all_to_all_dispatcher, T, P>(p, true);
     host_equals_device<all_gather_dispatcher, T, P>(p, false);
+  }
+}
+
+TEST_CASE(
+    "EP = ETP = 1, every pair routed: the All-to-All dispatcher on cpu_exec reads nothing back") {
+  // Two ranks of TP 2 over EP 1 x ETP 1 (EDP 2), no pair dropped: the batch is the N k rows of
+  // the plan, its rows per expert stay on the context (batch_offsets, the host's running sums of
+  // its counts), and every step is host_exec's bit for bit with no copy in either direction. The
+  // same dispatch without the word brings the counts back once; the AllGather dispatcher, which
+  // does not take the word, too; pad mode needs no word.
+  problem p{.fold = {.world = 2, .tp = 2, .ep = 1, .etp = 1}};
+  p.experts = 6;
+  p.topk = 2;
+  p.hidden = 5;
+  p.tokens = 7;
+  for (int variant = 0; variant < 4; ++variant) {
+    const bool routed = variant != 1, gather = variant == 2;
+    p.pad = variant == 3;
+    p.capacity = p.pad ? 4 : -1;
+    CAPTURE(variant);
+    const int W = p.fold.world;
+    std::vector<trip<float>> host(2), dev(2);
+    const auto run = [&](auto&& body) {
+      const auto st = run_thread_world(W, body);
+      for (const auto& s : st) REQUIRE_MESSAGE(s.has_value(), s.error().message);
+    };
+    run([&](thread_communicator& world) -> status {
+      host_exec x;
+      auto t =
+          gather ? round_trip<all_gather_dispatcher, float, float, host_exec>(p, world, x, routed)
+                 : round_trip<all_to_all_dispatcher, float, float, host_exec>(p, world, x, routed);
+      if (!t) return unexpected<error>(t.error());
+      host[static_cast<std::size_t>(world.rank())] = std::move(*t);
+      return {};
+    });
+    run([&](thread_communicator& world) -> status {
+      auto dw = std::move(world).in_space<cpu_device_space>();
+      cpu_exec x;
+      auto t = gather ? round_trip<all_gather_dispatcher, float, float, cpu_exec>(p, dw, x, routed)
+                      : round_trip<all_to_all_dispatcher, float, float, cpu_exec>(p, dw, x, routed);
+      if (!t) return unexpected<error>(t.error());
+      dev[static_cast<std::size_t>(dw.rank())] = std::move(*t);
+      return {};
+    });
+    for (std::size_t r = 0; r < 2; ++r) {
+      CAPTURE(r);
+      const auto &a = host[r], &b = dev[r];
+      const bool trusted = routed && !gather && !p.pad;
+      CHECK(a.offsets.empty());  // host_exec plans on the host: its counts are there
+      if (trusted) {
+        CHECK(b.counts.empty());
+        std::vector<int> want{0};
+        for (int c : a.counts) want.push_back(want.back() + c);
+        CHECK(b.offsets == want);
+        CHECK(b.dispatch_copies.to_host == 0);
+        CHECK(b.dispatch_copies.to_device == 0);
+      } else {
+        CHECK(b.counts == a.counts);
+        CHECK(b.offsets.empty());
+        CHECK(b.dispatch_copies.to_host == (p.pad && !gather ? 0 : 1));
+      }
+      check_same_values(a, b);
+      CHECK(b.later_copies.to_host == 0);
+      CHECK(b.later_copies.to_device == 0);
+    }
   }
 }
 
@@ -385,5 +451,66 @@ TEST_CASE(
       CHECK(says(s.dispatch, c.words));
       CHECK(s.copies.to_host == 1);  // the header table, nothing else
     }
+  }
+}
+
+TEST_CASE(
+    "EP = ETP = 1, every pair vouched for: a record that breaks the word gets no wait in dispatch "
+    "and device_status names it") {
+  // One rank, E = 4, k = 2, three tokens. A -1 (token 1's second slot): the pairs it names get
+  // their rows, the missing one none, and token 1's output is its first pair's alone. An id
+  // outside [-1, E) or a repeated expert: the record gets no rows (every output 0).
+  struct bad_case {
+    std::vector<int> record;
+    std::string words;
+  };
+  const bad_case cases[] = {
+      {{0, 1, 2, -1, 3, 0}, "routes 5 of its N k = 6 pairs (a slot holds -1)"},
+      {{0, 1, 2, 9, 3, 0}, "token 1 slot 1 of the routing record names an expert outside [-1, 4)"},
+      {{0, 1, 2, 2, 3, 0},
+       "token 1 slot 1 of the routing record names an expert outside [-1, 4) "
+       "or one its token named before"}};
+  for (const auto& c : cases) {
+    CAPTURE(c.words);
+    const auto st = run_thread_world(1, [&](thread_communicator& world) -> status {
+      auto dw = std::move(world).in_space<cpu_device_space>();
+      cpu_exec x;
+      const int N = 3, K = 2, H = 4, E = 4;
+      TRY_ASSIGN(d, (all_to_all_dispatcher<float, decltype(dw), cpu_exec>::make(
+                        {.max_tokens = N, .hidden = H, .topk = K, .num_experts = E})));
+      TRY_ASSIGN(wsb, make_exec_workspace(x, d->workspace_sizes()));
+      std::vector<float> xs(N * H), ps(N * K, 0.5f);
+      for (std::size_t i = 0; i < xs.size(); ++i) xs[i] = static_cast<float>(i % 7) - 2.5f;
+      TRY_ASSIGN(dx, upload(x, xs, N, H));
+      TRY_ASSIGN(de, upload(x, c.record, N, K));
+      TRY_ASSIGN(dp, upload(x, ps, N, K));
+      const dispatch_input<float, cpu_device_space> in{.num_tokens = N,
+                                                       .x = dx->cview(),
+                                                       .expert = de->cview(),
+                                                       .probs = dp->cview(),
+                                                       .every_pair_routed = true};
+      const dispatch_groups<decltype(dw)> g{dw, dw, dw};
+      x.reset_copies();
+      TRY_ASSIGN(h, d->dispatch(x, in, g, wsb->view()));
+      CHECK(x.copies().to_host == 0);
+      CHECK(h->num_rows() == N * K);
+      // The "experts": y = the batch rows as they are; combine sums each token's pairs.
+      TRY_ASSIGN(out, (exec_buffer<float, cpu_exec>::make(x, N, H)));
+      TRY(d->combine(x, *h, h->batch_rows(), g, out->view()));
+      TRY_ASSIGN(o, (download<float>(x, out->cview())));
+      const bool faulty = c.record[3] != -1;
+      for (int t = 0; t < N; ++t)
+        for (int j = 0; j < H; ++j) {
+          const float v = xs[static_cast<std::size_t>(t * H + j)];
+          // Every routed pair of token t carries its row once: k rows, or 1 for token 1 with -1.
+          const float want = faulty ? 0.0f : (t == 1 ? v : 2 * v);
+          CHECK((*o)[static_cast<std::size_t>(t * H + j)] == want);
+        }
+      const status ds = d->device_status(x, *h);
+      REQUIRE_FALSE(ds.has_value());
+      CHECK_MESSAGE(ds.error().message.find(c.words) != std::string::npos, ds.error().message);
+      return {};
+    });
+    for (const auto& s : st) CHECK_MESSAGE(s.has_value(), (s ? std::string() : s.error().message));
   }
 }

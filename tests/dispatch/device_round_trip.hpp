@@ -36,6 +36,7 @@ struct trip {
   std::vector<T> batch_x, out, dy, dx;
   std::vector<P> batch_p, dprobs;
   std::vector<int> counts;
+  std::vector<int> offsets;  // batch_offsets(), where the dispatch left the counts on the context
   copy_counts dispatch_copies{}, later_copies{};  // contexts that count their copies
 };
 
@@ -91,9 +92,10 @@ expected<rank_groups<Comm>> groups_of(const problem& p, Comm& world) {
 
 // Dispatch, "experts" (a fixed function of the batch, on the host), combine, and the backward,
 // every buffer of the dispatcher in Exec's memory; probabilities in P.
+// `routed`: the input's every_pair_routed word.
 template <template <class, class, class, class> class Disp, class T, class P, class Exec,
           class Comm>
-expected<trip<T, P>> round_trip(const problem& p, Comm& world, Exec& x) {
+expected<trip<T, P>> round_trip(const problem& p, Comm& world, Exec& x, bool routed = false) {
   TRY_ASSIGN(rg, groups_of(p, world));
   const auto& fold = rg->fold;
   const dispatch_groups<Comm> g = rg->dispatch();
@@ -120,7 +122,8 @@ expected<trip<T, P>> round_trip(const problem& p, Comm& world, Exec& x) {
                                     .x = dx_in->cview(),
                                     .expert = de_in->cview(),
                                     .probs = dp_in->cview(),
-                                    .capacity = cap};
+                                    .capacity = cap,
+                                    .every_pair_routed = routed};
   trip<T, P> res;
   if constexpr (counts_copies<Exec>) x.reset_copies();
   TRY_ASSIGN(h, disp->dispatch(x, din, g, ws));
@@ -130,6 +133,10 @@ expected<trip<T, P>> round_trip(const problem& p, Comm& world, Exec& x) {
   res.batch_x = *bx;
   res.batch_p = *bp;
   res.counts.assign(h->batch_counts().begin(), h->batch_counts().end());
+  if (!h->batch_offsets().empty()) {
+    TRY_ASSIGN(off, (download<int>(x, h->batch_offsets())));
+    res.offsets = *off;
+  }
   // The "experts": y = x / 2 + p, dx_rows = x - 1, dprob_rows = 2 p (the same on both contexts).
   const int M = h->num_rows();
   std::vector<T> y(res.batch_x.size()), dxr(res.batch_x.size());
@@ -176,18 +183,23 @@ bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
          (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
 }
 
-// Two contexts' round trips on one rank: the same counts and the same bits everywhere (every
-// rank's experts receive rows in the problems these tests use).
+// Two contexts' round trips on one rank: the same bits everywhere (every rank's experts receive
+// rows in the problems these tests use) ...
 template <class T, class P>
-void check_same_results(const trip<T, P>& a, const trip<T, P>& b) {
+void check_same_values(const trip<T, P>& a, const trip<T, P>& b) {
   CHECK(!a.batch_x.empty());
-  CHECK(a.counts == b.counts);
   CHECK(same_bits(a.batch_x, b.batch_x));
   CHECK(same_bits(a.batch_p, b.batch_p));
   CHECK(same_bits(a.out, b.out));
   CHECK(same_bits(a.dy, b.dy));
   CHECK(same_bits(a.dx, b.dx));
   CHECK(same_bits(a.dprobs, b.dprobs));
+}
+// ... and the same counts on the host.
+template <class T, class P>
+void check_same_results(const trip<T, P>& a, const trip<T, P>& b) {
+  CHECK(a.counts == b.counts);
+  check_same_values(a, b);
 }
 
 inline problem folded_problem(bool pad) {

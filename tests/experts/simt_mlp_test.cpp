@@ -137,6 +137,42 @@ TEST_CASE("simt_mlp in fp64 equals grouped_mlp<double>: forward, backward, both 
       check_close("dprobs", download(ex, ddp->cview()), dp_ref, tol, worst);
       check_close("fc1 grad", download(ex, dg1.cview()), hg1, tol, worst);
       check_close("fc2 grad", download(ex, dg2.cview()), hg2, tol, worst);
+
+      // The row ranges on the context instead ([1, L + 1] int offsets, as a dispatch that read
+      // no count back hands them over): the same bits, and nothing copied to the context.
+      std::vector<int> offsets{0};
+      for (int c : counts) offsets.push_back(offsets.back() + c);
+      auto doff = upload(ex, offsets, 1, L + 1);
+      auto og1 = upload(ex, g1, static_cast<long long>(L) * f1, H);
+      auto og2 = upload(ex, g2, static_cast<long long>(L) * H, fs);
+      auto oy = exec_buffer<double, cpu_exec>::make(ex, M, H);
+      auto odx = exec_buffer<double, cpu_exec>::make(ex, M, H);
+      auto odp = exec_buffer<double, cpu_exec>::make(ex, M, 1);
+      REQUIRE(oy);
+      REQUIRE(odx);
+      REQUIRE(odp);
+      auto mo = simt_mlp<double, cpu_exec>::make(ex, s, {dw1.cview(), dw2.cview()},
+                                                 {og1.view(), og2.view()});
+      REQUIRE(mo);
+      const device_expert_batch<double, double, S> ob{
+          .x = dx_in.cview(), .probs = dp.cview(), .offsets = doff.cview()};
+      ex.reset_copies();
+      REQUIRE(mo->forward(ob, oy->view()));
+      REQUIRE(mo->backward(ob, ddy.cview(), odx->view(), odp->view()));
+      CHECK(ex.copies().to_device == 0);
+      CHECK(ex.copies().to_host == 0);
+      CHECK(download(ex, oy->cview()) == download(ex, dy_out->cview()));
+      CHECK(download(ex, odx->cview()) == download(ex, ddx->cview()));
+      CHECK(download(ex, odp->cview()) == download(ex, ddp->cview()));
+      CHECK(download(ex, og1.cview()) == download(ex, dg1.cview()));
+      CHECK(download(ex, og2.cview()) == download(ex, dg2.cview()));
+      const device_expert_batch<double, double, S> bad{
+          .x = dx_in.cview(),
+          .probs = dp.cview(),
+          .offsets = row_view<const int, S>(doff.cview().data(), 1, L)};
+      const status st = mo->forward(bad, oy->view());
+      REQUIRE_FALSE(st.has_value());
+      CHECK(st.error().message.find("offsets must be [1, L + 1] = [1, 4]") != std::string::npos);
     }
   MESSAGE("worst " << worst << " of 1e-14 of the magnitude");
 }

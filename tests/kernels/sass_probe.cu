@@ -78,6 +78,7 @@ MOEFOLD_SASS_PROBE(k::keep_rank_kernel<float>);
 MOEFOLD_SASS_PROBE(k::drop_totals_kernel);
 MOEFOLD_SASS_PROBE(k::kept_record_kernel);
 MOEFOLD_SASS_PROBE(k::order_key_count_kernel);
+MOEFOLD_SASS_PROBE(k::widen_offsets_kernel);
 MOEFOLD_SASS_PROBE(k::order_key_check_kernel);
 MOEFOLD_SASS_PROBE(k::order_from_keys_kernel);
 MOEFOLD_SASS_PROBE(k::shared_gate_forward_kernel<float>);

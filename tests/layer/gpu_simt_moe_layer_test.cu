@@ -74,7 +74,8 @@ void gpu_layer_equals_cpu(const problem& p, std::optional<simt_drop_policy> drop
 
 TEST_CASE(
     "[layer] simt_moe_layer on cuda_kernel_exec (loopback world, EP 4 x ETP 2) equals the layer "
-    "on cpu_exec: dropless, sub-sequence pad mode, full-sequence by position with order keys") {
+    "on cpu_exec: dropless, sub-sequence pad mode, full-sequence by position with order keys; EP = "
+    "ETP = 1 without a wait") {
   problem p{.fold = {.world = 8, .tp = 2, .ep = 4, .etp = 2}};
   p.experts = 8;
   p.topk = 2;
@@ -88,4 +89,13 @@ TEST_CASE(
       p,
       simt_full_sequence{.policy = {.capacity_factor = 1.0, .by = drop_by::position}, .group = 2},
       true);
+  // EP = ETP = 1 (TP 2 over EDP 2) dropless: the All-to-All dispatcher's direct path, no host
+  // wait in the forward (run_simt_rank checks it), the experts' row ranges on the device.
+  problem q{.fold = {.world = 2, .tp = 2, .ep = 1, .etp = 1}};
+  q.experts = 6;
+  q.topk = 2;
+  q.hidden = 12;
+  q.ffn = 2;
+  q.tokens = 7;
+  gpu_layer_equals_cpu(q, std::nullopt);
 }

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <moefold/core/exec_buffer.hpp>
+#include <moefold/dispatch/all_to_all_dispatcher.hpp>
 #include <moefold/experts/simt_mlp.hpp>
 #include <moefold/layer/simt_moe_layer.hpp>
 
@@ -15,6 +16,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <variant>
 #include <vector>
 
@@ -221,6 +223,20 @@ expected<layer_result> run_simt_rank(const problem& p, Comm& world, Exec& x,
   const copy_counts before = copies();
   TRY_ASSIGN(stats, layer->forward(d_x->cview(), g, d_out->view(), key_view));
   const copy_counts after_forward = copies();
+  // Dropless with EP = ETP = 1 on the All-to-All dispatcher on a context that runs kernels: the
+  // batch is the N k rows and its row ranges stay on the context (no count comes back).
+  constexpr bool a2a =
+      std::is_same_v<Disp<T, Comm, Exec, float>, all_to_all_dispatcher<T, Comm, Exec, float>>;
+  const bool unsharded = a2a && runs_kernels_v<Exec> && !drop && fold.ep() * fold.etp() == 1;
+  if (const auto* hd = layer->last_dispatch();
+      unsharded && (!hd->batch_counts().empty() || hd->batch_offsets().empty() ||
+                    hd->num_rows() != p.tokens * p.topk))
+    return make_error(errc::invalid_argument,
+                      "EP = ETP = 1 dropless: the batch is not N k rows with its row ranges on "
+                      "the context");
+  // Nothing was left to the device: the keys were good, the record whole (a wait of its own,
+  // outside the forward's and the backward's counts).
+  TRY(layer->device_status());
   layer_result res;
   TRY_ASSIGN(aux, (download<float>(x, stats->aux_loss)));
   TRY_ASSIGN(z, (download<float>(x, stats->z_loss)));
@@ -240,10 +256,10 @@ expected<layer_result> run_simt_rank(const problem& p, Comm& world, Exec& x,
   const copy_counts before_backward = copies();
   TRY(layer->backward(d_dout->cview(), 1.0f, g, d_dx->view()));
   // The host waits: one copy of the counts per dropless forward (the collectives need them),
-  // none in pad mode, none in the backward.
+  // none in pad mode, none in the backward; none at all in the unsharded case above.
   const long long forward_waits = after_forward.to_host - before.to_host,
                   backward_waits = copies().to_host - before_backward.to_host;
-  const long long want_forward = drop && drop_rule(*drop).pad_to_capacity ? 0 : 1;
+  const long long want_forward = (drop && drop_rule(*drop).pad_to_capacity) || unsharded ? 0 : 1;
   if (forward_waits != want_forward || backward_waits != 0)
     return make_error(errc::invalid_argument, "device-to-host copies: forward " +
                                                   std::to_string(forward_waits) + " (want " +
@@ -263,8 +279,6 @@ expected<layer_result> run_simt_rank(const problem& p, Comm& world, Exec& x,
   if (!std::equal(kept_host->begin(), kept_host->end(), xs.begin(), xs.end(),
                   [](T a, T b) { return std::memcmp(&a, &b, sizeof(T)) == 0; }))
     return make_error(errc::invalid_argument, "the kept input differs from the forward's");
-  // Nothing was left to the device: the keys were good, the record whole.
-  TRY(layer->device_status());
   TRY(layer->reduce_gradients(stage, edp, d_dw.view(), {d_g1.view(), d_g2.view()}));
   TRY_ASSIGN(out, (download<T>(x, d_out->cview())));
   TRY_ASSIGN(dx, (download<T>(x, d_dx->cview())));

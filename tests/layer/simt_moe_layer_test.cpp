@@ -102,6 +102,11 @@ const fold_config simt_layer_folds[] = {
     {.world = 8, .tp = 4, .pp = 2, .ep = 2, .etp = 2},
 };
 
+// EP = ETP = 1 (TP 2 over EDP 2): the All-to-All dispatcher's direct path, whose dropless
+// forward waits for nothing (the batch is the N k rows, the experts take their row ranges from
+// the context).
+const fold_config unsharded_fold{.world = 2, .tp = 2, .ep = 1, .etp = 1};
+
 template <template <class, class, class, class> class Disp>
 void check_fp32(const std::string& name, std::span<const fold_config> folds, int hidden = 12) {
   CAPTURE(name);
@@ -887,6 +892,39 @@ TEST_CASE(
   }
 }
 
+TEST_CASE("simt_moe_layer with EP = ETP = 1: dropless without a host wait, the same results") {
+  // Both dispatchers (the AllGather one still reads its table back once), dropless and with
+  // sub-sequence dropping (which counts on the host), against the host layer and the fp64
+  // reference; run_simt_rank checks the waits (none for All-to-All dropless) and that the batch
+  // is N k rows with its row ranges on the context.
+  const auto fold = make_folded(unsharded_fold).value();
+  problem p{.fold = unsharded_fold};
+  p.experts = 6;
+  p.topk = 2;
+  p.hidden = 12;
+  p.ffn = 2;
+  p.tokens = 7;
+  check_same_layer(run_simt<float, all_to_all_dispatcher>(p),
+                   run_host<float, all_to_all_dispatcher>(p), 2e-5);
+  check_same_layer(run_simt<float, all_gather_dispatcher>(p),
+                   run_host<float, all_gather_dispatcher>(p), 2e-5);
+  layer_check judge;
+  CHECK(check_layer_results<float>(p, run_simt<float, all_to_all_dispatcher>(p), drop_mode::none,
+                                   &judge) == 0);
+  CHECK(judge.worst > 0);
+  const sub_sequence drops[] = {{.capacity_factor = 1.0},
+                                {.capacity_factor = 1.0, .pad_to_capacity = true}};
+  long long dropped = 0;
+  for (const auto& d : drops) {
+    CAPTURE(d.pad_to_capacity);
+    const auto dev = run_simt<float, all_to_all_dispatcher>(p, d);
+    dropped += check_layer_results<float>(p, dev, drop_mode::per_rank);
+    check_same_layer(dev, run_host<float, all_to_all_dispatcher>(p, d), 2e-5);
+  }
+  CHECK(dropped > 0);
+  CHECK(fold.ep() * fold.etp() == 1);
+}
+
 TEST_CASE(
     "simt_moe_layer with sub-sequence dropping equals the host layer and the fp64 reference") {
   // By probability, by position, and pad mode (every expert exactly C rows): capacity factor 1
@@ -997,17 +1035,22 @@ TEST_CASE("stream order: the whole layer on the GPU code path, dropless and in p
   // stream_order_exec runs the kernels as cpu_exec does but takes cuda_kernel_exec's path (no
   // host-addressable memory: results only through copies, bad indices into a device word) and
   // checks every read against the stream order of one GPU stream. The layer's results equal
-  // cpu_exec's bit for bit and no operation reads what the stream has not yet written.
-  const fold_config f = simt_layer_folds[0];  // EP 4 x ETP 2
-  problem p{.fold = f};
-  p.experts = 8;
-  p.topk = 2;
-  p.hidden = 12;
-  p.ffn = 4;
-  p.tokens = 6;
-  for (const std::optional<sub_sequence> drop :
-       {std::optional<sub_sequence>{}, std::optional<sub_sequence>{sub_sequence{
-                                           .capacity_factor = 1.0, .pad_to_capacity = true}}}) {
+  // cpu_exec's bit for bit and no operation reads what the stream has not yet written. EP 4 x
+  // ETP 2 dropless and in pad mode; EP = ETP = 1 dropless (no wait at all).
+  const sub_sequence pad{.capacity_factor = 1.0, .pad_to_capacity = true};
+  const std::pair<fold_config, std::optional<sub_sequence>> runs[] = {
+      {simt_layer_folds[0], std::nullopt},
+      {simt_layer_folds[0], pad},
+      {unsharded_fold, std::nullopt}};
+  for (const auto& [f, drop] : runs) {
+    const auto fold = make_folded(f).value();
+    problem p{.fold = f};
+    p.experts = 8;
+    p.topk = 2;
+    p.hidden = 12;
+    p.ffn = 2 * fold.etp();
+    p.tokens = 6;
+    CAPTURE(fold.ep());
     CAPTURE(drop.has_value());
     const auto ref = run_simt<float, all_to_all_dispatcher>(p, drop);
     const int W = f.world;

@@ -41,5 +41,24 @@ template <execution_context Exec, class TA, class TB, class TC>
       x, launch_grid{.blocks = capped_blocks<Exec>(tiles, 1), .smem_bytes = K::smem_bytes}, k);
 }
 
+//! The same when the row ranges are on the context only (nothing read back): the grid from a
+//! bound, `total_rows` rows over the groups (the kernel walks the tiles the offsets give and the
+//! blocks beyond them find none). rows_are_m: sum over g of ceil(rows_g / 32) <= (M + 31 L) / 32
+//! tile rows; rows_are_k: L [m, n] gradients, whatever the rows.
+template <execution_context Exec, class TA, class TB, class TC>
+[[nodiscard]] status launch_grouped_gemm(Exec& x, const kernels::grouped_gemm_kernel<TA, TB, TC>& k,
+                                         long long total_rows) {
+  using K = kernels::grouped_gemm_kernel<TA, TB, TC>;
+  const long long tn = (static_cast<long long>(k.n) + K::tile_n - 1) / K::tile_n;
+  const long long L = k.groups;
+  const long long tile_rows = k.grouping == kernels::gemm_grouping::rows_are_m
+                                  ? (total_rows + (K::tile_m - 1) * L) / K::tile_m
+                                  : L * ((static_cast<long long>(k.m) + K::tile_m - 1) / K::tile_m);
+  const long long tiles = tile_rows * tn;
+  if (tiles == 0) return {};
+  return launch(
+      x, launch_grid{.blocks = capped_blocks<Exec>(tiles, 1), .smem_bytes = K::smem_bytes}, k);
+}
+
 }  // namespace v0_1
 }  // namespace moefold

@@ -31,6 +31,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "../comm/communicator.hpp"
 #include "../core/dtype.hpp"
@@ -174,7 +175,16 @@ class all_to_all_dispatcher
     h.plan_ = *plan;
     h.plan_unchecked_ = pad && runs_kernels_v<Exec>;
     const int P = s_.ep * s_.etp;
-    if (!pad) {
+    // With EP = ETP = 1 the rows stay on this rank (direct): no exchange and no chunk sort, the
+    // plan's rows are the experts' batch. If the caller vouches that every pair is routed, a
+    // context that runs kernels takes the batch as the N k rows (the plan's bound) and reads no
+    // count back: the one wait of the forward goes, the experts find their rows per expert on the
+    // context (batch_offsets()), and device_status() checks the record when asked.
+    const bool direct = P == 1;
+    const bool trusted = direct && !pad && in.every_pair_routed && runs_kernels_v<Exec> &&
+                         static_cast<long long>(in.num_tokens) * s_.topk <= recv_rows(cap);
+    h.routed_unchecked_ = trusted;
+    if (!pad && !trusted) {
       const int E = s_.num_experts, SW = E + 2;
       const auto gathered = rows_of(b.gathered, SW);  // [EP*ETP, E + 2]
       if (auto st = g.tp_ep.all_gather(x, h.plan_.status_row(), gathered); !st)
@@ -203,6 +213,7 @@ class all_to_all_dispatcher
     h.st_.order = b.order;
     h.st_.chunk_src = b.chunk_meta_host.subspan(C, C);
     h.st_.chunk_dst = b.chunk_meta_host.subspan(2 * C, C);
+    if (trusted) return dispatch_direct(x, in, b.batch_x, b.batch_probs, h);
     const dispatch::split_args sa{
         .ep = s_.ep,
         .etp = s_.etp,
@@ -228,6 +239,7 @@ class all_to_all_dispatcher
       if (const dispatch::receive_peak peak = dispatch::peak_receive(sa);
           peak.rows > recv_rows(cap))
         return dispatch::receive_bound_error(peak, recv_rows(cap));
+    if (direct) return dispatch_direct(x, in, b.batch_x, b.batch_probs, h);
     if (!pad) {  // the host chunk table (pad mode writes its own on the context, below)
       dispatch::expert_major_chunk_order(s_.etp, s_.ep, local_experts(), h.st_.order);
       dispatch::chunk_offsets(h.st_.chunk_counts, h.st_.order, h.st_.chunk_src, h.st_.chunk_dst);
@@ -302,6 +314,7 @@ class all_to_all_dispatcher
   [[nodiscard]] status device_status(Exec& x, const handle_type& h) const {
     if (auto st = h.check_issued_by(this); !st) return st;
     if (auto st = device_status_of(x); !st) return st;  // the context's error word, if any
+    if (h.routed_unchecked_) return routed_record_status(x, h);
     if (!h.plan_unchecked_) return {};
     int fault[2] = {0, 0};
     const row_view<const int, space> words(h.plan_.status_row().data() + s_.num_experts, 1, 2);
@@ -318,6 +331,8 @@ class all_to_all_dispatcher
     const auto H = detail::uz(s_.hidden);
     if (auto st = check_rows("combine: y", y, h.num_rows(), s_.hidden); !st) return st;
     if (auto st = check_rows("combine: out", out, h.num_tokens(), s_.hidden); !st) return st;
+    if (direct())  // the batch is the plan's rows: un-permute them
+      return x.template gather_sum_rows<T, T, accumulator_t<T>>(y, h.plan_.token_rows(), {}, out);
     const int m_a2a = dispatch::split_total(h.st_.output_splits), m_send = h.plan_.num_rows(),
               m_all = h.num_rows();
     // Unsort (l, t, j) -> (t, j, l).
@@ -349,6 +364,8 @@ class all_to_all_dispatcher
     if (auto st = check_rows("combine_backward: dout", dout, h.num_tokens(), s_.hidden); !st)
       return st;
     if (auto st = check_rows("combine_backward: dy", dy, h.num_rows(), s_.hidden); !st) return st;
+    if (direct())  // un-permute backward = permute
+      return x.template gather_rows<T>(dout, h.plan_.row_slots(), s_.topk, dy);
     const int m_a2a = dispatch::split_total(h.st_.output_splits), m_send = h.plan_.num_rows(),
               m_all = h.num_rows();
     auto gc = h.st_.rows_c.first(detail::uz(m_send) * H);  // un-permute backward = permute
@@ -375,6 +392,13 @@ class all_to_all_dispatcher
                                          view dx, prob_view dprobs) {
     if (auto st = check_handle(h, g); !st) return st;
     if (auto st = this->check_backward_shapes(h, dx_rows, dprob_rows, dx, dprobs); !st) return st;
+    if (direct()) {  // permute backward = un-permute without probs; the probs' a gather
+      if (auto st = x.template gather_sum_rows<T, T, accumulator_t<T>>(
+              dx_rows, h.plan_.token_rows(), {}, dx);
+          !st)
+        return st;
+      return x.template gather_rows<Prob>(dprob_rows, h.plan_.slot_rows(), 1, by_slot(dprobs));
+    }
     // Packed unless the ReduceScatter-V over ETP would sum the probabilities as T when they are
     // not T, or in 16 bits.
     if (pack_reductions || s_.etp == 1)
@@ -383,6 +407,52 @@ class all_to_all_dispatcher
   }
 
  private:
+  // EP = ETP = 1: the rows never leave this rank.
+  [[nodiscard]] bool direct() const noexcept { return s_.ep * s_.etp == 1; }
+
+  // The direct dispatch, after the plan (and, unless every pair is vouched for, its counts):
+  // the batch is the plan's rows, permuted straight into it.    x [N, H], probs [N, k] -> [M, .]
+  // (The batch's buffers come as spans: `buffers` is declared below.)
+  expected<handle_type> dispatch_direct(Exec& x, const dispatch_input<T, space, Prob>& in,
+                                        std::span<T> batch_x, std::span<Prob> batch_probs,
+                                        handle_type& h) {
+    const int M = h.plan_.num_rows();
+    h.x_ = rows_of(batch_x.first(detail::uz(M) * detail::uz(s_.hidden)), s_.hidden);
+    h.p_ = rows_of(batch_probs.first(detail::uz(M)), 1);
+    if (h.routed_unchecked_)
+      h.offsets_ = h.plan_.offset_row();
+    else
+      h.per_expert_ = h.st_.per_expert;
+    if (auto st = x.template gather_rows<T>(in.x, h.plan_.row_slots(), s_.topk, h.x_); !st)
+      return unexpected<error>(st.error());
+    const const_prob_view probs_by_slot(in.probs.data(), in.num_tokens * s_.topk, 1);  // [N*k, 1]
+    if (auto st = x.template gather_rows<Prob>(probs_by_slot, h.plan_.row_slots(), 1, h.p_); !st)
+      return unexpected<error>(st.error());
+    return std::move(h);
+  }
+
+  // device_status() of a dispatch that took every_pair_routed on trust: the plan's status row to
+  // the host (one copy, a wait), its fault slot, then the routed pairs against N k.
+  status routed_record_status(Exec& x, const handle_type& h) const {
+    using detail::to_decimal;
+    const int E = s_.num_experts;
+    std::vector<int> row(detail::uz(E) + 2);
+    if (auto st = x.copy(h.plan_.status_row(), row_view<int>(row.data(), 1, E + 2)); !st) return st;
+    if (auto st = detail::pad_record_fault(row[detail::uz(E)], 2147483647, s_.topk, E, 0); !st)
+      return st;
+    // The counts [E] add up to at most N k (the plan kernels counted the record): an int sum.
+    const long long routed = dispatch::split_total(std::span<const int>(row).first(detail::uz(E)));
+    const long long pairs = static_cast<long long>(h.num_tokens()) * s_.topk;
+    if (routed != pairs)
+      return make_error(errc::invalid_argument,
+                        "dispatch: the input vouched that every pair is routed "
+                        "(every_pair_routed), but the record routes " +
+                            to_decimal(routed) + " of its N k = " + to_decimal(pairs) +
+                            " pairs (a slot holds -1); the pairs it names got their rows, the "
+                            "others none");
+    return {};
+  }
+
   // The carved workspace. The spans of the saved and scratch parts are addresses in the
   // context's memory: the dispatcher reaches them only as views (rows_of, columns_of) handed to
   // the context's operations and the collectives. The host part holds what the host reads.

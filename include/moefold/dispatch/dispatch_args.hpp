@@ -73,6 +73,13 @@ struct dispatch_input {
   //! the same value (drop_counts::pad_rows); a mismatch is reported by the communicator's count
   //! check (All-to-All path) or by the dispatcher (AllGather path). Unset: rows as routed.
   std::optional<int> capacity{};
+  //! The caller's word that every one of the N k slots names an expert (no -1: dropless routing
+  //! straight from the router). With EP = ETP = 1 on a context that runs kernels, the All-to-All
+  //! dispatcher then dispatches without bringing the counts to the host (no wait): the batch is
+  //! the N k rows, its rows per expert stay on the context (handle.batch_offsets()), and a slot
+  //! holding -1 or a bad id is a fault its device_status() reports (the record then gets no
+  //! rows). Elsewhere it changes nothing.
+  bool every_pair_routed = false;
 };
 
 //! The span form of dispatch_input, for host code and tests (host contexts): x [N*H], expert and

@@ -71,7 +71,13 @@ class dispatch_handle {
   [[nodiscard]] row_view<const value_type, space> batch_rows() const noexcept { return x_; }
   [[nodiscard]] row_view<const prob_type, space> batch_probs() const noexcept { return p_; }
   //! Rows per local expert [L] (host memory; rows of local expert l follow those of l - 1).
+  //! Empty when the dispatch left them on the context: see batch_offsets().
   [[nodiscard]] std::span<const int> batch_counts() const noexcept { return per_expert_; }
+  //! The first row of each local expert [1, L + 1] in the context's memory, where the dispatch
+  //! did not bring the counts to the host (batch_counts() empty: dispatch_input::
+  //! every_pair_routed with EP = ETP = 1 on a context that runs kernels); empty otherwise. The
+  //! last entry is the rows the record routes, M for a record that keeps its word.
+  [[nodiscard]] row_view<const int, space> batch_offsets() const noexcept { return offsets_; }
   //! Rows of batch() (M).
   [[nodiscard]] int num_rows() const noexcept { return p_.rows(); }
   //! Tokens of this rank (N).
@@ -89,6 +95,8 @@ class dispatch_handle {
   basic_permute_plan<space> plan_{};
   bool plan_unchecked_ = false;  // its record's faults are still in plan_'s status row
   std::span<const int> per_expert_;
+  row_view<const int, space> offsets_{};  // batch_offsets()
+  bool routed_unchecked_ = false;  // every_pair_routed taken on trust: device_status() checks it
   row_view<value_type, space> x_{};
   row_view<prob_type, space> p_{};
   dispatch_volume volume_{};

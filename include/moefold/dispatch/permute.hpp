@@ -140,6 +140,10 @@ class basic_permute_plan {
   }
   //! The routed pairs per expert as one row [1, E].
   [[nodiscard]] row_view<const int, Space> count_row() const noexcept { return {real_, 1, e_}; }
+  //! The first row of each expert as one row [1, E + 1].
+  [[nodiscard]] row_view<const int, Space> offset_row() const noexcept {
+    return {offsets_, 1, e_ + 1};
+  }
   //! The counts and the record's two fault slots [1, E + 2] (what the All-to-All dispatcher
   //! gathers): columns E and E + 1 hold the lowest slot naming a bad id or a repeated expert,
   //! and in pad mode the lowest slot beyond its expert's capacity; INT_MAX for none.

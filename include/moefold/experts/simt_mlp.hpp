@@ -10,10 +10,11 @@
 //! grouped_mlp keeps them; each GEMM output one fma chain over k in ascending order; the
 //! activation in double rounded once. Weight gradients accumulate into the caller's buffers
 //! (beta = 1) in G. Host <-> device traffic per call: the expert offsets (L + 1 integers) to the
-//! device, nothing back.
+//! device, nothing back; none when the batch's row ranges are on the context already
+//! (device_expert_batch::offsets: the GEMMs' grids then come from a bound on M and L).
 //!
 //! Shapes: x, y, dy, dx [M, H] (any row stride), probs, dprobs [M, 1] contiguous; weights fc1
-//! [L F1, H], fc2 [L H, F / ETP]; counts [L] on the host.
+//! [L F1, H], fc2 [L H, F / ETP]; counts [L] on the host, or offsets [1, L + 1] on the context.
 #pragma once
 
 #include <algorithm>
@@ -54,12 +55,16 @@ struct mlp_device_grads {
   row_view<G, S> fc1{};
   row_view<G, S> fc2{};
 };
-//! expert_batch in a context's memory: counts on the host, rows and probabilities in S.
+//! expert_batch in a context's memory: counts on the host, rows and probabilities in S. A
+//! dispatch that left the counts on the context gives `offsets` instead (counts empty): the
+//! first row of each local expert [1, L + 1], non-decreasing from 0, offsets[L] <= M (rows past
+//! it belong to no expert: nothing is computed for them and their outputs are unspecified).
 template <class T, class P, class S>
 struct device_expert_batch {
-  std::span<const int> counts{};  //!< [L] rows per local expert
-  row_view<const T, S> x{};       //!< [M, H]
-  row_view<const P, S> probs{};   //!< [M, 1] contiguous
+  std::span<const int> counts{};     //!< [L] rows per local expert
+  row_view<const T, S> x{};          //!< [M, H]
+  row_view<const P, S> probs{};      //!< [M, 1] contiguous
+  row_view<const int, S> offsets{};  //!< [1, L + 1] with counts empty
 };
 
 template <class T, execution_context Exec, class G = main_grad_t<T>, class P = T>
@@ -167,6 +172,8 @@ class simt_mlp {
 
   // Checks the batch and an [M, H] operand, uploads the offsets, sizes the scratch.
   status prepare(const device_expert_batch<T, P, space>& b, int rows, int width, const char* what) {
+    if (b.counts.empty() && !b.offsets.empty()) return prepare_on_context(b, rows, width, what);
+    device_offsets_ = false;
     if (static_cast<int>(b.counts.size()) != s_.num_local_experts)
       return make_error(
           errc::shape_mismatch,
@@ -201,6 +208,36 @@ class simt_mlp {
                            offsets_.view());
         !st)
       return st;
+    return size_scratch();
+  }
+  // The same with the row ranges on the context: M from x, the offsets widened there.
+  status prepare_on_context(const device_expert_batch<T, P, space>& b, int rows, int width,
+                            const char* what) {
+    const int n = s_.num_local_experts + 1;
+    if (b.offsets.rows() != 1 || b.offsets.width() != n)
+      return make_error(errc::shape_mismatch, "simt_mlp: offsets must be [1, L + 1] = [1, " +
+                                                  detail::to_decimal(n) + "]");
+    device_offsets_ = true;
+    rows_ = b.x.rows();
+    if (rows_ < 0 || b.x.width() != s_.hidden)
+      return make_error(errc::shape_mismatch,
+                        "simt_mlp: x must be [M, H] with H = " + detail::to_decimal(s_.hidden));
+    if (b.probs.rows() != rows_ || b.probs.width() != 1 || !b.probs.contiguous())
+      return make_error(errc::shape_mismatch, "simt_mlp: probs must be contiguous [M, 1], M = " +
+                                                  detail::to_decimal(rows_));
+    if (auto st = check_rows(rows, width, what); !st) return st;
+    if (rows_ == 0) return {};
+    if (offsets_.view().data() == nullptr) {
+      auto o = exec_buffer<long long, Exec>::make(*x_, 1, n);
+      if (!o) return unexpected<error>(o.error());
+      offsets_ = std::move(*o);
+    }
+    const kernels::widen_offsets_kernel k{
+        .from = b.offsets.data(), .count = n, .to = offsets_.view().data()};
+    if (auto st = run(k, launch_grid{.blocks = 1}); !st) return st;
+    return size_scratch();
+  }
+  status size_scratch() {
     if (rows_ > capacity_) {  // one block of scratch: a [M, F1], da [M, F1], h [M, Fs], dh [M, Fs]
       auto s = exec_buffer<A, Exec>::make(*x_, rows_, 2LL * f1_ + 2LL * fs_);
       if (!s) return unexpected<error>(s.error());
@@ -255,6 +292,7 @@ class simt_mlp {
                    .b = pb,
                    .c = pc,
                    .accumulate = accumulate};
+    if (device_offsets_) return launch_grouped_gemm(*x_, kernel, static_cast<long long>(rows_));
     return launch_grouped_gemm(*x_, kernel, std::span<const long long>(host_offsets_));
   }
   static launch_grid elements_grid(long long n, int threads) {
@@ -271,6 +309,7 @@ class simt_mlp {
   mlp_device_weights<T, space> w_{};
   mlp_device_grads<G, space> g_{};
   std::vector<long long> host_offsets_{};
+  bool device_offsets_ = false;  // this call's row ranges came on the context (no host copy)
   exec_buffer<long long, Exec> offsets_{};
   exec_buffer<A, Exec> scratch_{};
 };

@@ -90,7 +90,8 @@ namespace moefold {
 inline namespace v0_1 {
 
 //! Experts on a context: simt_mlp's forward and backward over a device_expert_batch with fp32
-//! probabilities.
+//! probabilities. With EP = ETP = 1 dropless on the All-to-All dispatcher the batch's row ranges
+//! come on the context (`offsets`, counts empty: nothing is read back), which the experts take.
 template <class E, class T, class S>
 concept device_experts = requires(E& e, const device_expert_batch<T, float, S>& b,
                                   row_view<T, S> rows, row_view<const T, S> crows,
@@ -549,7 +550,9 @@ class simt_moe_layer {
                                               .x = xs,
                                               .expert = ctx.record(n),
                                               .probs = ctx.probs_.cview().first(n),
-                                              .capacity = pad_rows};
+                                              .capacity = pad_rows,
+                                              // dropless: the router names k experts per token
+                                              .every_pair_routed = !drop_};
     // The saved and host parts are the context's (they live until its backward), the scratch
     // part the layer's.
     const dispatch_workspace ws{.saved = {ctx.saved_.view().data(), ctx.key_.ws.saved},
@@ -826,7 +829,10 @@ class simt_moe_layer {
   }
 
   device_expert_batch<T, float, space> batch_of(const handle_type& h) const {
-    return {.counts = h.batch_counts(), .x = h.batch_rows(), .probs = h.batch_probs()};
+    return {.counts = h.batch_counts(),
+            .x = h.batch_rows(),
+            .probs = h.batch_probs(),
+            .offsets = h.batch_offsets()};
   }
 
   // Runs f.template operator()<Team>() with the team the router's E takes: a warp per token up
