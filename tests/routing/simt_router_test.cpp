@@ -56,9 +56,12 @@ bool near_tie(const topk_router_options& o, const std::vector<double>& row,
     mx = std::max(mx, std::abs(v));
   }
   std::sort(sel.begin(), sel.end(), std::greater<>());
+  // A softmax before top-k selects on float probabilities, where a logit gap d is a relative gap
+  // d, which their rounding (exp, the division, x - max: a few ulp) hides below about 1e-6
+  // whatever the logits' scale: small logits (H = 1) are judged against 1e-6 absolute.
+  const double scale = o.pre_softmax ? std::max(mx, 1.0) : std::max(mx, 1e-30);
   for (int i = 0; i + 1 < std::min<int>(o.topk + 1, static_cast<int>(sel.size())); ++i)
-    if (sel[static_cast<std::size_t>(i)] - sel[static_cast<std::size_t>(i) + 1] <=
-        1e-6 * std::max(mx, 1e-30))
+    if (sel[static_cast<std::size_t>(i)] - sel[static_cast<std::size_t>(i) + 1] <= 1e-6 * scale)
       return true;
   return false;
 }
