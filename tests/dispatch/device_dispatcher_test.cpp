@@ -88,21 +88,23 @@ TEST_CASE_TEMPLATE("both dispatchers on cpu_exec equal host_exec bitwise, EP 4 x
   }
 }
 
-TEST_CASE(
-    "EP = ETP = 1, every pair routed: the All-to-All dispatcher on cpu_exec reads nothing back") {
+TEST_CASE("EP = ETP = 1, every pair routed: both dispatchers on cpu_exec read nothing back") {
   // Two ranks of TP 2 over EP 1 x ETP 1 (EDP 2), no pair dropped: the batch is the N k rows of
   // the plan, its rows per expert stay on the context (batch_offsets, the host's running sums of
   // its counts), and every step is host_exec's bit for bit with no copy in either direction. The
-  // same dispatch without the word brings the counts back once; the AllGather dispatcher, which
-  // does not take the word, too; pad mode needs no word.
+  // same dispatch without the word brings the counts back once (the All-to-All dispatcher its
+  // status rows, the AllGather dispatcher its header); pad mode needs no word (the All-to-All
+  // dispatcher then copies nothing, the AllGather dispatcher still reads its header).
   problem p{.fold = {.world = 2, .tp = 2, .ep = 1, .etp = 1}};
   p.experts = 6;
   p.topk = 2;
   p.hidden = 5;
   p.tokens = 7;
-  for (int variant = 0; variant < 4; ++variant) {
-    const bool routed = variant != 1, gather = variant == 2;
-    p.pad = variant == 3;
+  // Variants: All-to-All with the word, without, AllGather with, pad mode All-to-All, AllGather
+  // without the word, pad mode AllGather.
+  for (int variant = 0; variant < 6; ++variant) {
+    const bool routed = variant != 1 && variant != 4, gather = variant == 2 || variant >= 4;
+    p.pad = variant == 3 || variant == 5;
     p.capacity = p.pad ? 4 : -1;
     CAPTURE(variant);
     const int W = p.fold.world;
@@ -132,7 +134,7 @@ TEST_CASE(
     for (std::size_t r = 0; r < 2; ++r) {
       CAPTURE(r);
       const auto &a = host[r], &b = dev[r];
-      const bool trusted = routed && !gather && !p.pad;
+      const bool trusted = routed && !p.pad;
       CHECK(a.offsets.empty());  // host_exec plans on the host: its counts are there
       if (trusted) {
         CHECK(b.counts.empty());
@@ -456,7 +458,7 @@ TEST_CASE(
 
 TEST_CASE(
     "EP = ETP = 1, every pair vouched for: a record that breaks the word gets no wait in dispatch "
-    "and device_status names it") {
+    "and device_status names it, on both dispatchers") {
   // One rank, E = 4, k = 2, three tokens. A -1 (token 1's second slot): the pairs it names get
   // their rows, the missing one none, and token 1's output is its first pair's alone. An id
   // outside [-1, E) or a repeated expert: the record gets no rows (every output 0).
@@ -470,13 +472,12 @@ TEST_CASE(
       {{0, 1, 2, 2, 3, 0},
        "token 1 slot 1 of the routing record names an expert outside [-1, 4) "
        "or one its token named before"}};
-  for (const auto& c : cases) {
-    CAPTURE(c.words);
+  const auto run_case = [&]<template <class, class, class, class> class Disp>(const bad_case& c) {
     const auto st = run_thread_world(1, [&](thread_communicator& world) -> status {
       auto dw = std::move(world).in_space<cpu_device_space>();
       cpu_exec x;
       const int N = 3, K = 2, H = 4, E = 4;
-      TRY_ASSIGN(d, (all_to_all_dispatcher<float, decltype(dw), cpu_exec>::make(
+      TRY_ASSIGN(d, (Disp<float, decltype(dw), cpu_exec, float>::make(
                         {.max_tokens = N, .hidden = H, .topk = K, .num_experts = E})));
       TRY_ASSIGN(wsb, make_exec_workspace(x, d->workspace_sizes()));
       std::vector<float> xs(N * H), ps(N * K, 0.5f);
@@ -512,5 +513,10 @@ TEST_CASE(
       return {};
     });
     for (const auto& s : st) CHECK_MESSAGE(s.has_value(), (s ? std::string() : s.error().message));
+  };
+  for (const auto& c : cases) {
+    CAPTURE(c.words);
+    run_case.template operator()<all_to_all_dispatcher>(c);
+    run_case.template operator()<all_gather_dispatcher>(c);
   }
 }

@@ -41,13 +41,7 @@ inline moe_layer_options options_of(const problem& p, const dynamic_folded_mesh&
           .z_loss_coeff = z_coeff};
 }
 
-// The drop rule of a simt_moe_layer policy (both policies' capacity fields), and whether the
-// decision is the tp-cp group's (full sequence).
-inline sub_sequence drop_rule(const simt_drop_policy& d) {
-  if (const auto* s = std::get_if<sub_sequence>(&d)) return *s;
-  const auto& f = std::get<simt_full_sequence>(d).policy;
-  return {.capacity_factor = f.capacity_factor, .pad_to_capacity = f.pad_to_capacity, .by = f.by};
-}
+// Whether a simt_moe_layer policy's decision is the tp-cp group's (full sequence).
 inline bool group_drop(const simt_drop_policy& d) {
   return std::holds_alternative<simt_full_sequence>(d);
 }
@@ -74,7 +68,7 @@ inline std::vector<std::int64_t> sequence_keys(const problem& p, const dynamic_f
 template <class Exec, class Layer, class Stats>
 status check_drop_counts(Exec& x, const Layer& layer, const Stats& stats, const problem& p,
                          const simt_drop_policy& policy, layer_result& res) {
-  const sub_sequence drop = drop_rule(policy);
+  const sub_sequence drop = capacity_rule(policy);
   const bool group = group_drop(policy);
   const int E = p.experts;
   if (!stats.capacity || stats.drop_totals.empty())
@@ -223,11 +217,9 @@ expected<layer_result> run_simt_rank(const problem& p, Comm& world, Exec& x,
   const copy_counts before = copies();
   TRY_ASSIGN(stats, layer->forward(d_x->cview(), g, d_out->view(), key_view));
   const copy_counts after_forward = copies();
-  // Dropless with EP = ETP = 1 on the All-to-All dispatcher on a context that runs kernels: the
-  // batch is the N k rows and its row ranges stay on the context (no count comes back).
-  constexpr bool a2a =
-      std::is_same_v<Disp<T, Comm, Exec, float>, all_to_all_dispatcher<T, Comm, Exec, float>>;
-  const bool unsharded = a2a && runs_kernels_v<Exec> && !drop && fold.ep() * fold.etp() == 1;
+  // Dropless with EP = ETP = 1 on a context that runs kernels (either dispatcher): the batch is
+  // the N k rows and its row ranges stay on the context (no count comes back).
+  const bool unsharded = runs_kernels_v<Exec> && !drop && fold.ep() * fold.etp() == 1;
   if (const auto* hd = layer->last_dispatch();
       unsharded && (!hd->batch_counts().empty() || hd->batch_offsets().empty() ||
                     hd->num_rows() != p.tokens * p.topk))
@@ -259,7 +251,8 @@ expected<layer_result> run_simt_rank(const problem& p, Comm& world, Exec& x,
   // none in pad mode, none in the backward; none at all in the unsharded case above.
   const long long forward_waits = after_forward.to_host - before.to_host,
                   backward_waits = copies().to_host - before_backward.to_host;
-  const long long want_forward = (drop && drop_rule(*drop).pad_to_capacity) || unsharded ? 0 : 1;
+  const long long want_forward =
+      (drop && capacity_rule(*drop).pad_to_capacity) || unsharded ? 0 : 1;
   if (forward_waits != want_forward || backward_waits != 0)
     return make_error(errc::invalid_argument, "device-to-host copies: forward " +
                                                   std::to_string(forward_waits) + " (want " +

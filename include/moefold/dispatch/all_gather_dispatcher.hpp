@@ -141,6 +141,14 @@ class all_gather_dispatcher
     h.st_.rows_b = b.rows_b;
     h.st_.probs_a = b.probs_a;
     h.st_.tokens = b.tokens;
+    // With EP = ETP = 1 the group is this rank alone. If the caller vouches that every pair is
+    // routed, a context that runs kernels plans the N k rows (the plan's bound) and reads nothing
+    // back: the header and its one wait go, the experts find their rows per expert on the context
+    // (batch_offsets()), and device_status() checks the record when asked (as the All-to-All
+    // dispatcher's direct path).
+    if (g.tp_ep.size() == 1 && cap < 0 && in.every_pair_routed && runs_kernels_v<Exec> &&
+        static_cast<long long>(in.num_tokens) * s_.topk <= recv_rows(cap))
+      return dispatch_routed(x, in, b, h);
     // 1. The group's header rows (token count, pad capacity, the first bad entry of the routing
     //    record, routed pairs per expert: gathered_header), so that every rank checks every
     //    rank's record alike, on the host, before any row moves. The counts are made in the
@@ -257,13 +265,18 @@ class all_gather_dispatcher
     return h;
   }
 
-  //! The All-to-All dispatcher's check of a record its forward left to the device; here the
-  //! forward checks every rank's record on the gathered header (its one wait) in every mode, so
-  //! this returns at once for a handle of this dispatcher, after reading the context's device
-  //! error word where it has one (cuda_kernel_exec: bad indices its row kernels met).
+  //! The check of a record the forward left to the device: with EP = ETP = 1 and
+  //! dispatch_input::every_pair_routed on a context that runs kernels, the record is read here
+  //! (one copy, a wait: a bad id or a repeat gave it no rows, a -1 its own pair none). Otherwise
+  //! the forward checked every rank's record on the gathered header (its one wait), so this
+  //! returns at once, after reading the context's device error word where it has one
+  //! (cuda_kernel_exec: bad indices its row kernels met).
   [[nodiscard]] status device_status(Exec& x, const handle_type& h) const {
     if (auto st = h.check_issued_by(this); !st) return st;
-    return device_status_of(x);  // the context's error word, if any
+    if (auto st = device_status_of(x); !st) return st;  // the context's error word, if any
+    if (!h.routed_unchecked_) return {};
+    return common::routed_record_status(x, h.plan_.status_row(), s_.num_experts, s_.topk,
+                                        h.num_tokens());
   }
 
   //! Forward combine: y [M, H] -> out [N, H].
@@ -319,6 +332,35 @@ class all_gather_dispatcher
   }
 
  private:
+  // The dispatch of one rank taking every_pair_routed on trust: the group's tokens are this
+  // rank's (G = N: combine's and the backward's collectives over the group of one move them as
+  // they are), the plan's rows the experts' batch, its offsets left on the context.
+  //                                                     x [N, H], probs [N, k] -> [N k, .]
+  template <class Buffers>
+  expected<handle_type> dispatch_routed(Exec& x, const dispatch_input<T, space, Prob>& in,
+                                        const Buffers& b, handle_type& h) {
+    b.tokens[0] = in.num_tokens;
+    h.st_.gathered = in.num_tokens;
+    const plan_input<space> pa{.num_tokens = in.num_tokens,
+                               .topk = s_.topk,
+                               .num_experts = s_.num_experts,
+                               .expert = in.expert};
+    auto plan = enqueue_permute_plan(x, pa, b.plan);
+    if (!plan) return unexpected<error>(plan.error());
+    h.plan_ = *plan;
+    h.routed_unchecked_ = true;
+    h.offsets_ = h.plan_.offset_row();
+    const auto M = detail::uz(h.plan_.num_rows());
+    h.x_ = rows_of(b.batch_x.first(M * detail::uz(s_.hidden)), s_.hidden);
+    h.p_ = rows_of(b.batch_probs.first(M), 1);
+    if (auto st = x.template gather_rows<T>(in.x, h.plan_.row_slots(), s_.topk, h.x_); !st)
+      return unexpected<error>(st.error());
+    const const_prob_view probs_by_slot(in.probs.data(), in.num_tokens * s_.topk, 1);  // [N*k, 1]
+    if (auto st = x.template gather_rows<Prob>(probs_by_slot, h.plan_.row_slots(), 1, h.p_); !st)
+      return unexpected<error>(st.error());
+    return std::move(h);
+  }
+
   // The carved workspace. The spans of the saved and scratch parts are addresses in the
   // context's memory, reached only as views handed to the context's operations and the
   // collectives; the host part holds what the host reads.

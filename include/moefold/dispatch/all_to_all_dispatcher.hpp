@@ -314,7 +314,9 @@ class all_to_all_dispatcher
   [[nodiscard]] status device_status(Exec& x, const handle_type& h) const {
     if (auto st = h.check_issued_by(this); !st) return st;
     if (auto st = device_status_of(x); !st) return st;  // the context's error word, if any
-    if (h.routed_unchecked_) return routed_record_status(x, h);
+    if (h.routed_unchecked_)
+      return common::routed_record_status(x, h.plan_.status_row(), s_.num_experts, s_.topk,
+                                          h.num_tokens());
     if (!h.plan_unchecked_) return {};
     int fault[2] = {0, 0};
     const row_view<const int, space> words(h.plan_.status_row().data() + s_.num_experts, 1, 2);
@@ -429,28 +431,6 @@ class all_to_all_dispatcher
     if (auto st = x.template gather_rows<Prob>(probs_by_slot, h.plan_.row_slots(), 1, h.p_); !st)
       return unexpected<error>(st.error());
     return std::move(h);
-  }
-
-  // device_status() of a dispatch that took every_pair_routed on trust: the plan's status row to
-  // the host (one copy, a wait), its fault slot, then the routed pairs against N k.
-  status routed_record_status(Exec& x, const handle_type& h) const {
-    using detail::to_decimal;
-    const int E = s_.num_experts;
-    std::vector<int> row(detail::uz(E) + 2);
-    if (auto st = x.copy(h.plan_.status_row(), row_view<int>(row.data(), 1, E + 2)); !st) return st;
-    if (auto st = detail::pad_record_fault(row[detail::uz(E)], 2147483647, s_.topk, E, 0); !st)
-      return st;
-    // The counts [E] add up to at most N k (the plan kernels counted the record): an int sum.
-    const long long routed = dispatch::split_total(std::span<const int>(row).first(detail::uz(E)));
-    const long long pairs = static_cast<long long>(h.num_tokens()) * s_.topk;
-    if (routed != pairs)
-      return make_error(errc::invalid_argument,
-                        "dispatch: the input vouched that every pair is routed "
-                        "(every_pair_routed), but the record routes " +
-                            to_decimal(routed) + " of its N k = " + to_decimal(pairs) +
-                            " pairs (a slot holds -1); the pairs it names got their rows, the "
-                            "others none");
-    return {};
   }
 
   // The carved workspace. The spans of the saved and scratch parts are addresses in the

@@ -74,11 +74,11 @@ struct dispatch_input {
   //! check (All-to-All path) or by the dispatcher (AllGather path). Unset: rows as routed.
   std::optional<int> capacity{};
   //! The caller's word that every one of the N k slots names an expert (no -1: dropless routing
-  //! straight from the router). With EP = ETP = 1 on a context that runs kernels, the All-to-All
-  //! dispatcher then dispatches without bringing the counts to the host (no wait): the batch is
-  //! the N k rows, its rows per expert stay on the context (handle.batch_offsets()), and a slot
-  //! holding -1 or a bad id is a fault its device_status() reports (the record then gets no
-  //! rows). Elsewhere it changes nothing.
+  //! straight from the router). Dropless with EP = ETP = 1 on a context that runs kernels, either
+  //! dispatcher then dispatches without bringing anything to the host (no wait): the batch is the
+  //! N k rows, its rows per expert stay on the context (handle.batch_offsets()), and a record
+  //! that breaks the word is a fault its device_status() reports (a -1 gave its own pair no row;
+  //! a bad id or a repeat gave the record none). Elsewhere it changes nothing.
   bool every_pair_routed = false;
 };
 

@@ -18,6 +18,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "../core/expected.hpp"
 #include "../core/memory_space.hpp"
@@ -25,6 +26,7 @@
 #include "../core/size.hpp"
 #include "dispatch_args.hpp"
 #include "dispatch_handle.hpp"
+#include "splits.hpp"
 
 namespace moefold {
 inline namespace v0_1 {
@@ -97,6 +99,25 @@ struct packed_layout {
                           to_decimal(over_slot % k) + " of the routing record is beyond its " +
                           "expert's capacity " + to_decimal(capacity) +
                           " (drop before padding; no rows were planned for it)");
+  return {};
+}
+
+//! The error of a dispatch that took dispatch_input::every_pair_routed on trust, read from its
+//! plan's status row [E + 2] (host): the fault slot (a bad id or a repeat: no rows were planned
+//! for the record), then the routed pairs against N k (a slot holding -1: its pair got no row).
+[[nodiscard]] inline status routed_record_fault(std::span<const int> row, int experts, int topk,
+                                                long long num_tokens) {
+  if (auto st = pad_record_fault(row[uz(experts)], 2147483647, topk, experts, 0); !st) return st;
+  // The counts [E] add up to at most N k (the plan kernels counted the record): an int sum.
+  const long long routed = dispatch::split_total(row.first(uz(experts)));
+  const long long pairs = num_tokens * topk;
+  if (routed != pairs)
+    return make_error(errc::invalid_argument,
+                      "dispatch: the input vouched that every pair is routed "
+                      "(every_pair_routed), but the record routes " +
+                          to_decimal(routed) + " of its N k = " + to_decimal(pairs) +
+                          " pairs (a slot holds -1); the pairs it names got their rows, the "
+                          "others none");
   return {};
 }
 
@@ -209,6 +230,14 @@ class dispatcher_common {
   }
 
  protected:
+  //! device_status() of a dispatch that took every_pair_routed on trust: the plan's status row
+  //! [1, E + 2] to the host (one copy, a wait), then detail::routed_record_fault.
+  static status routed_record_status(Exec& x, row_view<const int, space> status_row, int experts,
+                                     int topk, int num_tokens) {
+    std::vector<int> row(detail::uz(experts) + 2);
+    if (auto st = x.copy(status_row, row_view<int>(row.data(), 1, experts + 2)); !st) return st;
+    return detail::routed_record_fault(row, experts, topk, num_tokens);
+  }
   //! [v.size() / width, width] in the dispatcher's memory space.
   template <class U>
   static row_view<U, typename Exec::memory_space> rows_of(std::span<U> v, int width) noexcept {

@@ -192,18 +192,11 @@ class simt_mlp {
       return make_error(errc::shape_mismatch,
                         "simt_mlp: x must be [M, H] = [" + detail::to_decimal(rows_) + ", " +
                             detail::to_decimal(s_.hidden) + "], M = sum(counts)");
-    if (b.probs.rows() != rows_ || b.probs.width() != 1 || !b.probs.contiguous())
-      return make_error(errc::shape_mismatch, "simt_mlp: probs must be contiguous [M, 1], M = " +
-                                                  detail::to_decimal(rows_));
-    if (auto st = check_rows(rows, width, what); !st) return st;
+    if (auto st = check_probs_and_rows(b, rows, width, what); !st) return st;
     if (rows_ == 0) return {};
     // The offsets to the device: the only host -> device traffic of a call.
     const int n = s_.num_local_experts + 1;
-    if (offsets_.view().data() == nullptr) {
-      auto o = exec_buffer<long long, Exec>::make(*x_, 1, n);
-      if (!o) return unexpected<error>(o.error());
-      offsets_ = std::move(*o);
-    }
+    if (auto st = ensure_offsets(n); !st) return st;
     if (auto st = x_->copy(row_view<const long long, host_space>(host_offsets_.data(), 1, n),
                            offsets_.view());
         !st)
@@ -222,20 +215,29 @@ class simt_mlp {
     if (rows_ < 0 || b.x.width() != s_.hidden)
       return make_error(errc::shape_mismatch,
                         "simt_mlp: x must be [M, H] with H = " + detail::to_decimal(s_.hidden));
-    if (b.probs.rows() != rows_ || b.probs.width() != 1 || !b.probs.contiguous())
-      return make_error(errc::shape_mismatch, "simt_mlp: probs must be contiguous [M, 1], M = " +
-                                                  detail::to_decimal(rows_));
-    if (auto st = check_rows(rows, width, what); !st) return st;
+    if (auto st = check_probs_and_rows(b, rows, width, what); !st) return st;
     if (rows_ == 0) return {};
-    if (offsets_.view().data() == nullptr) {
-      auto o = exec_buffer<long long, Exec>::make(*x_, 1, n);
-      if (!o) return unexpected<error>(o.error());
-      offsets_ = std::move(*o);
-    }
+    if (auto st = ensure_offsets(n); !st) return st;
     const kernels::widen_offsets_kernel k{
         .from = b.offsets.data(), .count = n, .to = offsets_.view().data()};
     if (auto st = run(k, launch_grid{.blocks = 1}); !st) return st;
     return size_scratch();
+  }
+  // probs [M, 1] contiguous and the call's [rows, width] operand [M, H]: both paths' rules.
+  status check_probs_and_rows(const device_expert_batch<T, P, space>& b, int rows, int width,
+                              const char* what) const {
+    if (b.probs.rows() != rows_ || b.probs.width() != 1 || !b.probs.contiguous())
+      return make_error(errc::shape_mismatch, "simt_mlp: probs must be contiguous [M, 1], M = " +
+                                                  detail::to_decimal(rows_));
+    return check_rows(rows, width, what);
+  }
+  // The widened offsets [1, L + 1], allocated once on first use.
+  status ensure_offsets(int n) {
+    if (offsets_.view().data() != nullptr) return {};
+    auto o = exec_buffer<long long, Exec>::make(*x_, 1, n);
+    if (!o) return unexpected<error>(o.error());
+    offsets_ = std::move(*o);
+    return {};
   }
   status size_scratch() {
     if (rows_ > capacity_) {  // one block of scratch: a [M, F1], da [M, F1], h [M, Fs], dh [M, Fs]

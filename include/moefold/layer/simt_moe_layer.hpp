@@ -119,6 +119,13 @@ struct simt_full_sequence {
 };
 //! simt_moe_layer's drop policies.
 using simt_drop_policy = std::variant<sub_sequence, simt_full_sequence>;
+//! The capacity rule of either policy (capacity factor, pad mode, what decides): full-sequence
+//! dropping's fields as sub_sequence holds them, the decision's scope aside.
+[[nodiscard]] inline sub_sequence capacity_rule(const simt_drop_policy& d) noexcept {
+  if (const auto* s = std::get_if<sub_sequence>(&d)) return *s;
+  const auto& f = std::get<simt_full_sequence>(d).policy;
+  return {.capacity_factor = f.capacity_factor, .pad_to_capacity = f.pad_to_capacity, .by = f.by};
+}
 
 //! The shared expert's parameters on a context (moe_layer_options::shared_expert gives its
 //! shape): this attention-TP rank's shard of the MLP, fc1 [F1 / TP, H] (a gated activation's gate
@@ -308,14 +315,9 @@ class simt_moe_layer {
     std::optional<sub_sequence> rule;
     int group = 0;
     if (drop) {
-      if (const auto* sub = std::get_if<sub_sequence>(&*drop)) {
-        rule = *sub;
-      } else {
-        const auto& full = std::get<simt_full_sequence>(*drop);
-        rule = sub_sequence{.capacity_factor = full.policy.capacity_factor,
-                            .pad_to_capacity = full.policy.pad_to_capacity,
-                            .by = full.policy.by};
-        group = full.group;
+      rule = capacity_rule(*drop);
+      if (const auto* full = std::get_if<simt_full_sequence>(&*drop)) {
+        group = full->group;
         if (group < 1)
           return refuse("full-sequence dropping's group (the ranks of tp_cp) must be >= 1",
                         errc::invalid_argument);
@@ -728,7 +730,7 @@ class simt_moe_layer {
           make(fault_, 1, 2), make(running_, 1, E)})
       if (!st) return st;
     // The drop decision's rows: this rank's tokens, or the tp-cp group's (full sequence).
-    const long long GN = static_cast<long long>(std::max(drop_group_, 1)) * N;
+    const long long GN = static_cast<long long>(drop_ranks()) * N;
     if (drop_)
       for (status st : {make(keep_, GN, K), make(lists_, GN, K), make(offsets_, 1, E + 1),
                         make(scan_scratch_, 1, scan_scratch(E)), make(routed_, 1, E),
@@ -940,9 +942,8 @@ class simt_moe_layer {
   // The largest pad-mode capacity (that of max_tokens), or none without pad mode.
   std::optional<int> max_pad_rows() const {
     if (!drop_ || !drop_->pad_to_capacity) return std::nullopt;
-    auto c = expert_capacity(
-        static_cast<long long>(std::max(drop_group_, 1)) * o_.max_tokens * o_.router.topk,
-        o_.router.num_experts, drop_->capacity_factor);
+    auto c = expert_capacity(static_cast<long long>(drop_ranks()) * o_.max_tokens * o_.router.topk,
+                             o_.router.num_experts, drop_->capacity_factor);
     return c ? std::optional<int>(*c) : std::nullopt;  // make() checked it
   }
   static long long scan_scratch(long long n) {
@@ -979,7 +980,7 @@ class simt_moe_layer {
                            row_view<const std::int64_t, space> keys) {
     const int E = o_.router.num_experts, K = o_.router.topk;
     const bool full = drop_group_ > 0;
-    const int M = std::max(drop_group_, 1) * n;  // make() bounded M k below 2^31
+    const int M = drop_ranks() * n;  // make() bounded M k below 2^31
     auto c = expert_capacity(static_cast<long long>(M) * K, E, drop_->capacity_factor);
     if (!c) return unexpected<error>(c.error());
     if (drop_->pad_to_capacity && *c > M)
@@ -1302,6 +1303,8 @@ class simt_moe_layer {
   std::optional<sub_sequence> drop_{};
   int drop_group_ = 0;
   std::optional<simt_drop_policy> policy_{};
+  // The ranks whose tokens one keep decision sees: the tp-cp group, or this rank alone.
+  int drop_ranks() const { return drop_group_ > 0 ? drop_group_ : 1; }
   buffer<int> lists_;          // [GN, k] pairs grouped by expert (G: the group, or 1)
   buffer<std::uint8_t> keep_;  // [GN, k] 1 kept, 0 dropped
   // Full-sequence dropping: the group's gathered record [GN, k] and keys [GN, 1], the true order
