@@ -37,6 +37,7 @@ struct trip {
   std::vector<P> batch_p, dprobs;
   std::vector<int> counts;
   std::vector<int> offsets;  // batch_offsets(), where the dispatch left the counts on the context
+  int hidden = 0, batch_stride = 0;               // H, and batch_rows()' stride
   copy_counts dispatch_copies{}, later_copies{};  // contexts that count their copies
 };
 
@@ -131,6 +132,8 @@ expected<trip<T, P>> round_trip(const problem& p, Comm& world, Exec& x, bool rou
   TRY_ASSIGN(bx, (download<T>(x, h->batch_rows())));
   TRY_ASSIGN(bp, (download<P>(x, h->batch_probs())));
   res.batch_x = *bx;
+  res.hidden = H;
+  res.batch_stride = static_cast<int>(h->batch_rows().stride());
   res.batch_p = *bp;
   res.counts.assign(h->batch_counts().begin(), h->batch_counts().end());
   if (!h->batch_offsets().empty()) {
@@ -188,6 +191,12 @@ bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
 template <class T, class P>
 void check_same_values(const trip<T, P>& a, const trip<T, P>& b) {
   CHECK(!a.batch_x.empty());
+  // The host's batch is one span (stride H); a context's batch rows start 16 bytes apart, H
+  // padded up (the row kernels' 16-byte path).
+  CHECK(a.batch_stride == a.hidden);
+  CHECK(b.batch_stride * sizeof(T) % 16 == 0);
+  CHECK(b.batch_stride >= b.hidden);
+  CHECK((b.batch_stride - b.hidden) * sizeof(T) < 16);
   CHECK(same_bits(a.batch_x, b.batch_x));
   CHECK(same_bits(a.batch_p, b.batch_p));
   CHECK(same_bits(a.out, b.out));

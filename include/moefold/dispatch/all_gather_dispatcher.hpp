@@ -134,7 +134,7 @@ class all_gather_dispatcher
                             (in.capacity ? to_decimal(cap) : std::string()) + ") = {" +
                             to_decimal(cs.required()) + ", " + to_decimal(cx.required()) + ", " +
                             to_decimal(ch.required()) + "}");
-    const auto H = detail::uz(s_.hidden), K = detail::uz(s_.topk);
+    const auto K = detail::uz(s_.topk);
     handle_type h;
     h.issue(this, ++serial_, b.stamp.data(), s_.hidden, in.num_tokens);
     h.st_.rows_a = b.rows_a;
@@ -246,7 +246,7 @@ class all_gather_dispatcher
     if (auto st = resolve_permute_plan(x, pa, h.plan_, b.local_status); !st)
       return unexpected<error>(st.error());
     const auto M = detail::uz(h.plan_.num_rows());
-    h.x_ = rows_of(b.batch_x.first(M * H), s_.hidden);
+    h.x_ = common::batch_rows_of(b.batch_x, static_cast<int>(M), s_.hidden);
     h.p_ = rows_of(b.batch_probs.first(M), 1);
     // The experts' batch out of the packed rows: the token rows by slot, and the probabilities,
     // copied out of their columns to be indexed by slot.
@@ -351,7 +351,7 @@ class all_gather_dispatcher
     h.routed_unchecked_ = true;
     h.offsets_ = h.plan_.offset_row();
     const auto M = detail::uz(h.plan_.num_rows());
-    h.x_ = rows_of(b.batch_x.first(M * detail::uz(s_.hidden)), s_.hidden);
+    h.x_ = common::batch_rows_of(b.batch_x, static_cast<int>(M), s_.hidden);
     h.p_ = rows_of(b.batch_probs.first(M), 1);
     if (auto st = x.template gather_rows<T>(in.x, h.plan_.row_slots(), s_.topk, h.x_); !st)
       return unexpected<error>(st.error());
@@ -452,7 +452,7 @@ class all_gather_dispatcher
 
   // Saved (kept by the handle until the backward): the plan, the batch.
   void carve_saved(workspace_carver& c, int capacity, buffers& b) const {
-    const auto P = detail::uz(s_.ep) * detail::uz(s_.etp), H = detail::uz(s_.hidden);
+    const auto P = detail::uz(s_.ep) * detail::uz(s_.etp);
     const auto G = detail::uz(s_.max_tokens) * P, L = detail::uz(s_.num_experts / s_.ep);
     const auto M = detail::uz(recv_rows(capacity));
     const permute_args pa{.num_tokens = static_cast<int>(G),
@@ -461,7 +461,7 @@ class all_gather_dispatcher
                           .capacity = capacity >= 0 ? std::optional<int>(capacity) : std::nullopt,
                           .num_sources = capacity >= 0 ? static_cast<int>(P) : 1};
     b.plan = c.take<std::byte>(permute_plan::workspace_bytes(pa));
-    b.batch_x = c.take<T>(M * H);
+    b.batch_x = c.take<T>(M * detail::uz(common::batch_stride(s_.hidden)));
     b.batch_probs = c.take<Prob>(M);
   }
   // Host (kept with the handle): the gathered header, the token counts, the rows per expert.

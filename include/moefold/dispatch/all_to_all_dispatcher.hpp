@@ -150,7 +150,6 @@ class all_to_all_dispatcher
                             (in.capacity ? to_decimal(cap) : std::string()) + ") = {" +
                             to_decimal(cs.required()) + ", " + to_decimal(cx.required()) + ", " +
                             to_decimal(ch.required()) + "}");
-    const auto H = detail::uz(s_.hidden);
     handle_type h;
     h.issue(this, ++serial_, b.stamp.data(), s_.hidden, in.num_tokens);
     h.st_.rows_a = b.rows_a;
@@ -294,7 +293,7 @@ class all_to_all_dispatcher
     }
     // 6. Chunk sort (t, j, l) -> (l, t, j): rows grouped by local expert, out of the packed rows
     //    into the experts' batch.                    -> x [m_all, H], probs [m_all]
-    h.x_ = rows_of(b.batch_x.first(detail::uz(m_all) * H), s_.hidden);
+    h.x_ = common::batch_rows_of(b.batch_x, m_all, s_.hidden);
     h.p_ = rows_of(b.batch_probs.first(detail::uz(m_all)), 1);
     const std::span<const T> xgc = xg;
     if (auto st = sort_chunks<T>(x, h, columns_of(xgc, W, 0, s_.hidden), h.x_); !st)
@@ -419,7 +418,7 @@ class all_to_all_dispatcher
                                         std::span<T> batch_x, std::span<Prob> batch_probs,
                                         handle_type& h) {
     const int M = h.plan_.num_rows();
-    h.x_ = rows_of(batch_x.first(detail::uz(M) * detail::uz(s_.hidden)), s_.hidden);
+    h.x_ = common::batch_rows_of(batch_x, M, s_.hidden);
     h.p_ = rows_of(batch_probs.first(detail::uz(M)), 1);
     if (h.routed_unchecked_)
       h.offsets_ = h.plan_.offset_row();
@@ -566,8 +565,7 @@ class all_to_all_dispatcher
   // One layout per part, used both to size and to carve (never two functions that can drift).
   // Saved (kept by the handle until the backward): the plan, the splits, the experts' batch.
   void carve_saved(workspace_carver& c, int capacity, buffers& b) const {
-    const auto EP = detail::uz(s_.ep), ETP = detail::uz(s_.etp), L = detail::uz(local_experts()),
-               H = detail::uz(s_.hidden);
+    const auto EP = detail::uz(s_.ep), ETP = detail::uz(s_.etp), L = detail::uz(local_experts());
     const auto R = detail::uz(recv_rows(capacity));  // rows the experts receive at most
     const permute_args pa{.num_tokens = s_.max_tokens,
                           .topk = s_.topk,
@@ -575,7 +573,7 @@ class all_to_all_dispatcher
                           .capacity = capacity >= 0 ? std::optional<int>(capacity) : std::nullopt};
     b.plan = c.take<std::byte>(permute_plan::workspace_bytes(pa));
     b.chunk_meta = c.take<int>(3 * ETP * EP * L);
-    b.batch_x = c.take<T>(R * H);
+    b.batch_x = c.take<T>(R * detail::uz(common::batch_stride(s_.hidden)));
     b.batch_probs = c.take<Prob>(R);
   }
   // Host (kept with the handle): the gathered counts, splits, chunk order and chunk table.

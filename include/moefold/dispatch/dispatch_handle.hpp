@@ -67,7 +67,9 @@ class dispatch_handle {
         .probs = {p_.data(), detail::uz(p_.rows())}};
     return b;
   }
-  //! The batch's rows [M, H] and probabilities [M, 1], in the context's memory space.
+  //! The batch's rows [M, H] and probabilities [M, 1], in the context's memory space. In a
+  //! context's device memory the rows start 16 bytes apart (stride: H padded up); in host memory
+  //! they are contiguous (batch()).
   [[nodiscard]] row_view<const value_type, space> batch_rows() const noexcept { return x_; }
   [[nodiscard]] row_view<const prob_type, space> batch_probs() const noexcept { return p_; }
   //! Rows per local expert [L] (host memory; rows of local expert l follow those of l - 1).

@@ -230,6 +230,17 @@ class dispatcher_common {
   }
 
  protected:
+  //! Elements from one row of the experts' batch to the next: H padded to 16 bytes in a
+  //! context's memory (the row kernels' 16-byte path; experts there take strided rows), H where
+  //! the host reads the batch as one span (expert_batch).
+  static constexpr int batch_stride(int hidden) noexcept {
+    if (host_accessible_v<space>) return hidden;
+    return static_cast<int>(detail::packed_width<T>(hidden));
+  }
+  //! The first m rows of a batch buffer (m x batch_stride(H) elements) as [m, H].
+  static row_view<T, space> batch_rows_of(std::span<T> buf, int m, int hidden) noexcept {
+    return row_view<T, space>(buf.data(), m, hidden, batch_stride(hidden));
+  }
   //! device_status() of a dispatch that took every_pair_routed on trust: the plan's status row
   //! [1, E + 2] to the host (one copy, a wait), then detail::routed_record_fault.
   static status routed_record_status(Exec& x, row_view<const int, space> status_row, int experts,
