@@ -353,10 +353,7 @@ class all_gather_dispatcher
     const auto M = detail::uz(h.plan_.num_rows());
     h.x_ = common::batch_rows_of(b.batch_x, static_cast<int>(M), s_.hidden);
     h.p_ = rows_of(b.batch_probs.first(M), 1);
-    if (auto st = x.template gather_rows<T>(in.x, h.plan_.row_slots(), s_.topk, h.x_); !st)
-      return unexpected<error>(st.error());
-    const const_prob_view probs_by_slot(in.probs.data(), in.num_tokens * s_.topk, 1);  // [N*k, 1]
-    if (auto st = x.template gather_rows<Prob>(probs_by_slot, h.plan_.row_slots(), 1, h.p_); !st)
+    if (auto st = common::permute_by_slot(x, in, h.plan_.row_slots(), s_.topk, h.x_, h.p_); !st)
       return unexpected<error>(st.error());
     return std::move(h);
   }

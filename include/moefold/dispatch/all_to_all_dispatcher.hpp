@@ -267,13 +267,8 @@ class all_to_all_dispatcher
     //    Hp, zeros in between and after.            x [N,H], probs [N,k] -> xp [m_send, W]
     const int W = packed_width(), Hp = probs_first();
     auto xp = b.rows_c.first(detail::uz(m_send) * detail::uz(W));
-    if (auto st = x.template gather_rows<T>(in.x, h.plan_.row_slots(), s_.topk,
-                                            columns_of(xp, W, 0, s_.hidden));
-        !st)
-      return unexpected<error>(st.error());
-    const const_prob_view probs_by_slot(in.probs.data(), in.num_tokens * s_.topk, 1);  // [N*k, 1]
-    if (auto st = x.template gather_rows<Prob>(probs_by_slot, h.plan_.row_slots(), 1,
-                                               probs_of(xp, W, Hp, 1));
+    if (auto st = common::permute_by_slot(x, in, h.plan_.row_slots(), s_.topk,
+                                          columns_of(xp, W, 0, s_.hidden), probs_of(xp, W, Hp, 1));
         !st)
       return unexpected<error>(st.error());
     if (auto st = zero_gaps(x, xp); !st) return unexpected<error>(st.error());
@@ -424,10 +419,7 @@ class all_to_all_dispatcher
       h.offsets_ = h.plan_.offset_row();
     else
       h.per_expert_ = h.st_.per_expert;
-    if (auto st = x.template gather_rows<T>(in.x, h.plan_.row_slots(), s_.topk, h.x_); !st)
-      return unexpected<error>(st.error());
-    const const_prob_view probs_by_slot(in.probs.data(), in.num_tokens * s_.topk, 1);  // [N*k, 1]
-    if (auto st = x.template gather_rows<Prob>(probs_by_slot, h.plan_.row_slots(), 1, h.p_); !st)
+    if (auto st = common::permute_by_slot(x, in, h.plan_.row_slots(), s_.topk, h.x_, h.p_); !st)
       return unexpected<error>(st.error());
     return std::move(h);
   }

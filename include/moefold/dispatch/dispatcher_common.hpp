@@ -241,6 +241,15 @@ class dispatcher_common {
   static row_view<T, space> batch_rows_of(std::span<T> buf, int m, int hidden) noexcept {
     return row_view<T, space>(buf.data(), m, hidden, batch_stride(hidden));
   }
+  //! The forward permutation: each plan row r takes the token row and the probability of slot
+  //! row_slots[r].                    x [N, H], probs [N, k] -> rows [M, H], probs_out [M, 1]
+  static status permute_by_slot(Exec& x, const dispatch_input<T, space, P>& in,
+                                row_view<const int, space> row_slots, int topk,
+                                row_view<T, space> rows, row_view<P, space> probs_out) {
+    if (auto st = x.template gather_rows<T>(in.x, row_slots, topk, rows); !st) return st;
+    const row_view<const P, space> by_slot(in.probs.data(), in.num_tokens * topk, 1);  // [N*k, 1]
+    return x.template gather_rows<P>(by_slot, row_slots, 1, probs_out);
+  }
   //! device_status() of a dispatch that took every_pair_routed on trust: the plan's status row
   //! [1, E + 2] to the host (one copy, a wait), then detail::routed_record_fault.
   static status routed_record_status(Exec& x, row_view<const int, space> status_row, int experts,
