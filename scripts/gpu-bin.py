@@ -56,6 +56,9 @@ for name, p in progs:
         sys.exit(f"gpu-bin.py: {name} needs {lib}: GPU programs must link the CUDA runtime "
                  "statically (cudart_static), to start on a machine with another libcudart")
     shutil.copy2(p, out / p.name)
+    # The host debug information is most of a program's size, and the device tool carries at most
+    # 64 MiB; symbols stay (for backtraces), the device code is untouched.
+    subprocess.run(["strip", "--strip-debug", str(out / p.name)], check=True)
     lines.append(f"{name}\t{p.name}")
 (out / "manifest.txt").write_text("\n".join(lines) + "\n")
 print(f"gpu-bin.py: {len(lines)} programs in {out}")

@@ -30,9 +30,11 @@ def check(cond, what):
         print("FAIL:", what)
 
 
-def run(tmp, bin_dir, fake_gpu):
+def run(tmp, bin_dir, fake_gpu, budget=None):
     out = tmp / "out"
     env = dict(os.environ, OUT=str(out), MOEFOLD_GPU_CHECK_FAKE_GPU="1" if fake_gpu else "0")
+    if budget is not None:
+        env["MOEFOLD_GPU_CHECK_BUDGET"] = str(budget)
     r = subprocess.run(["bash", str(root / "scripts" / "gpu-check.sh"), "--dry-run", "--bin-dir",
                         str(bin_dir)], capture_output=True, text=True, env=env, timeout=600)
     names = sorted(p.name for p in out.iterdir())
@@ -71,6 +73,18 @@ with tempfile.TemporaryDirectory() as d:
                fake_gpu=True)
     check(r.returncode == 0, f"a passing program passes the run ({r.stdout[-500:]})")
     check(s["tests"] == {"passed": 3, "failed": 0, "skipped": 0}, f"counts {s['tests']}")
+
+with tempfile.TemporaryDirectory() as d:
+    # A program that outlasts the check's budget is stopped in time to write the summary: the
+    # budget of 28 s leaves the step 8 s (20 s are kept for the summary).
+    tmp = pathlib.Path(d)
+    r, s = run(tmp, fake_bin(tmp, '[ "$1" = --help ] && exit 0\nsleep 60\n'), fake_gpu=True, budget=28)
+    check(r.returncode != 0, "a program over the budget fails the run")
+    smoke = [x for x in s["steps"] if x["name"] == "smoke"]
+    check(len(smoke) == 1 and smoke[0]["status"] == "timeout" and smoke[0]["seconds"] <= 12,
+          f"the smoke step is cut to the budget: {smoke}")
+    check(any("timed out" in x for x in s["reasons"]) or any("smoke" in x for x in s["reasons"]),
+          f"the reason names it: {s['reasons']}")
 
 if build:
     with tempfile.TemporaryDirectory() as d:
