@@ -10,18 +10,31 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 using namespace moefold;
 
 int main(int argc, char** argv) {
+  if (argc > 1 && std::strcmp(argv[1], "--help") == 0) {
+    std::printf("usage: bench-comm-a2av-loopback [ranks=8] [max bytes per rank=256 MiB]\n");
+    return 0;
+  }
+  // Bad arguments are refused before any GPU work (a rank count of 0 divided by zero once).
+  const int n = argc > 1 ? std::atoi(argv[1]) : 8;
+  const long long max_bytes = argc > 2 ? std::atoll(argv[2]) : (256ll << 20);
+  if (n < 1 || n > 64 || max_bytes < 8) {
+    std::fprintf(stderr,
+                 "bench-comm-a2av-loopback: ranks must be 1..64 and max bytes >= 8 "
+                 "(got %s, %s)\n",
+                 argc > 1 ? argv[1] : "8", argc > 2 ? argv[2] : "default");
+    return 2;
+  }
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     std::printf("no CUDA device\n");
     return 77;
   }
-  const int n = argc > 1 ? std::atoi(argv[1]) : 8;
-  const long long max_bytes = argc > 2 ? std::atoll(argv[2]) : (256ll << 20);
   std::printf("# moefold all_to_all_v, device loopback, %d ranks on one GPU, float32\n", n);
   std::printf("# %12s %12s %10s %10s %10s %10s %10s\n", "size(B)", "count", "time(us)", "algbw",
               "busbw", "memcpy(us)", "ratio");

@@ -74,13 +74,17 @@ int main(int argc, char** argv) {
     std::printf("usage: bench-kernels [tokens=16384] [hidden=4096]\n");
     return 0;
   }
+  const int tokens = argc > 1 ? std::atoi(argv[1]) : 16384;
+  const int hidden = argc > 2 ? std::atoi(argv[2]) : 4096;
+  if (tokens < 1 || hidden < 1) {
+    std::fprintf(stderr, "bench-kernels: tokens and hidden must be positive integers\n");
+    return 2;
+  }
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     std::printf("no CUDA device\n");
     return 77;
   }
-  const int tokens = argc > 1 ? std::atoi(argv[1]) : 16384;
-  const int hidden = argc > 2 ? std::atoi(argv[2]) : 4096;
   const int topk = 8;
   const long long rows = static_cast<long long>(tokens) * topk;
   std::mt19937 rng(1);

@@ -8,8 +8,9 @@
 //! On the GPU the device intrinsics are named (`__fmaf_rn`, `__fdiv_rn`, ...) so that neither
 //! -use_fast_math nor nvcc's default contraction of `a*b+c` can change a result; on the host
 //! the code assumes no contraction either (g++/clang++ in ISO mode, `-std=c++20`, contract only
-//! explicit fma). Accuracy, checked against float64 by tests/kernels/simt/math_test.cpp: exp and
-//! log within 2 ulp, sqrt correctly rounded.
+//! explicit fma). A NaN result is the canonical 0x7fffffff on both sides (`gpu_nan`). Accuracy,
+//! checked against float64 by tests/kernels/simt/math_test.cpp: exp and log within 2 ulp, sqrt
+//! correctly rounded.
 #pragma once
 
 #include <cstdint>
@@ -43,12 +44,25 @@ namespace moefold::kernels::simt {
 #endif
 }
 
+#if !defined(__CUDA_ARCH__)
+//! A NaN result as the GPU writes it: the canonical quiet NaN 0x7fffffff, whatever the inputs'
+//! payloads (PTX's f32 arithmetic does not propagate them; x86 keeps an input's payload and makes
+//! 0xffc00000 of an invalid operation). Seen on an H200: before this, sqrt of a negative and fma
+//! of a NaN gave other bits on the CPU executor than on the GPU, and nothing else differed.
+[[nodiscard]] inline float gpu_nan(float r) noexcept {
+  if (r == r) return r;
+  const std::uint32_t u = 0x7fffffffu;
+  std::memcpy(&r, &u, 4);
+  return r;
+}
+#endif
+
 //! a * b + c rounded once.
 [[nodiscard]] MOEFOLD_HOST_DEVICE inline float fma(float a, float b, float c) noexcept {
 #if defined(__CUDA_ARCH__)
   return __fmaf_rn(a, b, c);
 #else
-  return std::fma(a, b, c);
+  return gpu_nan(std::fma(a, b, c));
 #endif
 }
 //! a * b rounded once, never fused into a neighbouring add.
@@ -56,7 +70,7 @@ namespace moefold::kernels::simt {
 #if defined(__CUDA_ARCH__)
   return __fmul_rn(a, b);
 #else
-  return a * b;
+  return gpu_nan(a * b);
 #endif
 }
 //! a + b rounded once, never fused with a product.
@@ -64,7 +78,7 @@ namespace moefold::kernels::simt {
 #if defined(__CUDA_ARCH__)
   return __fadd_rn(a, b);
 #else
-  return a + b;
+  return gpu_nan(a + b);
 #endif
 }
 //! The same for double (accumulators of double data).
@@ -116,7 +130,7 @@ requires std::is_integral_v<T>
 #if defined(__CUDA_ARCH__)
   return __fdiv_rn(a, b);
 #else
-  return a / b;
+  return gpu_nan(a / b);
 #endif
 }
 //! sqrt(x) correctly rounded (also under -use_fast_math).
@@ -124,7 +138,7 @@ requires std::is_integral_v<T>
 #if defined(__CUDA_ARCH__)
   return __fsqrt_rn(x);
 #else
-  return std::sqrt(x);
+  return gpu_nan(std::sqrt(x));
 #endif
 }
 //! x rounded to the nearest integer, ties to even (the default rounding mode on both sides).

@@ -117,3 +117,20 @@ TEST_CASE("simt::fma rounds once; mul and add do not fuse") {
   CHECK(simt::rint(2.5f) == 2.0f);
   CHECK(simt::rint(3.5f) == 4.0f);
 }
+
+TEST_CASE("simt arithmetic makes the GPU's canonical NaN (0x7fffffff) of every NaN result") {
+  // What an H200 wrote for these (simt-gpu, 2026-12-04): payloads and the sign of x86's default
+  // NaN are not kept, so the CPU executor must not keep them either.
+  const float inf = std::numeric_limits<float>::infinity();
+  const float payload = from_bits(0xffc01234u);  // a negative NaN with a payload
+  const float results[] = {
+      simt::sqrt(-1.0f),          simt::sqrt(payload),         simt::fma(payload, 2.0f, 1.0f),
+      simt::fma(inf, 0.0f, 1.0f), simt::fma(-inf, -inf, -inf), simt::mul(0.0f, inf),
+      simt::mul(payload, 1.0f),   simt::add(inf, -inf),        simt::add(1.0f, payload),
+      simt::div(0.0f, 0.0f),      simt::div(payload, 2.0f)};
+  for (float r : results) CHECK(to_bits(r) == 0x7fffffffu);
+  // Numbers stay numbers (the canonicalisation touches NaN only).
+  CHECK(to_bits(simt::sqrt(-0.0f)) == 0x80000000u);
+  CHECK(simt::fma(inf, 1.0f, 1.0f) == inf);
+  CHECK(simt::div(1.0f, 0.0f) == inf);
+}
