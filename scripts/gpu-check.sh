@@ -192,9 +192,10 @@ if [ "${ran[*]:-}" != stop ] && [ -f "$manifest" ]; then
     rc=$?
     [ $rc = 0 ] || [ $rc = 77 ] || fail "router_peer.py failed (rc $rc)"
   fi
-  # Sanitizers on the kernel tests of simt-gpu (the dispatcher and layer cases run 8 ranks of
-  # threads with CPU references, too slow under a sanitizer for a short window): each tool once; "not supported" means this runtime
-  # cannot run compute-sanitizer (seen on gVisor), which is reported, not counted as a pass.
+  # Sanitizers on simt-gpu, every case (the dispatchers and the layer too: 4-13 s per tool on an
+  # H200, 2026-12-04); MOEFOLD_GPU_CHECK_SANITIZE_CASES narrows it (a doctest -tc filter). Each
+  # tool once; "not supported" means this runtime cannot run compute-sanitizer (seen on gVisor),
+  # which is reported, not counted as a pass.
   sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   prog=$(grep "^simt-gpu	" "$manifest" | cut -f2)
   sanitizers_json=""
@@ -203,7 +204,7 @@ if [ "${ran[*]:-}" != stop ] && [ -f "$manifest" ]; then
       status=not_run
     else
       step "sanitizer-$tool" 120 "$sanitizer" --tool "$tool" --error-exitcode 3 "$bin_dir/$prog" \
-        -tc='*[kernel]*'
+        -tc="${MOEFOLD_GPU_CHECK_SANITIZE_CASES:-*}"
       rc=$?
       # --error-exitcode 3: 3 is the tool's finding; any other failure is the program's own
       # (its checks failed, or it timed out), and the tool is clean only if it summed up.
@@ -250,7 +251,13 @@ PY
 )
 [ "$failed" -gt 0 ] && fail "$failed test case(s) failed"
 
-commit=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+# The tree that ran: the device tool sends a working tree over the git metadata of the session's
+# start, so HEAD alone can name an older commit; the caller may name the tree's commit, and a tree
+# that differs from HEAD is marked.
+commit=${MOEFOLD_GPU_CHECK_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+if [ -z "${MOEFOLD_GPU_CHECK_COMMIT:-}" ] && ! git diff --quiet HEAD -- 2>/dev/null; then
+  commit+=" with uncommitted changes"
+fi
 python3 - "$out/summary.json" "$steps" "$result" "$dry_run" "$gpu_present" "$commit" \
   "${gpu_name:-}" "${driver:-}" "$passed" "$failed" "$skipped" "{${sanitizers_json:-}}" \
   "${reasons[@]+"${reasons[@]}"}" <<'PY'

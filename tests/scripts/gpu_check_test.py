@@ -86,6 +86,28 @@ with tempfile.TemporaryDirectory() as d:
     check(any("timed out" in x for x in s["reasons"]) or any("smoke" in x for x in s["reasons"]),
           f"the reason names it: {s['reasons']}")
 
+with tempfile.TemporaryDirectory() as d:
+    # A program that cannot start only for want of an MPI library (a machine without MPI; the
+    # library is named so that no installed MPI provides it) is
+    # recorded as unavailable, not rebuilt and not counted; the run still passes.
+    tmp = pathlib.Path(d)
+    b = fake_bin(tmp, 'echo "[doctest] test cases: 2 | 2 passed | 0 failed | 0 skipped"\n')
+    (tmp / "mpi.c").write_text("int MPI_Init(int* c, char*** v) { return 0; }\n")
+    (tmp / "main.c").write_text("int MPI_Init(int*, char***);\n"
+                                "int main(int c, char** v) { return MPI_Init(&c, &v); }\n")
+    lib = "libmpi_moefold_absent.so.1"
+    cc = subprocess.run(f"cc -shared -fPIC -o {lib} mpi.c && cc main.c -o {b}/test-mpi -L. "
+                        f"-l:{lib} && rm {lib}", shell=True, cwd=tmp, capture_output=True,
+                        text=True)
+    check(cc.returncode == 0, f"the program without its MPI library is built: {cc.stderr}")
+    with open(b / "manifest.txt", "a") as m:
+        m.write("comm-gpu-nccl-mpi\ttest-mpi\n")
+    r, s = run(tmp, b, fake_gpu=True)
+    st = {x["name"]: x["status"] for x in s["steps"]}
+    check(r.returncode == 0 and s["result"] == "pass", f"the run passes: {s['reasons']}")
+    check(st.get("test-comm-gpu-nccl-mpi") == "unavailable", f"recorded as unavailable: {st}")
+    check(s["tests"] == {"passed": 2, "failed": 0, "skipped": 0}, f"not counted: {s['tests']}")
+
 if build:
     with tempfile.TemporaryDirectory() as d:
         tmp = pathlib.Path(d)
