@@ -192,6 +192,14 @@ if [ "${ran[*]:-}" != stop ] && [ -f "$manifest" ]; then
     rc=$?
     [ $rc = 0 ] || [ $rc = 77 ] || fail "router_peer.py failed (rc $rc)"
   fi
+  # The planner's calibration rates (dense GEMM and attention, queued and single-call; PyTorch):
+  # the file lands in logs.tar.gz as calibration.json (docs/planner.md, "Calibration").
+  if [ $gpu_present = 1 ] && [ $dry_run = 0 ]; then
+    step bench-plan-rates 120 python3 benchmarks/plan/gemm_attention_rates.py \
+      "$logs/calibration.json" --commit "${MOEFOLD_GPU_CHECK_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"
+    rc=$?
+    [ $rc = 0 ] || [ $rc = 77 ] || fail "gemm_attention_rates.py failed (rc $rc)"
+  fi
   # Sanitizers on simt-gpu, every case (the dispatchers and the layer too: 4-13 s per tool on an
   # H200, 2026-12-04); MOEFOLD_GPU_CHECK_SANITIZE_CASES narrows it (a doctest -tc filter). Each
   # tool once; "not supported" means this runtime cannot run compute-sanitizer (seen on gVisor),

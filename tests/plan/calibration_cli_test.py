@@ -52,6 +52,20 @@ check("the text says what was measured and what stayed built in",
       "(3 sequence lengths)" in r.stdout and
       "built-in: memory-bound bandwidth, all-to-all intra-node" in r.stdout, r.stdout[:600])
 
+# The probe's real output, as an H200 wrote it (2026-12-04), read as it is.
+r = run(*fixed, "--calibration", docs / "calibration" / "h200-2026-12-04-probe.json")
+check("the probe's H200 output in docs/calibration is read as it is",
+      r.returncode == 0 and "measured: dense GEMM (52 shapes), expert GEMM (from the dense GEMM "
+      "table), attention (5 sequence lengths)" in r.stdout, r.stderr + r.stdout[:600])
+r = run(*fixed, "--calibration", docs / "calibration" / "h200-2026-12-04-queued.json")
+check("benchmarks/plan/gemm_attention_rates.py's H200 output is read as it is",
+      r.returncode == 0 and "measured: dense GEMM (52 shapes), expert GEMM (from the dense GEMM "
+      "table), attention (5 sequence lengths)" in r.stdout, r.stderr + r.stdout[:600])
+r = run(*fixed, "--calibration", docs / "calibration" / "h200-2026-12-04.json")
+check("the combined H200 file of 2026-12-04 is read",
+      r.returncode == 0 and "measured: dense GEMM (52 shapes), expert GEMM (8 shapes), attention "
+      "(5 sequence lengths), memory-bound bandwidth" in r.stdout, r.stderr + r.stdout[:600])
+
 h200 = docs / "calibration" / "h200-2026-11-30.json"
 r = run("--model", "mixtral-8x22b", "--cluster", "h100-sxm", "--gpus", 128, "--top", 3,
         "--format", "json", "--calibration", h200)
@@ -130,7 +144,8 @@ for name, (text, words) in bad.items():
         check(f"the schema rejects it too: {name}",
               not validator.is_valid(json.loads(text)))
 if validator is not None:
-    for f in (probe_file, h200, slow, sweep):
+    for f in (probe_file, h200, slow, sweep,
+              *sorted((docs / "calibration").glob("h200-2026-12-04*.json"))):
         errs = [e.message for e in validator.iter_errors(json.loads(f.read_text()))]
         check(f"the schema accepts {f.name}", not errs, errs[:2])
 

@@ -57,8 +57,10 @@ struct efficiency {
   double gemm_half = 40.0;
   double gemm_call_s = 8e-6;
   // Causal flash attention, fwd+bwd average, as a fraction of peak at long sequences, with
-  // s(S) = S / (S + attn_half). From published FlashAttention-3 / cuDNN rates on H100 (not
-  // measured here: shared/bench/calibration_probe.py has not been run yet).
+  // s(S) = S / (S + attn_half). From published FlashAttention-3 / cuDNN rates on H100, what
+  // Megatron-Core runs through Transformer Engine. PyTorch's SDPA measured 0.41-0.56 at 2K-32K
+  // on an H200 (calibration_probe.py, docs/calibration/h200-2026-12-04.json); a calibration
+  // file applies that, the built-in curve stays (docs/planner.md, "Calibration").
   double attn_max = 0.50;
   double attn_half = 512.0;
   // Memory-bound kernels (norms, activations, permutes, optimizer): fraction of HBM bandwidth.
