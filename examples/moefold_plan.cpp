@@ -145,7 +145,25 @@ struct calibration_use {
   std::string file;
   const mp::calibration* cal = nullptr;
   std::vector<std::string> ignored;  //!< tables the chosen training stack does not use
+  std::string caution;               //!< why the rates may not carry over (empty: no reason)
 };
+
+// Measured compute rates carry over as fractions of the measured GPU's peak: sound between GPUs
+// of one tensor-core generation (an H200's on an H100: the same tensor cores and clocks), a
+// guess across generations (an H200's fractions on a GB200, whose peak is 2.5x). A file without
+// a `gpu` section is taken as measured on the planned GPU, so nothing can be said of it (an
+// H200's TFLOP/s read as a GB200's priced the GB200 validation points 37-50% too slow;
+// docs/planner.md).
+std::string calibration_caution(const mp::calibration& cal, const mp::cluster_config& c) {
+  if (!(cal.measured_peak_flops > 0)) return {};
+  const double ratio = cal.measured_peak_flops / c.peak_bf16_flops;
+  if (ratio > 0.9 && ratio < 1.0 / 0.9) return {};
+  return "measured on a GPU of " + num(cal.measured_peak_flops / 1e12, 0) +
+         " TFLOP/s bf16 peak, planned on " + c.name + " at " + num(c.peak_bf16_flops / 1e12, 0) +
+         " TFLOP/s" +
+         ": its compute rates carry over as fractions of peak, which holds within one tensor-core "
+         "generation only; measure on the planned GPU";
+}
 
 std::string join(const std::vector<std::string>& v) {
   std::string s;
@@ -190,6 +208,7 @@ void print_header(std::ostream& out, const mp::model_config& m, const mp::cluste
     out << "  calibration " << u.file << (u.cal->source.empty() ? "" : " (" + u.cal->source + ")")
         << "\n    measured: " << join(u.cal->measured_sections())
         << "\n    built-in: " << join(u.cal->builtin_sections()) << "\n"
+        << (u.caution.empty() ? "" : "    caution: " + u.caution + "\n")
         << (u.ignored.empty() ? ""
                               : "    ignored: " + join(u.ignored) +
                                     " (DeepEP and HybridEP keep their own rates: their traffic is "
@@ -204,7 +223,8 @@ std::string calibration_json(const calibration_use& u) {
     return o;
   };
   return s + list(u.cal->measured_sections()) + "], \"builtin\": [" +
-         list(u.cal->builtin_sections()) + "], \"ignored\": [" + list(u.ignored) + "]}";
+         list(u.cal->builtin_sections()) + "], \"ignored\": [" + list(u.ignored) +
+         "], \"caution\": \"" + json_escape(u.caution) + "\"}";
 }
 
 void print_one_text(const mp::model_config& m, const mp::cluster_config& c,
@@ -354,7 +374,7 @@ int main(int argc, char** argv) {
           read_file(o.calibration, "calibration"), cluster.gpus_per_node);
       if (!c) throw usage_error{"calibration file '" + o.calibration + "': " + c.error().message};
       cal = std::move(*c);
-      use = {.file = o.calibration, .cal = &cal, .ignored = {}};
+      use = {.file = o.calibration, .cal = &cal, .ignored = {}, .caution = {}};
       eff.measured = &cal;
     }
   } catch (const usage_error& e) {
@@ -378,6 +398,7 @@ int main(int argc, char** argv) {
   cluster.gpus = o.gpus;
   if (auto ok = mp::validate(model); !ok) return moefold::examples::fail(ok.error().message);
   if (auto ok = mp::validate(cluster); !ok) return moefold::examples::fail(ok.error().message);
+  if (use.cal != nullptr) use.caution = calibration_caution(cal, cluster);
   const auto& f = o.fixed;
   if (f.tp && f.cp && f.ep && f.etp && f.pp && f.vpp && f.mbs) {
     auto r = mp::evaluate(model, cluster,

@@ -74,6 +74,27 @@ check("the H200 file in docs/calibration: a search, JSON with the calibration na
       doc.get("calibration", {}).get("measured") == [
           "dense GEMM (9 shapes)", "expert GEMM (8 shapes)", "memory-bound bandwidth"] and
       len(doc.get("ranked", [])) == 3, (r.returncode, r.stderr, r.stdout[:300]))
+# Rates of an H200 on an H100 cluster carry over (the same peak); on a GB200 they do not, and the
+# tool says so (text and JSON); a file naming no GPU is taken as measured on the planned one.
+h200_12 = docs / "calibration" / "h200-2026-12-04.json"
+gb200 = ["--model", "mixtral-8x22b", "--cluster", "gb200-nvl72", "--gpus", 128, "--tp", 2,
+         "--cp", 1, "--ep", 8, "--etp", 1, "--pp", 8, "--vpp", 7, "--mbs", 1]
+r = run(*gb200, "--calibration", h200_12)
+check("an H200 file on a GB200 cluster: the text cautions, naming both peaks",
+      r.returncode == 0 and "caution: measured on a GPU of 989 TFLOP/s bf16 peak, planned on "
+      "gb200-nvl72 at 2500" in r.stdout, r.stderr + r.stdout[:800])
+r = run(*gb200, "--format", "json", "--calibration", h200_12)
+doc = json.loads(r.stdout) if r.returncode == 0 else {}
+check("... and the JSON carries it", "2500" in doc.get("calibration", {}).get("caution", ""),
+      r.stderr + r.stdout[:300])
+r = run(*fixed, "--format", "json", "--calibration", h200_12)
+doc = json.loads(r.stdout) if r.returncode == 0 else {}
+check("an H200 file on an H100 cluster: no caution",
+      doc.get("calibration", {}).get("caution", None) == "", r.stderr + r.stdout[:300])
+r = run(*gb200, "--calibration", docs / "calibration" / "h200-2026-12-04-probe.json")
+check("a file naming no GPU: no caution (taken as measured on the planned GPU)",
+      r.returncode == 0 and "caution" not in r.stdout, r.stderr + r.stdout[:300])
+
 r = run(*fixed, "--format", "json", "--calibration", h200)
 one = json.loads(r.stdout) if r.returncode == 0 else {}
 check("one mapping in JSON carries the calibration too", "calibration" in one and "mfu" in one,
