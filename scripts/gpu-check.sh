@@ -79,6 +79,14 @@ fail() {
   reasons+=("$1")
 }
 
+# The tree that ran, named by the summary and by the calibration file: the device tool sends a
+# working tree over the git metadata of the session's start, so HEAD alone can name an older
+# commit; the caller may name the tree's commit, and a tree that differs from HEAD is marked.
+commit=${MOEFOLD_GPU_CHECK_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+if [ -z "${MOEFOLD_GPU_CHECK_COMMIT:-}" ] && ! git diff --quiet HEAD -- 2>/dev/null; then
+  commit+=" with uncommitted changes"
+fi
+
 # Facts.
 gpu_present=0
 if [ "${MOEFOLD_GPU_CHECK_FAKE_GPU:-0}" = 1 ]; then
@@ -196,7 +204,7 @@ if [ "${ran[*]:-}" != stop ] && [ -f "$manifest" ]; then
   # the file lands in logs.tar.gz as calibration.json (docs/planner.md, "Calibration").
   if [ $gpu_present = 1 ] && [ $dry_run = 0 ]; then
     step bench-plan-rates 120 python3 benchmarks/plan/gemm_attention_rates.py \
-      "$logs/calibration.json" --commit "${MOEFOLD_GPU_CHECK_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"
+      "$logs/calibration.json" --commit "$commit"
     rc=$?
     [ $rc = 0 ] || [ $rc = 77 ] || fail "gemm_attention_rates.py failed (rc $rc)"
   fi
@@ -259,13 +267,6 @@ PY
 )
 [ "$failed" -gt 0 ] && fail "$failed test case(s) failed"
 
-# The tree that ran: the device tool sends a working tree over the git metadata of the session's
-# start, so HEAD alone can name an older commit; the caller may name the tree's commit, and a tree
-# that differs from HEAD is marked.
-commit=${MOEFOLD_GPU_CHECK_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-if [ -z "${MOEFOLD_GPU_CHECK_COMMIT:-}" ] && ! git diff --quiet HEAD -- 2>/dev/null; then
-  commit+=" with uncommitted changes"
-fi
 python3 - "$out/summary.json" "$steps" "$result" "$dry_run" "$gpu_present" "$commit" \
   "${gpu_name:-}" "${driver:-}" "$passed" "$failed" "$skipped" "{${sanitizers_json:-}}" \
   "${reasons[@]+"${reasons[@]}"}" <<'PY'

@@ -26,8 +26,8 @@ ROWS = (2048, 4096, 8192, 16384)
 SEQS = (2048, 4096, 8192, 16384, 32768)
 
 
-def timed(torch, f, reps):
-    """(queued seconds per call, alone seconds per call)."""
+def timed(torch, f, reps, alone=True):
+    """(queued seconds per call, alone seconds per call or None when not asked for)."""
     for _ in range(3):
         f()
     torch.cuda.synchronize()
@@ -38,15 +38,17 @@ def timed(torch, f, reps):
     b.record()
     b.synchronize()
     queued = a.elapsed_time(b) * 1e-3 / reps
-    alone = []
+    if not alone:
+        return queued, None
+    each = []
     for _ in range(reps):
         torch.cuda.synchronize()
         a.record()
         f()
         b.record()
         b.synchronize()
-        alone.append(a.elapsed_time(b) * 1e-3)
-    return queued, sorted(alone)[len(alone) // 2]
+        each.append(a.elapsed_time(b) * 1e-3)
+    return queued, sorted(each)[len(each) // 2]
 
 
 def main():
@@ -81,8 +83,9 @@ def main():
             w = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
             q, one = timed(torch, lambda: x @ w, args.reps)
             flops = 2.0 * m * k * n
-            cal["gemm"].append({"M": m, "K": k, "N": n, "tflops": round(flops / q / 1e12, 1)})
-            print(json.dumps({"gemm": [m, k, n], "queued_tflops": round(flops / q / 1e12, 1),
+            tflops = round(flops / q / 1e12, 1)
+            cal["gemm"].append({"M": m, "K": k, "N": n, "tflops": tflops})
+            print(json.dumps({"gemm": [m, k, n], "queued_tflops": tflops,
                               "alone_tflops": round(flops / one / 1e12, 1),
                               "host_us_per_call": round((one - q) * 1e6, 1)}), flush=True)
             del x, w
@@ -103,7 +106,7 @@ def main():
         def fwd_bwd():
             F.scaled_dot_product_attention(q_, kk, vv, is_causal=True).backward(g)
 
-        qf, _ = timed(torch, fwd, max(2, args.reps // 4))
+        qf, _ = timed(torch, fwd, max(2, args.reps // 4), alone=False)
         qfb, onefb = timed(torch, fwd_bwd, max(2, args.reps // 4))
         # fwd+bwd counted as 3.5x the forward's FLOPs, as the planner counts it.
         rec = {"S": s, "B": b, "heads": h, "head_dim": d, "causal": True,

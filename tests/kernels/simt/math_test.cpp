@@ -119,7 +119,8 @@ TEST_CASE("simt::fma rounds once; mul and add do not fuse") {
 }
 
 TEST_CASE("simt arithmetic makes the GPU's canonical NaN (0x7fffffff) of every NaN result") {
-  // What an H200 wrote for these (simt-gpu, 2026-12-04): payloads and the sign of x86's default
+  // An H200 wrote 0x7fffffff for every NaN that sqrt and fma made in simt-gpu (2026-12-04); mul,
+  // add and div follow PTX's f32 rule, not observed there. Payloads and the sign of x86's default
   // NaN are not kept, so the CPU executor must not keep them either.
   const float inf = std::numeric_limits<float>::infinity();
   const float payload = from_bits(0xffc01234u);  // a negative NaN with a payload
