@@ -1,9 +1,9 @@
 // What a launch costs on the CPU executor: blocks of 256 threads, each a block scan (barriers and
 // warp shuffles), launched again and again. Built three times: bench-cpu-exec-launch, the block's
-// threads as fibers switched by moefold's own x86-64 switch (the default outside ThreadSanitizer);
-// ...-ucontext, the same fibers switched by glibc's swapcontext (other machines); ...-threads,
-// every CUDA thread on its own OS thread (MOEFOLD_CPU_EXEC_THREADS=1, what TSan builds run). The
-// programs' times are the ratios docs/kernels.md records.
+// threads as fibers switched by moefold's own x86-64 switch (the default); ...-ucontext, the same
+// fibers switched by glibc's swapcontext (other machines); ...-threads, every CUDA thread on its
+// own OS thread (MOEFOLD_CPU_EXEC_THREADS=1, what TSan builds ran before their fibers became TSan
+// fibers). The programs' times are the ratios docs/kernels.md records.
 //
 //   bench-cpu-exec-launch [launches] [blocks]
 #include <chrono>

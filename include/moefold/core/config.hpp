@@ -27,21 +27,35 @@
 #define MOEFOLD_NO_UNIQUE_ADDRESS [[no_unique_address]]
 #endif
 
-// How the CPU executor (core/cpu_launch.hpp) runs the CUDA threads of a block. Under
-// ThreadSanitizer, each on its own OS thread: TSan then checks every shared-memory access between
-// two barriers against the other threads'. Everywhere else, as fibers of one OS thread per block
-// (core/cpu_fibers.hpp): a barrier is a switch of stacks instead of waking every thread of the
-// block through the kernel, ten to a hundred times cheaper on a machine with few cores. Define
-// MOEFOLD_CPU_EXEC_THREADS to 1 to have OS threads in any build.
-#if !defined(MOEFOLD_CPU_EXEC_THREADS)
+// ThreadSanitizer must be told when the CPU executor switches fibers (each CUDA thread its own
+// TSan fiber) and where its barriers order memory (core/cpu_fibers.hpp, core/cpu_launch.hpp).
 #if defined(__SANITIZE_THREAD__)
-#define MOEFOLD_CPU_EXEC_THREADS 1
+#define MOEFOLD_TSAN 1
 #elif defined(__has_feature)
 #if __has_feature(thread_sanitizer)
-#define MOEFOLD_CPU_EXEC_THREADS 1
+#define MOEFOLD_TSAN 1
 #endif
 #endif
+#if !defined(MOEFOLD_TSAN)
+#define MOEFOLD_TSAN 0
 #endif
+// On a function: ThreadSanitizer neither checks nor records its own reads and writes (what it
+// calls is checked as usual). For the CPU executor's bookkeeping, which the fibers of one OS
+// thread share one at a time: the executor's state, not the kernel's. A function attribute, not
+// TSan's ignore annotations, which save a stack trace at every call.
+#if MOEFOLD_TSAN
+#define MOEFOLD_TSAN_UNCHECKED __attribute__((no_sanitize("thread")))
+#else
+#define MOEFOLD_TSAN_UNCHECKED
+#endif
+
+// How the CPU executor (core/cpu_launch.hpp) runs the CUDA threads of a block: as fibers of one
+// OS thread per block (core/cpu_fibers.hpp), where <ucontext.h> exists. A barrier is then a
+// switch of stacks instead of waking every thread of the block through the kernel, ten to a
+// hundred times cheaper on a machine with few cores. Under ThreadSanitizer each fiber is its own
+// TSan fiber (its own thread identity) and only the barriers order memory between them, so TSan
+// checks every shared-memory access between two barriers against the other threads' as it would
+// with OS threads. Define MOEFOLD_CPU_EXEC_THREADS to 1 to have an OS thread per CUDA thread.
 #if !defined(MOEFOLD_CPU_EXEC_THREADS)
 #if __has_include(<ucontext.h>)
 #define MOEFOLD_CPU_EXEC_THREADS 0

@@ -3,9 +3,9 @@
 //! t) for every t in [0, n) as fibers (each its own stack) on the calling OS thread, and returns
 //! when every body has returned. A fiber gives way with `yield(t)`; the scheduler resumes fibers
 //! in `order`, pass after pass, skipping a yielded fiber while ready(ctx, t) is false. This is how
-//! core/cpu_launch.hpp runs the CUDA threads of a block outside ThreadSanitizer builds (config.hpp,
-//! MOEFOLD_CPU_EXEC_THREADS): a barrier is then two stack switches per thread instead of waking
-//! every thread of the block through the kernel.
+//! core/cpu_launch.hpp runs the CUDA threads of a block (config.hpp, MOEFOLD_CPU_EXEC_THREADS): a
+//! barrier is then two stack switches per thread instead of waking every thread of the block
+//! through the kernel.
 //!
 //! A switch: on x86-64 (without shadow stacks), `moefold_fiber_switch` below saves six registers
 //! and the floating-point control words, no system call; elsewhere glibc's swapcontext, whose
@@ -14,6 +14,18 @@
 //! of lazily committed memory with a guard page below it, so a body that overflows it faults at
 //! once instead of writing over another fiber's stack. AddressSanitizer is told of every switch
 //! (its fiber interface), so it checks each fiber's stack as a stack.
+//!
+//! ThreadSanitizer: every fiber is a TSan fiber of its own (a thread identity in its reports), and
+//! the switches order memory one way only. Resuming a fiber orders what the scheduler did before
+//! (the poisoned shared memory, the kernel's arguments) before the fiber's accesses; a fiber's
+//! yield orders nothing, so that nothing one CUDA thread does reaches another through the
+//! scheduler: between the threads of a block only the barriers' own annotations
+//! (core/cpu_launch.hpp) order memory, and TSan reports two accesses no barrier separates. A
+//! fiber's end orders everything it did before what the scheduler does next (the next block's
+//! poison, the results read on the host); every thread of a block has passed the block's exit
+//! barrier by then. The scheduler's own bookkeeping (which fiber yielded, which barrier it waits
+//! at) is excluded from TSan's checks: the fibers of one OS thread never run at once, and that
+//! state is the executor's, not the kernel's.
 #pragma once
 
 #include "config.hpp"
@@ -32,6 +44,9 @@
 
 #if MOEFOLD_ASAN
 #include <sanitizer/common_interface_defs.h>
+#endif
+#if MOEFOLD_TSAN
+#include <sanitizer/tsan_interface.h>
 #endif
 
 #if MOEFOLD_CPU_FIBER_ASM
@@ -87,15 +102,20 @@ class cpu_fibers {
   cpu_fibers(const cpu_fibers&) = delete;
   cpu_fibers& operator=(const cpu_fibers&) = delete;
   ~cpu_fibers() {
-    for (auto& f : fibers_) ::munmap(f.map, f.map_bytes);
+    for (auto& f : fibers_) {
+#if MOEFOLD_TSAN
+      __tsan_destroy_fiber(f.tsan);
+#endif
+      ::munmap(f.map, f.map_bytes);
+    }
   }
 
   //! Runs body(ctx, t), t in [0, n), as fibers resumed in `order` (a permutation of [0, n));
   //! returns false when fibers remain that have yielded and none is ready (the caller's
   //! barriers detect a block that can make no progress before that; this is the last guard
   //! against a hang). One run at a time per OS thread; not reentrant.
-  [[nodiscard]] bool run(int n, const int* order, void (*body)(void*, int),
-                         bool (*ready)(void*, int), void* ctx) {
+  [[nodiscard]] MOEFOLD_TSAN_UNCHECKED bool run(int n, const int* order, void (*body)(void*, int),
+                                                bool (*ready)(void*, int), void* ctx) {
     if (n <= 0) return true;
     grow(n);
     body_ = body;
@@ -119,11 +139,15 @@ class cpu_fibers {
   }
 
   //! Fiber t gives way to the scheduler; returns when the scheduler resumes it.
-  void yield(int t) {
+  MOEFOLD_TSAN_UNCHECKED void yield(int t) {
     auto& f = fibers_[static_cast<std::size_t>(t)];
     f.yielded = true;
 #if MOEFOLD_ASAN
     __sanitizer_start_switch_fiber(&f.fake_stack, main_bottom_, main_size_);
+#endif
+#if MOEFOLD_TSAN
+    // No order from this fiber to the scheduler: it would pass on to the next fiber resumed.
+    __tsan_switch_to_fiber(main_tsan_, __tsan_switch_to_fiber_no_sync);
 #endif
 #if MOEFOLD_CPU_FIBER_ASM
     moefold_fiber_switch(&f.sp, main_sp_);
@@ -149,6 +173,9 @@ class cpu_fibers {
     std::size_t map_bytes = 0;
     std::byte* stack = nullptr;  // the lowest address of the stack (above the guard page)
     void* fake_stack = nullptr;
+#if MOEFOLD_TSAN
+    void* tsan = nullptr;  // its TSan fiber
+#endif
     bool yielded = false, done = false;
   };
 
@@ -157,7 +184,7 @@ class cpu_fibers {
     std::abort();
   }
 
-  void grow(int n) {
+  MOEFOLD_TSAN_UNCHECKED void grow(int n) {
     if (static_cast<int>(fibers_.size()) >= n) return;
     const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
     fibers_.reserve(static_cast<std::size_t>(n));  // addresses of fibers never change in a run
@@ -169,12 +196,15 @@ class cpu_fibers {
       if (f.map == MAP_FAILED) fatal("mmap of a fiber stack");
       if (::mprotect(f.map, page, PROT_NONE) != 0) fatal("mprotect of a guard page");
       f.stack = static_cast<std::byte*>(f.map) + page;
+#if MOEFOLD_TSAN
+      f.tsan = __tsan_create_fiber(0);
+#endif
       fibers_.push_back(f);
     }
   }
 
   // Makes fiber f start at entry() when next resumed.
-  void start_at_entry(fiber& f) {
+  MOEFOLD_TSAN_UNCHECKED void start_at_entry(fiber& f) {
     f.yielded = f.done = false;
 #if MOEFOLD_CPU_FIBER_ASM
     // The frame moefold_fiber_switch pops, from the stack pointer up: x87 control word, MXCSR,
@@ -202,11 +232,15 @@ class cpu_fibers {
 #endif
   }
 
-  void resume(fiber& f) {
+  MOEFOLD_TSAN_UNCHECKED void resume(fiber& f) {
     current_ = static_cast<int>(&f - fibers_.data());
 #if MOEFOLD_ASAN
     void* fake = nullptr;
     __sanitizer_start_switch_fiber(&fake, f.stack, stack_bytes);
+#endif
+#if MOEFOLD_TSAN
+    main_tsan_ = __tsan_get_current_fiber();
+    __tsan_switch_to_fiber(f.tsan, 0);  // what the scheduler did is ordered before the fiber
 #endif
 #if MOEFOLD_CPU_FIBER_ASM
     moefold_fiber_switch(&main_sp_, f.sp);
@@ -219,7 +253,7 @@ class cpu_fibers {
   }
 
   // A fiber's first frame: the OS thread's own set runs the body of the fiber being resumed.
-  static void entry() {
+  MOEFOLD_TSAN_UNCHECKED static void entry() {
     cpu_fibers& self = local_fibers_of_this_thread();
 #if MOEFOLD_ASAN
     __sanitizer_finish_switch_fiber(nullptr, &self.main_bottom_, &self.main_size_);
@@ -231,6 +265,11 @@ class cpu_fibers {
 #if MOEFOLD_ASAN
     // nullptr: this fiber's frames end here (its stack is reused by the next run).
     __sanitizer_start_switch_fiber(nullptr, self.main_bottom_, self.main_size_);
+#endif
+#if MOEFOLD_TSAN
+    // Ordered: every thread of the block has passed its exit barrier, and what the scheduler
+    // does next (the next block's poison, the host's reads) must follow what this fiber did.
+    __tsan_switch_to_fiber(self.main_tsan_, 0);
 #endif
 #if MOEFOLD_CPU_FIBER_ASM
     moefold_fiber_switch(&f.sp, self.main_sp_);
@@ -251,6 +290,9 @@ class cpu_fibers {
 #if MOEFOLD_ASAN
   const void* main_bottom_ = nullptr;  // the OS thread's own stack, for AddressSanitizer
   std::size_t main_size_ = 0;
+#endif
+#if MOEFOLD_TSAN
+  void* main_tsan_ = nullptr;  // the OS thread's own TSan identity, for TSan
 #endif
   int current_ = 0;  // the fiber being resumed
   void (*body_)(void*, int) = nullptr;

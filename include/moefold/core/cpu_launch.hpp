@@ -2,13 +2,14 @@
 //! @brief What launch(cpu_exec, grid, kernel) (core/cpu_exec.hpp) does: a kernel body run on the
 //! CPU the way a GPU runs it, so that ThreadSanitizer and AddressSanitizer can check it.
 //!
-//! - Under ThreadSanitizer, every CUDA thread of a block is a real std::thread (its own TSan
-//!   thread identity), so a missing `sync()` between a shared-memory write and another thread's
-//!   read is a data race TSan reports with the body's file and line. In every other build
-//!   (config.hpp, MOEFOLD_CPU_EXEC_THREADS) the threads of a block are fibers of one OS thread
-//!   (core/cpu_fibers.hpp), resumed in an order drawn from the seed and the block at every
-//!   barrier: the same semantics, with a barrier costing two stack switches per thread instead
-//!   of a kernel wake-up per thread.
+//! - The threads of a block are fibers of one OS thread (core/cpu_fibers.hpp; config.hpp,
+//!   MOEFOLD_CPU_EXEC_THREADS), resumed in an order drawn from the seed and the block at every
+//!   barrier, a barrier costing two stack switches per thread instead of a kernel wake-up per
+//!   thread. Under ThreadSanitizer each is a TSan fiber of its own and only the barriers order
+//!   memory between them (each arrival a release, each departure an acquire of the same phase),
+//!   so a missing `sync()` between a shared-memory write and another thread's read is a data
+//!   race TSan reports with the body's file and line. With MOEFOLD_CPU_EXEC_THREADS=1 every CUDA
+//!   thread is a std::thread instead, the barriers condition variables.
 //! - Two blocks run at once (when the grid has two), each on its own OS thread(s), and blocks
 //!   start in an order drawn from the executor's seed: a body that depends on block order or on
 //!   one block running alone gives different results for different seeds.
@@ -21,9 +22,9 @@
 //!   end the launch with errc::kernel_fault naming the block, warp and operations, where a GPU
 //!   would hang or compute garbage.
 //!
-//! Cost: OS threads (2, or 2 x block_threads under TSan) created once per host thread and reused
-//! (core/cpu_workers.hpp); fiber stacks kept per OS thread. This is a checker, not a fast path:
-//! host_exec is the fast CPU path.
+//! Cost: OS threads (2, or 2 x block_threads with MOEFOLD_CPU_EXEC_THREADS=1) created once per
+//! host thread and reused (core/cpu_workers.hpp); fiber stacks kept per OS thread. This is a
+//! checker, not a fast path: host_exec is the fast CPU path.
 #pragma once
 
 #include <algorithm>
@@ -92,7 +93,7 @@ class simt_barriers {
   }
   //! Whether fiber `who`, which yielded at a barrier, can go on (the barrier completed, or the
   //! block failed and it must unwind).
-  [[nodiscard]] bool ready(int who) const noexcept {
+  [[nodiscard]] MOEFOLD_TSAN_UNCHECKED bool ready(int who) const noexcept {
     const auto& w = waits_[static_cast<std::size_t>(who)];
     return broken_ || bars_[static_cast<std::size_t>(w.bar)].phase != w.phase;
   }
@@ -101,11 +102,21 @@ class simt_barriers {
   //! Thread `who` arrives at barrier `b` with `op` and waits for the others. Returns false when
   //! the block has failed (threads met with different operations, all threads wait and none can
   //! go on, or a fault elsewhere in the block); fault() then says why.
-  [[nodiscard]] bool arrive_and_wait(int b, simt_op op, int who) {
+  //! Under TSan its own accesses are not checked (the barrier's state is the executor's, shared
+  //! by fibers that run one at a time); with OS threads the mutex orders them.
+  [[nodiscard]] MOEFOLD_TSAN_UNCHECKED bool arrive_and_wait(int b, simt_op op, int who) {
     std::unique_lock lk(m_, std::defer_lock);
     if (!fibers_) lk.lock();  // fibers of one OS thread never interleave inside this function
     if (broken_) return false;
     auto& B = bars_[static_cast<std::size_t>(b)];
+#if MOEFOLD_TSAN && !MOEFOLD_CPU_EXEC_THREADS
+    // What this thread did before arriving is ordered before what every thread of the barrier
+    // does after it, and nothing else: one sync address per phase parity, since the thread that
+    // completes a phase may arrive at the next one before the others have left this one (and
+    // the phase after that cannot complete before they have).
+    char* const order = &B.order[B.phase & 1];
+    __tsan_release(order);
+#endif
     if (B.arrived == 0) {
       B.op = op;
       B.first = who;
@@ -119,6 +130,9 @@ class simt_barriers {
       ++B.phase;
       blocked_ -= B.n - 1;
       B.cv.notify_all();
+#if MOEFOLD_TSAN && !MOEFOLD_CPU_EXEC_THREADS
+      __tsan_acquire(order);
+#endif
       return true;
     }
     if (++blocked_ == threads_) {
@@ -134,8 +148,12 @@ class simt_barriers {
 #if !MOEFOLD_CPU_EXEC_THREADS
     if (fibers_) {
       waits_[static_cast<std::size_t>(who)] = wait_point{b, phase};
-      fibers_->yield(who);  // the scheduler resumes it once ready(who)
-      return B.phase != phase;
+      fibers_->yield(who);                 // the scheduler resumes it once ready(who)
+      if (B.phase == phase) return false;  // the block failed
+#if MOEFOLD_TSAN
+      __tsan_acquire(order);
+#endif
+      return true;
     }
 #endif
     B.cv.wait(lk, [&] { return B.phase != phase || broken_; });
@@ -158,6 +176,7 @@ class simt_barriers {
     int n = 0, arrived = 0, first = 0;
     unsigned long long phase = 0;
     simt_op op = simt_op::sync;
+    char order[2] = {};  // ThreadSanitizer's sync addresses of the even and odd phases
   };
   static std::string where(int b) {
     return b == 0 ? std::string() : "in warp " + to_decimal(b - 1) + ", ";

@@ -1,11 +1,11 @@
 //! @file cpu_workers.hpp
 //! @brief The CPU executor's threads, kept for reuse: `cpu_workers::run(n, task)` runs task(i) for
 //! every i in [0, n), each on its own OS thread, and returns when all have returned. A launch of
-//! the CPU executor needs one thread per running block (its threads are fibers), or under
-//! ThreadSanitizer 2 x block_threads threads at once (every CUDA thread its own thread,
-//! core/cpu_launch.hpp); creating them anew for each launch cost more than the launch itself
-//! (under ThreadSanitizer 0.85 s per 512 threads on 2 cores), so the workers of one run wait on
-//! their own condition variable for the next.
+//! the CPU executor needs one thread per running block (its threads are fibers), or with
+//! MOEFOLD_CPU_EXEC_THREADS=1 2 x block_threads threads at once (every CUDA thread its own
+//! thread, core/cpu_launch.hpp); creating them anew for each launch cost more than the launch
+//! itself (under ThreadSanitizer 0.85 s per 512 threads on 2 cores), so the workers of one run
+//! wait on their own condition variable for the next.
 //!
 //! Each calling host thread has its own set (`local_workers()`, a thread_local), destroyed (its
 //! threads joined) when that host thread ends: ranks of a thread world launching at once never
