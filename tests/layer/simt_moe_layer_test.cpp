@@ -105,8 +105,9 @@ const fold_config simt_layer_folds[] = {
 constexpr bool tsan_reduced = false;
 #else
 // Under ThreadSanitizer (layer-simt-moe-layer-tsan) worlds of 4 ranks: its runtime's cost per
-// release and acquire grows with the thread identities alive (every rank has 2 x 256 fibers), so
-// 8 ranks cost four times 4 ranks' per launch. Still EP and ETP sharded together, CP, and PP.
+// release and acquire grows with the thread identities alive (every rank has 2 x 256 fibers);
+// the forwards-in-flight case took 202 s on 8 ranks, 30 s on 4 with half its runs (2026-12-04).
+// Still EP and ETP sharded together, CP, and PP.
 const fold_config simt_layer_folds[] = {
     {.world = 4, .tp = 2, .ep = 2, .etp = 2},  // EP 2 x ETP 2
     {.world = 4, .cp = 2, .ep = 4, .etp = 1},
