@@ -177,13 +177,15 @@ std::string stack_text(const mp::training_stack& s) {
                                                                 : "NCCL all-to-all";
   if (s.fp8_dispatch) t += ", fp8 dispatch";
   if (s.ep_overlap) t += ", EP overlap";
+  if (s.cuda_graphs) t += ", CUDA graphs";
   return t;
 }
 
 std::string stack_json(const mp::training_stack& s) {
   return "{\"dispatcher\": \"" + std::string(to_string(s.dispatcher)) +
          "\", \"fp8_dispatch\": " + (s.fp8_dispatch ? "true" : "false") +
-         ", \"ep_overlap\": " + (s.ep_overlap ? "true" : "false") + "}";
+         ", \"ep_overlap\": " + (s.ep_overlap ? "true" : "false") +
+         ", \"cuda_graphs\": " + (s.cuda_graphs ? "true" : "false") + "}";
 }
 
 // How far such predictions have been from published measurements (validation.hpp).
@@ -295,8 +297,10 @@ void print_svg(const mp::model_config& m, const mp::cluster_config& c, const mp:
   double max_mfu = 0.01, max_t = 1e-9;
   for (std::size_t i = 0; i < bars; ++i) max_mfu = std::max(max_mfu, s.ranked[i].mfu);
   for (std::size_t i = 0; i < best; ++i) max_t = std::max(max_t, s.ranked[i].step_time_s);
-  const char* colors[] = {"#4e79a7", "#a0cbe8", "#f28e2b", "#ffbe7d", "#59a14f", "#e15759",
-                          "#ff9d9a", "#b07aa1", "#9c755f", "#bab0ac", "#76b7b2", "#edc948"};
+  const char* colors[] = {"#4e79a7", "#a0cbe8", "#f28e2b", "#ffbe7d", "#59a14f",
+                          "#e15759", "#ff9d9a", "#b07aa1", "#9c755f", "#bab0ac",
+                          "#76b7b2", "#edc948", "#d37295", "#8cd17d"};  // one per time component
+                                                                        // (explain.hpp)
   std::ostringstream o;
   o << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<svg xmlns=\"http://www.w3.org/2000/svg\" "
     << "width=\"" << w << "\" height=\"" << h << "\" viewBox=\"0 0 " << w << ' ' << h
@@ -336,19 +340,21 @@ void print_svg(const mp::model_config& m, const mp::cluster_config& c, const mp:
       const double seg = (w - label_w - 20) * v / max_t;
       o << "<rect class=\"part\" data-part=\"" << name << "\" x=\"" << num(x, 1) << "\" y=\"" << y
         << "\" width=\"" << num(seg, 2) << "\" height=\"" << row_h - 6 << "\" fill=\""
-        << colors[k++ % 12] << "\"><title>" << name << ": " << num(v, 4) << " s</title></rect>\n";
+        << colors[k++ % std::size(colors)] << "\"><title>" << name << ": " << num(v, 4)
+        << " s</title></rect>\n";
       x += seg;
     }
     o << "</g>\n";
   }
   int k = 0, lx = 8;
-  const int ly = break_y + static_cast<int>(best) * row_h + 30;
+  int ly = break_y + static_cast<int>(best) * row_h + 30;  // two legend rows fit in h
   for (auto [name, v] : mp::time_components(s.ranked[0].time)) {
     (void)v;
     o << "<rect x=\"" << lx << "\" y=\"" << ly << "\" width=\"10\" height=\"10\" fill=\""
-      << colors[k++ % 12] << "\"/><text x=\"" << lx + 13 << "\" y=\"" << ly + 9
+      << colors[k++ % std::size(colors)] << "\"/><text x=\"" << lx + 13 << "\" y=\"" << ly + 9
       << "\" font-size=\"10\">" << name << "</text>\n";
     lx += 78;
+    if (lx + 78 > w) lx = 8, ly += 18;
   }
   o << "</svg>\n";
   std::cout << o.str();

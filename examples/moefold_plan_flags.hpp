@@ -21,7 +21,8 @@ inline constexpr const char* usage_text =
     "usage: moefold-plan --model NAME|FILE --cluster NAME|FILE --gpus N [--gbs N] [--seq N]\n"
     "                    [--tp N --cp N --ep N --etp N --pp N --vpp N --mbs N] [--top N]\n"
     "                    [--format text|json|svg] [--calibration FILE]\n"
-    "                    [--dispatcher alltoall|deepep|hybridep] [--fp8-dispatch] [--ep-overlap]\n";
+    "                    [--dispatcher alltoall|deepep|hybridep] [--fp8-dispatch] [--ep-overlap]\n"
+    "                    [--cuda-graphs]\n";
 
 inline std::string notes_text() {
   std::string models, clusters;
@@ -102,6 +103,9 @@ inline parse_outcome parse(int argc, const char* const* argv, options& o) {
   app.add_flag("--ep-overlap", o.stack.ep_overlap,
                "EP communication overlaps another micro-batch's compute "
                "(--overlap-moe-expert-parallel-comm)");
+  app.add_flag("--cuda-graphs", o.stack.cuda_graphs,
+               "Transformer Engine's scoped CUDA graphs (--cuda-graph-scope moe_router "
+               "moe_preprocess [attn]): no eager host floor per MoE layer");
   return examples::parse(app, argc, argv, [&] {
     for (std::size_t i = 0; i < mp::ep_dispatcher_names.size(); ++i)
       if (dispatcher == mp::ep_dispatcher_names[i])

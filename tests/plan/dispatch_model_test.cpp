@@ -25,9 +25,12 @@ model_config deepseek_like(bool group_limited) {
   return m;
 }
 
+// The GPU's side of the step: the small model's layers take far less GPU time than the eager
+// host floor, which its own test case below checks.
 efficiency with(ep_dispatcher d, bool overlap = false, bool fp8 = false) {
   efficiency e;
   e.stack = {.dispatcher = d, .fp8_dispatch = fp8, .ep_overlap = overlap};
+  e.host_moe_layer_s = 0;
   return e;
 }
 
@@ -208,6 +211,156 @@ TEST_CASE("EP overlap: hidden behind the other micro-batch, except in warm-up an
   REQUIRE(r0.has_value());
   REQUIRE(r1.has_value());
   CHECK(r1->time.ep_a2a == r0->time.ep_a2a);
+}
+
+TEST_CASE("the GPU idles at each MoE layer forward's host synchronisation, by hand") {
+  const auto c = eight_gpus();
+  auto m32 = small_model();
+  m32.gbs = 32;
+  const efficiency e{};
+  // The measured idle: 1.893 s of a 24.714 s step over 64 micro-batches x 48 MoE layers.
+  CHECK(e.dispatch_sync_s == doctest::Approx(1.893 / 3072).epsilon(1e-12));
+  for (auto d : {ep_dispatcher::alltoall, ep_dispatcher::deepep, ep_dispatcher::hybridep}) {
+    CAPTURE(to_string(d));
+    // pp 1, dp 8: 4 micro-batches, 4 MoE layers, one forward each; the backward does not wait.
+    const mapping flat{.tp = 1, .cp = 1, .ep = 8, .etp = 1, .pp = 1, .vpp = 1, .mbs = 1};
+    auto r0 = evaluate(m32, c, flat, with(d));
+    REQUIRE(r0.has_value());
+    REQUIRE(r0->rc == recompute::none);
+    CHECK(r0->time.sync_idle == doctest::Approx(4 * 4 * e.dispatch_sync_s).epsilon(1e-12));
+    // It is on the critical path: the step is longer by it than the same model without it.
+    auto no_sync = with(d);
+    no_sync.dispatch_sync_s = 0;
+    auto r_free = evaluate(m32, c, flat, no_sync);
+    REQUIRE(r_free.has_value());
+    CHECK(r_free->time.sync_idle == 0.0);
+    CHECK(r0->step_time_s - r_free->step_time_s ==
+          doctest::Approx(r0->time.sync_idle).epsilon(1e-9));
+    // Under the EP overlap only the micro-batch that warms up alone leaves the GPU idle.
+    auto r1 = evaluate(m32, c, flat, with(d, true));
+    REQUIRE(r1.has_value());
+    CHECK(r1->time.sync_idle == doctest::Approx(4 * e.dispatch_sync_s).epsilon(1e-12));
+    CHECK(r1->time.sync_idle <= r0->time.sync_idle);
+    // Interleaved pp 2, vpp 2, 8 micro-batches: the slowest stage's 2 MoE layers; with the
+    // overlap, warm-up 4 of 16 units alone. The bubble carries the idle too.
+    const mapping inter{.tp = 1, .cp = 1, .ep = 4, .etp = 1, .pp = 2, .vpp = 2, .mbs = 1};
+    r0 = evaluate(m32, c, inter, with(d));
+    r1 = evaluate(m32, c, inter, with(d, true));
+    REQUIRE(r0.has_value());
+    REQUIRE(r1.has_value());
+    REQUIRE(r0->microbatches == 8);
+    CHECK(r0->time.sync_idle == doctest::Approx(8 * 2 * e.dispatch_sync_s).epsilon(1e-12));
+    CHECK(r1->time.sync_idle == doctest::Approx(0.25 * 8 * 2 * e.dispatch_sync_s).epsilon(1e-12));
+  }
+  // A recomputed MoE forward dispatches, and so waits, again: counted under recompute.
+  auto m = model_preset("qwen3-235b-a22b").value();
+  const auto big = testing::h100_gpus(256);
+  auto rc = evaluate(m, big, {.tp = 2, .cp = 1, .ep = 32, .etp = 1, .pp = 8, .vpp = 4, .mbs = 1});
+  REQUIRE(rc.has_value());
+  REQUIRE(rc->rc == recompute::moe);  // it does not fit otherwise
+  auto no_sync = efficiency{};
+  no_sync.dispatch_sync_s = 0;
+  auto free = evaluate(m, big, {.tp = 2, .cp = 1, .ep = 32, .etp = 1, .pp = 8, .vpp = 4, .mbs = 1},
+                       no_sync);
+  REQUIRE(free.has_value());
+  REQUIRE(free->rc == recompute::moe);
+  // 12 MoE layers on the fullest stage, 64 micro-batches (dp 16, the preset's gbs 1024): one
+  // more wait each.
+  CHECK(rc->time.recompute - free->time.recompute ==
+        doctest::Approx(64 * 12 * efficiency{}.dispatch_sync_s).epsilon(1e-9));
+}
+
+TEST_CASE("eager Megatron-Core is host-bound below a floor per MoE layer, by hand") {
+  const auto c = eight_gpus();
+  auto m32 = small_model();
+  m32.gbs = 32;
+  const efficiency e{};
+  // The constant: the ModelZoo run's 29.0 s step, 256 micro-batches and 7/4 bubble slots of 12
+  // MoE layers.
+  CHECK(e.host_moe_layer_s == doctest::Approx(29.0 / (257.75 * 12)).epsilon(1e-12));
+  // pp 1, dp 8: 4 micro-batches of 4 MoE layers, whose GPU work is far below 4 floors: each
+  // micro-batch takes the host's 4 * host_moe_layer_s, the GPU waits for the rest.
+  const mapping flat{.tp = 1, .cp = 1, .ep = 8, .etp = 1, .pp = 1, .vpp = 1, .mbs = 1};
+  auto eager = evaluate(m32, c, flat, efficiency{});
+  auto gpu = evaluate(m32, c, flat, with(ep_dispatcher::alltoall));
+  REQUIRE(eager.has_value());
+  REQUIRE(gpu.has_value());
+  const auto& t = eager->time;
+  REQUIRE(gpu->step_time_s < 0.5 * 16 * e.host_moe_layer_s);
+  CHECK(t.host > 0);
+  CHECK(eager->step_time_s - t.dp_comm - t.optimizer ==
+        doctest::Approx(4 * 4 * e.host_moe_layer_s).epsilon(1e-12));
+  CHECK(t.gemm + t.attention + t.elementwise + t.tp_comm + t.cp_comm + t.ep_a2a + t.etp_comm +
+            t.sync_idle + t.recompute + t.host ==
+        doctest::Approx(4 * 4 * e.host_moe_layer_s).epsilon(1e-12));
+  // With CUDA graphs (and for the GPU alone) there is no floor: the GPU's own time.
+  auto graphs = efficiency{};
+  graphs.stack.cuda_graphs = true;
+  auto graphed = evaluate(m32, c, flat, graphs);
+  REQUIRE(graphed.has_value());
+  CHECK(graphed->time.host == 0.0);
+  CHECK(graphed->step_time_s == doctest::Approx(gpu->step_time_s).epsilon(1e-12));
+  // Interleaved pp 2, vpp 2, 8 micro-batches: 2 MoE layers a stage; the bubble's 1/2 slot is a
+  // host-bound micro-batch too.
+  const mapping inter{.tp = 1, .cp = 1, .ep = 4, .etp = 1, .pp = 2, .vpp = 2, .mbs = 1};
+  auto r = evaluate(m32, c, inter, efficiency{});
+  REQUIRE(r.has_value());
+  REQUIRE(r->microbatches == 8);
+  CHECK(r->time.bubble == doctest::Approx(0.5 * 2 * e.host_moe_layer_s).epsilon(1e-12));
+  CHECK(r->step_time_s - r->time.bubble - r->time.pp_p2p - r->time.dp_comm - r->time.optimizer ==
+        doctest::Approx(8 * 2 * e.host_moe_layer_s).epsilon(1e-12));
+  // The run the constant comes from: its 29.0 s step (and 167 TFLOP/s) to within the DP,
+  // pipeline and optimizer time the derivation leaves out.
+  const auto big = testing::h100_gpus(256);
+  auto q = model_preset("qwen3-235b-a22b").value();
+  q.gbs = 2048;
+  auto deepep = efficiency{};
+  deepep.stack.dispatcher = ep_dispatcher::deepep;
+  auto zoo =
+      evaluate(q, big, {.tp = 4, .cp = 1, .ep = 8, .etp = 1, .pp = 8, .vpp = 4, .mbs = 1}, deepep);
+  REQUIRE(zoo.has_value());
+  REQUIRE(zoo->rc == recompute::none);
+  CHECK(zoo->step_time_s == doctest::Approx(29.0).epsilon(0.01));
+  CHECK(zoo->time.host > 0);
+}
+
+TEST_CASE("the host floor: CUDA graphs and the EP overlap never make a step slower") {
+  const auto c = testing::h100_gpus(256);
+  for (const char* name : {"qwen3-235b-a22b", "mixtral-8x22b", "deepseek-v3"}) {
+    auto m = model_preset(name).value();
+    for (int gbs : {256, 2048}) {
+      m.gbs = gbs;
+      for (const mapping& map :
+           {mapping{.tp = 4, .cp = 1, .ep = 8, .etp = 1, .pp = 8, .vpp = 4, .mbs = 1},
+            mapping{.tp = 2, .cp = 1, .ep = 32, .etp = 1, .pp = 4, .vpp = 2, .mbs = 1}}) {
+        mapping legal = map;
+        if (!check_mapping(m, c.gpus, legal)) continue;
+        for (auto d : {ep_dispatcher::alltoall, ep_dispatcher::deepep}) {
+          efficiency eager, overlap, graphs;
+          eager.stack.dispatcher = overlap.stack.dispatcher = graphs.stack.dispatcher = d;
+          overlap.stack.ep_overlap = true;
+          graphs.stack.cuda_graphs = true;
+          auto a = evaluate(m, c, map, eager);
+          auto b = evaluate(m, c, map, overlap);
+          auto g = evaluate(m, c, map, graphs);
+          REQUIRE(a.has_value());
+          REQUIRE(b.has_value());
+          REQUIRE(g.has_value());
+          CAPTURE(name);
+          CAPTURE(gbs);
+          CAPTURE(to_string(map));
+          CHECK(b->step_time_s <= a->step_time_s);
+          CHECK(g->step_time_s <= a->step_time_s);
+          CHECK(g->time.host == 0.0);
+          // The floor binds at least the steady state (of the stage with the fewest MoE layers).
+          const auto sh = make_shapes(m, legal);
+          const int fewest = std::min(sh.stage_moe_layers, sh.last_stage_moe);
+          CHECK(a->step_time_s >=
+                static_cast<double>(a->microbatches) * fewest * eager.host_moe_layer_s);
+        }
+      }
+    }
+  }
 }
 
 TEST_CASE(

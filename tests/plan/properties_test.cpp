@@ -1,7 +1,7 @@
 // Properties the step model must have whatever its calibration, checked over many legal
-// mappings of several models and clusters: more bandwidth is never slower, more memory never
-// makes a feasible mapping infeasible, and moving EP from inside a node to across nodes never
-// makes a step faster.
+// mappings of several models and clusters: more bandwidth is never slower, the time components
+// are never negative and add up to the step, more memory never makes a feasible mapping
+// infeasible, and moving EP from inside a node to across nodes never makes a step faster.
 #include <moefold/plan/plan.hpp>
 
 #include <doctest/doctest.h>
@@ -74,6 +74,25 @@ TEST_CASE("more bandwidth is never slower") {
     }
   }
   CHECK(faster > 600);  // bandwidth matters for most of them: the check is not vacuous
+}
+
+TEST_CASE("the time components are never negative and add up to the step") {
+  for (const auto& s : samples(300)) {
+    for (int stack = 0; stack < 3; ++stack) {
+      efficiency e;
+      e.stack.ep_overlap = stack == 1;
+      e.stack.cuda_graphs = stack == 2;
+      const auto r = evaluate(s.model, s.cluster, s.map, e).value();
+      INFO(s.model.name, " ", to_string(s.map), " on ", s.cluster.gpus, " ", s.cluster.name,
+           " stack ", stack);
+      for (const auto& [name, v] : time_components(r.time)) {
+        CAPTURE(name);
+        CHECK(v >= 0.0);
+      }
+      CHECK(r.time.total() == doctest::Approx(r.step_time_s).epsilon(1e-12));
+      if (e.stack.cuda_graphs) CHECK(r.time.host == 0.0);
+    }
+  }
 }
 
 TEST_CASE("more memory never makes a feasible mapping infeasible") {

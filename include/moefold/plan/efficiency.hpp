@@ -47,6 +47,11 @@ struct training_stack {
   //! beside the backward of another, so each one's EP traffic overlaps the other's compute.
   //! Needs ep > 1, an interleaved schedule when pp > 1, and no full recomputation.
   bool ep_overlap = false;
+  //! Transformer Engine's scoped CUDA graphs (Megatron-Core's --cuda-graph-impl
+  //! transformer_engine with --cuda-graph-scope moe_router moe_preprocess, with or without attn):
+  //! the graphed modules are replayed, not issued op by op, so the eager host floor
+  //! (efficiency::host_moe_layer_s) does not bind.
+  bool cuda_graphs = false;
 };
 
 struct efficiency {
@@ -95,6 +100,24 @@ struct efficiency {
   // (2), the cast reads it again (2) and writes a row-wise and a column-wise fp8 copy (1 + 1),
   // both needed on Hopper, whose fp8 tensor cores take only K-major operands.
   double fp8_cast_bytes = 6.0;
+  // GPU idle per MoE layer forward and micro-batch: dropless dispatch sizes the experts' inputs
+  // on the host (the all-to-all dispatcher's splits, DeepEP's and HybridEP's received counts), so
+  // the host waits for the GPU there and the GPU then waits for the host to issue what follows.
+  // Measured: Megatron-Bridge's Nsight profile of Qwen3-30B-A3B (bf16, 16 H100, EP 16, HybridEP,
+  // no EP overlap; skills/nemo-mbridge-perf-expert-parallel-overlap/SKILL.md, 2026-07-25): the
+  // GPU was active 22.821 s of a 24.714 s step, 1.893 s idle over 64 micro-batches x 48 MoE
+  // layers. Under the EP overlap the other micro-batch's queued work fills it (step_time.hpp).
+  double dispatch_sync_s = 1.893 / (64.0 * 48.0);
+  // Host time of one MoE transformer layer, forward and backward, one micro-batch, in eager
+  // Megatron-Core (no CUDA graphs): Python, PyTorch and Transformer Engine issuing some 150
+  // kernels per layer (the Nsight profile above: 463,348 kernels per step) one by one. A stage
+  // cannot run its micro-batches faster than its MoE layers times this, whatever the GPU does.
+  // Measured: the Megatron-Core MoE team's Qwen3-235B-A22B run on 256 H100 with TP 4, EP 8,
+  // PP 8, VPP 4, GBS 2048, bf16, DeepEP, no recomputation, no EP overlap, no CUDA graphs
+  // (yanring/Megatron-MoE-ModelZoo, best_practice/qwen3/readme.md: 29.0 s per step), whose GPU
+  // work per layer is half its step's: 256 micro-batches and 7/4 bubble slots of 12 layers
+  // (step_time.hpp; docs/planner.md, "Accuracy").
+  double host_moe_layer_s = 29.0 / ((256.0 + 7.0 / 4.0) * 12.0);
   // Measured rates that replace the curves above where they have data (calibration.hpp;
   // moefold-plan --calibration). Not owned; null: the built-in curves only.
   const calibration* measured = nullptr;

@@ -86,7 +86,7 @@ inline std::string gib_text(double bytes) {
   r.memory_gib = r.memory.total() / gib;
   const auto t = step_time(m, map, s, c, pl, r.rc, e);
   r.time = t.time;
-  r.step_time_s = t.time.total();
+  r.step_time_s = t.step_s;
   const double flops = megatron_model_flops(m, m.gbs);
   r.tflops_per_gpu = flops / r.step_time_s / c.gpus / 1e12;
   r.mfu = flops / (r.step_time_s * c.gpus * c.peak_bf16_flops);

@@ -18,10 +18,11 @@ namespace plan {
 //! The step-time components with their display names, in breakdown order.
 [[nodiscard]] inline std::vector<std::pair<const char*, double>> time_components(
     const time_breakdown& t) {
-  return {{"gemm", t.gemm},         {"attention", t.attention}, {"elementwise", t.elementwise},
-          {"tp_comm", t.tp_comm},   {"cp_comm", t.cp_comm},     {"ep_a2a", t.ep_a2a},
-          {"etp_comm", t.etp_comm}, {"recompute", t.recompute}, {"pp_p2p", t.pp_p2p},
-          {"bubble", t.bubble},     {"dp_comm", t.dp_comm},     {"optimizer", t.optimizer}};
+  return {{"gemm", t.gemm},           {"attention", t.attention}, {"elementwise", t.elementwise},
+          {"tp_comm", t.tp_comm},     {"cp_comm", t.cp_comm},     {"ep_a2a", t.ep_a2a},
+          {"etp_comm", t.etp_comm},   {"sync_idle", t.sync_idle}, {"host", t.host},
+          {"recompute", t.recompute}, {"pp_p2p", t.pp_p2p},       {"bubble", t.bubble},
+          {"dp_comm", t.dp_comm},     {"optimizer", t.optimizer}};
 }
 
 namespace detail {
@@ -34,6 +35,8 @@ inline const char* component_words(const std::string& name) {
   if (name == "cp_comm") return "exposed CP communication";
   if (name == "ep_a2a") return "EP all-to-all";
   if (name == "etp_comm") return "ETP all-gather/reduce-scatter";
+  if (name == "sync_idle") return "GPU idle at the dispatch's host synchronisation";
+  if (name == "host") return "host-bound time (kernels issued eagerly, no CUDA graphs)";
   if (name == "recompute") return "recomputation";
   if (name == "pp_p2p") return "pipeline send/receive";
   if (name == "bubble") return "pipeline bubble";

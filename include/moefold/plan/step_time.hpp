@@ -11,6 +11,12 @@
 //!     nodes the real EP group spans (collectives.hpp): exposed, or with EP overlap hidden
 //!     behind the other micro-batch's compute outside warm-up and cool-down; ETP all-gather /
 //!     reduce-scatter: exposed;
+//!   - the GPU's idle time at each MoE layer forward's host synchronisation (the dispatch sizes
+//!     the experts' inputs on the host): exposed, or filled by the other micro-batch's work
+//!     under the EP overlap;
+//!   - the host: without CUDA graphs a stage's micro-batch takes at least its MoE layers times
+//!     the host time of one (efficiency::host_moe_layer_s); what the GPU work falls short of
+//!     that is exposed (`host`), and the bubble's slots are that long too;
 //!   - fp8 models: each GEMM operand cast to fp8 (memory-bound);
 //!   - PP: send/receive of the activations, exposed with 1F1B, overlapped when interleaved
 //!     (except in warm-up and cool-down); the bubble is (pp-1)/vpp stage-micro-batch times.
@@ -39,18 +45,20 @@ namespace plan {
 //! Seconds per step on the critical path, by cause. They add up to the step time.
 struct time_breakdown {
   double gemm = 0, attention = 0, elementwise = 0, tp_comm = 0, cp_comm = 0, ep_a2a = 0,
-         etp_comm = 0, recompute = 0, pp_p2p = 0, bubble = 0, dp_comm = 0, optimizer = 0;
+         etp_comm = 0, sync_idle = 0, host = 0, recompute = 0, pp_p2p = 0, bubble = 0, dp_comm = 0,
+         optimizer = 0;
   [[nodiscard]] double total() const noexcept {
-    return gemm + attention + elementwise + tp_comm + cp_comm + ep_a2a + etp_comm + recompute +
-           pp_p2p + bubble + dp_comm + optimizer;
+    return gemm + attention + elementwise + tp_comm + cp_comm + ep_a2a + etp_comm + sync_idle +
+           host + recompute + pp_p2p + bubble + dp_comm + optimizer;
   }
 };
 
 //! The time of one pass (forward or backward) of some layers for one micro-batch.
 struct pass_cost {
-  double gemm = 0, attention = 0, elementwise = 0, tp = 0, cp = 0, ep = 0, etp = 0;
+  //! sync: the GPU idle at the dispatch's host synchronisation (efficiency::dispatch_sync_s).
+  double gemm = 0, attention = 0, elementwise = 0, tp = 0, cp = 0, ep = 0, etp = 0, sync = 0;
   [[nodiscard]] double sum() const noexcept {
-    return gemm + attention + elementwise + tp + cp + ep + etp;
+    return gemm + attention + elementwise + tp + cp + ep + etp + sync;
   }
   pass_cost& add(const pass_cost& o, double times = 1.0) noexcept {
     gemm += times * o.gemm;
@@ -60,6 +68,7 @@ struct pass_cost {
     cp += times * o.cp;
     ep += times * o.ep;
     etp += times * o.etp;
+    sync += times * o.sync;
     return *this;
   }
 };
@@ -240,6 +249,9 @@ inline layer_passes layer_costs(const model_config& m, const mapping& map, const
     f.ep = r.ep_dispatch + r.ep_exchange;
     f.etp = 2.0 * ring_time(routed_bytes * map.etp, pl.etp, c, e);
     pass_cost b = f;
+    // The forward waits on the host once, for the received counts; the backward reuses them.
+    f.sync = e.dispatch_sync_s;
+    b.sync = 0;
     b.gemm *= 2.0;
     b.elementwise *= 2.0;
     // fp8 casts: expert GEMM inputs (rows x H, rows x F/etp) and output gradients (rows x g*F/etp,
@@ -302,7 +314,8 @@ namespace detail {
 //! The timed result of one mapping, with the chosen recomputation.
 struct step_time_result {
   time_breakdown time;
-  double stage_fwd_s = 0, stage_bwd_s = 0;  //!< one micro-batch, slowest stage
+  double stage_fwd_s = 0, stage_bwd_s = 0;  //!< one micro-batch, slowest stage, GPU time
+  double step_s = 0;                        //!< the step: `time` adds up to it
 };
 
 [[nodiscard]] inline step_time_result step_time(const model_config& m, const mapping& map,
@@ -336,6 +349,10 @@ struct step_time_result {
   const pass_cost& bwd = last_slower ? b2 : b1;
   const pass_cost& again = last_slower ? a2 : a1;
 
+  // MoE layers of the slowest stage (the last one holds the MTP layers too).
+  const int stage_moe = last_slower   ? s.last_stage_moe + m.mtp_layers
+                        : map.pp == 1 ? s.stage_moe_layers + m.mtp_layers
+                                      : s.stage_moe_layers;
   step_time_result r;
   const double micro = static_cast<double>(s.micro);
   pass_cost steady;
@@ -348,6 +365,7 @@ struct step_time_result {
   t.cp_comm = steady.cp;
   t.ep_a2a = steady.ep;
   t.etp_comm = steady.etp;
+  t.sync_idle = steady.sync;
   t.recompute = micro * again.sum();
   // EP overlap (Megatron-Core's --overlap-moe-expert-parallel-comm): outside warm-up and
   // cool-down the forward of one micro-batch runs beside the backward of another, each MoE
@@ -355,25 +373,37 @@ struct step_time_result {
   // the recomputed forward's transfers stay exposed. Warm-up forwards (and as many cool-down
   // backwards) run alone: on the first rank Megatron-Core's interleaved schedule warms up with
   // 2*(pp-1) + (vpp-1)*pp (virtual stage, micro-batch) units of micro*vpp.
-  if (e.stack.ep_overlap && map.ep > 1 && (map.pp == 1 || map.vpp > 1) && rc != recompute::full) {
+  const bool overlapped =
+      e.stack.ep_overlap && map.ep > 1 && (map.pp == 1 || map.vpp > 1) && rc != recompute::full;
+  if (overlapped) {
     const double units = micro * map.vpp;
     const double warm =
         map.pp == 1 ? 1.0 : std::min(units, 2.0 * (map.pp - 1) + (map.vpp - 1.0) * map.pp);
     const double paired = (units - warm) / units;
     const double comm = fwd.ep + bwd.ep + again.ep;
-    // MoE layers of the slowest stage (the last one holds the MTP layers too).
-    const int moe_layers = last_slower   ? s.last_stage_moe + m.mtp_layers
-                           : map.pp == 1 ? s.stage_moe_layers + m.mtp_layers
-                                         : s.stage_moe_layers;
     const double exposed =
-        moe_layers * detail::overlapped_moe_layer(lc, comm_sm_fraction(e)) + again.ep;
+        stage_moe * detail::overlapped_moe_layer(lc, comm_sm_fraction(e)) + again.ep;
     // The recomputed forward's EP traffic was counted under recompute; it is part of `comm`.
     t.ep_a2a = micro * ((1.0 - paired) * comm + paired * exposed);
     t.recompute -= micro * again.ep;
+    // While one micro-batch's forward waits on the host, the GPU runs the other's backward,
+    // already issued: only the unpaired forwards leave the GPU idle.
+    t.sync_idle = micro * (1.0 - paired) * fwd.sync;
   }
   r.stage_fwd_s = fwd.sum();
   r.stage_bwd_s = bwd.sum() + again.sum();
-  const double per_micro = r.stage_fwd_s + r.stage_bwd_s;
+  // Host floor: eager Megatron-Core issues each MoE layer's kernels from one host thread, which
+  // the GPU cannot outrun. The host issues a third of a layer's work in the forward and two
+  // thirds in the backward (assumed as the GPU's: each GEMM has a data and a weight gradient);
+  // each MoE layer's forward waits for the GPU at the dispatch, so a micro-batch's forward and
+  // backward each last the longer of the GPU's time and the host's. CUDA graphs lift the floor.
+  const double host_per_micro =
+      e.stack.cuda_graphs || m.experts <= 1 ? 0.0 : stage_moe * e.host_moe_layer_s;
+  const double host_fwd = host_per_micro / 3.0, host_bwd = 2.0 * host_per_micro / 3.0;
+  const double fwd_window = std::max(r.stage_fwd_s, host_fwd);
+  const double bwd_window = std::max(r.stage_bwd_s, host_bwd);
+  // A pipeline slot (warm-up and cool-down run alone, whatever the overlap).
+  const double per_micro = fwd_window + bwd_window;
   // Pipeline: activations forward and their gradients back, T_m x H bf16 per message.
   const double p2p = p2p_time(2.0 * s.moe_tokens * m.hidden, pl.pp, c, e);
   if (map.pp > 1) {
@@ -386,15 +416,42 @@ struct step_time_result {
       ring_time(4.0 * p.dense, pl.dp_cp, c, e) + ring_time(4.0 * p.expert, pl.edp, c, e);
   const double ag =
       ring_time(2.0 * p.dense, pl.dp_cp, c, e) + ring_time(2.0 * p.expert, pl.edp, c, e);
-  // What runs beside compute still takes NCCL's SMs from it while it runs.
-  const double rs_exposed = detail::exposed_grad_reduce(rs, r.stage_bwd_s, map.pp, map.vpp);
-  const double ag_exposed = detail::exposed_param_gather(ag, r.stage_fwd_s, map.pp, map.vpp);
-  t.dp_comm =
-      rs_exposed + ag_exposed + e.nccl_sms / e.sm_count * ((rs - rs_exposed) + (ag - ag_exposed));
+  // The traffic hides behind the stage's forward (`fwd`) and backward (`bwd`) windows; what
+  // runs beside compute still takes NCCL's SMs from it while it runs.
+  const auto dp_exposed = [&](double fwd_window, double bwd_window) {
+    const double rs_exposed = detail::exposed_grad_reduce(rs, bwd_window, map.pp, map.vpp);
+    const double ag_exposed = detail::exposed_param_gather(ag, fwd_window, map.pp, map.vpp);
+    return rs_exposed + ag_exposed +
+           e.nccl_sms / e.sm_count * ((rs - rs_exposed) + (ag - ag_exposed));
+  };
+  const double gpu_steady = t.gemm + t.attention + t.elementwise + t.tp_comm + t.cp_comm +
+                            t.ep_a2a + t.etp_comm + t.sync_idle + t.recompute;
+  // GPU-bound: the steady state is the GPU's work, the traffic hides behind its windows.
+  const double gpu_bound = gpu_steady + dp_exposed(r.stage_fwd_s, r.stage_bwd_s);
+  t.dp_comm = gpu_bound - gpu_steady;
+  double bound = gpu_bound;  // the steady state and the exposed DP traffic
+  if (host_per_micro > 0) {
+    // Host-bound. Under the EP overlap one micro-batch's forward runs beside another's
+    // backward: the host issues both, one after the other, in its own time (the windows are
+    // then the host's alone, whatever the GPU's).
+    const double dp_host =
+        overlapped ? dp_exposed(host_fwd, host_bwd) : dp_exposed(fwd_window, bwd_window);
+    const double host_bound = (overlapped ? micro * host_per_micro : micro * per_micro) + dp_host;
+    if (host_bound > gpu_bound) {
+      // The components still add up to the bound: the traffic exposed behind the host's
+      // windows (less, where the GPU's own work is the longer part), and what the GPU waits for.
+      bound = host_bound;
+      t.dp_comm = std::min(dp_host, bound - gpu_steady);
+      t.host = bound - gpu_steady - t.dp_comm;
+    }
+  }
   // Adam on the local shard: read grad (4) + master and moments (12), write them (12) and the
   // bf16 weights (2): 30 bytes per parameter of the shard.
   const double shard = p.dense / (static_cast<double>(map.dp) * map.cp) + p.expert / map.edp;
   t.optimizer = 30.0 * shard / detail::memory_bound_bw(c, e);
+  // Summed from the bounds, not from the components, so that a cheaper component never makes
+  // a host-bound step longer by a rounding.
+  r.step_s = bound + t.bubble + t.pp_p2p + t.optimizer;
   return r;
 }
 
