@@ -216,7 +216,8 @@ out = ["| measurement | GPUs | mapping (* = not published: the planner's best) |
        f"{100 * low:+.1f}% .. {100 * high:+.1f}%."]
 # How each component of the predicted step grows under strong scaling (the paper's Table 4: the
 # same mapping, GBS 1024, more GPUs): seconds per step at the smallest and the largest job.
-SHOWN = ("gemm", "attention", "elementwise", "tp_comm", "ep_a2a", "etp_comm", "bubble", "dp_comm")
+SHOWN = ("gemm", "attention", "elementwise", "tp_comm", "ep_a2a", "etp_comm", "sync_idle", "host", "bubble",
+         "dp_comm")
 scaling = ["| model, mapping | GPUs | published MFU | predicted MFU | micro-batches | "
            + " | ".join(SHOWN) + " | other |",
            "| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in SHOWN) + " | --- |"]
