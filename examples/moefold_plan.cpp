@@ -297,10 +297,10 @@ void print_svg(const mp::model_config& m, const mp::cluster_config& c, const mp:
   double max_mfu = 0.01, max_t = 1e-9;
   for (std::size_t i = 0; i < bars; ++i) max_mfu = std::max(max_mfu, s.ranked[i].mfu);
   for (std::size_t i = 0; i < best; ++i) max_t = std::max(max_t, s.ranked[i].step_time_s);
+  // One colour per time component (explain.hpp's time_components).
   const char* colors[] = {"#4e79a7", "#a0cbe8", "#f28e2b", "#ffbe7d", "#59a14f",
                           "#e15759", "#ff9d9a", "#b07aa1", "#9c755f", "#bab0ac",
-                          "#76b7b2", "#edc948", "#d37295", "#8cd17d"};  // one per time component
-                                                                        // (explain.hpp)
+                          "#76b7b2", "#edc948", "#d37295", "#8cd17d"};
   std::ostringstream o;
   o << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<svg xmlns=\"http://www.w3.org/2000/svg\" "
     << "width=\"" << w << "\" height=\"" << h << "\" viewBox=\"0 0 " << w << ' ' << h
