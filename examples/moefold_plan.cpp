@@ -151,11 +151,16 @@ struct calibration_use {
 // Measured compute rates carry over as fractions of the measured GPU's peak: sound between GPUs
 // of one tensor-core generation (an H200's on an H100: the same tensor cores and clocks), a
 // guess across generations (an H200's fractions on a GB200, whose peak is 2.5x). A file without
-// a `gpu` section is taken as measured on the planned GPU, so nothing can be said of it (an
-// H200's TFLOP/s read as a GB200's priced the GB200 validation points 37-50% too slow;
-// docs/planner.md).
+// a `gpu` section is taken as measured on the planned GPU; the tool says so, since that is
+// right only if it was (an H200's TFLOP/s read as a GB200's priced the GB200 validation points
+// 34-47% too slow; docs/planner.md). Bandwidths alone (collectives) need no GPU named.
 std::string calibration_caution(const mp::calibration& cal, const mp::cluster_config& c) {
-  if (!(cal.measured_peak_flops > 0)) return {};
+  if (!(cal.measured_peak_flops > 0)) {
+    if (cal.gemm.empty() && cal.expert_gemm.empty() && cal.attention.empty()) return {};
+    return "the file names no GPU: its compute rates are read as measured on " + c.name +
+           " itself (" + num(c.peak_bf16_flops / 1e12, 0) +
+           " TFLOP/s bf16 peak); rates measured on another GPU need its `gpu` section";
+  }
   const double ratio = cal.measured_peak_flops / c.peak_bf16_flops;
   if (ratio > 0.9 && ratio < 1.0 / 0.9) return {};
   return "measured on a GPU of " + num(cal.measured_peak_flops / 1e12, 0) +

@@ -75,7 +75,8 @@ check("the H200 file in docs/calibration: a search, JSON with the calibration na
           "dense GEMM (9 shapes)", "expert GEMM (8 shapes)", "memory-bound bandwidth"] and
       len(doc.get("ranked", [])) == 3, (r.returncode, r.stderr, r.stdout[:300]))
 # Rates of an H200 on an H100 cluster carry over (the same peak); on a GB200 they do not, and the
-# tool says so (text and JSON); a file naming no GPU is taken as measured on the planned one.
+# tool says so (text and JSON); a file naming no GPU is taken as measured on the planned one,
+# which the tool states too.
 h200_12 = docs / "calibration" / "h200-2026-12-04.json"
 gb200 = ["--model", "mixtral-8x22b", "--cluster", "gb200-nvl72", "--gpus", 128, "--tp", 2,
          "--cp", 1, "--ep", 8, "--etp", 1, "--pp", 8, "--vpp", 7, "--mbs", 1]
@@ -92,8 +93,9 @@ doc = json.loads(r.stdout) if r.returncode == 0 else {}
 check("an H200 file on an H100 cluster: no caution",
       doc.get("calibration", {}).get("caution", None) == "", r.stderr + r.stdout[:300])
 r = run(*gb200, "--calibration", docs / "calibration" / "h200-2026-12-04-probe.json")
-check("a file naming no GPU: no caution (taken as measured on the planned GPU)",
-      r.returncode == 0 and "caution" not in r.stdout, r.stderr + r.stdout[:300])
+check("a file naming no GPU: taken as measured on the planned GPU, and the tool says so",
+      r.returncode == 0 and "caution: the file names no GPU: its compute rates are read as measured "
+      "on gb200-nvl72 itself (2500 TFLOP/s bf16 peak)" in r.stdout, r.stderr + r.stdout[:800])
 
 r = run(*fixed, "--format", "json", "--calibration", h200)
 one = json.loads(r.stdout) if r.returncode == 0 else {}
@@ -125,6 +127,8 @@ r = run(*fixed, "--calibration", sweep)
 check("a collective sweep: ring collectives at one size merge, inter-node all-to-all with its size",
       r.returncode == 0 and "all-gather/reduce-scatter intra-node (2 sizes)" in r.stdout and
       "all-to-all inter-node (2 sizes)" in r.stdout, (r.returncode, r.stderr, r.stdout[:500]))
+check("... bandwidths need no GPU named: no caution", r.returncode == 0 and "caution" not in r.stdout,
+      r.stdout[:500])
 
 bad = {
     "not JSON": ("{", "malformed JSON"),
