@@ -416,19 +416,19 @@ struct step_time_result {
       ring_time(4.0 * p.dense, pl.dp_cp, c, e) + ring_time(4.0 * p.expert, pl.edp, c, e);
   const double ag =
       ring_time(2.0 * p.dense, pl.dp_cp, c, e) + ring_time(2.0 * p.expert, pl.edp, c, e);
-  // The traffic hides behind the stage's forward (`fwd`) and backward (`bwd`) windows; what
-  // runs beside compute still takes NCCL's SMs from it while it runs.
-  const auto dp_exposed = [&](double fwd_window, double bwd_window) {
-    const double rs_exposed = detail::exposed_grad_reduce(rs, bwd_window, map.pp, map.vpp);
-    const double ag_exposed = detail::exposed_param_gather(ag, fwd_window, map.pp, map.vpp);
+  // The traffic hides behind a forward window (`f_win`) and a backward window (`b_win`) of the
+  // stage; what runs beside compute still takes NCCL's SMs from it while it runs.
+  const auto dp_exposed = [&](double f_win, double b_win) {
+    const double rs_exposed = detail::exposed_grad_reduce(rs, b_win, map.pp, map.vpp);
+    const double ag_exposed = detail::exposed_param_gather(ag, f_win, map.pp, map.vpp);
     return rs_exposed + ag_exposed +
            e.nccl_sms / e.sm_count * ((rs - rs_exposed) + (ag - ag_exposed));
   };
   const double gpu_steady = t.gemm + t.attention + t.elementwise + t.tp_comm + t.cp_comm +
                             t.ep_a2a + t.etp_comm + t.sync_idle + t.recompute;
   // GPU-bound: the steady state is the GPU's work, the traffic hides behind its windows.
-  const double gpu_bound = gpu_steady + dp_exposed(r.stage_fwd_s, r.stage_bwd_s);
-  t.dp_comm = gpu_bound - gpu_steady;
+  t.dp_comm = dp_exposed(r.stage_fwd_s, r.stage_bwd_s);
+  const double gpu_bound = gpu_steady + t.dp_comm;
   double bound = gpu_bound;  // the steady state and the exposed DP traffic
   if (host_per_micro > 0) {
     // Host-bound. Under the EP overlap one micro-batch's forward runs beside another's
