@@ -29,4 +29,13 @@ inline cluster_config h100_gpus(int n) {
   return c;
 }
 
+//! The built-in efficiencies without the eager host floor: the GPU's side of a step. The small
+//! model's layers take far less GPU time than the floor, which hides every other mechanism
+//! (dispatch_model_test.cpp checks the floor itself).
+inline efficiency gpu_side() {
+  efficiency e;
+  e.host_moe_layer_s = 0;
+  return e;
+}
+
 }  // namespace moefold::plan::testing

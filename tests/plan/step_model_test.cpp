@@ -141,8 +141,7 @@ TEST_CASE("EP all-to-all time of a mapping, by hand") {
 TEST_CASE("pipeline bubble fraction of 1F1B and of the interleaved schedule") {
   const auto m = small_model();
   const auto c = eight_gpus();
-  efficiency gpu_only;  // the small model is host-bound otherwise (dispatch_model_test.cpp)
-  gpu_only.host_moe_layer_s = 0;
+  const auto gpu_only = testing::gpu_side();  // the small model is host-bound otherwise
   for (int vpp : {1, 2}) {
     auto r = evaluate(m, c, {.tp = 2, .cp = 1, .ep = 4, .etp = 1, .pp = 2, .vpp = vpp, .mbs = 1},
                       gpu_only);
