@@ -15,9 +15,9 @@
 
 #include <type_traits>
 
+#include <moefold/core/activation.hpp>
 #include <moefold/core/config.hpp>
 #include <moefold/core/dtype.hpp>
-#include <moefold/experts/activation.hpp>
 
 #include "elementwise.hpp"
 #include "simt/erf.hpp"

@@ -21,8 +21,8 @@
 #include <cstdint>
 
 #include <moefold/core/config.hpp>
+#include <moefold/core/drop_by.hpp>
 #include <moefold/core/dtype.hpp>
-#include <moefold/dispatch/drop_by.hpp>
 
 #include "simt/block_scan.hpp"
 

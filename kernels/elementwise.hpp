@@ -1,7 +1,7 @@
 //! @file elementwise.hpp
 //! @brief Element-by-element kernels over [rows, width] views: relabel (global expert ids to a
 //! rank's local ones), add a converted source, convert, scale, fill. Each element is one thread's,
-//! grid-strided, with the arithmetic of the host's row operations (core/host_memory_ops.hpp):
+//! grid-strided, with the arithmetic of the host's row operations (exec/host_memory_ops.hpp):
 //! sums in accumulator_t<T> (fp32 for 16-bit data), rounded to T once, never fused.
 #pragma once
 

@@ -13,14 +13,12 @@
 #pragma once
 
 #include <moefold/core/config.hpp>
+#include <moefold/core/score_function.hpp>
 
 #include "simt/math.hpp"
 #include "simt/warp.hpp"
 
 namespace moefold::kernels {
-
-//! The score function, as routing/score_function.hpp names it.
-enum class router_score : int { softmax = 0, sigmoid = 1, sqrt_softplus = 2 };
 
 namespace detail_router {
 constexpr int block_threads = 128;
@@ -120,13 +118,13 @@ struct warp_per_token {
 };
 
 //! The elementwise score (sigmoid or sqrt-softplus) of x.
-[[nodiscard]] MOEFOLD_HOST_DEVICE inline float elementwise_score(router_score f, float x) {
-  return f == router_score::sigmoid ? simt::sigmoid(x) : simt::sqrt(softplus(x));
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline float elementwise_score(score_function f, float x) {
+  return f == score_function::sigmoid ? simt::sigmoid(x) : simt::sqrt(softplus(x));
 }
 //! d score / d x from x and the score sk, as routing/score_function.hpp's
 //! elementwise_score_grad (sqrt-softplus: 0 where the score underflowed to 0).
-[[nodiscard]] MOEFOLD_HOST_DEVICE inline float score_grad(router_score f, float x, float sk) {
-  if (f == router_score::sigmoid) return simt::mul(sk, simt::add(1.0f, -sk));
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline float score_grad(score_function f, float x, float sk) {
+  if (f == score_function::sigmoid) return simt::mul(sk, simt::add(1.0f, -sk));
   if (!(sk > 0.0f)) return 0.0f;
   const float sp_grad = x > 20.0f ? 1.0f : simt::sigmoid(x);
   return simt::div(sp_grad, simt::mul(2.0f, sk));
@@ -173,7 +171,7 @@ struct basic_router_topk_kernel {
 
   const float* logits;
   int num_tokens, num_experts, topk;
-  router_score score;
+  score_function score;
   bool pre_softmax;
   int num_groups;  //!< 0: no group limit
   int group_topk;
@@ -193,7 +191,7 @@ struct basic_router_topk_kernel {
       const float* row = logits + static_cast<long long>(t) * num_experts;
       float s[per_thread], sel[per_thread];  // experts rank + width j: score, selection value
       detail_router::load_row(tm, row, num_experts, s);
-      if (score == router_score::softmax) {
+      if (score == score_function::softmax) {
         if (pre_softmax) detail_router::softmax(tm, s, num_experts);
         for (int j = 0; j < per_thread; ++j)
           sel[j] = rank + width * j < num_experts ? s[j] : neg_inf;
@@ -235,12 +233,12 @@ struct basic_router_topk_kernel {
 
       // Probabilities, every sum in selection order (selection 0 first), as the host.
       float p = rank < topk ? tm.selected_value() : 0.0f;
-      if (score == router_score::softmax && !pre_softmax) {
+      if (score == score_function::softmax && !pre_softmax) {
         const float top = tm.first_value();  // the largest selected logit
         const auto e = [top](float x) { return simt::exp(simt::add(x, -top)); };
         const float sum = tm.ordered_sum(topk, e);
         p = rank < topk ? simt::div(e(p), sum) : 0.0f;
-      } else if (score != router_score::softmax && topk > 1) {
+      } else if (score != score_function::softmax && topk > 1) {
         const float sum = tm.ordered_sum(topk, [](float x) { return x; });
         p = simt::div(p, simt::add(sum, 1e-20f));
       }
@@ -318,7 +316,7 @@ struct basic_router_backward_kernel {
   const int* indices;
   const float* dprobs;
   int num_tokens, num_experts, topk;
-  router_score score;
+  score_function score;
   bool pre_softmax;
   bool scale;
   float scaling_factor;
@@ -338,7 +336,7 @@ struct basic_router_backward_kernel {
       float g = rank < topk ? dprobs[base + rank] : 0.0f;
       if (scale) g = simt::mul(g, scaling_factor);
       float out[per_thread] = {};  // the thread's experts rank + width j
-      if (score == router_score::softmax && pre_softmax) {
+      if (score == score_function::softmax && pre_softmax) {
         // s = softmax(row); ds = the selections' gradients scattered; ds_e -> s_e (ds_e - <s, ds>).
         float s[per_thread], ds[per_thread] = {};
         detail_router::load_row(tm, row, num_experts, s);
@@ -359,7 +357,7 @@ struct basic_router_backward_kernel {
         const bool valid = rank < topk && my_index >= 0 && my_index < num_experts;
         const float x = valid ? row[my_index] : 0.0f;
         float gx = 0.0f;  // d loss / d x of the thread's selection
-        if (score == router_score::softmax) {
+        if (score == score_function::softmax) {
           // p = softmax over the k selected logits; dx_i = p_i (g_i - <p, g>).
           const float top = held(tm, x, 0);  // the largest selected logit
           float p = rank < topk ? simt::exp(simt::add(x, -top)) : 0.0f;

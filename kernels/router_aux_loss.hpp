@@ -40,7 +40,7 @@ struct basic_aux_scores_kernel {
   const float* logits;
   const std::uint8_t* padding;  //!< [N] or null
   int num_tokens, num_experts, topk;
-  router_score score;
+  score_function score;
   float* scores;      //!< [N, E]
   std::uint8_t* map;  //!< [N, E]: 1 where the expert is among the token's top k
 
@@ -58,7 +58,7 @@ struct basic_aux_scores_kernel {
         for (int j = 0; j < per_thread; ++j) s[j] = 0.0f;
       } else {
         detail_router::load_row(tm, logits + at, num_experts, s);
-        if (score == router_score::softmax) {
+        if (score == score_function::softmax) {
           detail_router::softmax(tm, s, num_experts);
         } else {
           float part = 0.0f;
@@ -209,7 +209,7 @@ struct basic_aux_loss_backward_kernel {
   const float* logits;
   const std::uint8_t* padding;  //!< [N] or null
   int num_tokens, num_experts;
-  router_score score;
+  score_function score;
   const float* dscores;  //!< [columns], from switch_loss_kernel
   int columns;
   float seed;
@@ -230,7 +230,7 @@ struct basic_aux_loss_backward_kernel {
         ds[j] = e < num_experts ? simt::mul(seed, dscores[(at + e) % columns]) : 0.0f;
         s[j] = x[j];
       }
-      if (score == router_score::softmax) {
+      if (score == score_function::softmax) {
         detail_router::softmax(tm, s, num_experts);
         float dot = 0.0f;
         for (int j = 0; j < per_thread; ++j) dot = simt::add(dot, simt::mul(s[j], ds[j]));

@@ -9,7 +9,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <moefold/core/cpu_exec.hpp>
+#include <moefold/exec/cpu_exec.hpp>
 #include <moefold/kernels/simt/block_scan.hpp>
 #include <vector>
 

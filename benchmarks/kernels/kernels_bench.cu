@@ -8,9 +8,9 @@
 // per line (the peer script reads the router lines and prints the ratios).
 //
 //   build/benchmarks/kernels/bench-kernels [tokens=16384] [hidden=4096]
-#include <moefold/core/cuda/cuda_exec.hpp>
-#include <moefold/core/cuda/cuda_launch.cuh>
 #include <moefold/core/dtype.hpp>
+#include <moefold/exec/cuda/cuda_exec.hpp>
+#include <moefold/exec/cuda/cuda_launch.cuh>
 #include <moefold/kernels/permute.hpp>
 #include <moefold/kernels/router.hpp>
 #include <moefold/kernels/router_block.hpp>
@@ -170,16 +170,17 @@ int main(int argc, char** argv) {
   struct variant {
     const char* name;
     int experts, topk;
-    k::router_score score;
+    moefold::score_function score;
     bool pre, bias;
     int groups, group_topk;
     bool scale;
   };
   const variant variants[] = {
-      {"softmax_topk_e128_k8", 128, 8, k::router_score::softmax, true, false, 0, 0, false},
-      {"topk_softmax_e64_k6", 64, 6, k::router_score::softmax, false, false, 0, 0, false},
-      {"sigmoid_bias_groups_e256_k8", 256, 8, k::router_score::sigmoid, false, true, 8, 4, true},
-      {"softmax_topk_e512_k8", 512, 8, k::router_score::softmax, true, false, 0, 0, false},
+      {"softmax_topk_e128_k8", 128, 8, moefold::score_function::softmax, true, false, 0, 0, false},
+      {"topk_softmax_e64_k6", 64, 6, moefold::score_function::softmax, false, false, 0, 0, false},
+      {"sigmoid_bias_groups_e256_k8", 256, 8, moefold::score_function::sigmoid, false, true, 8, 4,
+       true},
+      {"softmax_topk_e512_k8", 512, 8, moefold::score_function::softmax, true, false, 0, 0, false},
   };
   std::normal_distribution<float> d(0.0f, 1.0f);
   for (const auto& v : variants) {

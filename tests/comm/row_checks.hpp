@@ -6,9 +6,9 @@
 // where doctest's assertions are not safe).
 #pragma once
 
-#include <moefold/core/exec_buffer.hpp>
-#include <moefold/core/host_exec.hpp>
 #include <moefold/core/row_view.hpp>
+#include <moefold/exec/exec_buffer.hpp>
+#include <moefold/exec/host_exec.hpp>
 
 #include <random>
 #include <string>

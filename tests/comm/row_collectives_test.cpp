@@ -3,9 +3,9 @@
 // counts C are the elements of counts C * W. Plus the rules of the row form: one width on every
 // rank, contiguous views, 2^31 rows, 64-bit element offsets.
 #include <moefold/comm/thread_world.hpp>
-#include <moefold/core/cpu_exec.hpp>
-#include <moefold/core/exec_buffer.hpp>
-#include <moefold/core/host_exec.hpp>
+#include <moefold/exec/cpu_exec.hpp>
+#include <moefold/exec/exec_buffer.hpp>
+#include <moefold/exec/host_exec.hpp>
 
 #include <doctest/doctest.h>
 

@@ -7,12 +7,12 @@
 #include <doctest/doctest.h>
 #include <moefold/comm/group_communicator.hpp>
 #include <moefold/comm/thread_world.hpp>
-#include <moefold/core/cpu_exec.hpp>
 #include <moefold/core/dtype.hpp>
-#include <moefold/core/exec_buffer.hpp>
-#include <moefold/core/host_exec.hpp>
 #include <moefold/dispatch/all_gather_dispatcher.hpp>
 #include <moefold/dispatch/all_to_all_dispatcher.hpp>
+#include <moefold/exec/cpu_exec.hpp>
+#include <moefold/exec/exec_buffer.hpp>
+#include <moefold/exec/host_exec.hpp>
 
 #include <cstring>
 #include <optional>

@@ -6,11 +6,11 @@
 
 #include <doctest/doctest.h>
 #include <moefold/comm/group_communicator.hpp>
-#include <moefold/core/exec.hpp>
-#include <moefold/core/exec_buffer.hpp>
 #include <moefold/dispatch/all_gather_dispatcher.hpp>
 #include <moefold/dispatch/all_to_all_dispatcher.hpp>
 #include <moefold/dispatch/exec_workspace.hpp>
+#include <moefold/exec/exec.hpp>
+#include <moefold/exec/exec_buffer.hpp>
 
 #include <cstddef>
 #include <cstring>

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The dispatcher and layer headers serve host and GPU alike: they move rows only through their
-execution context's operations (core/host_memory_ops.hpp, cuda_exec), so they contain no loop
+execution context's operations (exec/host_memory_ops.hpp, cuda_exec), so they contain no loop
 (over rows, tokens, elements or anything else) and no `if constexpr` on the context type.
 
 Usage: one_path_check.py <include root>. Exits 1 naming each file:line that breaks the rule.

@@ -12,9 +12,9 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
-#include <moefold/core/cpu_exec.hpp>
 #include <moefold/core/dtype.hpp>
-#include <moefold/core/exec_buffer.hpp>
+#include <moefold/exec/cpu_exec.hpp>
+#include <moefold/exec/exec_buffer.hpp>
 #include <moefold/experts/grouped_mlp.hpp>
 #include <moefold/experts/simt_mlp.hpp>
 #include <random>

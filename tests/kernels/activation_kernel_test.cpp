@@ -9,8 +9,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <moefold/core/cpu_exec.hpp>
 #include <moefold/core/dtype.hpp>
+#include <moefold/exec/cpu_exec.hpp>
 #include <moefold/experts/activation.hpp>
 #include <moefold/kernels/activation.hpp>
 #include <random>

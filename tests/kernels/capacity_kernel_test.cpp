@@ -11,8 +11,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <moefold/core/cpu_exec.hpp>
 #include <moefold/dispatch/drop_policy.hpp>
+#include <moefold/exec/cpu_exec.hpp>
 #include <moefold/kernels/capacity.hpp>
 #include <numeric>
 #include <random>

@@ -5,7 +5,7 @@
   compile and link into one program: a non-template __global__ or a non-inline function defined
   in a header would be a duplicate symbol.
 
-Usage: cuh_check.py --nvcc NVCC --include-root INCLUDE --kernels KERNELS_DIR --shim SHIM
+Usage: cuh_check.py --nvcc NVCC --include-root INCLUDE --kernels KERNELS_DIR
                     --workdir DIR [-- EXTRA_NVCC_ARGS...]"""
 import argparse
 import pathlib
@@ -21,14 +21,13 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--nvcc", required=True)
 ap.add_argument("--include-root", required=True)
 ap.add_argument("--kernels", required=True)
-ap.add_argument("--shim", required=True)
 ap.add_argument("--workdir", required=True)
 a = ap.parse_args(argv)
 work = pathlib.Path(a.workdir)
 work.mkdir(parents=True, exist_ok=True)
 inc, kern = pathlib.Path(a.include_root), pathlib.Path(a.kernels)
 flags = ["-std=c++20", "-gencode", "arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",
-         "-I", str(inc), "-I", a.shim, "-Xcompiler", "-Wall,-Wextra"] + extra
+         "-I", str(inc), "-Xcompiler", "-Wall,-Wextra"] + extra
 
 cuh = [h.relative_to(inc).as_posix() for h in sorted(inc.rglob("*.cuh"))]
 cuh += ["moefold/kernels/" + h.relative_to(kern).as_posix() for h in sorted(kern.rglob("*.cuh"))]

@@ -9,8 +9,8 @@
 
 #include <cmath>
 #include <cstring>
-#include <moefold/core/cpu_exec.hpp>
 #include <moefold/core/dtype.hpp>
+#include <moefold/exec/cpu_exec.hpp>
 #include <moefold/kernels/grouped_gemm.hpp>
 #include <random>
 #include <vector>

@@ -10,9 +10,9 @@
 #include <algorithm>
 #include <climits>
 #include <cstddef>
-#include <moefold/core/cpu_exec.hpp>
 #include <moefold/dispatch/permute.hpp>
 #include <moefold/dispatch/plan_builders.hpp>
+#include <moefold/exec/cpu_exec.hpp>
 #include <moefold/kernels/permute_plan.hpp>
 #include <moefold/kernels/record_pair.hpp>
 #include <numeric>

@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
-#include <moefold/core/cpu_exec.hpp>
+#include <moefold/exec/cpu_exec.hpp>
 #include <moefold/kernels/router.hpp>
 #include <moefold/kernels/router_block.hpp>
 #include <moefold/routing/topk_router.hpp>
@@ -145,7 +145,7 @@ void check_forward(const std::vector<variant>& variants, const std::vector<int>&
                      .num_tokens = N,
                      .num_experts = E,
                      .topk = kk,
-                     .score = static_cast<k::router_score>(static_cast<int>(o.score)),
+                     .score = o.score,
                      .pre_softmax = o.pre_softmax,
                      .num_groups = o.num_groups,
                      .group_topk = o.group_topk,
@@ -300,7 +300,7 @@ void check_backward(const std::vector<variant>& variants, const std::vector<int>
                      .num_tokens = N,
                      .num_experts = E,
                      .topk = kk,
-                     .score = static_cast<k::router_score>(static_cast<int>(o.score)),
+                     .score = o.score,
                      .pre_softmax = o.pre_softmax,
                      .scale = o.scaling_factor.has_value(),
                      .scaling_factor = static_cast<float>(o.scaling_factor.value_or(1.0)),

@@ -17,7 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <moefold/comm/thread_world.hpp>
-#include <moefold/core/cpu_exec.hpp>
+#include <moefold/exec/cpu_exec.hpp>
 #include <moefold/kernels/expert_bias.hpp>
 #include <moefold/kernels/histogram.hpp>
 #include <moefold/kernels/router_aux_loss.hpp>
@@ -142,7 +142,7 @@ void check_losses(const std::vector<loss_case>& cases, std::mt19937_64& rng, wor
       for (int t = 0; t < N; ++t) padding.push_back(t % 4 == 1 ? 1 : 0);
     if (lc.padding == 2) padding.assign(static_cast<std::size_t>(N), 1);
     const std::uint8_t* pad = padding.empty() ? nullptr : padding.data();
-    const auto score = static_cast<k::router_score>(static_cast<int>(lc.f));
+    const auto score = lc.f;
     const int blocks = std::min(N, 3);
 
     // Aux scores and map against fp64.

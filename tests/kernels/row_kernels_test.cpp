@@ -1,5 +1,5 @@
 // The row kernels (kernels/permute.hpp, unpermute.hpp, chunk_copy.hpp, elementwise.hpp) on the
-// CPU executor against the host's row operations (host_exec, core/host_memory_ops.hpp) on fresh
+// CPU executor against the host's row operations (host_exec, exec/host_memory_ops.hpp) on fresh
 // random inputs (seed printed; MOEFOLD_TEST_SEED replays one): outputs poisoned before each
 // launch, every element compared bit for bit (the kernels sum in the host's order, rounding each
 // product and sum once). Sizes: tokens 1, 7, 513; hidden 1, 7, 8, 4096 + 8; k 1, 2, 8; the
@@ -9,11 +9,11 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
-#include <moefold/core/cpu_exec.hpp>
 #include <moefold/core/dtype.hpp>
-#include <moefold/core/host_exec.hpp>
 #include <moefold/dispatch/chunk_sort.hpp>
 #include <moefold/dispatch/plan_builders.hpp>
+#include <moefold/exec/cpu_exec.hpp>
+#include <moefold/exec/host_exec.hpp>
 #include <random>
 #include <string>
 #include <utility>

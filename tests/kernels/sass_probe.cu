@@ -1,8 +1,8 @@
 // Every row kernel's GPU entry, instantiated for the types the dispatcher moves (fp32, bf16), for
 // sass_check.py to compile to sm_90a and read: 128-bit global accesses in the row kernels, no
 // spills, registers and occupancy. Nothing here runs.
-#include <moefold/core/cuda/cuda_launch.cuh>
 #include <moefold/core/dtype.hpp>
+#include <moefold/exec/cuda/cuda_launch.cuh>
 #include <moefold/kernels/activation.hpp>
 #include <moefold/kernels/capacity.hpp>
 #include <moefold/kernels/chunk_copy.hpp>

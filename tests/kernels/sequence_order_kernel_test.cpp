@@ -7,8 +7,8 @@
 // the fault across a later good launch.
 #include <doctest/doctest.h>
 
-#include <moefold/core/cpu_exec.hpp>
 #include <moefold/dispatch/drop_policy_full_sequence.hpp>
+#include <moefold/exec/cpu_exec.hpp>
 #include <moefold/kernels/sequence_order.hpp>
 
 #include <algorithm>

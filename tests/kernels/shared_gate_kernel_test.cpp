@@ -7,8 +7,8 @@
 // 513 (<= 64 under TSan), hidden 1, 7, 8, 264, odd row strides, fp32 and bf16, gate on and off.
 #include <doctest/doctest.h>
 
-#include <moefold/core/cpu_exec.hpp>
 #include <moefold/core/dtype.hpp>
+#include <moefold/exec/cpu_exec.hpp>
 #include <moefold/kernels/shared_gate.hpp>
 
 #include <cmath>

@@ -11,9 +11,9 @@
 #include <doctest/doctest.h>
 #include <moefold/comm/cuda/loopback_world.cuh>
 #include <moefold/comm/thread_world.hpp>
-#include <moefold/core/cpu_exec.hpp>
-#include <moefold/core/cuda/cuda_kernel_exec.cuh>
 #include <moefold/dispatch/all_to_all_dispatcher.hpp>
+#include <moefold/exec/cpu_exec.hpp>
+#include <moefold/exec/cuda/cuda_kernel_exec.cuh>
 
 #include <algorithm>
 #include <optional>

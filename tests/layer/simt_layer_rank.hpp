@@ -6,8 +6,8 @@
 // the backward).
 #pragma once
 
-#include <moefold/core/exec_buffer.hpp>
 #include <moefold/dispatch/all_to_all_dispatcher.hpp>
+#include <moefold/exec/exec_buffer.hpp>
 #include <moefold/experts/simt_mlp.hpp>
 #include <moefold/layer/simt_moe_layer.hpp>
 

@@ -5,10 +5,10 @@
 // with reference_mlp experts holding the same weights: the same routing, values within the two
 // layers' fp32 error) and against the single-rank fp64 reference of layer_harness.hpp.
 #include <moefold/comm/thread_world.hpp>
-#include <moefold/core/cpu_exec.hpp>
-#include <moefold/core/exec_buffer.hpp>
 #include <moefold/dispatch/all_gather_dispatcher.hpp>
 #include <moefold/dispatch/all_to_all_dispatcher.hpp>
+#include <moefold/exec/cpu_exec.hpp>
+#include <moefold/exec/exec_buffer.hpp>
 #include <moefold/experts/reference_mlp.hpp>
 #include <moefold/experts/simt_mlp.hpp>
 #include <moefold/layer/simt_moe_layer.hpp>

@@ -6,8 +6,8 @@
 // dlogits. fp32 and bf16 tokens, x with a row stride wider than H, the warp team (E <= 256) and
 // the block team (E 512). Bad shapes and options beyond the kernels are refused.
 #include <doctest/doctest.h>
-#include <moefold/core/cpu_exec.hpp>
 #include <moefold/core/dtype.hpp>
+#include <moefold/exec/cpu_exec.hpp>
 #include <moefold/routing/simt_router.hpp>
 #include <moefold/routing/topk_router.hpp>
 

@@ -18,9 +18,9 @@
 // check looks at.
 #pragma once
 
-#include <moefold/core/cpu_exec.hpp>
-#include <moefold/core/exec.hpp>
-#include <moefold/core/simt_memory_ops.hpp>
+#include <moefold/exec/cpu_exec.hpp>
+#include <moefold/exec/exec.hpp>
+#include <moefold/exec/simt_memory_ops.hpp>
 
 #include <cstddef>
 #include <cstdint>

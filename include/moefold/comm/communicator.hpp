@@ -13,7 +13,7 @@
 //! The V-collectives' offsets and counts come from one place, comm/schedule.hpp, for all backends.
 //!
 //! Two forms of every collective:
-//! - on row views (core/row_view.hpp) with an execution context (core/exec.hpp): counts per peer
+//! - on row views (core/row_view.hpp) with an execution context (exec/exec.hpp): counts per peer
 //!   in rows, the views' memory space the communicator's, the stream (if any) the context's.
 //!   This is what the dispatcher and the layer call; `communicator_for<C, Exec, T>` states it.
 //! - on spans with counts in elements (comm/span_collectives.hpp), for host code and tests; a span
@@ -26,10 +26,10 @@
 #include <span>
 
 #include "../core/dtype.hpp"
-#include "../core/exec.hpp"
 #include "../core/expected.hpp"
 #include "../core/memory_space.hpp"
 #include "../core/row_view.hpp"
+#include "../exec/exec.hpp"
 
 namespace moefold {
 inline namespace v0_1 {

@@ -29,12 +29,12 @@
 #include <utility>
 #include <vector>
 
-#include "../core/cpu_exec.hpp"
 #include "../core/dtype.hpp"
 #include "../core/expected.hpp"
-#include "../core/host_exec.hpp"
 #include "../core/row_view.hpp"
 #include "../core/size.hpp"
+#include "../exec/cpu_exec.hpp"
+#include "../exec/host_exec.hpp"
 #include "communicator.hpp"
 #include "group_communicator.hpp"
 #include "schedule.hpp"

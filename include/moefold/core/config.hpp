@@ -13,7 +13,7 @@
 #endif
 
 // Statements that only the host compiles: nvcc's device pass drops them. The CPU executor's
-// context (core/cpu_launch.hpp) has __host__ __device__ members, so that kernel bodies
+// context (exec/cpu_launch.hpp) has __host__ __device__ members, so that kernel bodies
 // instantiated with it in a .cu file call no host function, and does its host work in these.
 #if defined(__CUDA_ARCH__)
 #define MOEFOLD_CPU_ONLY(...)
@@ -28,7 +28,7 @@
 #endif
 
 // ThreadSanitizer must be told when the CPU executor switches fibers (each CUDA thread its own
-// TSan fiber) and where its barriers order memory (core/cpu_fibers.hpp, core/cpu_launch.hpp).
+// TSan fiber) and where its barriers order memory (exec/cpu_fibers.hpp, exec/cpu_launch.hpp).
 #if defined(__SANITIZE_THREAD__)
 #define MOEFOLD_TSAN 1
 #elif defined(__has_feature)
@@ -49,8 +49,8 @@
 #define MOEFOLD_TSAN_UNCHECKED
 #endif
 
-// How the CPU executor (core/cpu_launch.hpp) runs the CUDA threads of a block: as fibers of one
-// OS thread per block (core/cpu_fibers.hpp), where <ucontext.h> exists. A barrier is then a
+// How the CPU executor (exec/cpu_launch.hpp) runs the CUDA threads of a block: as fibers of one
+// OS thread per block (exec/cpu_fibers.hpp), where <ucontext.h> exists. A barrier is then a
 // switch of stacks instead of waking every thread of the block through the kernel, ten to a
 // hundred times cheaper on a machine with few cores. Under ThreadSanitizer each fiber is its own
 // TSan fiber (its own thread identity) and only the barriers order memory between them, so TSan
@@ -64,7 +64,7 @@
 #endif
 #endif
 
-// How the CPU executor's fibers switch stacks (core/cpu_fibers.hpp): on x86-64 without shadow
+// How the CPU executor's fibers switch stacks (exec/cpu_fibers.hpp): on x86-64 without shadow
 // stacks, by a six-register switch of moefold's own; elsewhere (or defined to 0) by glibc's
 // swapcontext, which makes a system call for the signal mask at every switch.
 #if !defined(MOEFOLD_CPU_FIBER_ASM)

@@ -4,7 +4,7 @@
 //! of the wrong kind (comm/communicator.hpp).
 //!
 //! Three spaces: host memory; CUDA device memory; and the device memory of the CPU executor
-//! (core/cpu_exec.hpp), which is host memory that the library treats as device memory (host code
+//! (exec/cpu_exec.hpp), which is host memory that the library treats as device memory (host code
 //! reaches it only through the executor's copies), so the GPU code path runs in CI unchanged.
 #pragma once
 

@@ -5,8 +5,8 @@
 //!
 //! | executor             | header                      | one CUDA thread is            |
 //! |----------------------|-----------------------------|-------------------------------|
-//! | `cpu_exec{seed}`     | core/cpu_launch.hpp         | one OS thread (TSan sees it)  |
-//! | `cuda_exec{stream}`  | core/cuda/cuda_launch.cuh   | a CUDA thread                 |
+//! | `cpu_exec{seed}`     | exec/cpu_launch.hpp         | one OS thread (TSan sees it)  |
+//! | `cuda_exec{stream}`  | exec/cuda/cuda_launch.cuh   | a CUDA thread                 |
 //!
 //! What a body may use is what both contexts give (the `simt_context` concept below): indices,
 //! block barriers, full-mask warp shuffles and ballots, dynamic shared memory, 16-byte loads and

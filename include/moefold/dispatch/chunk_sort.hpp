@@ -12,9 +12,9 @@
 #include <vector>
 
 #include "../core/expected.hpp"
-#include "../core/host_exec.hpp"
 #include "../core/row_view.hpp"
 #include "../core/size.hpp"
+#include "../exec/host_exec.hpp"
 
 namespace moefold {
 inline namespace v0_1 {

@@ -15,11 +15,11 @@
 #include <string>
 #include <vector>
 
+#include "../core/drop_by.hpp"
 #include "../core/error.hpp"
 #include "../core/expected.hpp"
 #include "../routing/routing_view.hpp"
 #include "../routing/topk_router.hpp"
-#include "drop_by.hpp"
 
 namespace moefold {
 inline namespace v0_1 {

@@ -9,9 +9,9 @@
 #include <utility>
 #include <vector>
 
-#include "../core/exec.hpp"
-#include "../core/exec_buffer.hpp"
 #include "../core/expected.hpp"
+#include "../exec/exec.hpp"
+#include "../exec/exec_buffer.hpp"
 #include "dispatch_args.hpp"
 
 namespace moefold {

@@ -9,7 +9,7 @@
 //! basic_permute_plan<host_space>::make() (alias permute_plan) for host spans, and
 //! build_permute_plan(exec, plan_input, storage) (dispatch/plan_builders.hpp) for a dispatcher's
 //! context, its record and storage in the context's memory. Moving rows by a plan is a context
-//! operation (gather_rows, gather_sum_rows: core/host_memory_ops.hpp); permute() and unpermute()
+//! operation (gather_rows, gather_sum_rows: exec/host_memory_ops.hpp); permute() and unpermute()
 //! below are those operations on host_exec with the span shapes checked.
 //!
 //! A routing record is top-k form: `expert[t*k + j]` is the j-th expert of token t, or -1 when
@@ -24,22 +24,16 @@
 #include <string>
 #include <type_traits>
 
-// The plan kernels' tile size sizes their scratch in the plan's workspace: <moefold/kernels/...>
-// where kernels/ is installed under the include tree (or linked there by the build), else from
-// the source tree.
-#if __has_include(<moefold/kernels/permute_plan.hpp>)
+// The plan kernels' tile size sizes their scratch in the plan's workspace.
 #include <moefold/kernels/permute_plan.hpp>
-#else
-#include "../../../kernels/permute_plan.hpp"
-#endif
 
 #include "../core/config.hpp"
 #include "../core/expected.hpp"
-#include "../core/host_exec.hpp"
 #include "../core/memory_space.hpp"
 #include "../core/row_view.hpp"
 #include "../core/size.hpp"
 #include "../core/workspace.hpp"
+#include "../exec/host_exec.hpp"
 #include "pad_mode.hpp"
 
 namespace moefold {

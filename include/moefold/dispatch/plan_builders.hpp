@@ -20,19 +20,14 @@
 #include <string>
 #include <vector>
 
-// The plan kernels: <moefold/kernels/...> where kernels/ is installed under the include tree (or
-// linked there by the build), else from the source tree.
-#if __has_include(<moefold/kernels/permute_plan.hpp>)
+// The plan kernels.
 #include <moefold/kernels/permute_plan.hpp>
-#else
-#include "../../../kernels/permute_plan.hpp"
-#endif
 
-#include "../core/exec.hpp"
 #include "../core/expected.hpp"
-#include "../core/host_memory_ops.hpp"
 #include "../core/row_view.hpp"
 #include "../core/simt_launch.hpp"
+#include "../exec/exec.hpp"
+#include "../exec/host_memory_ops.hpp"
 #include "permute.hpp"
 
 namespace moefold {
@@ -297,7 +292,7 @@ requires(runs_kernels_v<Exec>) [[nodiscard]] status
 }
 
 //! A context a dispatcher can run on: an execution context with the plan builders above and the
-//! row operations (core/host_memory_ops.hpp; cuda_exec gains both with its kernels).
+//! row operations (exec/host_memory_ops.hpp; cuda_exec gains both with its kernels).
 template <class X>
 concept dispatch_context = execution_context<X> &&
     requires(X& x, const plan_input<typename X::memory_space>& in, std::span<std::byte> storage,

@@ -1,39 +1,14 @@
 //! @file activation.hpp
-//! @brief Expert activations and their derivatives (host reference). Gated forms (SwiGLU, GeGLU)
-//! compute act(gate) * up; plain forms act(x).
+//! @brief Expert activations and their derivatives (host reference); the enum naming them is
+//! core/activation.hpp's.
 #pragma once
 
 #include <cmath>
-#include <cstdint>
-#include <string_view>
+
+#include "../core/activation.hpp"
 
 namespace moefold {
 inline namespace v0_1 {
-
-enum class activation : std::uint8_t {
-  swiglu,        //!< silu(gate) * up (gated)
-  geglu,         //!< gelu(gate) * up (gated)
-  gelu,          //!< gelu(x), the exact (erf) form, as torch.nn.functional.gelu
-  silu,          //!< x * sigmoid(x)
-  relu,          //!< max(x, 0)
-  squared_relu,  //!< max(x, 0)^2
-};
-
-[[nodiscard]] constexpr bool is_gated(activation a) noexcept {
-  return a == activation::swiglu || a == activation::geglu;
-}
-
-[[nodiscard]] constexpr std::string_view to_string(activation a) noexcept {
-  switch (a) {
-    case activation::swiglu: return "swiglu";
-    case activation::geglu: return "geglu";
-    case activation::gelu: return "gelu";
-    case activation::silu: return "silu";
-    case activation::relu: return "relu";
-    case activation::squared_relu: return "squared_relu";
-  }
-  return "?";
-}
 
 //! The elementwise function applied to the gate (gated forms) or to the whole input.
 template <class T>

@@ -23,20 +23,15 @@
 #include <string>
 #include <vector>
 
-#if __has_include(<moefold/kernels/grouped_gemm.hpp>)
 #include <moefold/kernels/activation.hpp>
 #include <moefold/kernels/grouped_gemm.hpp>
-#else
-#include "../../../kernels/activation.hpp"
-#include "../../../kernels/grouped_gemm.hpp"
-#endif
 
-#include "../core/exec.hpp"
-#include "../core/exec_buffer.hpp"
 #include "../core/expected.hpp"
-#include "../core/grouped_gemm_launch.hpp"
 #include "../core/row_view.hpp"
 #include "../core/simt_launch.hpp"
+#include "../exec/exec.hpp"
+#include "../exec/exec_buffer.hpp"
+#include "../exec/grouped_gemm_launch.hpp"
 #include "grouped_mlp.hpp"
 #include "mlp_params.hpp"
 

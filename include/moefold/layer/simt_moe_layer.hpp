@@ -55,33 +55,24 @@
 #include <variant>
 #include <vector>
 
-#if __has_include(<moefold/kernels/router_aux_loss.hpp>)
 #include <moefold/kernels/capacity.hpp>
 #include <moefold/kernels/expert_bias.hpp>
 #include <moefold/kernels/router_aux_loss.hpp>
 #include <moefold/kernels/router_z_loss.hpp>
 #include <moefold/kernels/sequence_order.hpp>
 #include <moefold/kernels/shared_gate.hpp>
-#else
-#include "../../../kernels/capacity.hpp"
-#include "../../../kernels/expert_bias.hpp"
-#include "../../../kernels/router_aux_loss.hpp"
-#include "../../../kernels/router_z_loss.hpp"
-#include "../../../kernels/sequence_order.hpp"
-#include "../../../kernels/shared_gate.hpp"
-#endif
 
 #include "../comm/communicator.hpp"
 #include "../core/dtype.hpp"
-#include "../core/exec.hpp"
-#include "../core/exec_buffer.hpp"
 #include "../core/expected.hpp"
-#include "../core/grouped_gemm_launch.hpp"
 #include "../core/row_view.hpp"
 #include "../dispatch/dispatch_args.hpp"
 #include "../dispatch/drop_policy_full_sequence.hpp"
 #include "../dispatch/drop_policy_local.hpp"
 #include "../dispatch/exec_workspace.hpp"
+#include "../exec/exec.hpp"
+#include "../exec/exec_buffer.hpp"
+#include "../exec/grouped_gemm_launch.hpp"
 #include "../experts/simt_mlp.hpp"
 #include "../routing/simt_router.hpp"
 #include "moe_layer.hpp"
@@ -919,9 +910,7 @@ class simt_moe_layer {
                                                           .dlogits = dlogits_.view().data()};
     return per_token<Team>(k, n);
   }
-  kernels::router_score score_kind() const noexcept {
-    return static_cast<kernels::router_score>(static_cast<int>(o_.router.score));
-  }
+  moefold::score_function score_kind() const noexcept { return o_.router.score; }
 
   // The rows each expert receives from this forward added to the bias's counts: with a drop
   // policy the kept and filler rows (kept_record_kernel's dispatched), dropless every routed pair

@@ -20,23 +20,17 @@
 #include <type_traits>
 #include <vector>
 
-#if __has_include(<moefold/kernels/router.hpp>)
 #include <moefold/kernels/grouped_gemm.hpp>
 #include <moefold/kernels/router.hpp>
 #include <moefold/kernels/router_block.hpp>
-#else
-#include "../../../kernels/grouped_gemm.hpp"
-#include "../../../kernels/router.hpp"
-#include "../../../kernels/router_block.hpp"
-#endif
 
 #include "../core/dtype.hpp"
-#include "../core/exec.hpp"
-#include "../core/exec_buffer.hpp"
 #include "../core/expected.hpp"
-#include "../core/grouped_gemm_launch.hpp"
 #include "../core/row_view.hpp"
 #include "../core/simt_launch.hpp"
+#include "../exec/exec.hpp"
+#include "../exec/exec_buffer.hpp"
+#include "../exec/grouped_gemm_launch.hpp"
 #include "topk_router.hpp"
 
 namespace moefold {
@@ -215,7 +209,7 @@ class simt_router {
                    .num_tokens = N,
                    .num_experts = o_.num_experts,
                    .topk = o_.topk,
-                   .score = static_cast<kernels::router_score>(static_cast<int>(o_.score)),
+                   .score = o_.score,
                    .pre_softmax = o_.pre_softmax,
                    .num_groups = o_.num_groups,
                    .group_topk = o_.group_topk,
@@ -234,7 +228,7 @@ class simt_router {
                    .num_tokens = N,
                    .num_experts = o_.num_experts,
                    .topk = o_.topk,
-                   .score = static_cast<kernels::router_score>(static_cast<int>(o_.score)),
+                   .score = o_.score,
                    .pre_softmax = o_.pre_softmax,
                    .scale = o_.scaling_factor.has_value(),
                    .scaling_factor = static_cast<float>(o_.scaling_factor.value_or(1.0)),

@@ -10,11 +10,11 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <moefold/core/cpu_exec.hpp>
-#include <moefold/core/cuda/cuda_exec.hpp>
-#include <moefold/core/cuda/cuda_kernel_exec.cuh>
-#include <moefold/core/cuda/cuda_launch.cuh>
-#include <moefold/core/exec_buffer.hpp>
+#include <moefold/exec/cpu_exec.hpp>
+#include <moefold/exec/cuda/cuda_exec.hpp>
+#include <moefold/exec/cuda/cuda_kernel_exec.cuh>
+#include <moefold/exec/cuda/cuda_launch.cuh>
+#include <moefold/exec/exec_buffer.hpp>
 #include <moefold/experts/simt_mlp.hpp>
 #include <moefold/kernels/activation.hpp>
 #include <moefold/kernels/capacity.hpp>
@@ -181,16 +181,16 @@ TEST_CASE("[kernel][small] router forward and backward: cuda_exec equals cpu_exe
   std::mt19937 rng(static_cast<unsigned>(test::simt_seed()));
   std::normal_distribution<float> d(0.0f, 2.0f);
   struct v {
-    k::router_score score;
+    moefold::score_function score;
     bool pre;
     int groups, group_topk;
     bool bias, scale;
   };
-  const v variants[] = {{k::router_score::softmax, true, 0, 0, false, false},
-                        {k::router_score::softmax, false, 0, 0, false, true},
-                        {k::router_score::sigmoid, false, 0, 0, true, true},
-                        {k::router_score::sigmoid, false, 8, 4, true, false},
-                        {k::router_score::sqrt_softplus, false, 0, 0, false, false}};
+  const v variants[] = {{moefold::score_function::softmax, true, 0, 0, false, false},
+                        {moefold::score_function::softmax, false, 0, 0, false, true},
+                        {moefold::score_function::sigmoid, false, 0, 0, true, true},
+                        {moefold::score_function::sigmoid, false, 8, 4, true, false},
+                        {moefold::score_function::sqrt_softplus, false, 0, 0, false, false}};
   const int N = 200, E = 256, K = 8;  // the CPU executor side costs about 20 ms per token
   std::vector<float> logits(N * E), bias(E);
   for (auto& x : logits) x = d(rng);
@@ -261,8 +261,9 @@ TEST_CASE(
   for (auto& x : logits) x = d(rng);
   for (auto& x : bias) x = 0.1f * d(rng);
   device_vec<float> dl(logits), db(bias);
-  const k::router_score scores[] = {k::router_score::softmax, k::router_score::softmax,
-                                    k::router_score::sigmoid, k::router_score::sqrt_softplus};
+  const moefold::score_function scores[] = {
+      moefold::score_function::softmax, moefold::score_function::softmax,
+      moefold::score_function::sigmoid, moefold::score_function::sqrt_softplus};
   for (int v = 0; v < 4; ++v) {
     CAPTURE(v);
     std::vector<int> idx(N * K, -7);
@@ -331,7 +332,7 @@ struct loss_ptrs {
 // its gradient) with team kernels Aux, AuxBw, Lse, ZBw on one executor.
 template <class Aux, class AuxBw, class Lse, class ZBw, class Exec>
 void loss_chain(const Exec& ex, const loss_ptrs& p, int N, int E, int kk,
-                moefold::kernels::router_score score) {
+                moefold::score_function score) {
   namespace k = moefold::kernels;
   const launch_grid g{.blocks = 8, .smem_bytes = Aux::smem_bytes};
   REQUIRE(launch(ex, g,
@@ -409,7 +410,7 @@ void check_loss_chain(int N, int E, int kk) {
   for (auto& x : logits) x = d(rng);
   std::vector<std::uint8_t> padding(static_cast<std::size_t>(N));
   for (int t = 0; t < N; ++t) padding[t] = t % 5 == 2 ? 1 : 0;
-  for (auto score : {k::router_score::softmax, k::router_score::sigmoid}) {
+  for (auto score : {moefold::score_function::softmax, moefold::score_function::sigmoid}) {
     CAPTURE(static_cast<int>(score));
     const std::size_t NE = logits.size(), Es = static_cast<std::size_t>(E);
     std::vector<float> scores(NE, -7.0f), sums(Es, -7.0f), dscores(Es, -7.0f), dl(NE, 0.5f),

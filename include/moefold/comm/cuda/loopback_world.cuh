@@ -29,10 +29,10 @@
 #include <vector>
 
 #include "../../core/cuda/cuda_check.hpp"
-#include "../../core/cuda/cuda_exec.hpp"
 #include "../../core/dtype.hpp"
 #include "../../core/expected.hpp"
 #include "../../core/row_view.hpp"
+#include "../../exec/cuda/cuda_exec.hpp"
 #include "../communicator.hpp"
 #include "../schedule.hpp"
 #include "../span_collectives.hpp"

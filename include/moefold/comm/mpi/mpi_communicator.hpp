@@ -44,9 +44,9 @@
 
 #include "../../core/dtype.hpp"
 #include "../../core/expected.hpp"
-#include "../../core/host_exec.hpp"
 #include "../../core/row_view.hpp"
 #include "../../core/size.hpp"
+#include "../../exec/host_exec.hpp"
 #include "../communicator.hpp"
 #include "../schedule.hpp"
 #include "../span_collectives.hpp"

@@ -8,7 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
-#include <moefold/core/cpu_exec.hpp>
+#include <moefold/exec/cpu_exec.hpp>
 #include <moefold/kernels/simt/block_scan.hpp>
 #include <moefold/kernels/simt/warp.hpp>
 #include <numeric>

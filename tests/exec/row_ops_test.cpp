@@ -1,10 +1,10 @@
-// The row operations of the execution contexts (core/host_memory_ops.hpp) on host_exec and on
+// The row operations of the execution contexts (exec/host_memory_ops.hpp) on host_exec and on
 // cpu_exec (its device memory, poisoned, reached only through its copies): each against a naive
 // reference written here, the padding and dropped markers (-1) giving zero, strided views, and
 // bad shapes or indices refused with an error naming the operation, nothing written.
-#include <moefold/core/cpu_exec.hpp>
-#include <moefold/core/exec_buffer.hpp>
-#include <moefold/core/host_exec.hpp>
+#include <moefold/exec/cpu_exec.hpp>
+#include <moefold/exec/exec_buffer.hpp>
+#include <moefold/exec/host_exec.hpp>
 
 #include <doctest/doctest.h>
 

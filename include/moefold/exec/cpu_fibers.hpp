@@ -3,7 +3,7 @@
 //! t) for every t in [0, n) as fibers (each its own stack) on the calling OS thread, and returns
 //! when every body has returned. A fiber gives way with `yield(t)`; the scheduler resumes fibers
 //! in `order`, pass after pass, skipping a yielded fiber while ready(ctx, t) is false. This is how
-//! core/cpu_launch.hpp runs the CUDA threads of a block (config.hpp, MOEFOLD_CPU_EXEC_THREADS): a
+//! exec/cpu_launch.hpp runs the CUDA threads of a block (config.hpp, MOEFOLD_CPU_EXEC_THREADS): a
 //! barrier is then two stack switches per thread instead of waking every thread of the block
 //! through the kernel.
 //!
@@ -20,7 +20,7 @@
 //! (the poisoned shared memory, the kernel's arguments) before the fiber's accesses; a fiber's
 //! yield orders nothing, so that nothing one CUDA thread does reaches another through the
 //! scheduler: between the threads of a block only the barriers' own annotations
-//! (core/cpu_launch.hpp) order memory, and TSan reports two accesses no barrier separates. A
+//! (exec/cpu_launch.hpp) order memory, and TSan reports two accesses no barrier separates. A
 //! fiber's end orders everything it did before what the scheduler does next (the next block's
 //! poison, the results read on the host); every thread of a block has passed the block's exit
 //! barrier by then. The scheduler's own bookkeeping (which fiber yielded, which barrier it waits
@@ -28,7 +28,7 @@
 //! state is the executor's, not the kernel's.
 #pragma once
 
-#include "config.hpp"
+#include "../core/config.hpp"
 
 #if !MOEFOLD_CPU_EXEC_THREADS
 

@@ -1,7 +1,7 @@
 //! @file host_exec.hpp
 //! @brief host_exec: the execution context of host memory. Operations run as host loops and are
 //! complete when they return; the row operations (gather_rows, gather_sum_rows, copy_chunks,
-//! relabel, add, scale, fill) are those of core/host_memory_ops.hpp.
+//! relabel, add, scale, fill) are those of exec/host_memory_ops.hpp.
 #pragma once
 
 #include <cstddef>

@@ -1,9 +1,9 @@
 // The execution contexts: host_exec copies and fills; cpu_exec copies between host and its device
 // memory and counts each direction; its memory comes poisoned; exec_buffer owns memory in a
 // context's space; copies of mismatched shapes are errors naming both spaces.
-#include <moefold/core/cpu_exec.hpp>
-#include <moefold/core/exec_buffer.hpp>
-#include <moefold/core/host_exec.hpp>
+#include <moefold/exec/cpu_exec.hpp>
+#include <moefold/exec/exec_buffer.hpp>
+#include <moefold/exec/host_exec.hpp>
 
 #include <doctest/doctest.h>
 

@@ -3,7 +3,7 @@
 //! every i in [0, n), each on its own OS thread, and returns when all have returned. A launch of
 //! the CPU executor needs one thread per running block (its threads are fibers), or with
 //! MOEFOLD_CPU_EXEC_THREADS=1 2 x block_threads threads at once (every CUDA thread its own
-//! thread, core/cpu_launch.hpp); creating them anew for each launch cost more than the launch
+//! thread, exec/cpu_launch.hpp); creating them anew for each launch cost more than the launch
 //! itself (under ThreadSanitizer 0.85 s per 512 threads on 2 cores), so the workers of one run
 //! wait on their own condition variable for the next.
 //!

@@ -1,8 +1,8 @@
 //! @file cpu_launch.hpp
-//! @brief What launch(cpu_exec, grid, kernel) (core/cpu_exec.hpp) does: a kernel body run on the
+//! @brief What launch(cpu_exec, grid, kernel) (exec/cpu_exec.hpp) does: a kernel body run on the
 //! CPU the way a GPU runs it, so that ThreadSanitizer and AddressSanitizer can check it.
 //!
-//! - The threads of a block are fibers of one OS thread (core/cpu_fibers.hpp; config.hpp,
+//! - The threads of a block are fibers of one OS thread (exec/cpu_fibers.hpp; config.hpp,
 //!   MOEFOLD_CPU_EXEC_THREADS), resumed in an order drawn from the seed and the block at every
 //!   barrier, a barrier costing two stack switches per thread instead of a kernel wake-up per
 //!   thread. Under ThreadSanitizer each is a TSan fiber of its own and only the barriers order
@@ -23,7 +23,7 @@
 //!   would hang or compute garbage.
 //!
 //! Cost: OS threads (2, or 2 x block_threads with MOEFOLD_CPU_EXEC_THREADS=1) created once per
-//! host thread and reused (core/cpu_workers.hpp); fiber stacks kept per OS thread. This is a
+//! host thread and reused (exec/cpu_workers.hpp); fiber stacks kept per OS thread. This is a
 //! checker, not a fast path: host_exec is the fast CPU path.
 #pragma once
 
@@ -43,11 +43,11 @@
 #include <type_traits>
 #include <vector>
 
-#include "config.hpp"
-#include "counter_rng.hpp"
+#include "../core/config.hpp"
+#include "../core/counter_rng.hpp"
+#include "../core/simt_launch.hpp"
 #include "cpu_fibers.hpp"
 #include "cpu_workers.hpp"
-#include "simt_launch.hpp"
 
 namespace moefold {
 inline namespace v0_1 {

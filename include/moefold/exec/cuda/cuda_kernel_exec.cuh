@@ -1,6 +1,6 @@
 //! @file cuda_kernel_exec.cuh
 //! @brief cuda_kernel_exec: cuda_exec with kernels, the context a dispatcher runs on a GPU. Its
-//! row operations are core/simt_memory_ops.hpp's, each one launch of the same portable kernel
+//! row operations are exec/simt_memory_ops.hpp's, each one launch of the same portable kernel
 //! body cpu_exec runs (kernels/*.hpp), enqueued on the stream; its bookkeeping builders are the
 //! plan and histogram kernels (dispatch/plan_builders.hpp), which read nothing back. Needs nvcc.
 //!
@@ -8,7 +8,7 @@
 //! are counted by the kernels into a device error word the context owns and reported by the next
 //! host-side status call, status(): one device-to-host copy, which waits. Copies are counted as
 //! cpu_exec counts them, so a test can state how often a step makes the host wait (copies to the
-//! host are the waits: core/cuda/cuda_exec.hpp).
+//! host are the waits: exec/cuda/cuda_exec.hpp).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -18,9 +18,9 @@
 #include <type_traits>
 #include <utility>
 
+#include "../../core/cuda/cuda_check.hpp"
 #include "../exec.hpp"
 #include "../simt_memory_ops.hpp"
-#include "cuda_check.hpp"
 #include "cuda_exec.hpp"
 #include "cuda_launch.cuh"
 
@@ -130,7 +130,7 @@ class cuda_kernel_exec : public cuda_exec,
 
 static_assert(execution_context<cuda_kernel_exec>);
 
-//! Launches on cuda_kernel_exec are cuda_exec's (core/cuda/cuda_launch.cuh).
+//! Launches on cuda_kernel_exec are cuda_exec's (exec/cuda/cuda_launch.cuh).
 template <class K>
 requires simt_kernel<K>
 [[nodiscard]] status launch(const cuda_kernel_exec& x, const launch_grid& grid, const K& kernel) {

@@ -11,8 +11,8 @@
 #include <cstddef>
 #include <type_traits>
 
-#include "../simt_launch.hpp"
-#include "cuda_check.hpp"
+#include "../../core/cuda/cuda_check.hpp"
+#include "../../core/simt_launch.hpp"
 #include "cuda_exec.hpp"
 
 namespace moefold {

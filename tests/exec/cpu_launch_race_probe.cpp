@@ -5,7 +5,7 @@
 // marked RACE below without the block's barrier, and none with it.
 #include <cstdio>
 #include <cstring>
-#include <moefold/core/cpu_exec.hpp>
+#include <moefold/exec/cpu_exec.hpp>
 #include <vector>
 
 namespace {

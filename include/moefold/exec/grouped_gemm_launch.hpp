@@ -8,15 +8,11 @@
 
 #include <span>
 
-#if __has_include(<moefold/kernels/grouped_gemm.hpp>)
 #include <moefold/kernels/grouped_gemm.hpp>
-#else
-#include "../../../kernels/grouped_gemm.hpp"
-#endif
 
+#include "../core/expected.hpp"
+#include "../core/simt_launch.hpp"
 #include "exec.hpp"
-#include "expected.hpp"
-#include "simt_launch.hpp"
 
 namespace moefold {
 inline namespace v0_1 {

@@ -2,7 +2,7 @@
 // once, the run returning only after all of them; the same threads for the next run; another
 // host thread its own set.
 #include <doctest/doctest.h>
-#include <moefold/core/cpu_workers.hpp>
+#include <moefold/exec/cpu_workers.hpp>
 
 #include <algorithm>
 #include <atomic>

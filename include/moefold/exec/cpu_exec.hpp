@@ -3,8 +3,8 @@
 //! the CPU. Its memory space is cpu_device_space: host memory that host code reaches only through
 //! the executor's copies, which it counts (a test can state how many host<->device transfers a
 //! step makes). Kernel bodies (kernels/*.hpp) run on it through `launch(cpu_exec, grid, kernel)`
-//! (core/cpu_launch.hpp says how); `seed` orders its blocks. Its row operations
-//! (core/simt_memory_ops.hpp) are device operations, not transfers: each is one launch of the
+//! (exec/cpu_launch.hpp says how); `seed` orders its blocks. Its row operations
+//! (exec/simt_memory_ops.hpp) are device operations, not transfers: each is one launch of the
 //! kernel a GPU runs for it.
 //!
 //! Memory it allocates is poisoned (every byte 0xFF: NaN for floats, -1 for ints), so reading an
@@ -17,10 +17,10 @@
 #include <new>
 #include <type_traits>
 
+#include "../core/simt_launch.hpp"
 #include "cpu_launch.hpp"
 #include "exec.hpp"
 #include "host_memory_ops.hpp"
-#include "simt_launch.hpp"
 #include "simt_memory_ops.hpp"
 
 namespace moefold {
@@ -94,7 +94,7 @@ class cpu_exec : public detail::simt_memory_ops<cpu_exec, cpu_device_space> {
 
 static_assert(execution_context<cpu_exec>);
 
-//! Runs `kernel` on the CPU executor (core/cpu_launch.hpp): every CUDA thread its own thread, two
+//! Runs `kernel` on the CPU executor (exec/cpu_launch.hpp): every CUDA thread its own thread, two
 //! blocks at once in the seed's order, shared memory poisoned; returns when it is done.
 template <class K>
 requires simt_kernel<K>

@@ -1,5 +1,5 @@
 //! @file simt_memory_ops.hpp
-//! @brief The row operations of an executor that runs kernels (core/host_memory_ops.hpp says what
+//! @brief The row operations of an executor that runs kernels (exec/host_memory_ops.hpp says what
 //! each one computes): the same members, with the same checks and messages, each one launch of a
 //! portable kernel body from kernels/ (permute.hpp, unpermute.hpp, chunk_copy.hpp,
 //! elementwise.hpp) through `launch(derived, grid, kernel)`. cpu_exec uses it, so the dispatcher
@@ -15,9 +15,7 @@
 #include <string>
 #include <type_traits>
 
-// The kernel bodies: <moefold/kernels/...> where kernels/ is installed under the include tree (or
-// linked there by the build), else from the source tree, so that -I include alone still works.
-#if __has_include(<moefold/kernels/permute.hpp>)
+// The kernel bodies each row operation launches.
 #include <moefold/kernels/chunk_copy.hpp>
 #include <moefold/kernels/chunk_table.hpp>
 #include <moefold/kernels/elementwise.hpp>
@@ -26,24 +24,14 @@
 #include <moefold/kernels/scan.hpp>
 #include <moefold/kernels/simt/row_copy.hpp>
 #include <moefold/kernels/unpermute.hpp>
-#else
-#include "../../../kernels/chunk_copy.hpp"
-#include "../../../kernels/chunk_table.hpp"
-#include "../../../kernels/elementwise.hpp"
-#include "../../../kernels/histogram.hpp"
-#include "../../../kernels/permute.hpp"
-#include "../../../kernels/scan.hpp"
-#include "../../../kernels/simt/row_copy.hpp"
-#include "../../../kernels/unpermute.hpp"
-#endif
 
-#include "dtype.hpp"
+#include "../core/dtype.hpp"
+#include "../core/expected.hpp"
+#include "../core/memory_space.hpp"
+#include "../core/row_view.hpp"
+#include "../core/simt_launch.hpp"
 #include "exec.hpp"
-#include "expected.hpp"
 #include "host_memory_ops.hpp"
-#include "memory_space.hpp"
-#include "row_view.hpp"
-#include "simt_launch.hpp"
 
 namespace moefold {
 inline namespace v0_1 {
@@ -61,7 +49,7 @@ namespace detail {
 //! The row operations over memory space S as kernel launches on the executor Derived, which
 //! provides `launch(const Derived&, launch_grid, kernel)`, `max_grid_blocks` and
 //! `check_indices_first` (true: a synchronous executor over host-addressable memory, cpu_exec;
-//! false: a GPU executor with `fault_word()`, core/cuda/cuda_kernel_exec.cuh).
+//! false: a GPU executor with `fault_word()`, exec/cuda/cuda_kernel_exec.cuh).
 template <class Derived, class S>
 struct simt_memory_ops {
   //! dst[r] = src[index[r] / divisor] (0 where index[r] == -1).

@@ -4,14 +4,14 @@
 //!
 //! | context              | header                         | space              | runs        |
 //! |----------------------|--------------------------------|--------------------|-------------|
-//! | `host_exec`          | core/host_exec.hpp             | `host_space`       | host loops  |
-//! | `cpu_exec{seed}`     | core/cpu_exec.hpp              | `cpu_device_space` | kernels, CPU|
-//! | `cuda_exec{stream}`  | core/cuda/cuda_exec.hpp        | `device_space`     | copies, GPU |
-//! | `cuda_kernel_exec`   | core/cuda/cuda_kernel_exec.cuh | `device_space`     | kernels, GPU|
+//! | `host_exec`          | exec/host_exec.hpp             | `host_space`       | host loops  |
+//! | `cpu_exec{seed}`     | exec/cpu_exec.hpp              | `cpu_device_space` | kernels, CPU|
+//! | `cuda_exec{stream}`  | exec/cuda/cuda_exec.hpp        | `device_space`     | copies, GPU |
+//! | `cuda_kernel_exec`   | exec/cuda/cuda_kernel_exec.cuh | `device_space`     | kernels, GPU|
 //!
 //! Each context copies between its own space and host memory (`copy(src, dst)`, views of equal
 //! rows and width; a copy to host memory returns when the host can read the data, so it is where
-//! the host waits for the device) and allocates in its space (core/exec_buffer.hpp). A stream
+//! the host waits for the device) and allocates in its space (exec/exec_buffer.hpp). A stream
 //! travels inside cuda_exec, through every call, never as mutable state of a communicator.
 #pragma once
 
@@ -21,9 +21,9 @@
 #include <new>
 #include <string>
 
-#include "expected.hpp"
-#include "memory_space.hpp"
-#include "row_view.hpp"
+#include "../core/expected.hpp"
+#include "../core/memory_space.hpp"
+#include "../core/row_view.hpp"
 
 namespace moefold {
 inline namespace v0_1 {

@@ -13,20 +13,14 @@
 #include <string>
 #include <type_traits>
 
-// The pad-mode chunk table's entries (one formula for the host loop and the kernel): <moefold/
-// kernels/...> where kernels/ is installed under the include tree (or linked there by the build),
-// else from the source tree.
-#if __has_include(<moefold/kernels/chunk_table.hpp>)
+// The pad-mode chunk table's entries (one formula for the host loop and the kernel).
 #include <moefold/kernels/chunk_table.hpp>
-#else
-#include "../../../kernels/chunk_table.hpp"
-#endif
 
-#include "dtype.hpp"
+#include "../core/dtype.hpp"
+#include "../core/expected.hpp"
+#include "../core/memory_space.hpp"
+#include "../core/row_view.hpp"
 #include "exec.hpp"
-#include "expected.hpp"
-#include "memory_space.hpp"
-#include "row_view.hpp"
 
 namespace moefold {
 inline namespace v0_1 {
@@ -53,7 +47,7 @@ template <class S>
 }
 
 //! The shape rules of the row operations, one place for every context (host loops here, kernel
-//! launches in core/simt_memory_ops.hpp), each returning the error that names its operation.
+//! launches in exec/simt_memory_ops.hpp), each returning the error that names its operation.
 template <class A, class B>
 [[nodiscard]] status check_gather_rows(const char* ctx, const A& src, const B& index, int divisor,
                                        const A& dst) {

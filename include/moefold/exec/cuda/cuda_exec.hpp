@@ -16,8 +16,8 @@
 #include <cstddef>
 #include <type_traits>
 
+#include "../../core/cuda/cuda_check.hpp"
 #include "../exec.hpp"
-#include "cuda_check.hpp"
 
 namespace moefold {
 inline namespace v0_1 {
