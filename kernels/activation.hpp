@@ -117,12 +117,15 @@ struct activation_forward_kernel {
 //! From dh = dL/dh [rows, width]: da [rows, F1] (gated: d gate = p dh up act'(gate),
 //! d up = p dh act(gate); plain: p dh act'(a)) and, when both probs and dprobs are given,
 //! dprobs[r] = sum_c act_out(r, c) dh(r, c) in double (lane-strided, then the warp's butterfly:
-//! a fixed order, the same bits on every context). With h.p set it also writes h = act_out [* p]
+//! a fixed order, the same bits on cpu_exec and a GPU; a host context's team of one adds the row
+//! in one chain, which differs in the double's last bits and, rounded to P = fp32 or bf16, agrees
+//! with it within one ulp of P). With h.p set it also writes h = act_out [* p]
 //! [rows, width], the forward's output bit for bit (a weight gradient needs it and the backward
 //! has computed act already). One warp per row, grid-strided.
 template <class T, class P = T>
 struct activation_backward_kernel {
   static constexpr int block_threads = 256;
+  static constexpr bool cooperative = true;  // a warp per row (a team of one on the host)
   static constexpr const char* name = "activation_backward";
   activation act;
   rows_arg<const T> a;
@@ -136,14 +139,14 @@ struct activation_backward_kernel {
   MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
     using detail_activation::round_to;
     using detail_activation::wide;
-    constexpr int warps = Ctx::block_threads / 32;
+    constexpr int warps = Ctx::block_threads / Ctx::warp_threads;
     const bool gated = is_gated(act);
     // The loop bound is the same on every lane of a warp, so the warp shuffles in step.
     for (long long r = static_cast<long long>(c.block()) * warps + c.warp(); r < rows;
          r += static_cast<long long>(c.grid_blocks()) * warps) {
       const double p = probs != nullptr ? wide(probs[r]) : 1.0;
       double part = 0.0;
-      for (int k = c.lane(); k < width; k += 32) {
+      for (int k = c.lane(); k < width; k += Ctx::warp_threads) {
         const auto in = detail_activation::load(a, gated, r, k, width);
         const double g = wide(dh(r, k)), pg = simt::mul(p, g);
         const double f = activation_value(act, in.x), fd = activation_derivative(act, in.x);

@@ -168,6 +168,7 @@ struct keep_rank_kernel {
 //! fully dropped rows}.
 struct drop_totals_kernel {
   static constexpr int block_threads = 256;
+  static constexpr bool cooperative = true;  // two block scans
   static constexpr const char* name = "drop_totals";
   const std::uint8_t* keep;  // [N * k]
   const int* dropped;        // [E]
@@ -182,8 +183,8 @@ struct drop_totals_kernel {
     if (c.block() != 0) return;  // one block's work (a larger grid is harmless)
     long long* smem = c.template shared<long long>();
     long long d = 0, f = 0;
-    for (int e = c.thread(); e < num_experts; e += block_threads) d += dropped[e];
-    for (long long t = first + c.thread(); t < first + count; t += block_threads) {
+    for (int e = c.thread(); e < num_experts; e += Ctx::block_threads) d += dropped[e];
+    for (long long t = first + c.thread(); t < first + count; t += Ctx::block_threads) {
       bool any = false;
       for (int i = 0; i < topk; ++i) any = any || keep[t * topk + i] != 0;
       f += any ? 0 : 1;

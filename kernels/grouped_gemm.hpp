@@ -61,6 +61,7 @@ struct gemm_operand {
 template <class TA, class TB, class TC>
 struct grouped_gemm_kernel {
   static constexpr int block_threads = 256;
+  static constexpr bool cooperative = true;  // the block's tiles in shared memory
   static constexpr const char* name = "grouped_gemm";
   static constexpr int tile_m = 32, tile_n = 32, tile_k = 16;
 
@@ -90,8 +91,15 @@ struct grouped_gemm_kernel {
   MOEFOLD_HOST_DEVICE void operator()(Ctx& ctx) const {
     using moefold::detail::widen;
     shared_state& sh = *ctx.template shared<shared_state>();
+    // The team's threads as a grid of ty_n x tx_n, each owning ri x rj outputs of the tile,
+    // (ri ty + i, rj tx + j): 16 x 16 threads of 2 x 2 on a block of 256, one thread of all
+    // 32 x 32 on a team of one. Each output adds its k in order: the same bits either way.
+    constexpr int threads = Ctx::block_threads;
+    constexpr int tx_n = threads >= 16 ? 16 : 1, ty_n = threads / tx_n;
+    constexpr int ri = tile_m / ty_n, rj = tile_n / tx_n;
+    static_assert(ty_n * ri == tile_m && tx_n * rj == tile_n, "the team covers the tile");
     const int tid = ctx.thread();
-    const int ty = tid / 16, tx = tid % 16;  // outputs (2 ty + i, 2 tx + j), i, j < 2
+    const int ty = tid / tx_n, tx = tid % tx_n;
     const int tiles_n = (n + tile_n - 1) / tile_n;
     const bool by_m = grouping == gemm_grouping::rows_are_m;
     long long total = 0;
@@ -109,14 +117,16 @@ struct grouped_gemm_kernel {
       const TB* pb = by_m ? b.data + g * b.group_stride : b.data + first * b.s0;
       TC* pc = by_m ? c.data + first * c.s0 : c.data + g * c.group_stride;
 
-      acc_t acc[2][2] = {{acc_t(0), acc_t(0)}, {acc_t(0), acc_t(0)}};
+      acc_t acc[ri][rj];
+      for (int i = 0; i < ri; ++i)
+        for (int j = 0; j < rj; ++j) acc[i][j] = acc_t(0);
       for (long long k0 = 0; k0 < kg; k0 += tile_k) {
-        for (int q = tid; q < tile_m * tile_k; q += block_threads) {
+        for (int q = tid; q < tile_m * tile_k; q += threads) {
           const int i = q / tile_k, j = q % tile_k;
           const long long mi = m0 + i, kj = k0 + j;
           sh.a[i][j] = mi < mg && kj < kg ? acc_t(widen(pa[mi * a.s0 + kj * a.s1])) : acc_t(0);
         }
-        for (int q = tid; q < tile_k * tile_n; q += block_threads) {
+        for (int q = tid; q < tile_k * tile_n; q += threads) {
           const int i = q / tile_n, j = q % tile_n;
           const long long ki = k0 + i, nj = n0 + j;
           sh.b[i][j] = ki < kg && nj < n ? acc_t(widen(pb[ki * b.s0 + nj * b.s1])) : acc_t(0);
@@ -125,14 +135,14 @@ struct grouped_gemm_kernel {
         // Only the k that exist: an fma with a padded 0 would turn an accumulated -0 into +0.
         const int steps = kg - k0 < tile_k ? static_cast<int>(kg - k0) : tile_k;
         for (int kk = 0; kk < steps; ++kk)
-          for (int i = 0; i < 2; ++i)
-            for (int j = 0; j < 2; ++j)
-              acc[i][j] = simt::fma(sh.a[2 * ty + i][kk], sh.b[kk][2 * tx + j], acc[i][j]);
+          for (int i = 0; i < ri; ++i)
+            for (int j = 0; j < rj; ++j)
+              acc[i][j] = simt::fma(sh.a[ri * ty + i][kk], sh.b[kk][rj * tx + j], acc[i][j]);
         ctx.sync();  // the tiles are read before the next step overwrites them
       }
-      for (int i = 0; i < 2; ++i)
-        for (int j = 0; j < 2; ++j) {
-          const long long mi = m0 + 2 * ty + i, nj = n0 + 2 * tx + j;
+      for (int i = 0; i < ri; ++i)
+        for (int j = 0; j < rj; ++j) {
+          const long long mi = m0 + ri * ty + i, nj = n0 + rj * tx + j;
           if (mi >= mg || nj >= n) continue;
           TC& out = pc[mi * c.s0 + nj * c.s1];
           const acc_t v = accumulate ? simt::add(acc_t(widen(out)), acc[i][j]) : acc[i][j];

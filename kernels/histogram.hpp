@@ -20,6 +20,7 @@ namespace moefold::kernels {
 
 struct expert_histogram_kernel {
   static constexpr int block_threads = 256;
+  static constexpr bool cooperative = true;  // the block's counts in shared memory
   static constexpr const char* name = "expert_histogram";
 
   const int* ids;
@@ -37,11 +38,11 @@ struct expert_histogram_kernel {
   template <class Ctx>
   MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
     int* local = c.template shared<int>();  // [E]
-    for (int e = c.thread(); e < num_experts; e += block_threads) local[e] = 0;
+    constexpr int threads = Ctx::block_threads;
+    for (int e = c.thread(); e < num_experts; e += threads) local[e] = 0;
     c.sync();
-    const long long step = static_cast<long long>(c.grid_blocks()) * block_threads;
-    for (long long s = static_cast<long long>(c.block()) * block_threads + c.thread(); s < n;
-         s += step) {
+    const long long step = static_cast<long long>(c.grid_blocks()) * threads;
+    for (long long s = static_cast<long long>(c.block()) * threads + c.thread(); s < n; s += step) {
       const int e = ids[s];
       if (bad_record_pair(ids, s, topk, num_experts))
         c.atomic_min(first_bad, static_cast<int>(s));
@@ -49,7 +50,7 @@ struct expert_histogram_kernel {
         c.atomic_add(&local[e], 1);
     }
     c.sync();
-    for (int e = c.thread(); e < num_experts; e += block_threads)
+    for (int e = c.thread(); e < num_experts; e += threads)
       if (local[e] != 0) c.atomic_add(&counts[e], local[e]);
   }
 };

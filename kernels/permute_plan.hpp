@@ -60,6 +60,7 @@ struct plan_args {
 //! shared memory: E ints (smem_bytes(E)).
 struct plan_tile_counts_kernel {
   static constexpr int block_threads = plan_args::tile;
+  static constexpr bool cooperative = true;  // the tile's counts in shared memory
   static constexpr const char* name = "plan_tile_counts";
   [[nodiscard]] static constexpr std::size_t smem_bytes(int experts) noexcept {
     return sizeof(int) * static_cast<std::size_t>(experts);
@@ -71,10 +72,12 @@ struct plan_tile_counts_kernel {
     int* local = c.template shared<int>();  // [E]
     const int E = a.num_experts, k = a.topk;
     for (long long tile = c.block(); tile < a.tiles(); tile += c.grid_blocks()) {
-      for (int e = c.thread(); e < E; e += block_threads) local[e] = 0;
+      for (int e = c.thread(); e < E; e += Ctx::block_threads) local[e] = 0;
       c.sync();
-      const long long s = tile * plan_args::tile + c.thread();
-      if (s < a.slots()) {
+      // The tile's slots, one per thread of a block (all of them on a team of one).
+      for (int i = c.thread(); i < plan_args::tile; i += Ctx::block_threads) {
+        const long long s = tile * plan_args::tile + i;
+        if (s >= a.slots()) break;
         const int e = a.expert[s];
         if (bad_record_pair(a.expert, s, k, E))
           c.atomic_min(&a.fault[0], static_cast<int>(s));
@@ -82,7 +85,8 @@ struct plan_tile_counts_kernel {
           c.atomic_add(&local[e], 1);
       }
       c.sync();
-      for (int e = c.thread(); e < E; e += block_threads) a.tile_counts[tile * E + e] = local[e];
+      for (int e = c.thread(); e < E; e += Ctx::block_threads)
+        a.tile_counts[tile * E + e] = local[e];
       c.sync();  // local is zeroed for the next tile only after every thread has read it
     }
   }
@@ -135,6 +139,7 @@ struct plan_offsets_kernel {
 //! memory (plan_args::tile ints).
 struct plan_rows_kernel {
   static constexpr int block_threads = plan_args::tile;
+  static constexpr bool cooperative = true;  // the tile's record in shared memory
   static constexpr const char* name = "plan_rows";
   static constexpr std::size_t smem_bytes = sizeof(int) * plan_args::tile;
   plan_args a;
@@ -147,21 +152,25 @@ struct plan_rows_kernel {
     // not count a repeat, so ranks here would collide (two slots writing one row). The fault is
     // what the caller reports; a plan from the record would be meaningless.
     if (a.fault[0] != INT_MAX) {
-      for (long long s = static_cast<long long>(c.block()) * block_threads + c.thread();
-           s < a.slots(); s += static_cast<long long>(c.grid_blocks()) * block_threads)
+      for (long long s = static_cast<long long>(c.block()) * Ctx::block_threads + c.thread();
+           s < a.slots(); s += static_cast<long long>(c.grid_blocks()) * Ctx::block_threads)
         a.slot_row[s] = -1;
       return;
     }
     for (long long tile = c.block(); tile < a.tiles(); tile += c.grid_blocks()) {
-      const long long first = tile * plan_args::tile, s = first + c.thread();
-      ids[c.thread()] = s < a.slots() ? a.expert[s] : -1;
+      const long long first = tile * plan_args::tile;
+      // Slot first + i of the tile is thread i's (all of them a team of one's).
+      for (int i = c.thread(); i < plan_args::tile; i += Ctx::block_threads)
+        ids[i] = first + i < a.slots() ? a.expert[first + i] : -1;
       c.sync();
-      if (s < a.slots()) {
-        const int e = ids[c.thread()];
+      for (int i = c.thread(); i < plan_args::tile; i += Ctx::block_threads) {
+        const long long s = first + i;
+        if (s >= a.slots()) break;
+        const int e = ids[i];
         int row = -1;
         if (e >= 0 && e < E) {
           int rank = a.tile_counts[tile * E + e];  // pairs of e in the tiles before
-          for (int q = 0; q < c.thread(); ++q) rank += ids[q] == e ? 1 : 0;
+          for (int q = 0; q < i; ++q) rank += ids[q] == e ? 1 : 0;
           if (a.capacity < 0) {
             row = a.offsets[e] + rank;
           } else {

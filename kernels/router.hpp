@@ -9,8 +9,27 @@
 //! and log (kernels/simt/math.hpp): the CPU executor and the GPU give the same bits; against the
 //! host router (the C library's exp) they agree to a few ulp.
 //!
+//! On a host context's team of one (host_exec: Ctx::block_threads == 1) the same bodies run over
+//! detail_router::one_thread_team (chosen by detail_router::team_for): one thread holds every
+//! expert (slot j = expert j, its loops stopping at E) and every selection, and the team's
+//! reductions are loops over its own values. What that changes, and what it does not:
+//! - the arg-maxes, the max, the group scores and every sum over the k selections (selection
+//!   order) are the same operations: the same bits as cpu_exec and the GPU;
+//! - every sum over E (a softmax's denominator over E, the softmax backward's dot product, the
+//!   aux losses' renormalisation and dot products, the logsumexp) adds in expert order instead of
+//!   the team's tree (each thread's 8 experts, then the butterfly, then the block's warps in
+//!   order). Those results differ from cpu_exec's by the rounding of the two orders: a few ulp
+//!   for small E, growing like sqrt(E) ulp over random logits (a random walk of E roundings), up
+//!   to the orders' worst case, 2 E ulp, where the roundings add up (many equal terms); the
+//!   bounds tests/kernels/router_kernel_test.cpp and router_losses_kernel_test.cpp state and
+//!   check (host_ulps, host_ulps_worst). A selection made from such values (a softmax before
+//!   top-k, the aux losses' map) is the same except where two different candidates are within
+//!   those ulps (a near-tie); exact ties stay exact on each context (lower index first).
+//!
 //! logits [N, E] (row stride E), expert_bias [E] or null; out: indices [N, k], probs [N, k]
 #pragma once
+
+#include <type_traits>
 
 #include <moefold/core/config.hpp>
 #include <moefold/core/score_function.hpp>
@@ -22,7 +41,7 @@ namespace moefold::kernels {
 
 namespace detail_router {
 constexpr int block_threads = 128;
-constexpr int per_thread = 8;  //!< experts per thread: rank + width * j, j < 8
+constexpr int per_thread = 8;  //!< experts per thread of a GPU team: rank + width * j, j < 8
 
 //! torch's softplus with threshold 20: the identity above it.
 [[nodiscard]] MOEFOLD_HOST_DEVICE inline float softplus(float x) {
@@ -38,6 +57,14 @@ template <class Ctx>
 
 //! A warp per token (four tokens per block of 128): lane l holds experts l + 32 j; lane r keeps
 //! the r-th selection in registers. Reductions are the warp's butterflies.
+//!
+//! What a team gives the bodies (this one, block_per_token's in router_block.hpp and
+//! one_thread_team below): `width` threads per token; thread `rank()` holds the experts
+//! rank() + width j in its slots j < per_thread, of which a loop over the experts below e visits
+//! j < slot_end(e) (all per_thread on a GPU team: constant bounds, so that the slot arrays stay
+//! in registers; on a team of one the slots below e, at least one) and a loop over the experts
+//! from e on starts at slot_begin(e); it holds the selections rank() + width q in its slots
+//! q < selections, of which a loop over k selections visits q < selection_end(k).
 struct warp_per_token {
   static constexpr int width = 32;
   static constexpr int max_experts = width * per_thread;  //!< 256
@@ -48,12 +75,17 @@ struct warp_per_token {
   template <class Ctx>
   struct team {
     static constexpr int width = warp_per_token::width;
+    static constexpr int per_thread = detail_router::per_thread;
+    static constexpr int selections = 1;  // lane r: selection r
     Ctx& c;
     int my_index = -1;      // lane r: selection r's expert
     float my_value = 0.0f;  // lane r: the value selection r's probability starts from
     float my_group = simt::bits_float(0xff800000u);  // lane g: group g's score
 
     MOEFOLD_HOST_DEVICE explicit team(Ctx& ctx) : c(ctx) {}
+    [[nodiscard]] MOEFOLD_HOST_DEVICE static constexpr int slot_begin(int) { return 0; }
+    [[nodiscard]] MOEFOLD_HOST_DEVICE static constexpr int slot_end(int) { return per_thread; }
+    [[nodiscard]] MOEFOLD_HOST_DEVICE static constexpr int selection_end(int) { return selections; }
     [[nodiscard]] MOEFOLD_HOST_DEVICE int rank() const { return c.lane(); }
     [[nodiscard]] MOEFOLD_HOST_DEVICE int first_token() const {
       return c.block() * (block_threads / 32) + c.warp();
@@ -74,18 +106,19 @@ struct warp_per_token {
       }
     }
     MOEFOLD_HOST_DEVICE void records_done() {}
-    //! Ranks r < k hand (index, value) to every lane: shared_index(r), shared_value(r) until
-    //! unshare().
-    MOEFOLD_HOST_DEVICE void share(int, int index, float value) {
-      my_index = index;
-      my_value = value;
+    //! Ranks r < k hand their selections' (index, value) to every lane: shared_index(r),
+    //! shared_value(r) until unshare().
+    MOEFOLD_HOST_DEVICE void share(int, const int (&index)[selections],
+                                   const float (&value)[selections]) {
+      my_index = index[0];
+      my_value = value[0];
     }
     [[nodiscard]] MOEFOLD_HOST_DEVICE int shared_index(int r) { return c.shfl_idx(my_index, r); }
     [[nodiscard]] MOEFOLD_HOST_DEVICE float shared_value(int r) { return c.shfl_idx(my_value, r); }
     MOEFOLD_HOST_DEVICE void unshare() {}
-    //! Selection rank()'s expert and value (meaningful for rank() < k).
-    [[nodiscard]] MOEFOLD_HOST_DEVICE int selected_index() const { return my_index; }
-    [[nodiscard]] MOEFOLD_HOST_DEVICE float selected_value() const { return my_value; }
+    //! The expert and value of selection rank() + width q (meaningful below k).
+    [[nodiscard]] MOEFOLD_HOST_DEVICE int selected_index(int) const { return my_index; }
+    [[nodiscard]] MOEFOLD_HOST_DEVICE float selected_value(int) const { return my_value; }
     [[nodiscard]] MOEFOLD_HOST_DEVICE float first_value() { return c.shfl_idx(my_value, 0); }
     //! f(value) summed over the k selections in selection order, on every lane.
     template <class F>
@@ -117,6 +150,121 @@ struct warp_per_token {
   };
 };
 
+//! A team of one thread per token (a host context's team of one, Ctx::block_threads == 1) with
+//! Team's limits: the thread holds every expert (slot j: expert j, j < Team::max_experts; loops
+//! stop at E) and every selection (slot q: selection q, q < Team::max_topk; loops stop at k). A
+//! reduction over the team is the thread's own value; the sums over E the bodies form from their
+//! slots run in expert order (the top of this file says what that changes).
+template <class Team, class Ctx>
+struct one_thread_team {
+  static constexpr int width = 1;
+  static constexpr int per_thread = Team::max_experts;
+  static constexpr int selections = Team::max_topk;
+  Ctx& c;
+  int index[selections] = {};          // selection q's expert
+  float value[selections] = {};        // selection q's value (what its probability starts from)
+  float group[Team::max_groups] = {};  // group g's score
+
+  MOEFOLD_HOST_DEVICE explicit one_thread_team(Ctx& ctx) : c(ctx) {}
+  //! The slots of the experts from e on / below e: at least one, as a GPU team's thread holds all
+  //! of its slots whatever E is (slots past E hold -inf or 0).
+  [[nodiscard]] MOEFOLD_HOST_DEVICE static constexpr int slot_begin(int e) {
+    return e < 0 ? 0 : e < per_thread ? e : per_thread;
+  }
+  [[nodiscard]] MOEFOLD_HOST_DEVICE static constexpr int slot_end(int e) {
+    return e < 1 ? 1 : e < per_thread ? e : per_thread;
+  }
+  [[nodiscard]] MOEFOLD_HOST_DEVICE static constexpr int selection_end(int k) {
+    return k < 1 ? 1 : k < selections ? k : selections;
+  }
+  [[nodiscard]] MOEFOLD_HOST_DEVICE int rank() const { return 0; }
+  [[nodiscard]] MOEFOLD_HOST_DEVICE int first_token() const { return c.block(); }
+  [[nodiscard]] MOEFOLD_HOST_DEVICE int token_step() const { return c.grid_blocks(); }
+  [[nodiscard]] MOEFOLD_HOST_DEVICE float max(float v) const { return v; }
+  [[nodiscard]] MOEFOLD_HOST_DEVICE float sum(float v) const { return v; }
+  MOEFOLD_HOST_DEVICE void argmax(float&, int&) const {}
+  //! Round r chose expert i (rounds past max_topk, which no GPU team's thread keeps, neither).
+  MOEFOLD_HOST_DEVICE void record(int r, int i, float owner_value) {
+    if (r >= selections) return;
+    index[r] = i;
+    value[r] = owner_value;
+  }
+  MOEFOLD_HOST_DEVICE void records_done() const {}
+  MOEFOLD_HOST_DEVICE void share(int k, const int (&idx)[selections],
+                                 const float (&val)[selections]) {
+    for (int q = 0; q < k && q < selections; ++q) {
+      index[q] = idx[q];
+      value[q] = val[q];
+    }
+  }
+  [[nodiscard]] MOEFOLD_HOST_DEVICE int shared_index(int r) const { return index[r]; }
+  [[nodiscard]] MOEFOLD_HOST_DEVICE float shared_value(int r) const { return value[r]; }
+  MOEFOLD_HOST_DEVICE void unshare() const {}
+  [[nodiscard]] MOEFOLD_HOST_DEVICE int selected_index(int q) const { return index[q]; }
+  [[nodiscard]] MOEFOLD_HOST_DEVICE float selected_value(int q) const { return value[q]; }
+  [[nodiscard]] MOEFOLD_HOST_DEVICE float first_value() const { return value[0]; }
+  //! f(value) summed over the k selections in selection order.
+  template <class F>
+  [[nodiscard]] MOEFOLD_HOST_DEVICE float ordered_sum(int k, F f) const {
+    float s = 0.0f;
+    for (int j = 0; j < k; ++j) s = simt::add(s, f(value[j]));
+    return s;
+  }
+  MOEFOLD_HOST_DEVICE void set_group_score(int g, float s) {
+    if (g < Team::max_groups) group[g] = s;
+  }
+  //! Bit g: group g is among the `keep` best of `groups` (lower group first on a tie).
+  [[nodiscard]] MOEFOLD_HOST_DEVICE unsigned kept_groups(int groups, int keep) const {
+    unsigned kept = 0;
+    for (int r = 0; r < keep; ++r) {
+      int best = -1;
+      for (int g = 0; g < groups; ++g)
+        if (!((kept >> g) & 1u) && (best < 0 || group[g] > group[best])) best = g;
+      kept |= 1u << best;
+    }
+    return kept;
+  }
+  MOEFOLD_HOST_DEVICE void token_done() const {}
+};
+
+//! The team a body over Team runs with on context Ctx: Team's own (a warp or a block per token),
+//! or one thread per token on a host context's team of one.
+template <class Team, class Ctx>
+using team_for = std::conditional_t<Ctx::block_threads == 1, one_thread_team<Team, Ctx>,
+                                    typename Team::template team<Ctx>>;
+
+//! One flag per slot of a thread, below n after clear(n): a bitmask over a GPU team's 8 slots
+//! (one register), a bool per slot over a team of one's.
+template <int P, bool Mask = (P <= 32)>
+struct slot_flags {
+  unsigned bits = 0;
+  MOEFOLD_HOST_DEVICE void clear(int) { bits = 0; }
+  MOEFOLD_HOST_DEVICE void set(int j) { bits |= 1u << j; }
+  [[nodiscard]] MOEFOLD_HOST_DEVICE unsigned bit(int j) const { return (bits >> j) & 1u; }
+};
+template <int P>
+struct slot_flags<P, false> {
+  bool on[P];
+  MOEFOLD_HOST_DEVICE void clear(int n) {
+    for (int j = 0; j < n; ++j) on[j] = false;
+  }
+  MOEFOLD_HOST_DEVICE void set(int j) { on[j] = true; }
+  [[nodiscard]] MOEFOLD_HOST_DEVICE unsigned bit(int j) const { return on[j] ? 1u : 0u; }
+};
+
+//! f(j) for the slot j in which the calling thread holds expert e, if it holds e: on a GPU team a
+//! loop over the constant slots (the arrays stay in registers), on a team of one slot e itself
+//! (when e is in [0, E): no thread holds another index).
+template <class T, class F>
+MOEFOLD_HOST_DEVICE void at_expert(const T& tm, int e, int num_experts, F f) {
+  if constexpr (T::width == 1) {
+    if (e >= 0 && e < num_experts && e < T::per_thread) f(e);
+  } else {
+    for (int j = 0; j < T::per_thread; ++j)
+      if (e == tm.rank() + T::width * j) f(j);
+  }
+}
+
 //! The elementwise score (sigmoid or sqrt-softplus) of x.
 [[nodiscard]] MOEFOLD_HOST_DEVICE inline float elementwise_score(score_function f, float x) {
   return f == score_function::sigmoid ? simt::sigmoid(x) : simt::sqrt(softplus(x));
@@ -130,29 +278,29 @@ struct warp_per_token {
   return simt::div(sp_grad, simt::mul(2.0f, sk));
 }
 
-//! The team's logits of experts rank + width j (-inf past E).
-template <class Team>
-MOEFOLD_HOST_DEVICE void load_row(Team& tm, const float* row, int num_experts,
-                                  float (&s)[per_thread]) {
-  for (int j = 0; j < per_thread; ++j) {
+//! The team's logits of experts rank + width j (-inf past E), slots j < slot_end(E).
+template <class Team, int P>
+MOEFOLD_HOST_DEVICE void load_row(Team& tm, const float* row, int num_experts, float (&s)[P]) {
+  for (int j = 0; j < Team::slot_end(num_experts); ++j) {
     const int e = tm.rank() + Team::width * j;
     s[j] = e < num_experts ? row[e] : simt::bits_float(0xff800000u);
   }
 }
 //! softmax over the team's E values in place (max-subtracted; the sum in the team's fixed
-//! reduction order); 0 past E.
-template <class Team>
-MOEFOLD_HOST_DEVICE void softmax(Team& tm, float (&s)[per_thread], int num_experts) {
+//! reduction order: a GPU team's tree, a team of one's expert order); 0 past E.
+template <class Team, int P>
+MOEFOLD_HOST_DEVICE void softmax(Team& tm, float (&s)[P], int num_experts) {
+  const int n = Team::slot_end(num_experts);
   float m = s[0];
-  for (int j = 1; j < per_thread; ++j) m = s[j] > m ? s[j] : m;
+  for (int j = 1; j < n; ++j) m = s[j] > m ? s[j] : m;
   m = tm.max(m);
   float part = 0.0f;
-  for (int j = 0; j < per_thread; ++j) {
+  for (int j = 0; j < n; ++j) {
     s[j] = tm.rank() + Team::width * j < num_experts ? simt::exp(simt::add(s[j], -m)) : 0.0f;
     part = simt::add(part, s[j]);
   }
   const float sum = tm.sum(part);
-  for (int j = 0; j < per_thread; ++j)
+  for (int j = 0; j < n; ++j)
     s[j] = tm.rank() + Team::width * j < num_experts ? simt::div(s[j], sum) : 0.0f;
 }
 }  // namespace detail_router
@@ -162,6 +310,7 @@ MOEFOLD_HOST_DEVICE void softmax(Team& tm, float (&s)[per_thread], int num_exper
 template <class Team>
 struct basic_router_topk_kernel {
   static constexpr int block_threads = detail_router::block_threads;
+  static constexpr bool cooperative = true;  // a team per token (a team of one on the host)
   // Named as every team-generic kernel is: the block team's gets the suffix _block.
   static constexpr const char* name = Team::width == 32 ? "router_topk" : "router_topk_block";
   static constexpr int max_experts = Team::max_experts;
@@ -183,20 +332,22 @@ struct basic_router_topk_kernel {
 
   template <class Ctx>
   MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
-    constexpr int per_thread = detail_router::per_thread, width = Team::width;
+    using team_t = detail_router::team_for<Team, Ctx>;
+    constexpr int per_thread = team_t::per_thread, width = team_t::width;
     const float neg_inf = simt::bits_float(0xff800000u);
-    typename Team::template team<Ctx> tm(c);
+    team_t tm(c);
     const int rank = tm.rank();
+    const int n = team_t::slot_end(num_experts);  // the slots the thread's experts are in
+    const int nq = team_t::selection_end(topk);   // the slots of the thread's selections
     for (int t = tm.first_token(); t < num_tokens; t += tm.token_step()) {
       const float* row = logits + static_cast<long long>(t) * num_experts;
       float s[per_thread], sel[per_thread];  // experts rank + width j: score, selection value
       detail_router::load_row(tm, row, num_experts, s);
       if (score == score_function::softmax) {
         if (pre_softmax) detail_router::softmax(tm, s, num_experts);
-        for (int j = 0; j < per_thread; ++j)
-          sel[j] = rank + width * j < num_experts ? s[j] : neg_inf;
+        for (int j = 0; j < n; ++j) sel[j] = rank + width * j < num_experts ? s[j] : neg_inf;
       } else {
-        for (int j = 0; j < per_thread; ++j) {
+        for (int j = 0; j < n; ++j) {
           const int e = rank + width * j;
           if (e >= num_experts) {
             sel[j] = neg_inf;
@@ -215,37 +366,42 @@ struct basic_router_topk_kernel {
       for (int r = 0; r < topk; ++r) {
         float v = neg_inf;
         int i = 0x7fffffff;
-        for (int j = 0; j < per_thread; ++j)
+        for (int j = 0; j < n; ++j)
           if (sel[j] > v) {  // strictly: the lower index (smaller j) stays on a tie
             v = sel[j];
             i = rank + width * j;
           }
         tm.argmax(v, i);
         float owned = 0.0f;
-        for (int j = 0; j < per_thread; ++j)
-          if (rank + width * j == i) {
-            owned = s[j];
-            sel[j] = neg_inf;
-          }
+        detail_router::at_expert(tm, i, num_experts, [&](int j) {
+          owned = s[j];
+          sel[j] = neg_inf;
+        });
         tm.record(r, i, owned);
       }
       tm.records_done();
 
-      // Probabilities, every sum in selection order (selection 0 first), as the host.
-      float p = rank < topk ? tm.selected_value() : 0.0f;
+      // Probabilities, every sum in selection order (selection 0 first), as the host: the
+      // thread's selections rank + width q.
+      float p[team_t::selections];
+      for (int q = 0; q < nq; ++q) p[q] = rank + width * q < topk ? tm.selected_value(q) : 0.0f;
       if (score == score_function::softmax && !pre_softmax) {
         const float top = tm.first_value();  // the largest selected logit
         const auto e = [top](float x) { return simt::exp(simt::add(x, -top)); };
         const float sum = tm.ordered_sum(topk, e);
-        p = rank < topk ? simt::div(e(p), sum) : 0.0f;
+        for (int q = 0; q < nq; ++q)
+          p[q] = rank + width * q < topk ? simt::div(e(p[q]), sum) : 0.0f;
       } else if (score != score_function::softmax && topk > 1) {
         const float sum = tm.ordered_sum(topk, [](float x) { return x; });
-        p = simt::div(p, simt::add(sum, 1e-20f));
+        for (int q = 0; q < nq; ++q) p[q] = simt::div(p[q], simt::add(sum, 1e-20f));
       }
-      if (scale) p = simt::mul(p, scaling_factor);
-      if (rank < topk) {
-        indices[static_cast<long long>(t) * topk + rank] = tm.selected_index();
-        probs[static_cast<long long>(t) * topk + rank] = p;
+      for (int q = 0; q < nq; ++q) {
+        const int r = rank + width * q;
+        if (scale) p[q] = simt::mul(p[q], scaling_factor);
+        if (r < topk) {
+          indices[static_cast<long long>(t) * topk + r] = tm.selected_index(q);
+          probs[static_cast<long long>(t) * topk + r] = p[q];
+        }
       }
       tm.token_done();
     }
@@ -257,12 +413,14 @@ struct basic_router_topk_kernel {
   //! first on a tie); the other experts' selection values become -inf.
   template <class T>
   MOEFOLD_HOST_DEVICE void mask_groups(T& tm, float* sel, float neg_inf) const {
-    constexpr int per_thread = detail_router::per_thread, width = Team::width;
+    constexpr int per_thread = T::per_thread, width = T::width;
     const int rank = tm.rank();
     const int per = num_experts / num_groups, take = topk / group_topk;
     for (int g = 0; g < num_groups; ++g) {
+      // The slots of the group's experts (all slots on a GPU team, masked by the test below).
+      const int lo = T::slot_begin(g * per), hi = T::slot_end((g + 1) * per);
       float tmp[per_thread];
-      for (int j = 0; j < per_thread; ++j) {
+      for (int j = lo; j < hi; ++j) {
         const int e = rank + width * j;
         tmp[j] = e >= g * per && e < (g + 1) * per ? sel[j] : neg_inf;
       }
@@ -270,20 +428,19 @@ struct basic_router_topk_kernel {
       for (int r = 0; r < take; ++r) {
         float v = neg_inf;
         int i = 0x7fffffff;
-        for (int j = 0; j < per_thread; ++j)
+        for (int j = lo; j < hi; ++j)
           if (tmp[j] > v) {
             v = tmp[j];
             i = rank + width * j;
           }
         tm.argmax(v, i);
         sum = simt::add(sum, v);
-        for (int j = 0; j < per_thread; ++j)
-          if (rank + width * j == i) tmp[j] = neg_inf;
+        detail_router::at_expert(tm, i, num_experts, [&](int j) { tmp[j] = neg_inf; });
       }
       tm.set_group_score(g, sum);
     }
     const unsigned kept = tm.kept_groups(num_groups, group_topk);  // bit g: group g stays
-    for (int j = 0; j < per_thread; ++j) {
+    for (int j = 0; j < T::slot_end(num_experts); ++j) {
       const int e = rank + width * j;
       if (e < num_experts && !((kept >> (e / per)) & 1u)) sel[j] = neg_inf;
     }
@@ -299,13 +456,15 @@ using router_topk_kernel = basic_router_topk_kernel<detail_router::warp_per_toke
 //! a softmax before top-k, their share of the softmax's gradient). The selection, group masks and
 //! expert bias carry no gradient, as on the host (topk_router::backward). Sums over the k
 //! selected in selection order as the host forms them; the softmax-before-top-k dot product over
-//! E in the team's fixed reduction order. An index outside [0, E) (not the forward's)
+//! E (and its softmax's sum) in the team's fixed reduction order (on a team of one: expert order,
+//! the top of this file says what that changes). An index outside [0, E) (not the forward's)
 //! contributes nothing instead of reading out of bounds.
 //!
 //! logits [N, E], indices [N, k] (the forward's), dprobs [N, k]; out: dlogits [N, E]
 template <class Team>
 struct basic_router_backward_kernel {
   static constexpr int block_threads = detail_router::block_threads;
+  static constexpr bool cooperative = true;  // a team per token (a team of one on the host)
   static constexpr const char* name =
       Team::width == 32 ? "router_backward" : "router_backward_block";
   static constexpr int max_experts = Team::max_experts;
@@ -324,67 +483,95 @@ struct basic_router_backward_kernel {
 
   template <class Ctx>
   MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
-    constexpr int per_thread = detail_router::per_thread, width = Team::width;
-    typename Team::template team<Ctx> tm(c);
+    using team_t = detail_router::team_for<Team, Ctx>;
+    constexpr int per_thread = team_t::per_thread, width = team_t::width;
+    constexpr int sels = team_t::selections;
+    team_t tm(c);
     const int rank = tm.rank();
+    const int n = team_t::slot_end(num_experts), nq = team_t::selection_end(topk);
     for (int t = tm.first_token(); t < num_tokens; t += tm.token_step()) {
       const float* row = logits + static_cast<long long>(t) * num_experts;
       float* drow = dlogits + static_cast<long long>(t) * num_experts;
       const long long base = static_cast<long long>(t) * topk;
-      // Rank i < k: the i-th selection and its gradient (times the scaling factor).
-      const int my_index = rank < topk ? indices[base + rank] : -1;
-      float g = rank < topk ? dprobs[base + rank] : 0.0f;
-      if (scale) g = simt::mul(g, scaling_factor);
-      float out[per_thread] = {};  // the thread's experts rank + width j
+      // The thread's selections r = rank + width q < k: expert and gradient (times the scaling
+      // factor).
+      int my_index[sels];
+      float g[sels];
+      for (int q = 0; q < nq; ++q) {
+        const int r = rank + width * q;
+        my_index[q] = r < topk ? indices[base + r] : -1;
+        g[q] = r < topk ? dprobs[base + r] : 0.0f;
+        if (scale) g[q] = simt::mul(g[q], scaling_factor);
+      }
+      float out[per_thread];  // the thread's experts rank + width j
+      for (int j = 0; j < n; ++j) out[j] = 0.0f;
       if (score == score_function::softmax && pre_softmax) {
         // s = softmax(row); ds = the selections' gradients scattered; ds_e -> s_e (ds_e - <s, ds>).
-        float s[per_thread], ds[per_thread] = {};
+        float s[per_thread], ds[per_thread];
+        for (int j = 0; j < n; ++j) ds[j] = 0.0f;
         detail_router::load_row(tm, row, num_experts, s);
         detail_router::softmax(tm, s, num_experts);
         tm.share(topk, my_index, g);
         for (int r = 0; r < topk; ++r) {
           const int e = tm.shared_index(r);
           const float gr = tm.shared_value(r);
-          for (int j = 0; j < per_thread; ++j)  // a constant index: the array stays in registers
-            if (e == rank + width * j) ds[j] = simt::add(ds[j], gr);
+          // A constant index on a GPU team: the array stays in registers.
+          detail_router::at_expert(tm, e, num_experts,
+                                   [&](int j) { ds[j] = simt::add(ds[j], gr); });
         }
         tm.unshare();
-        float dot = 0.0f;
-        for (int j = 0; j < per_thread; ++j) dot = simt::add(dot, simt::mul(s[j], ds[j]));
+        float dot = 0.0f;  // in slot order, then the team's: on a team of one, expert order
+        for (int j = 0; j < n; ++j) dot = simt::add(dot, simt::mul(s[j], ds[j]));
         dot = tm.sum(dot);
-        for (int j = 0; j < per_thread; ++j) out[j] = simt::mul(s[j], simt::add(ds[j], -dot));
+        for (int j = 0; j < n; ++j) out[j] = simt::mul(s[j], simt::add(ds[j], -dot));
       } else {
-        const bool valid = rank < topk && my_index >= 0 && my_index < num_experts;
-        const float x = valid ? row[my_index] : 0.0f;
-        float gx = 0.0f;  // d loss / d x of the thread's selection
+        float x[sels], gx[sels];  // the selected logit, d loss / d x
+        for (int q = 0; q < nq; ++q) {
+          const bool valid =
+              rank + width * q < topk && my_index[q] >= 0 && my_index[q] < num_experts;
+          x[q] = valid ? row[my_index[q]] : 0.0f;
+        }
         if (score == score_function::softmax) {
           // p = softmax over the k selected logits; dx_i = p_i (g_i - <p, g>).
           const float top = held(tm, x, 0);  // the largest selected logit
-          float p = rank < topk ? simt::exp(simt::add(x, -top)) : 0.0f;
-          p = simt::div(p, held_sum(tm, p));
-          const float dot = held_sum(tm, rank < topk ? simt::mul(p, g) : 0.0f);
-          gx = simt::mul(p, simt::add(g, -dot));
+          float p[sels], pg[sels];
+          for (int q = 0; q < nq; ++q)
+            p[q] = rank + width * q < topk ? simt::exp(simt::add(x[q], -top)) : 0.0f;
+          const float z = held_sum(tm, p);
+          for (int q = 0; q < nq; ++q) {
+            p[q] = simt::div(p[q], z);
+            pg[q] = rank + width * q < topk ? simt::mul(p[q], g[q]) : 0.0f;
+          }
+          const float dot = held_sum(tm, pg);
+          for (int q = 0; q < nq; ++q) gx[q] = simt::mul(p[q], simt::add(g[q], -dot));
         } else {
-          const float sk = rank < topk ? detail_router::elementwise_score(score, x) : 0.0f;
-          float gs = g;
+          float sk[sels], gs[sels];
+          for (int q = 0; q < nq; ++q) {
+            sk[q] = rank + width * q < topk ? detail_router::elementwise_score(score, x[q]) : 0.0f;
+            gs[q] = g[q];
+          }
           if (topk > 1) {
             // p_i = s_i / D, D = sum s + 1e-20: ds_i = g_i / D - <g, s> / D^2.
             const float d = simt::add(held_sum(tm, sk), 1e-20f);
-            const float gsum = held_sum(tm, rank < topk ? simt::mul(g, sk) : 0.0f);
-            gs = simt::add(simt::div(g, d), -simt::div(gsum, simt::mul(d, d)));
+            float gsk[sels];
+            for (int q = 0; q < nq; ++q)
+              gsk[q] = rank + width * q < topk ? simt::mul(g[q], sk[q]) : 0.0f;
+            const float gsum = held_sum(tm, gsk);
+            for (int q = 0; q < nq; ++q)
+              gs[q] = simt::add(simt::div(g[q], d), -simt::div(gsum, simt::mul(d, d)));
           }
-          gx = simt::mul(gs, detail_router::score_grad(score, x, sk));
+          for (int q = 0; q < nq; ++q)
+            gx[q] = simt::mul(gs[q], detail_router::score_grad(score, x[q], sk[q]));
         }
         tm.share(topk, my_index, gx);
         for (int r = 0; r < topk; ++r) {
           const int e = tm.shared_index(r);
           const float gr = tm.shared_value(r);
-          for (int j = 0; j < per_thread; ++j)
-            if (e == rank + width * j) out[j] = gr;
+          detail_router::at_expert(tm, e, num_experts, [&](int j) { out[j] = gr; });
         }
         tm.unshare();
       }
-      for (int j = 0; j < per_thread; ++j) {
+      for (int j = 0; j < n; ++j) {
         const int e = rank + width * j;
         if (e < num_experts) drow[e] = out[j];
       }
@@ -393,18 +580,22 @@ struct basic_router_backward_kernel {
   }
 
  private:
-  // Rank r's v, on every thread.
-  template <class T>
-  MOEFOLD_HOST_DEVICE static float held(T& tm, float v, int r) {
-    tm.share(r + 1, -1, v);
+  // Selection r's v (the thread holding it passes its slots' values), on every thread.
+  template <class T, int S>
+  MOEFOLD_HOST_DEVICE static float held(T& tm, const float (&v)[S], int r) {
+    int none[S];
+    for (int q = 0; q < S; ++q) none[q] = -1;
+    tm.share(r + 1, none, v);
     const float out = tm.shared_value(r);
     tm.unshare();
     return out;
   }
-  // The sum of ranks 0..k-1's v, added in rank (selection) order, on every thread.
-  template <class T>
-  MOEFOLD_HOST_DEVICE float held_sum(T& tm, float v) const {
-    tm.share(topk, -1, v);
+  // The sum of selections 0..k-1's v, added in selection order, on every thread.
+  template <class T, int S>
+  MOEFOLD_HOST_DEVICE float held_sum(T& tm, const float (&v)[S]) const {
+    int none[S];
+    for (int q = 0; q < S; ++q) none[q] = -1;
+    tm.share(topk, none, v);
     float sum = 0.0f;
     for (int j = 0; j < topk; ++j) sum = simt::add(sum, tm.shared_value(j));
     tm.unshare();

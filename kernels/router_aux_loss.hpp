@@ -9,7 +9,11 @@
 //! Order of operations: the column sums and counts run over rows in row order and the loss over
 //! columns in column order, as the host forms them, so from the same scores they are the same
 //! bits as the host's; the scores themselves come from moefold's exp (a few ulp from the C
-//! library's) with the team's fixed reduction order.
+//! library's) with the team's fixed reduction order. On a host context's team of one (host_exec)
+//! the team bodies (aux scores, the gradient) run over detail_router::one_thread_team, whose sums
+//! over E run in expert order: within the ulps router.hpp states of cpu_exec's, the map the same
+//! except near-ties; the column sums and the loss (independent threads, fixed orders) are the
+//! same bits on every context.
 //!
 //! logits [N, E], padding [N] (1 = padding token) or null; scores [N, E], map [N, E];
 //! columns: E (micro-batch and global losses) or B E (per sequence: token n = s B + b is row s,
@@ -33,6 +37,7 @@ namespace moefold::kernels {
 template <class Team>
 struct basic_aux_scores_kernel {
   static constexpr int block_threads = detail_router::block_threads;
+  static constexpr bool cooperative = true;  // a team per token (a team of one on the host)
   static constexpr const char* name = Team::width == 32 ? "aux_scores" : "aux_scores_block";
   static constexpr int max_experts = Team::max_experts;
   static constexpr auto smem_bytes = Team::smem_bytes;
@@ -46,54 +51,55 @@ struct basic_aux_scores_kernel {
 
   template <class Ctx>
   MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
-    constexpr int per_thread = detail_router::per_thread, width = Team::width;
+    using team_t = detail_router::team_for<Team, Ctx>;
+    constexpr int per_thread = team_t::per_thread, width = team_t::width;
     const float neg_inf = simt::bits_float(0xff800000u);
-    typename Team::template team<Ctx> tm(c);
+    team_t tm(c);
     const int rank = tm.rank();
+    const int n = team_t::slot_end(num_experts);  // the slots the thread's experts are in
     for (int t = tm.first_token(); t < num_tokens; t += tm.token_step()) {
       const long long at = static_cast<long long>(t) * num_experts;
       float s[per_thread];
-      unsigned chosen = 0;  // bit j: expert rank + width j is among the top k
+      detail_router::slot_flags<per_thread> chosen;  // j: expert rank + width j is in the top k
+      chosen.clear(n);
       if (padding != nullptr && padding[t] != 0) {
-        for (int j = 0; j < per_thread; ++j) s[j] = 0.0f;
+        for (int j = 0; j < n; ++j) s[j] = 0.0f;
       } else {
         detail_router::load_row(tm, logits + at, num_experts, s);
         if (score == score_function::softmax) {
           detail_router::softmax(tm, s, num_experts);
         } else {
-          float part = 0.0f;
-          for (int j = 0; j < per_thread; ++j) {
+          float part = 0.0f;  // in slot order, then the team's: on a team of one, expert order
+          for (int j = 0; j < n; ++j) {
             s[j] = rank + width * j < num_experts ? detail_router::elementwise_score(score, s[j])
                                                   : 0.0f;
             part = simt::add(part, s[j]);
           }
           const float d = simt::add(tm.sum(part), 1e-20f);
-          for (int j = 0; j < per_thread; ++j) s[j] = simt::div(s[j], d);
+          for (int j = 0; j < n; ++j) s[j] = simt::div(s[j], d);
         }
         float sel[per_thread];
-        for (int j = 0; j < per_thread; ++j)
-          sel[j] = rank + width * j < num_experts ? s[j] : neg_inf;
+        for (int j = 0; j < n; ++j) sel[j] = rank + width * j < num_experts ? s[j] : neg_inf;
         for (int r = 0; r < topk; ++r) {
           float v = neg_inf;
           int i = 0x7fffffff;
-          for (int j = 0; j < per_thread; ++j)
+          for (int j = 0; j < n; ++j)
             if (sel[j] > v) {  // strictly: the lower index stays on a tie
               v = sel[j];
               i = rank + width * j;
             }
           tm.argmax(v, i);
-          for (int j = 0; j < per_thread; ++j)
-            if (rank + width * j == i) {
-              chosen |= 1u << j;
-              sel[j] = neg_inf;
-            }
+          detail_router::at_expert(tm, i, num_experts, [&](int j) {
+            chosen.set(j);
+            sel[j] = neg_inf;
+          });
         }
       }
-      for (int j = 0; j < per_thread; ++j) {
+      for (int j = 0; j < n; ++j) {
         const int e = rank + width * j;
         if (e >= num_experts) continue;
         scores[at + e] = s[j];
-        map[at + e] = static_cast<std::uint8_t>((chosen >> j) & 1u);
+        map[at + e] = static_cast<std::uint8_t>(chosen.bit(j));
       }
       tm.token_done();
     }
@@ -201,6 +207,7 @@ struct switch_loss_kernel {
 template <class Team>
 struct basic_aux_loss_backward_kernel {
   static constexpr int block_threads = detail_router::block_threads;
+  static constexpr bool cooperative = true;  // a team per token (a team of one on the host)
   static constexpr const char* name =
       Team::width == 32 ? "aux_loss_backward" : "aux_loss_backward_block";
   static constexpr int max_experts = Team::max_experts;
@@ -217,28 +224,31 @@ struct basic_aux_loss_backward_kernel {
 
   template <class Ctx>
   MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
-    constexpr int per_thread = detail_router::per_thread, width = Team::width;
-    typename Team::template team<Ctx> tm(c);
+    using team_t = detail_router::team_for<Team, Ctx>;
+    constexpr int per_thread = team_t::per_thread, width = team_t::width;
+    team_t tm(c);
     const int rank = tm.rank();
+    const int n = team_t::slot_end(num_experts);  // the slots the thread's experts are in
     for (int t = tm.first_token(); t < num_tokens; t += tm.token_step()) {
       if (padding != nullptr && padding[t] != 0) continue;  // the same on every thread of a team
       const long long at = static_cast<long long>(t) * num_experts;
       float x[per_thread], s[per_thread], ds[per_thread], dl[per_thread];
       detail_router::load_row(tm, logits + at, num_experts, x);
-      for (int j = 0; j < per_thread; ++j) {
+      for (int j = 0; j < n; ++j) {
         const int e = rank + width * j;
         ds[j] = e < num_experts ? simt::mul(seed, dscores[(at + e) % columns]) : 0.0f;
         s[j] = x[j];
       }
+      // The sums over E in slot order, then the team's: on a team of one, expert order.
       if (score == score_function::softmax) {
         detail_router::softmax(tm, s, num_experts);
         float dot = 0.0f;
-        for (int j = 0; j < per_thread; ++j) dot = simt::add(dot, simt::mul(s[j], ds[j]));
+        for (int j = 0; j < n; ++j) dot = simt::add(dot, simt::mul(s[j], ds[j]));
         dot = tm.sum(dot);
-        for (int j = 0; j < per_thread; ++j) dl[j] = simt::mul(s[j], simt::add(ds[j], -dot));
+        for (int j = 0; j < n; ++j) dl[j] = simt::mul(s[j], simt::add(ds[j], -dot));
       } else {
         float part = 0.0f, gpart = 0.0f;
-        for (int j = 0; j < per_thread; ++j) {
+        for (int j = 0; j < n; ++j) {
           s[j] =
               rank + width * j < num_experts ? detail_router::elementwise_score(score, x[j]) : 0.0f;
           part = simt::add(part, s[j]);
@@ -247,13 +257,13 @@ struct basic_aux_loss_backward_kernel {
         const float d = simt::add(tm.sum(part), 1e-20f);
         const float gs = tm.sum(gpart);
         const float tail = simt::div(gs, simt::mul(d, d));
-        for (int j = 0; j < per_thread; ++j)
+        for (int j = 0; j < n; ++j)
           dl[j] = rank + width * j < num_experts
                       ? simt::mul(simt::add(simt::div(ds[j], d), -tail),
                                   detail_router::score_grad(score, x[j], s[j]))
                       : 0.0f;
       }
-      for (int j = 0; j < per_thread; ++j) {
+      for (int j = 0; j < n; ++j) {
         const int e = rank + width * j;
         if (e < num_experts) dlogits[at + e] = simt::add(dlogits[at + e], dl[j]);
       }

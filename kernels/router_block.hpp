@@ -4,7 +4,9 @@
 //! The same body as router_topk_kernel (basic_router_topk_kernel) over a block team: a block
 //! reduction is a warp reduction per warp, then the four warp results combined in warp order
 //! from shared memory, so its order is fixed and the CPU executor and the GPU give the same
-//! bits. The k selections go to shared memory as they are made.
+//! bits. The k selections go to shared memory as they are made. On a host context's team of one
+//! the same body runs over detail_router::one_thread_team with this team's limits (E <= 1,024,
+//! k <= 32, groups <= 32; router.hpp says what that changes).
 //!
 //! logits [N, E] (row stride E), expert_bias [E] or null; out: indices [N, k], probs [N, k]
 #pragma once
@@ -42,11 +44,17 @@ struct block_per_token {
   template <class Ctx>
   struct team {
     static constexpr int width = block_per_token::width;
+    static constexpr int per_thread = detail_router::per_thread;
+    static constexpr int selections = (max_topk + width - 1) / width;  // 1: thread r, selection r
     Ctx& c;
     shared_state& sh;
 
     MOEFOLD_HOST_DEVICE explicit team(Ctx& ctx)
         : c(ctx), sh(*ctx.template shared<shared_state>()) {}
+    //! All slots (constant bounds), as warp_per_token's team (router.hpp says what they mean).
+    [[nodiscard]] MOEFOLD_HOST_DEVICE static constexpr int slot_begin(int) { return 0; }
+    [[nodiscard]] MOEFOLD_HOST_DEVICE static constexpr int slot_end(int) { return per_thread; }
+    [[nodiscard]] MOEFOLD_HOST_DEVICE static constexpr int selection_end(int) { return selections; }
     [[nodiscard]] MOEFOLD_HOST_DEVICE int rank() const { return c.thread(); }
     [[nodiscard]] MOEFOLD_HOST_DEVICE int first_token() const { return c.block(); }
     [[nodiscard]] MOEFOLD_HOST_DEVICE int token_step() const { return c.grid_blocks(); }
@@ -94,12 +102,16 @@ struct block_per_token {
     }
     //! The selections, written by their owners, are read by every thread after this.
     MOEFOLD_HOST_DEVICE void records_done() { c.sync(); }
-    //! Ranks r < k hand (index, value) to every thread through shared memory (the selection
-    //! slots): shared_index(r), shared_value(r) until unshare().
-    MOEFOLD_HOST_DEVICE void share(int k, int index, float value) {
-      if (c.thread() < k) {
-        sh.sel_index[c.thread()] = index;
-        sh.sel_value[c.thread()] = value;
+    //! The threads' selections r < k hand (index, value) to every thread through shared memory
+    //! (the selection slots): shared_index(r), shared_value(r) until unshare().
+    MOEFOLD_HOST_DEVICE void share(int k, const int (&index)[selections],
+                                   const float (&value)[selections]) {
+      for (int q = 0; q < selections; ++q) {
+        const int r = c.thread() + width * q;
+        if (r < k) {
+          sh.sel_index[r] = index[q];
+          sh.sel_value[r] = value[q];
+        }
       }
       c.sync();
     }
@@ -107,11 +119,12 @@ struct block_per_token {
     [[nodiscard]] MOEFOLD_HOST_DEVICE float shared_value(int r) const { return sh.sel_value[r]; }
     //! The slots are read by every thread before anyone writes them again.
     MOEFOLD_HOST_DEVICE void unshare() { c.sync(); }
-    [[nodiscard]] MOEFOLD_HOST_DEVICE int selected_index() const {
-      return sh.sel_index[c.thread()];
+    //! The expert and value of selection thread() + width q (below k only).
+    [[nodiscard]] MOEFOLD_HOST_DEVICE int selected_index(int q) const {
+      return sh.sel_index[c.thread() + width * q];
     }
-    [[nodiscard]] MOEFOLD_HOST_DEVICE float selected_value() const {
-      return sh.sel_value[c.thread()];
+    [[nodiscard]] MOEFOLD_HOST_DEVICE float selected_value(int q) const {
+      return sh.sel_value[c.thread() + width * q];
     }
     [[nodiscard]] MOEFOLD_HOST_DEVICE float first_value() const { return sh.sel_value[0]; }
     template <class F>

@@ -6,6 +6,11 @@
 //! team per token, reading the forward's logsumexp and valid count from device memory). Pass
 //! coeff already divided by |TP x CP|, as group_losses.hpp does.
 //!
+//! On a host context's team of one (host_exec) the team bodies run over
+//! detail_router::one_thread_team and the total with one thread: the sums over E and over the
+//! tokens run in expert and token order instead of the teams' trees, within the ulps router.hpp
+//! states of cpu_exec's (the valid count is the same integer).
+//!
 //! logits [N, E], padding [N] (1 = padding token) or null; lse [N]; loss [1], valid [1].
 #pragma once
 
@@ -21,10 +26,11 @@
 namespace moefold::kernels {
 
 //! lse[t] = max + log(sum exp(x - max)) over the token's E logits (the sum in the team's fixed
-//! order); 0 for a padding token.
+//! order: a GPU team's tree, a team of one's expert order); 0 for a padding token.
 template <class Team>
 struct basic_logsumexp_kernel {
   static constexpr int block_threads = detail_router::block_threads;
+  static constexpr bool cooperative = true;  // a team per token (a team of one on the host)
   static constexpr const char* name = Team::width == 32 ? "logsumexp" : "logsumexp_block";
   static constexpr int max_experts = Team::max_experts;
   static constexpr auto smem_bytes = Team::smem_bytes;
@@ -36,9 +42,11 @@ struct basic_logsumexp_kernel {
 
   template <class Ctx>
   MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
-    constexpr int per_thread = detail_router::per_thread, width = Team::width;
-    typename Team::template team<Ctx> tm(c);
+    using team_t = detail_router::team_for<Team, Ctx>;
+    constexpr int per_thread = team_t::per_thread, width = team_t::width;
+    team_t tm(c);
     const int rank = tm.rank();
+    const int n = team_t::slot_end(num_experts);  // the slots the thread's experts are in
     for (int t = tm.first_token(); t < num_tokens; t += tm.token_step()) {
       if (padding != nullptr && padding[t] != 0) {
         if (rank == 0) lse[t] = 0.0f;
@@ -47,10 +55,10 @@ struct basic_logsumexp_kernel {
       float x[per_thread];
       detail_router::load_row(tm, logits + static_cast<long long>(t) * num_experts, num_experts, x);
       float m = x[0];
-      for (int j = 1; j < per_thread; ++j) m = x[j] > m ? x[j] : m;
+      for (int j = 1; j < n; ++j) m = x[j] > m ? x[j] : m;
       m = tm.max(m);
       float part = 0.0f;
-      for (int j = 0; j < per_thread; ++j)
+      for (int j = 0; j < n; ++j)
         if (rank + width * j < num_experts) part = simt::add(part, simt::exp(simt::add(x[j], -m)));
       const float sum = tm.sum(part);
       if (rank == 0) lse[t] = simt::add(m, simt::log(sum));
@@ -62,10 +70,13 @@ using logsumexp_kernel = basic_logsumexp_kernel<detail_router::warp_per_token>;
 using logsumexp_block_kernel = basic_logsumexp_kernel<detail_router::block_per_token>;
 
 //! loss = coeff * sum_t lse[t]^2 / valid over the valid tokens (0 without one), valid = their
-//! number. One block of 256: thread i adds tokens i, i + 256, ... in order, then the warps'
-//! butterflies and the 8 warp sums in warp order: a fixed order, the same bits on every context.
+//! number. One block of 256 (on a GPU and cpu_exec): thread i adds tokens i, i + 256, ... in
+//! order, then the warps' butterflies and the 8 warp sums in warp order: a fixed order, the same
+//! bits on both. On a host context's team of one the one thread adds every token in order: the
+//! same valid count, the loss within the ulps of a sum's order (router.hpp).
 struct z_loss_total_kernel {
   static constexpr int block_threads = 256;
+  static constexpr bool cooperative = true;  // a block's sum through shared memory
   static constexpr const char* name = "z_loss_total";
   static constexpr int warps = block_threads / 32;
   struct shared_state {
@@ -84,10 +95,12 @@ struct z_loss_total_kernel {
   template <class Ctx>
   MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
     if (c.block() != 0) return;  // one block does it all (a uniform exit: no barrier skipped)
+    constexpr int threads = Ctx::block_threads, team_warps = threads / Ctx::warp_threads;
+    static_assert(team_warps <= warps, "the team's warps fit the shared state");
     shared_state& sh = *c.template shared<shared_state>();
     float part = 0.0f;
     int n = 0;
-    for (int t = c.thread(); t < num_tokens; t += block_threads) {
+    for (int t = c.thread(); t < num_tokens; t += threads) {
       if (padding != nullptr && padding[t] != 0) continue;
       part = simt::add(part, simt::mul(lse[t], lse[t]));
       ++n;
@@ -102,7 +115,7 @@ struct z_loss_total_kernel {
     if (c.thread() != 0) return;
     float sum = 0.0f;
     int count = 0;
-    for (int w = 0; w < warps; ++w) {
+    for (int w = 0; w < team_warps; ++w) {
       sum = simt::add(sum, sh.sum[w]);
       count += sh.valid[w];
     }
@@ -115,6 +128,7 @@ struct z_loss_total_kernel {
 template <class Team>
 struct basic_z_loss_backward_kernel {
   static constexpr int block_threads = detail_router::block_threads;
+  static constexpr bool cooperative = true;  // a team per token (a team of one on the host)
   static constexpr const char* name =
       Team::width == 32 ? "z_loss_backward" : "z_loss_backward_block";
   static constexpr int max_experts = Team::max_experts;
@@ -130,8 +144,9 @@ struct basic_z_loss_backward_kernel {
 
   template <class Ctx>
   MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
-    constexpr int per_thread = detail_router::per_thread, width = Team::width;
-    typename Team::template team<Ctx> tm(c);
+    using team_t = detail_router::team_for<Team, Ctx>;
+    constexpr int per_thread = team_t::per_thread, width = team_t::width;
+    team_t tm(c);
     const int rank = tm.rank();
     const int n = *valid;
     for (int t = tm.first_token(); t < num_tokens; t += tm.token_step()) {
@@ -143,7 +158,7 @@ struct basic_z_loss_backward_kernel {
       // The host's order: seed * coeff * 2 * lse / valid.
       const float f = simt::div(simt::mul(simt::mul(simt::mul(seed, coeff), 2.0f), lse[t]),
                                 static_cast<float>(n));
-      for (int j = 0; j < per_thread; ++j) {
+      for (int j = 0; j < team_t::slot_end(num_experts); ++j) {
         const int e = rank + width * j;
         if (e < num_experts) dlogits[at + e] = simt::add(dlogits[at + e], simt::mul(f, s[j]));
       }

@@ -9,7 +9,8 @@
 //!    carrying the running total, and writes the grand total;
 //! 3. `add_tile_offsets_kernel`: adds each tile's offset to its elements of `out`.
 //!
-//! Integers only: the result is exact, so it is the same whatever the order.
+//! Integers only: the result is exact, so it is the same whatever the order (and whatever the
+//! team: a host context's team of one scans a tile serially).
 //! in, out [n]; tile_sums [ceil(n / tile)]; total [1]
 #pragma once
 
@@ -24,6 +25,7 @@ inline constexpr int scan_items = 4;
 
 struct scan_tiles_kernel {
   static constexpr int block_threads = 256;
+  static constexpr bool cooperative = true;
   static constexpr const char* name = "scan_tiles";
   static constexpr long long tile = static_cast<long long>(block_threads) * scan_items;
   const int* in;
@@ -35,18 +37,27 @@ struct scan_tiles_kernel {
     const long long tiles = (n + tile - 1) / tile;
     for (long long t = c.block(); t < tiles; t += c.grid_blocks()) {
       // Thread i owns elements [i * items, (i + 1) * items) of the tile: a serial sum, then the
-      // block scan of the per-thread sums.
-      const long long base = t * tile + static_cast<long long>(c.thread()) * scan_items;
-      int v[scan_items];
+      // block scan of the per-thread sums (items: scan_items on a block of block_threads, the
+      // whole tile on a team of one).
+      constexpr int items = static_cast<int>(tile / Ctx::block_threads);
+      const long long base = t * tile + static_cast<long long>(c.thread()) * items;
+      // The thread's elements inside [0, n): the loops stop there (a constant bound and a break,
+      // so that a GPU keeps v in registers; a team of one does not walk a whole tile for a few
+      // elements).
+      const long long left = n - base;
+      const int live = left <= 0 ? 0 : left < items ? static_cast<int>(left) : items;
+      int v[items];
       int own = 0;
-      for (int j = 0; j < scan_items; ++j) {
-        v[j] = base + j < n ? in[base + j] : 0;
+      for (int j = 0; j < items; ++j) {
+        if (j >= live) break;
+        v[j] = in[base + j];
         own += v[j];
       }
       int total = 0;
       int run = simt::block_exclusive_scan(c, own, c.template shared<int>(), total);
-      for (int j = 0; j < scan_items; ++j) {
-        if (base + j < n) out[base + j] = run;
+      for (int j = 0; j < items; ++j) {
+        if (j >= live) break;
+        out[base + j] = run;
         run += v[j];
       }
       if (c.thread() == 0) tile_sums[t] = total;
@@ -56,6 +67,7 @@ struct scan_tiles_kernel {
 
 struct scan_tile_sums_kernel {
   static constexpr int block_threads = 256;
+  static constexpr bool cooperative = true;
   static constexpr const char* name = "scan_tile_sums";
   int* tile_sums;
   long long tiles;
@@ -63,7 +75,7 @@ struct scan_tile_sums_kernel {
   template <class Ctx>
   MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
     int carry = 0;  // the same on every thread: each adds every chunk's total
-    for (long long b = 0; b < tiles; b += block_threads) {
+    for (long long b = 0; b < tiles; b += Ctx::block_threads) {
       const long long i = b + c.thread();
       const int v = i < tiles ? tile_sums[i] : 0;
       int chunk = 0;

@@ -42,7 +42,9 @@ int main(int argc, char** argv) {
   std::vector<int> in(static_cast<std::size_t>(blocks) * 256, 1), out(in.size(), -1);
   const moefold::launch_grid grid{
       .blocks = blocks,
-      .smem_bytes = sizeof(int) * moefold::kernels::simt::block_scan_scratch<scan_kernel>};
+      .smem_bytes =
+          sizeof(int) *
+          moefold::kernels::simt::block_scan_scratch<moefold::cpu_ctx<scan_kernel::block_threads>>};
   const scan_kernel k{in.data(), out.data()};
   if (!launch(moefold::cpu_exec{1}, grid, k)) return 1;  // warm: workers and stacks made
   const auto t0 = std::chrono::steady_clock::now();

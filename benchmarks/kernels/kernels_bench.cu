@@ -9,8 +9,7 @@
 //
 //   build/benchmarks/kernels/bench-kernels [tokens=16384] [hidden=4096]
 #include <moefold/core/dtype.hpp>
-#include <moefold/exec/cuda/cuda_exec.hpp>
-#include <moefold/exec/cuda/cuda_launch.cuh>
+#include <moefold/exec/cuda/cuda_exec.cuh>
 #include <moefold/kernels/permute.hpp>
 #include <moefold/kernels/router.hpp>
 #include <moefold/kernels/router_block.hpp>
@@ -88,7 +87,12 @@ int main(int argc, char** argv) {
   const int topk = 8;
   const long long rows = static_cast<long long>(tokens) * topk;
   std::mt19937 rng(1);
-  const cuda_exec exec(nullptr);
+  auto made = cuda_exec::make(nullptr);
+  if (!made) {
+    std::printf("cuda_exec::make: %s\n", made.error().message.c_str());
+    return 1;
+  }
+  const cuda_exec& exec = *made;
   bool failed = false;
 
   // Permute: rows = tokens k slots, each a copy of its token's row (a random order, as the

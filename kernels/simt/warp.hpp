@@ -2,24 +2,25 @@
 //! @brief Warp-wide reductions and scans over a context's full-mask shuffles: the same code on
 //! cpu_exec and cuda_exec, in a fixed order of operations, so float results are the same bits on
 //! both (and on every lane for the reductions: the butterfly adds the same two partial sums on
-//! both lanes of each pair, and IEEE addition is commutative).
+//! both lanes of each pair, and IEEE addition is commutative). Over Ctx::warp_threads lanes: on a
+//! host context's team of one (warp_threads 1) each is the lane's own value, no shuffle.
 #pragma once
 
 #include <moefold/core/config.hpp>
 
 namespace moefold::kernels::simt {
 
-//! The sum over the 32 lanes, on every lane.
+//! The sum over the warp's lanes, on every lane.
 template <class Ctx, class T>
 [[nodiscard]] MOEFOLD_HOST_DEVICE T warp_sum(Ctx& c, T v) {
-  for (int m = 16; m >= 1; m /= 2) v = v + c.shfl_xor(v, m);
+  for (int m = Ctx::warp_threads / 2; m >= 1; m /= 2) v = v + c.shfl_xor(v, m);
   return v;
 }
 
-//! The largest value over the 32 lanes, on every lane (NaN-free input).
+//! The largest value over the warp's lanes, on every lane (NaN-free input).
 template <class Ctx, class T>
 [[nodiscard]] MOEFOLD_HOST_DEVICE T warp_max(Ctx& c, T v) {
-  for (int m = 16; m >= 1; m /= 2) {
+  for (int m = Ctx::warp_threads / 2; m >= 1; m /= 2) {
     const T o = c.shfl_xor(v, m);
     v = o > v ? o : v;
   }
@@ -30,7 +31,7 @@ template <class Ctx, class T>
 //! The top-k of the router is k rounds of this.
 template <class Ctx>
 MOEFOLD_HOST_DEVICE void warp_argmax(Ctx& c, float& v, int& i) {
-  for (int m = 16; m >= 1; m /= 2) {
+  for (int m = Ctx::warp_threads / 2; m >= 1; m /= 2) {
     const float ov = c.shfl_xor(v, m);
     const int oi = c.shfl_xor(i, m);
     if (ov > v || (ov == v && oi < i)) {
@@ -40,22 +41,22 @@ MOEFOLD_HOST_DEVICE void warp_argmax(Ctx& c, float& v, int& i) {
   }
 }
 
-//! Inclusive prefix sum over lanes 0..lane() (Kogge-Stone: log2(32) shuffles).
+//! Inclusive prefix sum over lanes 0..lane() (Kogge-Stone: log2(warp_threads) shuffles).
 template <class Ctx, class T>
 [[nodiscard]] MOEFOLD_HOST_DEVICE T warp_inclusive_scan(Ctx& c, T v) {
   const int lane = c.lane();
-  for (int d = 1; d < 32; d *= 2) {
+  for (int d = 1; d < Ctx::warp_threads; d *= 2) {
     const T o = c.shfl_idx(v, lane >= d ? lane - d : lane);
     if (lane >= d) v = v + o;
   }
   return v;
 }
 
-//! Exclusive prefix sum (lane 0 gets T{}); `total` gets the sum over all 32 lanes.
+//! Exclusive prefix sum (lane 0 gets T{}); `total` gets the sum over all the warp's lanes.
 template <class Ctx, class T>
 [[nodiscard]] MOEFOLD_HOST_DEVICE T warp_exclusive_scan(Ctx& c, T v, T& total) {
   const T inc = warp_inclusive_scan(c, v);
-  total = c.shfl_idx(inc, 31);
+  total = c.shfl_idx(inc, Ctx::warp_threads - 1);
   return inc - v;
 }
 

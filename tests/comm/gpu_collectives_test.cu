@@ -26,9 +26,9 @@
 using namespace moefold;
 using namespace moefold::test;
 
-// The GPU communicators take device memory and cuda_exec; the host context does not fit them.
-static_assert(communicator_for<nccl_communicator, cuda_exec>);
-static_assert(communicator_for<loopback_communicator, cuda_exec, int>);
+// The GPU communicators take device memory and cuda_copy_exec; the host context does not fit them.
+static_assert(communicator_for<nccl_communicator, cuda_copy_exec>);
+static_assert(communicator_for<loopback_communicator, cuda_copy_exec, int>);
 static_assert(!communicator_for<nccl_communicator, host_exec>);
 static_assert(!communicator_for<loopback_communicator, cpu_exec>);
 
@@ -264,7 +264,7 @@ void check_nccl_sum16_one_rank(nccl_communicator& c, cudaStream_t s) {
   const std::vector<int> counts{static_cast<int>(v.size())};
   device_vec<T> send(v), recv(v.size()), buf(v);
   // The row-view forms on the stream of the context passed (the communicator holds none).
-  cuda_exec x(s);
+  cuda_copy_exec x(s);
   const int n = static_cast<int>(v.size());
   EXPECT_OK(c.reduce_scatter_v(x, row_view<const T, device_space>(send.span().data(), n, 1), counts,
                                row_view<T, device_space>(recv.span().data(), n, 1),
@@ -405,7 +405,7 @@ int main() {
         if (other) {
           check_nccl_sum16_one_rank<float16>(*other, s2);  // other owns buffers of its own
           *other = std::move(moved);                       // ... which the assignment releases
-          // The buffers move to another stream: the calls pass cuda_exec{s2}.
+          // The buffers move to another stream: the calls pass cuda_copy_exec{s2}.
           check_nccl_sum16_one_rank<float16>(*other, s2);
           check_nccl_sum16_one_rank<bfloat16>(*other, s2);
           auto sub = other->split(0, 0);

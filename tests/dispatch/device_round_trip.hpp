@@ -1,6 +1,6 @@
 // One rank's dispatch, "experts", combine and backward with every buffer of the dispatcher in an
 // execution context's memory (cpu_exec over the thread world in device_dispatcher_test.cpp,
-// cuda_kernel_exec over the loopback world in the GPU test), copied back to the host, with the
+// cuda_exec over the loopback world in the GPU test), copied back to the host, with the
 // transfers the context counted.
 #pragma once
 
@@ -23,7 +23,7 @@
 
 namespace moefold::test {
 
-// A context that counts its copies (cpu_exec, cuda_kernel_exec).
+// A context that counts its copies (cpu_exec, cuda_exec).
 template <class Exec>
 inline constexpr bool counts_copies = requires(Exec& x) {
   x.copies();
@@ -195,7 +195,7 @@ void check_same_values(const trip<T, P>& a, const trip<T, P>& b) {
   CHECK(!a.batch_x.empty());
   // The host's batch is one span (stride H); a context's batch rows start 16 bytes apart, H
   // padded up (the row kernels' 16-byte path). Either trip may be either kind (the GPU test
-  // compares cuda_kernel_exec with cpu_exec).
+  // compares cuda_exec with cpu_exec).
   const trip<T, P>* both[] = {&a, &b};  // an array: nvcc rejects a braced list here
   for (const trip<T, P>* t : both) {
     if (t->host_space) {

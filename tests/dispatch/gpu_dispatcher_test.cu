@@ -1,6 +1,6 @@
 // Part of the GPU test program (test-simt-gpu, whose main is in
 // tests/kernels/simt/simt_gpu_test.cu; two .cu files that include the kernel headers, linked
-// together): both dispatchers on cuda_kernel_exec over the loopback world (8 ranks, one GPU,
+// together): both dispatchers on cuda_exec over the loopback world (8 ranks, one GPU,
 // EP 4 x ETP 2, with and without pad mode) equal the same round trip on cpu_exec over the
 // thread world bit for bit (the batch, the output, every gradient), with the same transfers:
 // one device-to-host copy (the host's one wait) in a forward, none in All-to-All pad mode, none
@@ -10,7 +10,7 @@
 #include <moefold/comm/cuda/loopback_world.cuh>
 #include <moefold/comm/thread_world.hpp>
 #include <moefold/exec/cpu_exec.hpp>
-#include <moefold/exec/cuda/cuda_kernel_exec.cuh>
+#include <moefold/exec/cuda/cuda_exec.cuh>
 
 #include <string>
 #include <vector>
@@ -35,9 +35,9 @@ void gpu_equals_cpu(const problem& p, bool all_to_all) {
     return {};
   });
   const auto gs = run_loopback_world(W, [&](loopback_communicator& c) -> status {
-    auto x = cuda_kernel_exec::make(c.stream());
+    auto x = cuda_exec::make(c.stream());
     if (!x) return unexpected<error>(x.error());
-    auto t = round_trip<Disp, T, P, cuda_kernel_exec>(p, c, *x);
+    auto t = round_trip<Disp, T, P, cuda_exec>(p, c, *x);
     if (!t) return unexpected<error>(t.error());
     if (auto st = x->device_status(); !st) return st;  // no index out of range anywhere
     gpu[static_cast<std::size_t>(c.rank())] = std::move(*t);
@@ -60,7 +60,7 @@ void gpu_equals_cpu(const problem& p, bool all_to_all) {
 }  // namespace
 
 TEST_CASE(
-    "[dispatch] both dispatchers on cuda_kernel_exec (loopback world, EP 4 x ETP 2) equal "
+    "[dispatch] both dispatchers on cuda_exec (loopback world, EP 4 x ETP 2) equal "
     "cpu_exec bitwise, one wait per forward") {
   for (bool pad : {false, true}) {
     CAPTURE(pad);
@@ -71,19 +71,19 @@ TEST_CASE(
   }
 }
 
-TEST_CASE("[dispatch] cuda_kernel_exec: a bad routing record on one rank fails every rank") {
+TEST_CASE("[dispatch] cuda_exec: a bad routing record on one rank fails every rank") {
   // 4 ranks, EP 4, E = 4, k = 2: rank 2's token 1 names expert 7. All-to-All, dropless: every
   // rank's forward fails in its one wait, rank 2 with the host builder's words.
   const auto st = run_loopback_world(4, [](loopback_communicator& c) -> status {
     const int r = c.rank();
-    auto x = cuda_kernel_exec::make(c.stream());
+    auto x = cuda_exec::make(c.stream());
     if (!x) return unexpected<error>(x.error());
     auto ep = c.split(0, r);
     auto etp = c.split(r, 0);
     auto tp_ep = c.split(0, r);
     if (!ep || !etp || !tp_ep) return make_error(errc::invalid_argument, "split");
     const dispatch_groups<loopback_communicator> g{*ep, *etp, *tp_ep};
-    using D = all_to_all_dispatcher<float, loopback_communicator, cuda_kernel_exec, float>;
+    using D = all_to_all_dispatcher<float, loopback_communicator, cuda_exec, float>;
     auto d = D::make({.max_tokens = 2, .hidden = 3, .topk = 2, .num_experts = 4, .ep = 4});
     if (!d) return unexpected<error>(d.error());
     const std::vector<int> rec =

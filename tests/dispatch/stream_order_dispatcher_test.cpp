@@ -2,7 +2,7 @@
 // workspace, F1 B1 F2 B2 with nothing read back in between (the second with other values, other
 // experts and, in pad mode, another capacity, so every host-written table changes; and a dropless
 // step followed by a padded one), on
-// stream_order_exec (tests/support/stream_order_exec.hpp): cuda_kernel_exec's code path, one
+// stream_order_exec (tests/support/stream_order_exec.hpp): cuda_exec's code path, one
 // stream, the host part of the workspace pinned. The stream-order fake must find no access that
 // CUDA's order leaves unordered (above all: no host write into a pinned source a copy the stream
 // has not yet run still reads), and the results must equal cpu_exec's bitwise. A write of the

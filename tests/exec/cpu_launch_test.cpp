@@ -1,6 +1,13 @@
 // The SIMT seam on the CPU executor: indices, barriers, shuffles, ballots, shared memory (poisoned
 // at block start), 16-byte accesses, integer atomics, block order by seed, two blocks at once,
 // and the faults a GPU would hang or compute garbage on (divergent barriers) as errors.
+//
+// The seam kernels written over their team (tests/kernels/simt/seam_kernels.hpp: the scan, the
+// histogram) and the independent 16-byte copy also run on host_exec, where a team body gets a
+// team of one: what that must give is checked next to cpu_exec's result. The others test what
+// only cpu_exec has (32-lane warps, poisoned shared memory, block order, two blocks at once,
+// divergence faults) and stay cpu_exec-only; host_exec's launcher itself is
+// tests/exec/host_launch_test.cpp's.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -9,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <moefold/exec/cpu_exec.hpp>
+#include <moefold/exec/host_exec.hpp>
 #include <moefold/kernels/simt/block_scan.hpp>
 #include <moefold/kernels/simt/warp.hpp>
 #include <numeric>
@@ -25,38 +33,25 @@ namespace simt = moefold::kernels::simt;
 
 namespace {
 
-// Every thread writes its indices: out[(block * T + thread) * 5 + {0..4}].
-struct index_kernel {
-  static constexpr int block_threads = 64;
-  static constexpr const char* name = "index_kernel";
-  int* out;
-  template <class Ctx>
-  void operator()(Ctx& c) const {
-    int* o = out + (c.block() * block_threads + c.thread()) * 5;
-    o[0] = c.thread();
-    o[1] = c.block();
-    o[2] = c.grid_blocks();
-    o[3] = c.lane();
-    o[4] = c.warp();
-  }
-};
-
 TEST_CASE("cpu_exec: every thread of every block runs once with its indices") {
   for (int blocks : {1, 2, 5}) {
-    std::vector<int> out(static_cast<std::size_t>(blocks) * 64 * 5, -1);
+    // (host_exec's loop over the same indices: host_launch_test.cpp.)
+    std::vector<int> out(static_cast<std::size_t>(blocks) * 64 * 6, -1);
     REQUIRE(launch(cpu_exec{7}, launch_grid{.blocks = blocks}, index_kernel{out.data()}));
     for (int b = 0; b < blocks; ++b)
       for (int t = 0; t < 64; ++t) {
-        const int* o = out.data() + (b * 64 + t) * 5;
+        const int* o = out.data() + (b * 64 + t) * 6;
         CHECK(o[0] == t);
         CHECK(o[1] == b);
         CHECK(o[2] == blocks);
         CHECK(o[3] == t % 32);
         CHECK(o[4] == t / 32);
+        CHECK(o[5] == 64);  // the kernel's block in warps of 32
       }
   }
 }
 
+// cpu_exec only: shuffle_kernel is written for 32-lane warps (seam_kernels.hpp).
 TEST_CASE("cpu_exec: shuffles and ballots give exactly the CUDA results") {
   const int blocks = 3;
   std::vector<unsigned> out(static_cast<std::size_t>(blocks) * 64 * 7, 0xdeadbeefu);
@@ -74,6 +69,31 @@ TEST_CASE("cpu_exec: shuffles and ballots give exactly the CUDA results") {
     }
 }
 
+// scan_kernel on host_exec, a team of one: thread 0 of each block alone writes, its exclusive sum
+// T{} (+0), its total and warp sum its own value, bit for bit; every other element keeps `fill`.
+template <int Threads, class T>
+void check_team_of_one_scan(const std::vector<T>& in, int blocks, T fill) {
+  using K = scan_kernel<Threads, T>;
+  std::vector<T> ex(in.size(), fill), tot(in.size(), fill), ws(in.size(), fill);
+  REQUIRE(launch(host_exec{},
+                 launch_grid{.blocks = blocks,
+                             .smem_bytes = sizeof(T) * simt::block_scan_scratch<host_team_ctx>},
+                 K{in.data(), ex.data(), tot.data(), ws.data()}));
+  const auto bits = [](T v) {
+    unsigned char b[sizeof(T)];
+    std::memcpy(b, &v, sizeof(T));
+    return std::vector<unsigned char>(b, b + sizeof(T));
+  };
+  for (int b = 0; b < blocks; ++b)
+    for (int t = 0; t < Threads; ++t) {
+      const auto i = static_cast<std::size_t>(b * Threads + t);
+      CAPTURE(i);
+      CHECK(bits(ex[i]) == bits(t == 0 ? T{} : fill));
+      CHECK(bits(tot[i]) == bits(t == 0 ? in[i] : fill));
+      CHECK(bits(ws[i]) == bits(t == 0 ? in[i] : fill));
+    }
+}
+
 template <int Threads>
 void check_int_scan(std::uint64_t seed, int blocks) {
   const int n = blocks * Threads;
@@ -84,8 +104,10 @@ void check_int_scan(std::uint64_t seed, int blocks) {
   using K = scan_kernel<Threads, long long>;
   REQUIRE(launch(
       cpu_exec{seed},
-      launch_grid{.blocks = blocks, .smem_bytes = sizeof(long long) * simt::block_scan_scratch<K>},
+      launch_grid{.blocks = blocks,
+                  .smem_bytes = sizeof(long long) * simt::block_scan_scratch<cpu_ctx<Threads>>},
       K{in.data(), ex.data(), tot.data(), ws.data()}));
+  check_team_of_one_scan<Threads>(in, blocks, -7LL);
   for (int b = 0; b < blocks; ++b) {
     long long run = 0, all = 0;
     for (int t = 0; t < Threads; ++t) all += in[static_cast<std::size_t>(b * Threads + t)];
@@ -101,7 +123,7 @@ void check_int_scan(std::uint64_t seed, int blocks) {
   }
 }
 
-TEST_CASE("cpu_exec: warp sums and block scans of integers are exact") {
+TEST_CASE("cpu_exec: warp sums and block scans of integers are exact (host_exec: a team of one)") {
   const auto seed = test::simt_seed();
   MESSAGE("seed " << seed);
   check_int_scan<32>(seed, 3);
@@ -118,13 +140,15 @@ TEST_CASE("cpu_exec: a float block scan is the same bits for every seed") {
   using K = scan_kernel<256, float>;
   auto run = [&](std::uint64_t seed) {
     std::vector<float> ex(in.size()), tot(in.size()), ws(in.size());
-    REQUIRE(launch(
-        cpu_exec{seed},
-        launch_grid{.blocks = blocks, .smem_bytes = sizeof(float) * simt::block_scan_scratch<K>},
-        K{in.data(), ex.data(), tot.data(), ws.data()}));
+    REQUIRE(
+        launch(cpu_exec{seed},
+               launch_grid{.blocks = blocks,
+                           .smem_bytes = sizeof(float) * simt::block_scan_scratch<cpu_ctx<256>>},
+               K{in.data(), ex.data(), tot.data(), ws.data()}));
     return std::vector<std::vector<float>>{ex, tot, ws};
   };
   const auto a = run(1), b = run(2);
+  check_team_of_one_scan<256>(in, blocks, -7.0f);
   for (std::size_t k = 0; k < a.size(); ++k)
     CHECK(std::memcmp(a[k].data(), b[k].data(), a[k].size() * sizeof(float)) == 0);
   // Every lane of a warp holds the same sum, bit for bit; the sum is within rounding of fp64.
@@ -139,7 +163,7 @@ TEST_CASE("cpu_exec: a float block scan is the same bits for every seed") {
   }
 }
 
-TEST_CASE("cpu_exec: an atomic histogram is exact and the same for every seed") {
+TEST_CASE("cpu_exec: an atomic histogram is exact and the same for every seed (and on host_exec)") {
   const auto seed = test::simt_seed();
   MESSAGE("seed " << seed);
   std::mt19937 rng(static_cast<unsigned>(seed));
@@ -157,10 +181,18 @@ TEST_CASE("cpu_exec: an atomic histogram is exact and the same for every seed") 
           histogram_kernel{ids.data(), n, bins, counts.data()}));
       CHECK(counts == ref);
     }
+    // A team of one per block: each block counts its grid-strided share alone.
+    std::vector<int> counts(static_cast<std::size_t>(bins), 0);
+    REQUIRE(
+        launch(host_exec{},
+               launch_grid{.blocks = 3, .smem_bytes = sizeof(int) * static_cast<std::size_t>(bins)},
+               histogram_kernel{ids.data(), n, bins, counts.data()}));
+    CHECK(counts == ref);
   }
 }
 
-// Shared memory as the block finds it, and 16-byte accesses.
+// Shared memory as the block finds it (cpu_exec's poison: host_exec has none), and 16-byte
+// accesses.
 struct poison_kernel {
   static constexpr int block_threads = 32;
   unsigned* seen;  // (blocks * 32): what each thread read before anyone wrote
@@ -184,10 +216,14 @@ TEST_CASE("cpu_exec: shared memory is poisoned at every block start; 16-byte cop
   std::memset(dst, 0xAB, sizeof dst);
   REQUIRE(launch(cpu_exec{4}, launch_grid{.blocks = 2}, copy16_kernel{src, dst, 37}));
   CHECK(std::memcmp(src, dst, sizeof src) == 0);
+  std::memset(dst, 0xAB, sizeof dst);  // host_exec: the same copy, 32 threads of a block in a loop
+  REQUIRE(launch(host_exec{}, launch_grid{.blocks = 2}, copy16_kernel{src, dst, 37}));
+  CHECK(std::memcmp(src, dst, sizeof src) == 0);
 }
 
 // Block order: each block takes a ticket; two blocks also wait for each other (they must run at
-// the same time, or this would time out and report it).
+// the same time, or this would time out and report it). cpu_exec only: host_exec runs blocks in
+// order, one at a time.
 struct order_kernel {
   static constexpr int block_threads = 32;
   int* tickets;  // (blocks)
@@ -257,7 +293,9 @@ TEST_CASE("cpu_exec: blocks run two at a time, in an order drawn from the seed")
 }
 
 // A missing barrier: each thread writes its shared slot and reads its neighbour's without sync().
-// With sync() between (the correct kernel) every seed gives the neighbours' values.
+// With sync() between (the correct kernel) every seed gives the neighbours' values. cpu_exec only:
+// written over its own 64 threads (a barrier's test, not a team body; host_launch_test.cpp hands
+// a value across sync() on a team of one).
 template <bool Sync>
 struct neighbour_kernel {
   static constexpr int block_threads = 64;
@@ -301,7 +339,8 @@ TEST_CASE("cpu_exec: a missing barrier gives results that depend on the seed") {
 #endif
 }
 
-// Faults: a GPU hangs or computes garbage; the CPU executor names the broken rule.
+// Faults: a GPU hangs or computes garbage; the CPU executor names the broken rule. (A team of one
+// cannot diverge: cpu_exec only.)
 struct divergent_sync_kernel {
   static constexpr int block_threads = 64;
   static constexpr const char* name = "divergent_sync_kernel";

@@ -4,6 +4,16 @@
 // within one ulp of the exactly rounded value (the kernels round an fp64 result once, so nearly
 // all are equal; the count of those that are not is printed), padding between rows untouched,
 // outputs poisoned before each launch, and two executor seeds give the same bits.
+//
+// Every launch also runs on host_exec on the same inputs (the backward with a team of one), into
+// its own poisoned outputs: h, da and the backward's h are per-element double math, cpu_exec's
+// bits (padding included). dprobs is not: cpu_exec sums a row as 32 lane-strided fma chains and
+// then the warp's butterfly, host_exec as one fma chain over the row (its warp_sum is the lane's
+// own value), so the two double sums can differ in their last bits and, rounded to P, by one ulp
+// of P (more only where the row's sum cancels). Asserted: |host - cpu| within the bound each has
+// against the reference, 2^-23 |dp| + 2^-50 (width + 32) sum |act_out dh| (an ulp of fp32 plus
+// the error bound of a double sum of at most width + 5 terms in either order); the rows whose
+// bits differ are counted and printed.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -11,11 +21,13 @@
 #include <cstring>
 #include <moefold/core/dtype.hpp>
 #include <moefold/exec/cpu_exec.hpp>
+#include <moefold/exec/host_exec.hpp>
 #include <moefold/experts/activation.hpp>
 #include <moefold/kernels/activation.hpp>
 #include <random>
 #include <vector>
 
+#include "../support/simt_contexts.hpp"
 #include "../support/simt_test_sizes.hpp"
 
 using namespace moefold;
@@ -119,6 +131,7 @@ bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
 
 struct tally {
   long checked = 0, off_by_one = 0, worse = 0;
+  long dprobs_rows = 0, dprobs_differ = 0;  // host_exec's dprobs against cpu_exec's
   template <class T>
   void add(T got, T want) {
     ++checked;
@@ -163,6 +176,24 @@ void check_case(activation act, int rows, int width, bool with_probs, std::mt199
                                                 .width = width,
                                                 .h = h_again.arg()};
   REQUIRE(launch(cpu_exec{rng()}, grid, bwd));
+  // The same two launches on host_exec into their own poisoned outputs.
+  mat<T> host_h(rows, width, pad), host_da(rows, f1, pad), host_h_again(rows, width, pad);
+  std::vector<P> host_dprobs(dprobs.size());
+  std::memset(static_cast<void*>(host_dprobs.data()), 0xFF, sizeof(P) * host_dprobs.size());
+  auto host_fwd = fwd;
+  host_fwd.h = host_h.arg();
+  auto host_bwd = bwd;
+  host_bwd.da = host_da.arg();
+  host_bwd.dprobs = with_probs ? host_dprobs.data() : nullptr;
+  host_bwd.h = host_h_again.arg();
+  REQUIRE(launch(host_exec{}, grid, host_fwd));
+  REQUIRE(launch(host_exec{}, grid, host_bwd));
+  {
+    INFO("host_exec against cpu_exec");
+    CHECK(same_bits(host_h.v, h.v));
+    CHECK(same_bits(host_da.v, da.v));
+    CHECK(same_bits(host_h_again.v, h_again.v));
+  }
   CHECK(h.padding_untouched());
   CHECK(da.padding_untouched());
   CHECK(h_again.padding_untouched());
@@ -196,12 +227,21 @@ void check_case(activation act, int rows, int width, bool with_probs, std::mt199
           std::ldexp(std::fabs(dp), -23) + std::ldexp(dp_abs, -50) * (width + 32) + 1e-38L;
       CHECK_MESSAGE(std::fabs(got - dp) <= tol,
                     "dprobs row " << r << ": " << double(got) << " vs " << double(dp));
+      // host_exec's sum, in the order of one thread: the same bound, against cpu_exec's.
+      const long double host_got = detail::widen(host_dprobs[std::size_t(r)]);
+      CHECK_MESSAGE(std::fabs(host_got - got) <= tol, "dprobs row "
+                                                          << r << ": host_exec " << double(host_got)
+                                                          << " vs cpu_exec " << double(got));
+      ++t.dprobs_rows;
+      if (std::memcmp(&host_dprobs[std::size_t(r)], &dprobs[std::size_t(r)], sizeof(P)) != 0)
+        ++t.dprobs_differ;
     }
   }
   if (!with_probs) {  // nothing written where no probability was given
     std::vector<P> poison(dprobs.size());
     std::memset(static_cast<void*>(poison.data()), 0xFF, sizeof(P) * poison.size());
     CHECK(same_bits(dprobs, poison));
+    CHECK(same_bits(host_dprobs, poison));
   }
 }
 
@@ -296,6 +336,9 @@ TEST_CASE("activation kernels: forward and backward, every activation, fp32 and 
     }
   MESSAGE("fp32: " << fp32.checked << " elements, " << fp32.off_by_one << " one ulp off; bf16: "
                    << bf16.checked << " elements, " << bf16.off_by_one << " one ulp off");
+  MESSAGE("dprobs on host_exec: " << fp32.dprobs_rows + bf16.dprobs_rows << " rows, "
+                                  << fp32.dprobs_differ + bf16.dprobs_differ
+                                  << " not cpu_exec's bits (within the bound)");
   CHECK(fp32.worse == 0);
   CHECK(bf16.worse == 0);
   CHECK(fp32.off_by_one * 1000 <= fp32.checked);
@@ -311,7 +354,7 @@ TEST_CASE("activation kernels: two executor seeds give the same bits") {
   for (auto& x : a) x = d(rng);
   for (auto& x : dh) x = d(rng);
   for (auto& x : p) x = std::fabs(d(rng));
-  auto run = [&](std::uint64_t s) {
+  auto run = [&](const test::simt_launcher& on) {
     std::vector<float> h(dh.size()), da(a.size()), dp(p.size());
     const k::activation_forward_kernel<float> f{.act = activation::geglu,
                                                 .a = {a.data(), 2 * width},
@@ -327,11 +370,30 @@ TEST_CASE("activation kernels: two executor seeds give the same bits") {
                                                  .dprobs = dp.data(),
                                                  .rows = rows,
                                                  .width = width};
-    REQUIRE(launch(cpu_exec{s}, launch_grid{.blocks = 2}, f));
-    REQUIRE(launch(cpu_exec{s}, launch_grid{.blocks = 2}, b));
+    REQUIRE(on(launch_grid{.blocks = 2}, f));
+    REQUIRE(on(launch_grid{.blocks = 2}, b));
     h.insert(h.end(), da.begin(), da.end());
     h.insert(h.end(), dp.begin(), dp.end());
     return h;
   };
-  CHECK(same_bits(run(1), run(987654321)));
+  const auto one = run({test::simt_on::cpu_exec, 1});
+  CHECK(same_bits(one, run({test::simt_on::cpu_exec, 987654321})));
+  // host_exec: h and da are cpu_exec's bits; dprobs within the bound of check_case (the sums'
+  // orders differ: see the top of this file).
+  const auto host = run({test::simt_on::host_exec, 0});
+  const std::size_t per_elem = dh.size() + a.size();
+  CHECK(std::memcmp(host.data(), one.data(), sizeof(float) * per_elem) == 0);
+  for (int r = 0; r < rows; ++r) {
+    CAPTURE(r);
+    double dp_abs = 0;  // sum |act_out dh| with the kernel's own act
+    for (int c = 0; c < width; ++c) {
+      const auto i = static_cast<std::size_t>(r) * 2 * width + static_cast<std::size_t>(c);
+      dp_abs += std::fabs(k::activation_value(activation::geglu, a[i]) * a[i + width] *
+                          dh[static_cast<std::size_t>(r * width + c)]);
+    }
+    const double got = one[per_elem + static_cast<std::size_t>(r)],
+                 host_got = host[per_elem + static_cast<std::size_t>(r)];
+    CHECK(std::fabs(host_got - got) <=
+          std::ldexp(std::fabs(got), -23) + std::ldexp(dp_abs, -50) * (width + 32) + 1e-38);
+  }
 }

@@ -5,7 +5,9 @@
 // drop by probability (with ties: probabilities drawn from a few values) and by position; pad
 // mode; row order and a shuffled true order with a counted slice (the full-sequence form);
 // tokens 1/7/513, E 1/8/64/256, k 1/2/8, capacity factors that keep all, some and almost none;
-// all tokens on one expert (empty experts, most pairs dropped).
+// all tokens on one expert (empty experts, most pairs dropped). Every case's four launches also
+// run on host_exec (a team of one for drop_totals_kernel's block scans) on the same inputs: the
+// same outcome, bit for bit (integer kernels).
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -18,6 +20,7 @@
 #include <random>
 #include <vector>
 
+#include "../support/simt_contexts.hpp"
 #include "../support/simt_test_sizes.hpp"
 
 using namespace moefold;
@@ -82,9 +85,13 @@ outcome host_rule(const record& r, int C, drop_by by, bool pad, const std::vecto
   return o;
 }
 
-outcome kernel_rule(const record& r, int C, drop_by by, bool pad,
+// The four launches on `on` (cpu_exec: a fresh seed for each).
+outcome kernel_rule(test::simt_on on, const record& r, int C, drop_by by, bool pad,
                     const std::vector<long long>& order, long long first, long long count,
                     std::mt19937_64& rng) {
+  const auto run = [&](const launch_grid& g, const auto& kernel) {
+    REQUIRE(test::simt_launcher{on, rng()}(g, kernel));
+  };
   // Offsets of the pairs grouped by expert (what the histogram and scan kernels give: ids
   // outside [0, E) are counted nowhere).
   std::vector<int> offsets(static_cast<std::size_t>(r.E) + 1, 0);
@@ -119,8 +126,8 @@ outcome kernel_rule(const record& r, int C, drop_by by, bool pad,
                                  .dropped = o.dropped.data(),
                                  .padded = o.padded.data(),
                                  .filler_map = o.filler.data()};
-  REQUIRE(launch(cpu_exec{rng()}, launch_grid{.blocks = 2}, k::expert_lists_kernel<float>{args}));
-  REQUIRE(launch(cpu_exec{rng()}, launch_grid{.blocks = 3}, k::keep_rank_kernel<float>{args}));
+  run(launch_grid{.blocks = 2}, k::expert_lists_kernel<float>{args});
+  run(launch_grid{.blocks = 3}, k::keep_rank_kernel<float>{args});
   const k::drop_totals_kernel totals_k{.keep = o.keep.data(),
                                        .dropped = o.dropped.data(),
                                        .topk = r.K,
@@ -128,9 +135,7 @@ outcome kernel_rule(const record& r, int C, drop_by by, bool pad,
                                        .first = first,
                                        .count = count,
                                        .totals = totals.data()};
-  REQUIRE(launch(cpu_exec{rng()},
-                 launch_grid{.blocks = 1, .smem_bytes = k::drop_totals_kernel::smem_bytes},
-                 totals_k));
+  run(launch_grid{.blocks = 1, .smem_bytes = k::drop_totals_kernel::smem_bytes}, totals_k);
   o.dropped_pairs = totals[0];
   o.fully_dropped = totals[1];
   o.kept.assign(r.expert.size(), -7);
@@ -144,8 +149,32 @@ outcome kernel_rule(const record& r, int C, drop_by by, bool pad,
                                      .padded = o.padded.data(),
                                      .num_experts = r.E,
                                      .dispatched = o.dispatched.data()};
-  REQUIRE(launch(cpu_exec{rng()}, launch_grid{.blocks = 2}, record));
+  run(launch_grid{.blocks = 2}, record);
   return o;
+}
+
+void check_same(const outcome& got, const outcome& want) {
+  CHECK(got.keep == want.keep);
+  CHECK(got.routed == want.routed);
+  CHECK(got.dropped == want.dropped);
+  CHECK(got.padded == want.padded);
+  CHECK(got.filler == want.filler);
+  CHECK(got.dropped_pairs == want.dropped_pairs);
+  CHECK(got.fully_dropped == want.fully_dropped);
+  CHECK(got.kept == want.kept);
+  CHECK(got.dispatched == want.dispatched);
+}
+
+// The kernels on cpu_exec (returned) and on host_exec, the same outcome from both.
+outcome kernel_rule_both(const record& r, int C, drop_by by, bool pad,
+                         const std::vector<long long>& order, long long first, long long count,
+                         std::mt19937_64& rng) {
+  outcome cpu = kernel_rule(test::simt_on::cpu_exec, r, C, by, pad, order, first, count, rng);
+  const outcome host =
+      kernel_rule(test::simt_on::host_exec, r, C, by, pad, order, first, count, rng);
+  INFO("host_exec against cpu_exec");
+  check_same(host, cpu);
+  return cpu;
 }
 
 }  // namespace
@@ -196,16 +225,8 @@ TEST_CASE("capacity keep kernels equal the host's keep rule") {
               CAPTURE(pad);
               CAPTURE(shuffled);
               const outcome want = host_rule(r, C, by, pad, order, first, count);
-              const outcome got = kernel_rule(r, C, by, pad, order, first, count, rng);
-              CHECK(got.keep == want.keep);
-              CHECK(got.routed == want.routed);
-              CHECK(got.dropped == want.dropped);
-              CHECK(got.padded == want.padded);
-              CHECK(got.filler == want.filler);
-              CHECK(got.dropped_pairs == want.dropped_pairs);
-              CHECK(got.fully_dropped == want.fully_dropped);
-              CHECK(got.kept == want.kept);
-              CHECK(got.dispatched == want.dispatched);
+              const outcome got = kernel_rule_both(r, C, by, pad, order, first, count, rng);
+              check_same(got, want);
               ++cases;
               dropped_somewhere += want.dropped_pairs > 0;
               padded_somewhere +=
@@ -230,7 +251,7 @@ TEST_CASE("capacity keep kernels: an expert id outside [0, E) stays in bounds an
   const int C = 1;  // expert 0 holds every token's first pair: most are dropped
   const std::size_t bad = 5;
   r.expert[bad] = 2147483647;
-  const outcome got = kernel_rule(r, C, drop_by::probs, false, {}, 0, r.N, rng);
+  const outcome got = kernel_rule_both(r, C, drop_by::probs, false, {}, 0, r.N, rng);
   CHECK(got.keep[bad] == 0xEE);  // never written
   CHECK(got.kept[bad] == 2147483647);
   for (int e = 0; e < r.E; ++e) {

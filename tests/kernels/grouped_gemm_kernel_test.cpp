@@ -4,13 +4,16 @@
 // gradient grouped over K with accumulation (W += dy^T x). Each output against a host loop of
 // std::fma over k in ascending order (the kernel's defined order: bit for bit) and against fp64
 // within K roundings of sum |a b|; strides wider than the rows, whose padding must stay
-// untouched; expert row counts 0, 1 and across tiles; fp32 and bf16.
+// untouched; expert row counts 0, 1 and across tiles; fp32 and bf16. Every launch also runs on
+// host_exec (a team of one: one thread owns the whole 32 x 32 tile) on the same inputs, into its
+// own copy of C: the same bits as cpu_exec's, padding included (each output adds its k in order).
 #include <doctest/doctest.h>
 
 #include <cmath>
 #include <cstring>
 #include <moefold/core/dtype.hpp>
 #include <moefold/exec/cpu_exec.hpp>
+#include <moefold/exec/host_exec.hpp>
 #include <moefold/kernels/grouped_gemm.hpp>
 #include <random>
 #include <vector>
@@ -26,20 +29,31 @@ template <class T>
 bool same_bits(const T& a, const T& b) {
   return std::memcmp(&a, &b, sizeof(T)) == 0;
 }
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() &&
+         std::memcmp(static_cast<const void*>(a.data()), static_cast<const void*>(b.data()),
+                     sizeof(T) * a.size()) == 0;
+}
 
 struct gemm_stats {
   long outputs = 0, differ = 0;
   double worst = 0;  // |C - C64| over its bound
 };
 
-// One launch against the host: C (ldc wide rows, poisoned) from operands given as accessors.
+// One launch against the host: C (ldc wide rows, poisoned) from operands given as accessors;
+// the same launch on host_exec into a copy of C gives cpu_exec's bits.
 template <class T>
 void check_gemm(const k::grouped_gemm_kernel<T, T, T>& kernel, std::vector<T>& c,
                 const std::vector<long long>& offsets, std::mt19937_64& rng, gemm_stats& st) {
   const std::vector<T> before = c;
-  REQUIRE(launch(
-      cpu_exec{rng()},
-      launch_grid{.blocks = 3, .smem_bytes = k::grouped_gemm_kernel<T, T, T>::smem_bytes}, kernel));
+  const launch_grid grid{.blocks = 3, .smem_bytes = k::grouped_gemm_kernel<T, T, T>::smem_bytes};
+  REQUIRE(launch(cpu_exec{rng()}, grid, kernel));
+  std::vector<T> host = before;
+  auto on_host = kernel;
+  on_host.c.data = host.data() + (kernel.c.data - c.data());
+  REQUIRE(launch(host_exec{}, grid, on_host));
+  CHECK_MESSAGE(same_bits(host, c), "host_exec against cpu_exec");
   std::vector<char> written(c.size(), 0);
   const bool by_m = kernel.grouping == k::gemm_grouping::rows_are_m;
   for (int g = 0; g < kernel.groups; ++g) {

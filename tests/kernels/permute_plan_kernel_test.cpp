@@ -4,7 +4,11 @@
 // and in pad mode with one or several sources (empty ones included); experts empty, one expert
 // taking every pair, dropped pairs, every pair dropped; a record with an id outside [-1, E), a
 // token naming an expert twice, and pad mode beyond capacity give the lowest offending slot,
-// where the host builder refuses the same record.
+// where the host builder refuses the same record. Every run of the four kernels also runs on
+// host_exec (a team of one for the tile kernels) on the same record: the same plan and faults,
+// entry for entry (integer kernels). The builders' tests (cpu_exec's build_permute_plan and
+// enqueue_permute_plan, which launch these kernels) compare cpu_exec with the host builder, which
+// is what host_exec's build_permute_plan runs.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -22,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "../support/simt_contexts.hpp"
 #include "../support/simt_test_sizes.hpp"
 
 using namespace moefold;
@@ -34,10 +39,13 @@ struct device_plan {
   int fault_id = INT_MAX, fault_capacity = INT_MAX;
 };
 
-// The four launches over the record.
-device_plan run_kernels(const std::vector<int>& expert, int N, int K, int E,
-                        std::optional<int> capacity, const std::vector<int>& source_tokens,
-                        int rows, std::mt19937_64& rng) {
+// The four launches over the record on `on` (cpu_exec: a fresh seed for each).
+device_plan run_kernels_on(test::simt_on on, const std::vector<int>& expert, int N, int K, int E,
+                           std::optional<int> capacity, const std::vector<int>& source_tokens,
+                           int rows, std::mt19937_64& rng) {
+  const auto run = [&](const launch_grid& g, const auto& kernel) {
+    REQUIRE(test::simt_launcher{on, rng()}(g, kernel));
+  };
   device_plan p;
   const long long slots = static_cast<long long>(N) * K;
   std::vector<int> tile_counts(static_cast<std::size_t>(k::plan_args::tiles_of(slots)) * E + 1, -9);
@@ -67,19 +75,34 @@ device_plan run_kernels(const std::vector<int>& expert, int N, int K, int E,
       .slot_row = p.slot_row.data(),
       .fault = fault.data()};
   const int tiles = static_cast<int>(std::max<long long>(a.tiles(), 1));
-  REQUIRE(launch(cpu_exec{rng()},
-                 launch_grid{.blocks = std::min(tiles, 3),
-                             .smem_bytes = k::plan_tile_counts_kernel::smem_bytes(E)},
-                 k::plan_tile_counts_kernel{a}));
-  REQUIRE(launch(cpu_exec{rng()}, launch_grid{.blocks = 2}, k::plan_tile_scan_kernel{a}));
-  REQUIRE(launch(cpu_exec{rng()}, launch_grid{.blocks = 2}, k::plan_offsets_kernel{a}));
-  REQUIRE(launch(
-      cpu_exec{rng()},
-      launch_grid{.blocks = std::min(tiles, 3), .smem_bytes = k::plan_rows_kernel::smem_bytes},
-      k::plan_rows_kernel{a}));
+  run(launch_grid{.blocks = std::min(tiles, 3),
+                  .smem_bytes = k::plan_tile_counts_kernel::smem_bytes(E)},
+      k::plan_tile_counts_kernel{a});
+  run(launch_grid{.blocks = 2}, k::plan_tile_scan_kernel{a});
+  run(launch_grid{.blocks = 2}, k::plan_offsets_kernel{a});
+  run(launch_grid{.blocks = std::min(tiles, 3), .smem_bytes = k::plan_rows_kernel::smem_bytes},
+      k::plan_rows_kernel{a});
   p.fault_id = fault[0];
   p.fault_capacity = fault[1];
   return p;
+}
+
+// The four launches on cpu_exec (returned) and on host_exec: the same plan and faults from both.
+device_plan run_kernels(const std::vector<int>& expert, int N, int K, int E,
+                        std::optional<int> capacity, const std::vector<int>& source_tokens,
+                        int rows, std::mt19937_64& rng) {
+  const device_plan cpu =
+      run_kernels_on(test::simt_on::cpu_exec, expert, N, K, E, capacity, source_tokens, rows, rng);
+  const device_plan host =
+      run_kernels_on(test::simt_on::host_exec, expert, N, K, E, capacity, source_tokens, rows, rng);
+  INFO("host_exec against cpu_exec");
+  CHECK(host.counts == cpu.counts);
+  CHECK(host.offsets == cpu.offsets);
+  CHECK(host.row_slot == cpu.row_slot);
+  CHECK(host.slot_row == cpu.slot_row);
+  CHECK(host.fault_id == cpu.fault_id);
+  CHECK(host.fault_capacity == cpu.fault_capacity);
+  return cpu;
 }
 
 // A record: each token names min(k, E) distinct experts drawn with a skew (expert 0 favoured

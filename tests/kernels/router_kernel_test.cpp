@@ -4,6 +4,12 @@
 // 1e-6 max|value|, which exp's last bits may order either way); the probabilities agree to a few
 // ulp (the kernel's exp is moefold's, the host's the C library's; the worst is printed). The
 // CPU executor and the GPU give the same bits (simt-gpu checks the math functions bitwise).
+// Every launch also runs on host_exec (the same body with a team of one thread per token)
+// against cpu_exec's result: the same bits where no sum over E is involved (the selection, a
+// softmax after top-k, the elementwise scores, groups, bias, scaling, and their backward); with
+// a softmax before top-k (whose sum over E a team of one adds in expert order) the same experts
+// except near-ties and probabilities and gradients within host_ulps(E) (below). Over integer
+// logits (exact ties everywhere) host_exec chooses cpu_exec's experts: the lower index first.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -12,6 +18,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <moefold/exec/cpu_exec.hpp>
+#include <moefold/exec/host_exec.hpp>
 #include <moefold/kernels/router.hpp>
 #include <moefold/kernels/router_block.hpp>
 #include <moefold/routing/topk_router.hpp>
@@ -28,6 +35,24 @@ namespace k = moefold::kernels;
 namespace {
 
 using test::ulp_distance;
+
+bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+
+// How far host_exec's result may be from cpu_exec's where a sum over E is involved, in ulp
+// (kernels/router.hpp): a team of one adds the E terms in expert order, cpu_exec (and the GPU) in
+// the team's tree. Each order rounds up to E - 1 times, errors of at most half an ulp of the sum;
+// over random logits they add like a random walk: about sqrt(E) ulp apart at worst (measured
+// over 60,000 tokens of normal logits: 5, 13, 21 ulp at E = 8, 64, 256; 31 at 1,024 over 5,000).
+// Twice that, plus 2 for the roundings after the sum (the division by it, or a product), rounded
+// up: 8, 18, 34, 66 ulp at those E.
+int host_ulps(int E) {
+  return 2 + 2 * static_cast<int>(std::ceil(std::sqrt(static_cast<double>(E))));
+}
+// The worst case of the same, for inputs whose roundings need not be independent (many equal
+// terms, as integer logits give, round alike: 35 ulp at E = 256, 63 at 1,024 measured): either
+// order of a sum of E non-negative terms is within (E - 1) half-ulps (relative) of the exact
+// sum, so the two within 2 (E - 1) ulp; plus 2 for the roundings after it.
+int host_ulps_worst(int E) { return 2 * E; }
 
 struct variant {
   const char* name;
@@ -125,6 +150,9 @@ void check_forward(const std::vector<variant>& variants, const std::vector<int>&
                    std::mt19937_64& rng) {
   int worst_ulp = 0, worst_pre = 0, worst_post = 0;
   long compared = 0, ties = 0;
+  int worst_host = 0;                    // host_exec against cpu_exec, softmax before top-k, in ulp
+  double worst_host_share = 0;           // the same over host_ulps(E)
+  long host_bitwise = 0, host_ties = 0;  // tokens host_exec gave cpu_exec's bits; near-ties
   for (const auto& v : variants)
     for (int N : tokens) {
       const auto& o = v.o;
@@ -218,11 +246,53 @@ void check_forward(const std::vector<variant>& variants, const std::vector<int>&
           }
         }
       }
+
+      // The same body on host_exec, a team of one per token (two blocks when there are two
+      // tokens: the body's grid stride), against cpu_exec: its bits without a softmax before
+      // top-k; with one, the same experts except near-ties, probabilities within host_ulps(E).
+      std::vector<int> hidx(idx.size(), -7);
+      std::vector<float> hprobs(idx.size(), -7.0f);
+      K on_host = kernel;
+      on_host.indices = hidx.data();
+      on_host.probs = hprobs.data();
+      REQUIRE(
+          launch(host_exec{}, launch_grid{.blocks = std::min(N, 2), .smem_bytes = smem}, on_host));
+      for (int t = 0; t < N; ++t) {
+        const auto at = static_cast<std::size_t>(t) * kk;
+        const bool same_experts = std::equal(hidx.begin() + static_cast<long>(at),
+                                             hidx.begin() + static_cast<long>(at) + kk,
+                                             idx.begin() + static_cast<long>(at));
+        if (!o.pre_softmax) {
+          CHECK_MESSAGE(same_experts, "host_exec token " << t);
+          long differ = 0;
+          for (int i = 0; i < kk; ++i) differ += same_bits(hprobs[at + i], probs[at + i]) ? 0 : 1;
+          CHECK_MESSAGE(differ == 0, "host_exec token " << t);
+          ++host_bitwise;
+          continue;
+        }
+        if (!same_experts) {
+          CHECK_MESSAGE(near_tie(o, logits.data() + static_cast<std::size_t>(t) * E, bias),
+                        "host_exec token " << t << ": other experts than cpu_exec's, no near-tie");
+          ++host_ties;
+          continue;
+        }
+        for (int i = 0; i < kk; ++i) {
+          const int u = ulp_distance(hprobs[at + i], probs[at + i]);
+          worst_host = std::max(worst_host, u);
+          worst_host_share = std::max(worst_host_share, static_cast<double>(u) / host_ulps(E));
+          CHECK_MESSAGE(u <= host_ulps(E), "host_exec token " << t << " selection " << i << ": "
+                                                              << hprobs[at + i] << " vs "
+                                                              << probs[at + i]);
+        }
+      }
     }
   MESSAGE(compared << " tokens compared, " << ties << " near-ties skipped; probabilities within "
                    << worst_ulp << " ulp of the host router; a softmax before top-k within "
                    << worst_pre << " ulp of fp64 beyond |x - max|, after top-k within "
                    << worst_post << " beyond its rounding terms");
+  MESSAGE("host_exec: " << host_bitwise << " tokens cpu_exec's bits; a softmax before top-k within "
+                        << worst_host << " ulp of cpu_exec, at worst " << worst_host_share
+                        << " of host_ulps(E) (" << host_ties << " near-ties with other experts)");
   CHECK(compared > 0);
 }
 
@@ -263,6 +333,8 @@ void check_backward(const std::vector<variant>& variants, const std::vector<int>
                     std::mt19937_64& rng) {
   double worst = 0;  // |kernel - fp64| over the bound, worst case
   long compared = 0;
+  double worst_host = 0;  // |host_exec - cpu_exec| over its bound (a softmax before top-k)
+  long host_bitwise = 0;  // gradients host_exec gave cpu_exec's bits of
   for (const auto& v : variants)
     for (int N : tokens) {
       const auto& o = v.o;
@@ -307,6 +379,13 @@ void check_backward(const std::vector<variant>& variants, const std::vector<int>
                      .dlogits = got.data()};
       REQUIRE(launch(cpu_exec{rng()},
                      launch_grid{.blocks = std::min(N, 4), .smem_bytes = K::smem_bytes}, kernel));
+      // The same body on host_exec (a team of one per token; two blocks when there are two
+      // tokens): cpu_exec's bits without a softmax before top-k; with one, below.
+      std::vector<float> hgot(logits.size(), -7.0f);
+      K on_host = kernel;
+      on_host.dlogits = hgot.data();
+      REQUIRE(launch(host_exec{},
+                     launch_grid{.blocks = std::min(N, 2), .smem_bytes = K::smem_bytes}, on_host));
       for (int t = 0; t < N; ++t) {
         double row_max = 0;
         for (int e = 0; e < E; ++e)
@@ -383,10 +462,31 @@ void check_backward(const std::vector<variant>& variants, const std::vector<int>
           CHECK_MESSAGE(err <= bound,
                         "token " << t << " expert " << e << ": " << got[at] << " vs " << ref[at]);
           ++compared;
+          if (!o.pre_softmax) {
+            CHECK_MESSAGE(same_bits(hgot[at], got[at]), "host_exec token " << t << " expert " << e
+                                                                           << ": " << hgot[at]
+                                                                           << " vs " << got[at]);
+            ++host_bitwise;
+            continue;
+          }
+          // s_e (ds_e - <s, ds>) from a softmax (and so s_e) within host_ulps(E) relative and a
+          // dot product over E added in another order: host_ulps(E) of the element, plus twice
+          // that of its condition s_e (|ds_e| + sum |s ds|) (one for s_e, one for the dot).
+          const double hbound =
+              host_ulps(E) * 0x1p-23 *
+                  (std::abs(static_cast<double>(got[at])) +
+                   2 * o.scaling_factor.value_or(1.0) * cond[static_cast<std::size_t>(e)]) +
+              1e-30;
+          const double herr = std::abs(static_cast<double>(hgot[at]) - got[at]);
+          worst_host = std::max(worst_host, herr / hbound);
+          CHECK_MESSAGE(herr <= hbound, "host_exec token " << t << " expert " << e << ": "
+                                                           << hgot[at] << " vs " << got[at]);
         }
       }
     }
   MESSAGE(compared << " gradients compared; worst error " << worst << " of the bound");
+  MESSAGE("host_exec: " << host_bitwise << " gradients cpu_exec's bits; with a softmax before "
+                        << "top-k the worst " << worst_host << " of its bound");
   CHECK(compared > 0);
 }
 
@@ -412,4 +512,71 @@ TEST_CASE("router block backward kernel: E 512 and 1024, every variant, against 
     check_backward<k::router_backward_block_kernel>(all_variants({512}), {2}, rng);
   else
     check_backward<k::router_backward_block_kernel>(all_variants({512, 1024}), {1, 5}, rng);
+}
+
+namespace {
+
+// Forward kernel K on host_exec against cpu_exec over logits with exact ties (integers in
+// [-3, 3], a bias of multiples of 1/8): both take the lower expert (and group) first on every
+// tie, so the experts are the same for every token, ties and all; the probabilities cpu_exec's
+// bits, or, with a softmax before top-k (whose equal logits stay equal probabilities on each
+// context), within host_ulps_worst(E): equal terms round alike, not as a random walk.
+template <class K>
+void check_ties(const std::vector<variant>& variants, int N, std::mt19937_64& rng) {
+  long tokens = 0;
+  for (const auto& v : variants) {
+    const auto& o = v.o;
+    const std::string name = v.name;
+    CAPTURE(name);
+    CAPTURE(o.num_experts);
+    CAPTURE(o.topk);
+    const int E = o.num_experts, kk = o.topk;
+    std::uniform_int_distribution<int> q(-3, 3);
+    std::vector<float> logits(static_cast<std::size_t>(N) * E), bias;
+    for (auto& x : logits) x = static_cast<float>(q(rng));
+    if (o.expert_bias)
+      for (int e = 0; e < E; ++e) bias.push_back(static_cast<float>(q(rng)) / 8.0f);
+    std::vector<int> idx(static_cast<std::size_t>(N) * kk, -7), hidx(idx);
+    std::vector<float> probs(idx.size(), -7.0f), hprobs(probs);
+    const K kernel{.logits = logits.data(),
+                   .num_tokens = N,
+                   .num_experts = E,
+                   .topk = kk,
+                   .score = o.score,
+                   .pre_softmax = o.pre_softmax,
+                   .num_groups = o.num_groups,
+                   .group_topk = o.group_topk,
+                   .expert_bias = o.expert_bias ? bias.data() : nullptr,
+                   .scale = o.scaling_factor.has_value(),
+                   .scaling_factor = static_cast<float>(o.scaling_factor.value_or(1.0)),
+                   .indices = idx.data(),
+                   .probs = probs.data()};
+    REQUIRE(launch(cpu_exec{rng()},
+                   launch_grid{.blocks = std::min(N, 4), .smem_bytes = K::smem_bytes}, kernel));
+    K on_host = kernel;
+    on_host.indices = hidx.data();
+    on_host.probs = hprobs.data();
+    REQUIRE(launch(host_exec{}, launch_grid{.blocks = 1, .smem_bytes = K::smem_bytes}, on_host));
+    long differ = 0;
+    for (std::size_t i = 0; i < idx.size(); ++i) {
+      differ += hidx[i] == idx[i] ? 0 : 1;
+      if (o.pre_softmax)
+        CHECK(ulp_distance(hprobs[i], probs[i]) <= host_ulps_worst(E));
+      else
+        differ += same_bits(hprobs[i], probs[i]) ? 0 : 1;
+    }
+    CHECK(differ == 0);
+    tokens += N;
+  }
+  MESSAGE(tokens << " tokens with exact ties: host_exec chose cpu_exec's experts");
+}
+
+}  // namespace
+
+TEST_CASE("router kernels on host_exec: exact ties choose cpu_exec's experts") {
+  const auto seed = test::simt_seed();
+  MESSAGE("seed " << seed);
+  std::mt19937_64 rng(seed + 3);
+  check_ties<k::router_topk_kernel>(all_variants({8, 64, 256}), 16, rng);
+  check_ties<k::router_topk_block_kernel>(all_variants({512, 1024}), 4, rng);
 }

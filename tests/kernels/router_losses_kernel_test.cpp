@@ -9,6 +9,12 @@
 // - the aux-loss and z-loss gradients against the host's in fp64, each element within a bound
 //   from its own condition; the z-loss against fp64 and its valid count exact;
 // - the expert-bias counts and update the same bits as the host's.
+// Every router-loss kernel also runs on host_exec (team bodies with a team of one thread per
+// token) from cpu_exec's inputs, against cpu_exec's result: the column sums, counts, every loss
+// and the z-loss's valid count the same bits; what adds over E (the aux scores, the aux-loss
+// gradient, the logsumexp, the z-loss gradient) or over the tokens (the z-loss total) in another
+// order within host_ulps (below), the top-k map the same except near-ties (over integer logits,
+// exact ties everywhere, the same map).
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -18,6 +24,7 @@
 #include <cstring>
 #include <moefold/comm/thread_world.hpp>
 #include <moefold/exec/cpu_exec.hpp>
+#include <moefold/exec/host_exec.hpp>
 #include <moefold/kernels/expert_bias.hpp>
 #include <moefold/kernels/histogram.hpp>
 #include <moefold/kernels/router_aux_loss.hpp>
@@ -31,6 +38,7 @@
 #include <vector>
 
 #include "../support/simt_test_sizes.hpp"
+#include "../support/ulp.hpp"
 
 using namespace moefold;
 namespace k = moefold::kernels;
@@ -40,6 +48,22 @@ namespace {
 constexpr double eps = 0x1p-24;  // half an fp32 ulp, relative
 
 bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+
+// How far host_exec's result may be from cpu_exec's where a sum over n terms is formed in
+// another order, in ulp (kernels/router.hpp): a team of one adds in expert (token) order,
+// cpu_exec (and the GPU) in the team's tree. Each order rounds up to n - 1 times, errors of at
+// most half an ulp of the sum; over random logits they add like a random walk: about sqrt(n) ulp
+// apart at worst (measured over 60,000 tokens of normal logits: 5, 13, 21 ulp at n = 8, 64, 256;
+// 31 at 1,024 over 5,000). Twice that, plus 2 for the roundings after the sum, rounded up (as
+// router_kernel_test.cpp's).
+int host_ulps(int n) {
+  return 2 + 2 * static_cast<int>(std::ceil(std::sqrt(static_cast<double>(n))));
+}
+// The worst case of the same, for inputs whose roundings need not be independent (many equal
+// terms, as integer logits give, round alike: 35 ulp at n = 256, 63 at 1,024 measured): either
+// order of a sum of n non-negative terms is within (n - 1) half-ulps (relative) of the exact
+// sum, so the two within 2 (n - 1) ulp; plus 2 for the roundings after it.
+int host_ulps_worst(int n) { return 2 * n; }
 
 struct loss_case {
   int N, E, k, B;  // tokens, experts, top-k, sequences (N a multiple of B)
@@ -64,6 +88,9 @@ std::vector<loss_case> cases_for(std::initializer_list<int> experts, int N,
 struct worst_seen {
   double scores = 0, aux_grad = 0, z = 0, z_grad = 0;
   long tokens = 0, ties = 0;
+  // host_exec against cpu_exec, each over its bound; tokens whose map differs (near-ties).
+  double host_scores = 0, host_aux_grad = 0, host_lse = 0, host_z = 0, host_z_grad = 0;
+  long host_map_ties = 0;
 };
 
 // The host's top k + 1 of a row of fp64 scores hold a near-tie (within 1e-6 max).
@@ -82,6 +109,13 @@ void run(const K& kernel, std::mt19937_64& rng, int blocks) {
   if constexpr (requires { K::smem_bytes; }) smem = K::smem_bytes;
   REQUIRE(launch(cpu_exec{rng()}, launch_grid{.blocks = blocks, .smem_bytes = smem}, kernel));
 }
+// The same kernel on host_exec (a team body: a team of one thread per block).
+template <class K>
+void run_host(const K& kernel, int blocks) {
+  std::size_t smem = 0;
+  if constexpr (requires { K::smem_bytes; }) smem = K::smem_bytes;
+  REQUIRE(launch(host_exec{}, launch_grid{.blocks = blocks, .smem_bytes = smem}, kernel));
+}
 
 // The loss and gradient kernel at one load-balancing loss, against the host group function.
 struct switch_result {
@@ -95,21 +129,38 @@ switch_result run_switch(const std::vector<float>& sums, const std::vector<doubl
                          std::mt19937_64& rng) {
   const int cols = static_cast<int>(sums.size());
   switch_result r{-7.0f, std::vector<float>(sums.size(), -7.0f), std::vector<double>(sums.size())};
-  run(k::switch_loss_kernel{.column_sums = sums.data(),
-                            .counts = counts.data(),
-                            .columns = cols,
-                            .total_tokens = total,
-                            .per_token = per_token,
-                            .topk = kk,
-                            .num_experts = E,
-                            .coeff = coeff,
-                            .divide_by = divide_by,
-                            .running = running ? running->data() : nullptr,
-                            .steps = steps,
-                            .used = r.used.data(),
-                            .loss = &r.loss,
-                            .dscores = r.dscores.data()},
-      rng, 1);
+  std::vector<double> host_running;  // the running counts as they were, for host_exec
+  if (running) host_running = *running;
+  const k::switch_loss_kernel kernel{.column_sums = sums.data(),
+                                     .counts = counts.data(),
+                                     .columns = cols,
+                                     .total_tokens = total,
+                                     .per_token = per_token,
+                                     .topk = kk,
+                                     .num_experts = E,
+                                     .coeff = coeff,
+                                     .divide_by = divide_by,
+                                     .running = running ? running->data() : nullptr,
+                                     .steps = steps,
+                                     .used = r.used.data(),
+                                     .loss = &r.loss,
+                                     .dscores = r.dscores.data()};
+  run(kernel, rng, 1);
+  // The same on host_exec (independent threads, one of which does it all): the same bits.
+  switch_result h{-7.0f, std::vector<float>(sums.size(), -7.0f), std::vector<double>(sums.size())};
+  auto on_host = kernel;
+  on_host.running = running ? host_running.data() : nullptr;
+  on_host.used = h.used.data();
+  on_host.loss = &h.loss;
+  on_host.dscores = h.dscores.data();
+  run_host(on_host, 1);
+  CHECK(same_bits(h.loss, r.loss));
+  long differ = 0;
+  for (int c = 0; c < cols; ++c)
+    differ += same_bits(h.dscores[c], r.dscores[c]) && h.used[c] == r.used[c] ? 0 : 1;
+  if (running)
+    for (int c = 0; c < cols; ++c) differ += host_running[c] == (*running)[c] ? 0 : 1;
+  CHECK(differ == 0);
   return r;
 }
 
@@ -148,15 +199,22 @@ void check_losses(const std::vector<loss_case>& cases, std::mt19937_64& rng, wor
     // Aux scores and map against fp64.
     std::vector<float> scores(NE, -7.0f);
     std::vector<std::uint8_t> map(NE, 7);
-    run(Aux{.logits = logits.data(),
-            .padding = pad,
-            .num_tokens = N,
-            .num_experts = E,
-            .topk = kk,
-            .score = score,
-            .scores = scores.data(),
-            .map = map.data()},
-        rng, blocks);
+    const Aux aux{.logits = logits.data(),
+                  .padding = pad,
+                  .num_tokens = N,
+                  .num_experts = E,
+                  .topk = kk,
+                  .score = score,
+                  .scores = scores.data(),
+                  .map = map.data()};
+    run(aux, rng, blocks);
+    // The same on host_exec (one block: every token in turn), compared below.
+    std::vector<float> host_scores(NE, -7.0f);
+    std::vector<std::uint8_t> host_map(NE, 7);
+    auto aux_on_host = aux;
+    aux_on_host.scores = host_scores.data();
+    aux_on_host.map = host_map.data();
+    run_host(aux_on_host, 1);
     const std::vector<double> logits64(logits.begin(), logits.end());
     aux_scores<double> a64;
     REQUIRE(compute_aux_scores<double>(lc.f, kk, E, logits64, padding, a64));
@@ -167,6 +225,24 @@ void check_losses(const std::vector<loss_case>& cases, std::mt19937_64& rng, wor
       w.tokens += tie ? 0 : 1;
       const double m = *std::max_element(logits64.begin() + static_cast<long>(row),
                                          logits64.begin() + static_cast<long>(row) + E);
+      // host_exec: a padding token's zeros; else scores within host_ulps(E) of cpu_exec's (the
+      // sum over E in expert order) and the same map except near-ties.
+      const bool host_map_same = std::equal(host_map.begin() + static_cast<long>(row),
+                                            host_map.begin() + static_cast<long>(row) + E,
+                                            map.begin() + static_cast<long>(row));
+      if (!host_map_same) {
+        ++w.host_map_ties;
+        CHECK_MESSAGE(tie, "host_exec token " << t << ": another top-k map, no near-tie");
+      }
+      for (int e = 0; e < E; ++e) {
+        const auto at = row + static_cast<std::size_t>(e);
+        const int hu = test::ulp_distance(host_scores[at], scores[at]);
+        const int hbound = pad != nullptr && pad[t] ? 0 : host_ulps(E);
+        w.host_scores = std::max(w.host_scores, static_cast<double>(hu) / host_ulps(E));
+        CHECK_MESSAGE(hu <= hbound, "host_exec score token " << t << " expert " << e << ": "
+                                                             << host_scores[at] << " vs "
+                                                             << scores[at]);
+      }
       for (int e = 0; e < E; ++e) {
         const auto at = row + static_cast<std::size_t>(e);
         if (!tie) CHECK(map[at] == a64.map[at]);
@@ -196,13 +272,25 @@ void check_losses(const std::vector<loss_case>& cases, std::mt19937_64& rng, wor
     auto sums_of = [&](int cols) {
       std::vector<float> sums(static_cast<std::size_t>(cols), -7.0f);
       std::vector<double> counts(static_cast<std::size_t>(cols), -7.0);
-      run(k::aux_column_sums_kernel{.scores = scores.data(),
-                                    .map = map.data(),
-                                    .rows = static_cast<long long>(NE / cols),
-                                    .columns = cols,
-                                    .sums = sums.data(),
-                                    .counts = counts.data()},
-          rng, 2);
+      const k::aux_column_sums_kernel col_sums{.scores = scores.data(),
+                                               .map = map.data(),
+                                               .rows = static_cast<long long>(NE / cols),
+                                               .columns = cols,
+                                               .sums = sums.data(),
+                                               .counts = counts.data()};
+      run(col_sums, rng, 2);
+      // host_exec (independent threads in a loop; one block strides over every column): the
+      // same row-order sums, the same bits.
+      std::vector<float> host_sums(static_cast<std::size_t>(cols), -7.0f);
+      std::vector<double> host_counts(static_cast<std::size_t>(cols), -7.0);
+      auto sums_on_host = col_sums;
+      sums_on_host.sums = host_sums.data();
+      sums_on_host.counts = host_counts.data();
+      run_host(sums_on_host, 1);
+      for (int c = 0; c < cols; ++c) {
+        CHECK(same_bits(host_sums[c], sums[c]));
+        CHECK(host_counts[c] == counts[c]);
+      }
       std::vector<float> want(static_cast<std::size_t>(cols), 0.0f);
       for (std::size_t i = 0; i < NE; ++i) want[i % cols] += scores[i];
       const auto want_counts = column_counts(std::span<const std::uint8_t>(map), cols);
@@ -244,16 +332,20 @@ void check_losses(const std::vector<loss_case>& cases, std::mt19937_64& rng, wor
     for (auto& x : init) x = 1e-3f * d(rng);
     const float seed = 0.75f;
     std::vector<float> dl = init;
-    run(AuxBw{.logits = logits.data(),
-              .padding = pad,
-              .num_tokens = N,
-              .num_experts = E,
-              .score = score,
-              .dscores = lb_k.dscores.data(),
-              .columns = E,
-              .seed = seed,
-              .dlogits = dl.data()},
-        rng, blocks);
+    const AuxBw aux_bw{.logits = logits.data(),
+                       .padding = pad,
+                       .num_tokens = N,
+                       .num_experts = E,
+                       .score = score,
+                       .dscores = lb_k.dscores.data(),
+                       .columns = E,
+                       .seed = seed,
+                       .dlogits = dl.data()};
+    run(aux_bw, rng, blocks);
+    std::vector<float> host_dl = init;  // the same on host_exec, compared below
+    auto aux_bw_on_host = aux_bw;
+    aux_bw_on_host.dlogits = host_dl.data();
+    run_host(aux_bw_on_host, 1);
     aux_loss_term<double> term64{.loss = 0,
                                  .columns = static_cast<std::size_t>(E),
                                  .dscores = {lb_k.dscores.begin(), lb_k.dscores.end()}};
@@ -293,28 +385,69 @@ void check_losses(const std::vector<loss_case>& cases, std::mt19937_64& rng, wor
         w.aux_grad = std::max(w.aux_grad, err / bound);
         CHECK_MESSAGE(err <= bound, "aux grad token " << t << " expert " << e << ": " << dl[at]
                                                       << " vs " << dl64[at]);
+        // host_exec: a padding token's dlogits untouched; else the scores within host_ulps(E)
+        // relative and the dot product over E in another order (twice host_ulps(E) of the
+        // condition), then the addition to what is there, which rounds each side once (half an
+        // ulp each, of results that may lie on two sides of a power of two: two ulp).
+        const double herr = std::abs(static_cast<double>(host_dl[at]) - dl[at]);
+        const double hbound =
+            pad != nullptr && pad[t]
+                ? 0.0
+                : host_ulps(E) * 2 * eps * (std::abs(dl[at] - init[at]) + 2 * cond) +
+                      4 * eps * std::abs(dl[at]) + 1e-30;
+        if (hbound > 0) w.host_aux_grad = std::max(w.host_aux_grad, herr / hbound);
+        CHECK_MESSAGE(herr <= hbound, "host_exec aux grad token " << t << " expert " << e << ": "
+                                                                  << host_dl[at] << " vs "
+                                                                  << dl[at]);
       }
     }
 
     // z-loss: the per-token logsumexp, the total, the valid count; its gradient.
     std::vector<float> lse(static_cast<std::size_t>(N), -7.0f);
-    run(Lse{.logits = logits.data(),
-            .padding = pad,
-            .num_tokens = N,
-            .num_experts = E,
-            .lse = lse.data()},
-        rng, blocks);
+    const Lse lse_kernel{.logits = logits.data(),
+                         .padding = pad,
+                         .num_tokens = N,
+                         .num_experts = E,
+                         .lse = lse.data()};
+    run(lse_kernel, rng, blocks);
+    // host_exec: a padding token's 0; else within host_ulps(E) of |lse| + 1 (the sum over E in
+    // expert order moves log(sum) by its relative error, absolutely).
+    std::vector<float> host_lse(static_cast<std::size_t>(N), -7.0f);
+    auto lse_on_host = lse_kernel;
+    lse_on_host.lse = host_lse.data();
+    run_host(lse_on_host, 1);
+    for (int t = 0; t < N; ++t) {
+      const double herr = std::abs(static_cast<double>(host_lse[t]) - lse[t]);
+      const double hbound = pad != nullptr && pad[t]
+                                ? 0.0
+                                : host_ulps(E) * 2 * eps * (std::abs(lse[t]) + 1.0) + 1e-30;
+      if (hbound > 0) w.host_lse = std::max(w.host_lse, herr / hbound);
+      CHECK_MESSAGE(herr <= hbound,
+                    "host_exec lse token " << t << ": " << host_lse[t] << " vs " << lse[t]);
+    }
     const float zcoeff = 1e-3f;
     float z = -7.0f;
     int valid = -7;
-    run(k::z_loss_total_kernel{.lse = lse.data(),
-                               .padding = pad,
-                               .num_tokens = N,
-                               .coeff = zcoeff,
-                               .loss = &z,
-                               .valid = &valid},
-        rng, 1);
+    const k::z_loss_total_kernel z_total{.lse = lse.data(),
+                                         .padding = pad,
+                                         .num_tokens = N,
+                                         .coeff = zcoeff,
+                                         .loss = &z,
+                                         .valid = &valid};
+    run(z_total, rng, 1);
     CHECK(valid == a.valid_tokens);
+    // host_exec from cpu_exec's lse: the same valid count; the sum of the N squares in token
+    // order (cpu_exec: a tree) within host_ulps(N).
+    float host_z = -7.0f;
+    int host_valid = -7;
+    auto z_total_on_host = z_total;
+    z_total_on_host.loss = &host_z;
+    z_total_on_host.valid = &host_valid;
+    run_host(z_total_on_host, 1);
+    CHECK(host_valid == valid);
+    const int hzu = test::ulp_distance(host_z, z);
+    w.host_z = std::max(w.host_z, static_cast<double>(hzu) / host_ulps(N));
+    CHECK_MESSAGE(hzu <= host_ulps(N), "host_exec z-loss " << host_z << " vs " << z);
     const double z64 = z_loss<double>(logits64, E, zcoeff, padding).value();
     // Each lse within (4 + log2 E) half-ulps of its magnitude plus one; squared, doubled; the
     // sum of N positive terms in a tree of log2 N + 3 levels; the division and the product.
@@ -327,16 +460,20 @@ void check_losses(const std::vector<loss_case>& cases, std::mt19937_64& rng, wor
     if (lc.padding == 2) CHECK(z == 0.0f);
 
     dl = init;
-    run(ZBw{.logits = logits.data(),
-            .padding = pad,
-            .lse = lse.data(),
-            .valid = &valid,
-            .num_tokens = N,
-            .num_experts = E,
-            .coeff = zcoeff,
-            .seed = seed,
-            .dlogits = dl.data()},
-        rng, blocks);
+    const ZBw z_bw{.logits = logits.data(),
+                   .padding = pad,
+                   .lse = lse.data(),
+                   .valid = &valid,
+                   .num_tokens = N,
+                   .num_experts = E,
+                   .coeff = zcoeff,
+                   .seed = seed,
+                   .dlogits = dl.data()};
+    run(z_bw, rng, blocks);
+    host_dl = init;  // the same on host_exec from cpu_exec's lse and count, compared below
+    auto z_bw_on_host = z_bw;
+    z_bw_on_host.dlogits = host_dl.data();
+    run_host(z_bw_on_host, 1);
     dl64.assign(init.begin(), init.end());
     REQUIRE(add_z_loss_gradient<double>(logits64, E, zcoeff, padding, seed, dl64));
     for (int t = 0; t < N; ++t) {
@@ -355,6 +492,16 @@ void check_losses(const std::vector<loss_case>& cases, std::mt19937_64& rng, wor
         w.z_grad = std::max(w.z_grad, err / bound);
         CHECK_MESSAGE(err <= bound, "z grad token " << t << " expert " << e << ": " << dl[at]
                                                     << " vs " << dl64[at]);
+        // host_exec: the softmax within host_ulps(E) relative, times the same factor, then the
+        // addition to what is there (two ulp, as for the aux gradient); padding tokens
+        // untouched.
+        const double herr = std::abs(static_cast<double>(host_dl[at]) - dl[at]);
+        const double hbound = pad != nullptr && pad[t] ? 0.0
+                                                       : host_ulps(E) * 2 * eps * term +
+                                                             4 * eps * std::abs(dl[at]) + 1e-30;
+        if (hbound > 0) w.host_z_grad = std::max(w.host_z_grad, herr / hbound);
+        CHECK_MESSAGE(herr <= hbound, "host_exec z grad token " << t << " expert " << e << ": "
+                                                                << host_dl[at] << " vs " << dl[at]);
       }
     }
   }
@@ -379,6 +526,10 @@ TEST_CASE("router losses: aux scores, every load-balancing loss, z-loss, gradien
   MESSAGE(w.tokens << " tokens' maps compared, " << w.ties << " near-ties skipped; worst of the "
                    << "bound: scores " << w.scores << ", aux gradient " << w.aux_grad << ", z-loss "
                    << w.z << ", z gradient " << w.z_grad);
+  MESSAGE("host_exec against cpu_exec, worst of the bound: scores "
+          << w.host_scores << ", aux gradient " << w.host_aux_grad << ", lse " << w.host_lse
+          << ", z-loss " << w.host_z << ", z gradient " << w.host_z_grad << "; " << w.host_map_ties
+          << " maps differing (near-ties)");
   CHECK(w.tokens > 0);
 }
 
@@ -445,4 +596,58 @@ TEST_CASE("expert bias: counts and update on an executor equal the host's bits")
     }
     CHECK(differ == 0);
   }
+}
+
+namespace {
+
+// Aux scores kernel K on host_exec against cpu_exec over logits with exact ties (integers in
+// [-3, 3]): equal logits give equal scores on each context and both take the lower expert first
+// on a tie, so the maps are the same for every token, ties and all; scores within
+// host_ulps_worst(E) (equal terms round alike, not as a random walk).
+template <class K>
+void check_aux_ties(std::initializer_list<int> experts, int N, std::mt19937_64& rng) {
+  for (int E : experts)
+    for (int kk : {1, 2, 8}) {
+      if (kk > E) continue;
+      for (auto f :
+           {score_function::softmax, score_function::sigmoid, score_function::sqrt_softplus}) {
+        CAPTURE(E);
+        CAPTURE(kk);
+        CAPTURE(static_cast<int>(f));
+        const auto NE = static_cast<std::size_t>(N) * E;
+        std::uniform_int_distribution<int> q(-3, 3);
+        std::vector<float> logits(NE);
+        for (auto& x : logits) x = static_cast<float>(q(rng));
+        std::vector<float> scores(NE, -7.0f), host_scores(scores);
+        std::vector<std::uint8_t> map(NE, 7), host_map(map);
+        const K kernel{.logits = logits.data(),
+                       .padding = nullptr,
+                       .num_tokens = N,
+                       .num_experts = E,
+                       .topk = kk,
+                       .score = f,
+                       .scores = scores.data(),
+                       .map = map.data()};
+        run(kernel, rng, std::min(N, 3));
+        auto on_host = kernel;
+        on_host.scores = host_scores.data();
+        on_host.map = host_map.data();
+        run_host(on_host, 1);
+        CHECK(host_map == map);
+        long far = 0;
+        for (std::size_t i = 0; i < NE; ++i)
+          far += test::ulp_distance(host_scores[i], scores[i]) <= host_ulps_worst(E) ? 0 : 1;
+        CHECK(far == 0);
+      }
+    }
+}
+
+}  // namespace
+
+TEST_CASE("aux scores on host_exec: exact ties give cpu_exec's top-k map") {
+  const auto seed = test::simt_seed();
+  MESSAGE("seed " << seed);
+  std::mt19937_64 rng(seed + 4);
+  check_aux_ties<k::aux_scores_kernel>({8, 64, 256}, 16, rng);
+  check_aux_ties<k::aux_scores_block_kernel>({512, 1024}, 4, rng);
 }

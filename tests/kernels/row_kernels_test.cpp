@@ -4,6 +4,12 @@
 // launch, every element compared bit for bit (the kernels sum in the host's order, rounding each
 // product and sum once). Sizes: tokens 1, 7, 513; hidden 1, 7, 8, 4096 + 8; k 1, 2, 8; the
 // 16-byte path (rows a multiple of 16 bytes) and the element path (hidden 7, odd strides).
+//
+// Each operation's kernel (the struct exec/simt_memory_ops.hpp launches for it, built from the
+// same views the same way) is also launched directly on host_exec, over host_exec's grid (one
+// block striding over all the work; the scan and the histogram as a team of one), on the same
+// inputs: cpu_exec's result bit for bit (the row kernels add in a fixed order, the rest is
+// integer or per element).
 #include <doctest/doctest.h>
 
 #include <array>
@@ -14,6 +20,15 @@
 #include <moefold/dispatch/plan_builders.hpp>
 #include <moefold/exec/cpu_exec.hpp>
 #include <moefold/exec/host_exec.hpp>
+#include <moefold/kernels/chunk_copy.hpp>
+#include <moefold/kernels/chunk_table.hpp>
+#include <moefold/kernels/elementwise.hpp>
+#include <moefold/kernels/histogram.hpp>
+#include <moefold/kernels/permute.hpp>
+#include <moefold/kernels/scan.hpp>
+#include <moefold/kernels/simt/block_scan.hpp>
+#include <moefold/kernels/simt/row_copy.hpp>
+#include <moefold/kernels/unpermute.hpp>
 #include <random>
 #include <string>
 #include <utility>
@@ -67,6 +82,83 @@ row_view<T, cpu_device_space> dev(row_view<T> h) {
   return row_view<T, cpu_device_space>(h.data(), h.rows(), h.width(), h.stride());
 }
 
+// A kernel launched directly on host_exec over host_exec's grid (max_grid_blocks: one block).
+template <class K>
+void on_host(const K& kernel, std::size_t smem_bytes = 0) {
+  REQUIRE(launch(host_exec{},
+                 launch_grid{.blocks = host_exec::max_grid_blocks, .smem_bytes = smem_bytes},
+                 kernel));
+}
+// A row operation's kernel so: one with an index fault counter gets one, as simt_memory_ops.hpp
+// gives it, which the tests' indices (all in range) leave at 0.
+template <class K>
+void row_op_on_host(K kernel) {
+  int faults = 0;
+  if constexpr (requires { kernel.fault; }) kernel.fault = &faults;
+  on_host(kernel);
+  CHECK(faults == 0);
+}
+
+// Whether a kernel moves src and dst rows as 16-byte pieces (simt_memory_ops.hpp's test).
+template <class T>
+bool vec16(const row_view<const T>& src, const row_view<T>& dst) {
+  return kernels::simt::rows_vec16<T>(src.data(), src.width(), src.stride()) &&
+         kernels::simt::rows_vec16<T>(dst.data(), dst.width(), dst.stride());
+}
+
+// gather_rows's kernel on host_exec.
+template <class T>
+void gather_on_host(row_view<const T> src, row_view<const int> index, int divisor,
+                    row_view<T> dst) {
+  row_op_on_host(kernels::gather_rows_kernel<T>{.src = src.data(),
+                                                .src_stride = src.stride(),
+                                                .src_rows = src.rows(),
+                                                .index = index.data(),
+                                                .index_stride = index.stride(),
+                                                .divisor = divisor,
+                                                .dst = dst.data(),
+                                                .dst_stride = dst.stride(),
+                                                .rows = dst.rows(),
+                                                .width = dst.width(),
+                                                .vec16 = vec16<T>(src, dst)});
+}
+
+// The elementwise kernels' [rows, width] arguments of a view.
+template <class T>
+kernels::rows_arg<T> arg(row_view<T> v) {
+  return {v.data(), v.stride()};
+}
+
+// expert_histogram's kernels (what count_routed_pairs launches on cpu_exec) on host_exec: counts
+// and fault filled, the histogram (a team of one), the fault record.
+void histogram_on_host(row_view<const int> ids, row_view<int> counts, row_view<int> fault) {
+  const int E = counts.width();
+  row_op_on_host(kernels::fill_kernel<int>{.dst = arg(counts), .v = 0, .rows = 1, .width = E});
+  row_op_on_host(
+      kernels::fill_kernel<int>{.dst = arg(fault), .v = 2147483647, .rows = 1, .width = 2});
+  if (ids.extent() > 0)
+    on_host(kernels::expert_histogram_kernel{.ids = ids.data(),
+                                             .n = ids.extent(),
+                                             .num_experts = E,
+                                             .counts = counts.data(),
+                                             .first_bad = fault.data(),
+                                             .topk = ids.width() > 0 ? ids.width() : 1},
+            kernels::expert_histogram_kernel::smem_bytes(E));
+  on_host(kernels::record_fault_kernel{.ids = ids.data(), .fault = fault.data()});
+}
+
+// exclusive_scan's three kernels on host_exec (the tile scans as a team of one).
+void scan_on_host(const int* in, int* out, long long n, int* total, int* scratch) {
+  const long long tiles = cpu_exec::exclusive_scan_scratch(n);
+  constexpr std::size_t smem = sizeof(int) * kernels::simt::block_scan_scratch<host_team_ctx>;
+  if (tiles > 0)
+    on_host(kernels::scan_tiles_kernel{.in = in, .out = out, .n = n, .tile_sums = scratch}, smem);
+  on_host(kernels::scan_tile_sums_kernel{.tile_sums = scratch, .tiles = tiles, .total = total},
+          smem);
+  if (tiles > 0)
+    on_host(kernels::add_tile_offsets_kernel{.out = out, .n = n, .tile_offsets = scratch});
+}
+
 const std::vector<int> token_sizes() {
   return test::simt_reduced ? std::vector<int>{1, 7, 64} : std::vector<int>{1, 7, 513};
 }
@@ -89,6 +181,9 @@ void check_gather(std::mt19937_64& rng, int tokens, int hidden, int k, int pad) 
   REQUIRE(cpu_exec{rng()}.gather_rows<T>(dev(src.view()), dev(index.view()), k, dev(got.view())));
   // The padding between rows is never written by either (still poisoned in both).
   CHECK(same_bits(ref.v, got.v));
+  mat<T> kernel_on_host(slots + 3, hidden, pad);
+  gather_on_host<T>(src.view(), index.view(), k, kernel_on_host.view());
+  CHECK_MESSAGE(same_bits(kernel_on_host.v, got.v), "the kernel on host_exec against cpu_exec");
 }
 
 template <class T, class Acc>
@@ -107,6 +202,24 @@ void check_gather_sum(std::mt19937_64& rng, int tokens, int hidden, int k, int p
   REQUIRE(cpu_exec{rng()}.gather_sum_rows<T, T, Acc>(dev(src.view()), dev(index.view()),
                                                      dev(row_view<const T>(wv)), dev(got.view())));
   CHECK(same_bits(ref.v, got.v));
+  mat<T> kernel_on_host(tokens, hidden, pad);
+  const row_view<const T> sv = src.view();
+  const row_view<T> dv = kernel_on_host.view();
+  row_op_on_host(
+      kernels::gather_sum_rows_kernel<T, T, Acc>{.src = sv.data(),
+                                                 .src_stride = sv.stride(),
+                                                 .src_rows = sv.rows(),
+                                                 .index = index.v.data(),
+                                                 .index_stride = index.stride,
+                                                 .k = index.width,
+                                                 .weights = weighted ? w.v.data() : nullptr,
+                                                 .weight_stride = weighted ? w.stride : 0,
+                                                 .dst = dv.data(),
+                                                 .dst_stride = dv.stride(),
+                                                 .rows = dv.rows(),
+                                                 .width = dv.width(),
+                                                 .vec16 = vec16<T>(sv, dv)});
+  CHECK_MESSAGE(same_bits(kernel_on_host.v, got.v), "the kernel on host_exec against cpu_exec");
 }
 
 template <class T>
@@ -141,6 +254,23 @@ void check_chunks(std::mt19937_64& rng, int rows, int hidden, int pad) {
   REQUIRE(cpu_exec{rng()}.copy_chunks<T>(dev(src.view()), dev(sz.view()), dev(from.view()),
                                          dev(to.view()), dev(got.view())));
   CHECK(same_bits(ref.v, got.v));
+  mat<T> kernel_on_host(rows, hidden, pad);
+  const row_view<const T> sv = src.view();
+  const row_view<T> dv = kernel_on_host.view();
+  row_op_on_host(kernels::copy_chunks_kernel<T>{.src = sv.data(),
+                                                .src_stride = sv.stride(),
+                                                .sizes = sz.v.data(),
+                                                .from = from.v.data(),
+                                                .to = to.v.data(),
+                                                .sizes_stride = sz.stride,
+                                                .from_stride = from.stride,
+                                                .to_stride = to.stride,
+                                                .chunks = c,
+                                                .dst = dv.data(),
+                                                .dst_stride = dv.stride(),
+                                                .width = dv.width(),
+                                                .vec16 = vec16<T>(sv, dv)});
+  CHECK_MESSAGE(same_bits(kernel_on_host.v, got.v), "the kernel on host_exec against cpu_exec");
 }
 
 }  // namespace
@@ -215,9 +345,13 @@ TEST_CASE(
       want.insert(want.end(), src.begin(), src.end());
       want.insert(want.end(), dst.begin(), dst.end());
       const kernels::uniform_chunks u{.etp = etp, .ep = ep, .local_experts = L, .rows = cap};
-      mat<int> host(3, C, 1), device(3, C, 1);
+      mat<int> host(3, C, 1), device(3, C, 1), kernel_on_host(3, C, 1);
       REQUIRE(host_exec{}.uniform_chunk_table(host.view(), u));
       REQUIRE(cpu_exec{test::simt_seed()}.uniform_chunk_table(dev(device.view()), u));
+      row_op_on_host(kernels::uniform_chunk_table_kernel{
+          .u = u, .table = kernel_on_host.v.data(), .stride = kernel_on_host.stride});
+      CHECK_MESSAGE(same_bits(kernel_on_host.v, device.v),
+                    "the kernel on host_exec against cpu_exec");
       for (int r = 0; r < 3; ++r)
         for (int c = 0; c < C; ++c) {
           const int w = want[static_cast<std::size_t>(r * C + c)];
@@ -243,10 +377,18 @@ TEST_CASE("elementwise kernels: relabel, add, add_converted, convert, scale, fil
       CAPTURE(width);
       mat<int> ids(rows, width, 1);
       for (auto& i : ids.v) i = static_cast<int>(rng() % 70) - 3;
-      mat<int> r1(rows, width, 1), r2(rows, width, 1);
+      mat<int> r1(rows, width, 1), r2(rows, width, 1), r3(rows, width, 1);
       REQUIRE(host_exec{}.relabel(ids.view(), 16, 24, r1.view()));
       REQUIRE(cpu_exec{rng()}.relabel(dev(ids.view()), 16, 24, dev(r2.view())));
       CHECK(same_bits(r1.v, r2.v));
+      // Each kernel on host_exec against cpu_exec (r3, h3, b3, c3, s3, f3).
+      row_op_on_host(kernels::relabel_kernel{.ids = arg(row_view<const int>(ids.view())),
+                                             .first = 16,
+                                             .count = 24,
+                                             .dst = arg(r3.view()),
+                                             .rows = rows,
+                                             .width = width});
+      CHECK(same_bits(r3.v, r2.v));
 
       mat<float> a(rows, width, 1), b(rows, width, 1);
       a.randomize(rng);
@@ -254,29 +396,54 @@ TEST_CASE("elementwise kernels: relabel, add, add_converted, convert, scale, fil
       mat<bfloat16> h1(rows, width, 1), h2(rows, width, 1);
       h1.randomize(rng);
       h2.v = h1.v;
+      auto h3 = h2;
       REQUIRE(host_exec{}.add_converted<bfloat16, float>(a.view(), h1.view()));
       REQUIRE(cpu_exec{rng()}.add_converted<bfloat16, float>(dev(a.view()), dev(h2.view())));
       CHECK(same_bits(h1.v, h2.v));
+      row_op_on_host(kernels::add_converted_kernel<bfloat16, float>{
+          .src = arg(row_view<const float>(a.view())),
+          .dst = arg(h3.view()),
+          .rows = rows,
+          .width = width});
+      CHECK(same_bits(h3.v, h2.v));
 
-      auto b2 = b;
+      auto b2 = b, b3 = b;
       REQUIRE(host_exec{}.add<float>(a.view(), b.view()));
       REQUIRE(cpu_exec{rng()}.add<float>(dev(a.view()), dev(b2.view())));
       CHECK(same_bits(b.v, b2.v));
+      row_op_on_host(
+          kernels::add_converted_kernel<float, float>{.src = arg(row_view<const float>(a.view())),
+                                                      .dst = arg(b3.view()),
+                                                      .rows = rows,
+                                                      .width = width});
+      CHECK(same_bits(b3.v, b2.v));
 
-      mat<bfloat16> c1(rows, width, 1), c2(rows, width, 1);
+      mat<bfloat16> c1(rows, width, 1), c2(rows, width, 1), c3(rows, width, 1);
       REQUIRE(host_exec{}.convert<bfloat16, float>(a.view(), c1.view()));
       REQUIRE(cpu_exec{rng()}.convert<bfloat16, float>(dev(a.view()), dev(c2.view())));
       CHECK(same_bits(c1.v, c2.v));
+      row_op_on_host(
+          kernels::convert_kernel<bfloat16, float>{.src = arg(row_view<const float>(a.view())),
+                                                   .dst = arg(c3.view()),
+                                                   .rows = rows,
+                                                   .width = width});
+      CHECK(same_bits(c3.v, c2.v));
 
-      auto s2 = h1;
+      auto s2 = h1, s3 = h1;
       REQUIRE(host_exec{}.scale<bfloat16>(h1.view(), bfloat16(0.3f)));
       REQUIRE(cpu_exec{rng()}.scale<bfloat16>(dev(s2.view()), bfloat16(0.3f)));
       CHECK(same_bits(h1.v, s2.v));
+      row_op_on_host(kernels::scale_kernel<bfloat16>{
+          .dst = arg(s3.view()), .s = bfloat16(0.3f), .rows = rows, .width = width});
+      CHECK(same_bits(s3.v, s2.v));
 
-      mat<double> f1(rows, width, 1), f2(rows, width, 1);
+      mat<double> f1(rows, width, 1), f2(rows, width, 1), f3(rows, width, 1);
       REQUIRE(host_exec{}.fill<double>(f1.view(), -2.5));
       REQUIRE(cpu_exec{rng()}.fill<double>(dev(f2.view()), -2.5));
       CHECK(same_bits(f1.v, f2.v));
+      row_op_on_host(kernels::fill_kernel<double>{
+          .dst = arg(f3.view()), .v = -2.5, .rows = rows, .width = width});
+      CHECK(same_bits(f3.v, f2.v));
     }
 }
 
@@ -291,6 +458,11 @@ TEST_CASE("row kernels: views that start off 16 bytes take the element path, sam
   REQUIRE(host_exec{}.gather_rows<float>(s, index.view(), 1, rr));
   REQUIRE(cpu_exec{1}.gather_rows<float>(dev(s), dev(index.view()), 1, dev(gr)));
   CHECK(same_bits(ref.v, got.v));
+  mat<float> kernel_on_host(9, 8);
+  auto kr = kernel_on_host.view(1);
+  CHECK_FALSE(vec16<float>(s, kr));
+  gather_on_host<float>(s, index.view(), 1, kr);
+  CHECK_MESSAGE(same_bits(kernel_on_host.v, got.v), "the kernel on host_exec against cpu_exec");
 }
 
 TEST_CASE("row kernels: an index outside its range is refused before anything is written") {
@@ -333,6 +505,14 @@ TEST_CASE(
         mat<int> ref(1, E), got(1, E), ref_fault(1, 2), fault(1, 2);
         using pair = std::pair<int, int>;
         const auto two = [](const mat<int>& f) { return pair{f.v[0], f.v[1]}; };
+        // The kernels on host_exec after each count on cpu_exec: the same counts and fault.
+        mat<int> host_counts(1, E), host_fault(1, 2);
+        const auto kernels_agree = [&] {
+          histogram_on_host(ids.view(), host_counts.view(), host_fault.view());
+          INFO("the kernels on host_exec against cpu_exec");
+          CHECK(host_counts.v == got.v);
+          CHECK(two(host_fault) == two(fault));
+        };
         const auto count = [&](auto& x, auto ids_view, auto counts, auto fault_view) {
           return count_routed_pairs(x, ids_view, counts, fault_view);
         };
@@ -342,12 +522,14 @@ TEST_CASE(
         x.reset_copies();
         REQUIRE(count(x, dev(row_view<const int>(ids.view())), dev(got.view()), dev(fault.view())));
         CHECK(x.copies().to_host == 0);  // nothing read back
+        kernels_agree();
         CHECK(two(ref_fault) == pair{-1, 0});
         CHECK(two(fault) == pair{-1, 0});
         CHECK(std::equal(ref.v.begin(), ref.v.begin() + E, got.v.begin()));
         // All tokens on one expert (k = 1, or the other slots dropped).
         for (std::size_t s = 0; s < ids.v.size(); ++s) ids.v[s] = s % k == 0 ? E - 1 : -1;
         REQUIRE(count(x, dev(row_view<const int>(ids.view())), dev(got.view()), dev(fault.view())));
+        kernels_agree();
         CHECK(got.v[static_cast<std::size_t>(E - 1)] == tokens);
         CHECK(two(fault) == pair{-1, 0});
         // Two bad ids: the lower slot and its id.
@@ -355,6 +537,7 @@ TEST_CASE(
         ids.v[static_cast<std::size_t>(n - 1)] = E;
         ids.v[static_cast<std::size_t>(n / 2)] = -2;
         REQUIRE(count(x, dev(row_view<const int>(ids.view())), dev(got.view()), dev(fault.view())));
+        kernels_agree();
         REQUIRE(count(hx, row_view<const int>(ids.view()), ref.view(), ref_fault.view()));
         CHECK(fault.v[0] == n / 2);  // with n == 1 both writes hit slot 0 and -2 stays
         CHECK(fault.v[1] == -2);
@@ -365,6 +548,7 @@ TEST_CASE(
           ids.v[static_cast<std::size_t>(k + k - 1)] = 0;  // token 1, slot k - 1
           REQUIRE(
               count(x, dev(row_view<const int>(ids.view())), dev(got.view()), dev(fault.view())));
+          kernels_agree();
           REQUIRE(count(hx, row_view<const int>(ids.view()), ref.view(), ref_fault.view()));
           CHECK(two(fault) == pair{2 * k - 1, 0});
           CHECK(two(ref_fault) == two(fault));
@@ -406,5 +590,13 @@ TEST_CASE("device-wide exclusive scan: three launches, exact, across many tiles"
     CHECK(ok);
     CHECK(total == run);
     CHECK(out[static_cast<std::size_t>(n)] == -7);  // nothing written past the end
+    // The three kernels on host_exec: the same outputs, tile offsets and total.
+    std::vector<int> host_out(out.size(), -7), host_scratch(scratch.size(), -7);
+    int host_total = -7;
+    scan_on_host(in.data(), host_out.data(), n, &host_total, host_scratch.data());
+    INFO("the kernels on host_exec against cpu_exec");
+    CHECK(host_out == out);
+    CHECK(host_scratch == scratch);
+    CHECK(host_total == total);
   }
 }

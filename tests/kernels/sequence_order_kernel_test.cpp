@@ -4,7 +4,8 @@
 // gathered in several rank orders, and random permutations (seed printed; MOEFOLD_TEST_SEED
 // replays one), outputs poisoned before each launch. Bad keys (outside [0, M), repeated) are
 // reported in the fault words, the order falls back to the identity, and the sticky word keeps
-// the fault across a later good launch.
+// the fault across a later good launch. Every launch also runs on host_exec on the same keys (and
+// its own copy of the sticky word): the same order, inverse and fault words (integer kernels).
 #include <doctest/doctest.h>
 
 #include <moefold/dispatch/drop_policy_full_sequence.hpp>
@@ -17,6 +18,7 @@
 #include <random>
 #include <vector>
 
+#include "../support/simt_contexts.hpp"
 #include "../support/simt_test_sizes.hpp"
 
 using namespace moefold;
@@ -30,10 +32,17 @@ struct order_out {
   std::vector<int> fault;
 };
 
+void check_same(const order_out& got, const order_out& want) {
+  CHECK(got.order == want.order);
+  CHECK(got.by_order == want.by_order);
+  CHECK(got.fault == want.fault);
+}
+
 // The three launches over keys [M] with a grid smaller than the rows (the loops stride), the
-// outputs poisoned first; `sticky` is carried in and out.
-order_out run_order(std::uint64_t seed, const std::vector<std::int64_t>& keys,
-                    std::vector<int>& sticky) {
+// outputs poisoned first; `sticky` is carried in and out. On `on` (cpu_exec seeded with seed,
+// seed + 1, seed + 2).
+order_out run_order_on(test::simt_on on, std::uint64_t seed, const std::vector<std::int64_t>& keys,
+                       std::vector<int>& sticky) {
   const auto M = static_cast<long long>(keys.size());
   std::vector<int> counts(keys.size(), 0), fault{none, none};
   order_out o{std::vector<long long>(keys.size(), -7), std::vector<long long>(keys.size(), -7), {}};
@@ -45,11 +54,24 @@ order_out run_order(std::uint64_t seed, const std::vector<std::int64_t>& keys,
                                   .order = o.order.data(),
                                   .by_order = o.by_order.data()};
   const launch_grid grid{.blocks = 2};
-  REQUIRE(launch(cpu_exec{seed}, grid, kernels::order_key_count_kernel{a}));
-  REQUIRE(launch(cpu_exec{seed + 1}, grid, kernels::order_key_check_kernel{a}));
-  REQUIRE(launch(cpu_exec{seed + 2}, grid, kernels::order_from_keys_kernel{a}));
+  REQUIRE(test::simt_launcher{on, seed}(grid, kernels::order_key_count_kernel{a}));
+  REQUIRE(test::simt_launcher{on, seed + 1}(grid, kernels::order_key_check_kernel{a}));
+  REQUIRE(test::simt_launcher{on, seed + 2}(grid, kernels::order_from_keys_kernel{a}));
   o.fault = fault;
   return o;
+}
+
+// The launches on cpu_exec (returned, `sticky` carried) and on host_exec with a copy of the
+// sticky word: the same outputs and sticky word from both.
+order_out run_order(std::uint64_t seed, const std::vector<std::int64_t>& keys,
+                    std::vector<int>& sticky) {
+  std::vector<int> host_sticky = sticky;
+  const order_out cpu = run_order_on(test::simt_on::cpu_exec, seed, keys, sticky);
+  const order_out host = run_order_on(test::simt_on::host_exec, seed, keys, host_sticky);
+  INFO("host_exec against cpu_exec");
+  check_same(host, cpu);
+  CHECK(host_sticky == sticky);
+  return cpu;
 }
 
 // The host policy's ranking of distinct keys, and its inverse.

@@ -5,10 +5,14 @@
 // after them bit for bit, given the kernel's gates (the same sums in the same order; the gate
 // weight's gradient summed per backward, then added once). Tokens 1, 7,
 // 513 (<= 64 under TSan), hidden 1, 7, 8, 264, odd row strides, fp32 and bf16, gate on and off.
+// Each launch also runs on host_exec on the same inputs (the earlier launches' cpu_exec outputs),
+// into its own copy of the outputs: cpu_exec's bits (one thread per token or column, each sum in
+// ascending order on every context).
 #include <doctest/doctest.h>
 
 #include <moefold/core/dtype.hpp>
 #include <moefold/exec/cpu_exec.hpp>
+#include <moefold/exec/host_exec.hpp>
 #include <moefold/kernels/shared_gate.hpp>
 
 #include <cmath>
@@ -72,6 +76,18 @@ void check_gate(std::mt19937_64& rng, int N, int H, bool gated) {
                                                    .gates = gates.data(),
                                                    .out = {out.data(), S}};
   REQUIRE(launch(cpu_exec{rng()}, launch_grid{.blocks = blocks}, fwd));
+  {
+    std::vector<float> host_gates(gates.size());
+    std::vector<T> host_out = out0;
+    poison(host_gates);
+    auto on_host = fwd;
+    on_host.gates = host_gates.data();
+    on_host.out.p = host_out.data();
+    REQUIRE(launch(host_exec{}, launch_grid{.blocks = blocks}, on_host));
+    INFO("host_exec against cpu_exec");
+    CHECK(same_bits(host_gates, gates));
+    CHECK(same_bits(host_out, out));
+  }
   std::vector<T> want_out = out0;
   for (int t = 0; t < N; ++t) {
     double z = 0;
@@ -107,6 +123,19 @@ void check_gate(std::mt19937_64& rng, int N, int H, bool gated) {
                                                     .dy = {dy.data(), S},
                                                     .dpre = dpre.data()};
   REQUIRE(launch(cpu_exec{rng()}, launch_grid{.blocks = blocks}, bwd));
+  {
+    std::vector<T> host_dy(dy.size());
+    std::vector<A> host_dpre(dpre.size());
+    poison(host_dy);
+    poison(host_dpre);
+    auto on_host = bwd;
+    on_host.dy.p = host_dy.data();
+    on_host.dpre = host_dpre.data();
+    REQUIRE(launch(host_exec{}, launch_grid{.blocks = blocks}, on_host));
+    INFO("host_exec against cpu_exec");
+    CHECK(same_bits(host_dy, dy));
+    CHECK(same_bits(host_dpre, dpre));
+  }
   for (int t = 0; t < N; ++t) {
     const A g = static_cast<A>(gates[static_cast<std::size_t>(t)]);
     A dg = A(0);
@@ -123,6 +152,13 @@ void check_gate(std::mt19937_64& rng, int N, int H, bool gated) {
   const kernels::shared_gate_weight_grad_kernel<T, float> wg{
       .x = {x.data(), S}, .dpre = dpre.data(), .num_tokens = N, .hidden = H, .grad = grad.data()};
   REQUIRE(launch(cpu_exec{rng()}, launch_grid{.blocks = 1}, wg));
+  {
+    std::vector<float> host_grad = grad0;
+    auto on_host = wg;
+    on_host.grad = host_grad.data();
+    REQUIRE(launch(host_exec{}, launch_grid{.blocks = 1}, on_host));
+    CHECK_MESSAGE(same_bits(host_grad, grad), "host_exec against cpu_exec");
+  }
   for (int h = 0; h < H; ++h) {  // this backward's sum, then one add
     A sum = A(0);
     for (int t = 0; t < N; ++t)
@@ -135,6 +171,13 @@ void check_gate(std::mt19937_64& rng, int N, int H, bool gated) {
   const kernels::shared_gate_dx_kernel<T> gdx{
       .dpre = dpre.data(), .gate = w.data(), .num_tokens = N, .hidden = H, .dx = {dx.data(), S}};
   REQUIRE(launch(cpu_exec{rng()}, launch_grid{.blocks = blocks}, gdx));
+  {
+    std::vector<T> host_dx = dx0;
+    auto on_host = gdx;
+    on_host.dx.p = host_dx.data();
+    REQUIRE(launch(host_exec{}, launch_grid{.blocks = blocks}, on_host));
+    CHECK_MESSAGE(same_bits(host_dx, dx), "host_exec against cpu_exec");
+  }
   for (int t = 0; t < N; ++t)
     for (int h = 0; h < H; ++h)
       want_dx[at(t, h)] = narrow<T>(A(widen(want_dx[at(t, h)])) +

@@ -1,5 +1,5 @@
 // Part of the GPU test program (test-simt-gpu, whose main is in
-// tests/kernels/simt/simt_gpu_test.cu): the whole layer, simt_moe_layer, on cuda_kernel_exec over
+// tests/kernels/simt/simt_gpu_test.cu): the whole layer, simt_moe_layer, on cuda_exec over
 // the loopback world (8 ranks on one GPU, EP 4 x ETP 2), dropless, with sub-sequence dropping
 // in pad mode and with full-sequence dropping over TP 2 in true sequence order, against the same
 // layer on cpu_exec over the thread world. The same routing and kept record (the router's bodies
@@ -13,7 +13,7 @@
 #include <moefold/comm/thread_world.hpp>
 #include <moefold/dispatch/all_to_all_dispatcher.hpp>
 #include <moefold/exec/cpu_exec.hpp>
-#include <moefold/exec/cuda/cuda_kernel_exec.cuh>
+#include <moefold/exec/cuda/cuda_exec.cuh>
 
 #include <algorithm>
 #include <optional>
@@ -39,7 +39,7 @@ void gpu_layer_equals_cpu(const problem& p, std::optional<simt_drop_policy> drop
     return {};
   });
   const auto gs = run_loopback_world(W, [&](loopback_communicator& c) -> status {
-    auto x = cuda_kernel_exec::make(c.stream());
+    auto x = cuda_exec::make(c.stream());
     if (!x) return unexpected<error>(x.error());
     auto r = run_simt_rank<float, all_to_all_dispatcher>(p, c, *x, drop, keys);
     if (!r) return unexpected<error>(r.error());
@@ -67,13 +67,13 @@ void gpu_layer_equals_cpu(const problem& p, std::optional<simt_drop_policy> drop
     CHECK(a.aux == doctest::Approx(b.aux).epsilon(1e-6));
     CHECK(a.z == doctest::Approx(b.z).epsilon(1e-6));
   }
-  MESSAGE("simt_moe_layer cuda_kernel_exec vs cpu_exec, worst normwise difference: ", worst);
+  MESSAGE("simt_moe_layer cuda_exec vs cpu_exec, worst normwise difference: ", worst);
 }
 
 }  // namespace
 
 TEST_CASE(
-    "[layer] simt_moe_layer on cuda_kernel_exec (loopback world, EP 4 x ETP 2) equals the layer "
+    "[layer] simt_moe_layer on cuda_exec (loopback world, EP 4 x ETP 2) equals the layer "
     "on cpu_exec: dropless, sub-sequence pad mode, full-sequence by position with order keys; EP = "
     "ETP = 1 without a wait") {
   problem p{.fold = {.world = 8, .tp = 2, .ep = 4, .etp = 2}};

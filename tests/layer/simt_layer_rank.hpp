@@ -1,5 +1,5 @@
 // One rank of simt_moe_layer on any execution context and communicator (cpu_exec over the
-// device-space thread world in layer-simt-moe-layer; cuda_kernel_exec over the loopback world in
+// device-space thread world in layer-simt-moe-layer; cuda_exec over the loopback world in
 // simt-gpu): the weights of layer_harness.hpp uploaded to the context, forward, backward (seed 1),
 // gradients reduced, everything read back and widened; the drop counts checked against the
 // records and the host waits counted (one device-to-host copy per forward, none in pad mode or

@@ -1052,7 +1052,7 @@ TEST_CASE(
 }
 
 TEST_CASE("stream order: the whole layer on the GPU code path, dropless and in pad mode") {
-  // stream_order_exec runs the kernels as cpu_exec does but takes cuda_kernel_exec's path (no
+  // stream_order_exec runs the kernels as cpu_exec does but takes cuda_exec's path (no
   // host-addressable memory: results only through copies, bad indices into a device word) and
   // checks every read against the stream order of one GPU stream. The layer's results equal
   // cpu_exec's bit for bit and no operation reads what the stream has not yet written. EP 4 x

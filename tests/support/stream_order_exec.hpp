@@ -1,11 +1,11 @@
 // An execution context for the stream-order check of code written against an execution context
 // (the dispatchers): it runs everything as cpu_exec does (the same kernel bodies on the CPU
-// executor, the same memory), but takes cuda_kernel_exec's code path (no host-addressable memory:
+// executor, the same memory), but takes cuda_exec's code path (no host-addressable memory:
 // the plan builders launch kernels and read results only through copies; row operations count bad
 // indices into a device word that device_status() reads) and tells a stream_order_fake what each
-// operation reads and writes, as cuda_kernel_exec enqueues it on its one stream:
+// operation reads and writes, as cuda_exec enqueues it on its one stream:
 //   - a copy from host memory does not wait; from memory the caller declared pinned (pin()), the
-//     source must stay unchanged until the stream has run the copy (cuda_exec.hpp's contract);
+//     source must stay unchanged until the stream has run the copy (cuda_copy_exec.hpp's contract);
 //   - a copy to host memory waits for the stream, and so does synchronize() and device_status();
 //   - kernels and device-to-device copies are ordered by the stream.
 // The host's own writes are not calls, so they are found by content: a copy from pinned memory
@@ -42,7 +42,7 @@ class stream_order_exec
   static constexpr const char* name = "stream_order_exec";
   static constexpr unsigned char poison = 0xFF;
   static constexpr bool runs_kernels = true;
-  static constexpr bool check_indices_first = false;  // cuda_kernel_exec's: a device error word
+  static constexpr bool check_indices_first = false;  // cuda_exec's: a device error word
   static constexpr int max_grid_blocks = 8;
 
   //! Operations go on a new non-blocking stream of `fake` (a CUDA context's own stream).
@@ -105,7 +105,7 @@ class stream_order_exec
     return {};
   }
 
-  //! The device error word (cuda_kernel_exec's) and the host-side status call that reads it.
+  //! The device error word (cuda_exec's) and the host-side status call that reads it.
   [[nodiscard]] int* fault_word() const noexcept { return word_.get(); }
   [[nodiscard]] status device_status() {
     int n = 0;

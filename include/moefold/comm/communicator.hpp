@@ -131,7 +131,7 @@ concept has_memory_space = memory_space<typename C::memory_space>;
 //! The row forms the library calls are the dispatchers': of their T (tokens, probabilities and
 //! their gradients) and of int (counts, expert ids); they require both (the layer its T).
 template <class C, class Exec, class T = float>
-concept communicator_for = execution_context<Exec> && has_memory_space<C> &&
+concept communicator_for = copy_context<Exec> && has_memory_space<C> &&
     std::same_as<typename C::memory_space, typename Exec::memory_space> &&
     requires(C& c, const C& cc, Exec& x, row_view<const T, typename Exec::memory_space> s,
              row_view<T, typename Exec::memory_space> r, std::span<const int> n) {

@@ -1,20 +1,34 @@
 //! @file simt_launch.hpp
-//! @brief The SIMT seam's vocabulary, shared by both executors: a kernel is a plain-data
-//! function object whose `operator()(Ctx&)` is one `MOEFOLD_HOST_DEVICE` body, and `launch(exec,
-//! grid, kernel)` runs it on an execution context:
+//! @brief The SIMT seam's vocabulary, below the kernels: a kernel is a plain-data function object
+//! whose `operator()(Ctx&)` is one `MOEFOLD_HOST_DEVICE` body, and `launch(exec, grid, kernel)`
+//! runs it on an execution context (exec/):
 //!
-//! | executor             | header                      | one CUDA thread is            |
-//! |----------------------|-----------------------------|-------------------------------|
-//! | `cpu_exec{seed}`     | exec/cpu_launch.hpp         | one OS thread (TSan sees it)  |
-//! | `cuda_exec{stream}`  | exec/cuda/cuda_launch.cuh   | a CUDA thread                 |
+//! | context          | launcher                  | one CUDA thread is                         |
+//! |------------------|---------------------------|--------------------------------------------|
+//! | `host_exec`      | exec/host_launch.hpp      | a loop iteration (a team body: one thread) |
+//! | `cpu_exec{seed}` | exec/cpu_launch.hpp       | a fiber (TSan sees it)                     |
+//! | `cuda_exec`      | exec/cuda/cuda_launch.cuh | a CUDA thread                              |
 //!
-//! What a body may use is what both contexts give (the `simt_context` concept below): indices,
+//! What a body may use is what every context gives (the `simt_context` concept below): indices,
 //! block barriers, full-mask warp shuffles and ballots, dynamic shared memory, 16-byte loads and
-//! stores, integer atomics (add, min). The arithmetic both sides must round the same way (fma,
+//! stores, integer atomics (add, min). The arithmetic every context must round the same way (fma,
 //! bf16, exp, log, sqrt) lives in kernels/simt/math.hpp, not in the context.
 //!
+//! Two kinds of body, which a kernel declares:
+//! - Independent threads (the default): no barrier, no warp operation, no shared memory. A host
+//!   context runs it as a plain loop over blocks and K::block_threads threads; its context there
+//!   has no sync(), shuffle, ballot or shared memory, so a body that calls one does not compile
+//!   (the message names this rule).
+//! - A team (`static constexpr bool cooperative = true;`): its threads meet at barriers, exchange
+//!   values through warp operations or share memory. Its team's size is a property of the context
+//!   it is given, `Ctx::block_threads` threads in warps of `Ctx::warp_threads` lanes, and the body
+//!   divides its work by those (never by its kernel's block_threads or by 32): on a GPU and on
+//!   cpu_exec the team is the kernel's block in warps of 32, on a host context a team of one
+//!   thread, where a warp reduction or a block scan is a plain loop over the thread's own values.
+//!   The same source, not a twin.
+//!
 //! Rules for bodies (the CPU executor cannot run anything else the way the GPU does): every
-//! thread of a block reaches each `sync()`, all 32 lanes of a warp reach each warp operation, no
+//! thread of a block reaches each `sync()`, all lanes of a warp reach each warp operation, no
 //! float atomics, no communication between blocks of one launch, no `#ifdef __CUDA_ARCH__`.
 #pragma once
 
@@ -72,18 +86,20 @@ struct alignas(16) bytes16 {
   std::uint32_t w[4];
 };
 
-//! What every kernel body may call on its context `c`.
+//! What a team body may call on its context `c` (an independent body: the same but for sync(),
+//! warp_sync(), the shuffles, ballot() and shared memory).
 template <class C>
 concept simt_context = requires(C& c, const C& cc, int i, float f, unsigned u, bool b,
                                 const void* src, void* dst, bytes16 v, int* ip) {
-  { C::block_threads } -> std::convertible_to<int>;
-  { cc.thread() } -> std::same_as<int>;       // threadIdx.x
-  { cc.block() } -> std::same_as<int>;        // blockIdx.x
-  { cc.grid_blocks() } -> std::same_as<int>;  // gridDim.x
-  { cc.lane() } -> std::same_as<int>;         // thread() % 32
-  { cc.warp() } -> std::same_as<int>;         // thread() / 32
-  c.sync();                                   // __syncthreads()
-  c.warp_sync();                              // __syncwarp() (full mask)
+  { C::block_threads } -> std::convertible_to<int>;  // the team's threads
+  { C::warp_threads } -> std::convertible_to<int>;   // lanes of a warp: 32, or 1 in a team of one
+  { cc.thread() } -> std::same_as<int>;              // threadIdx.x
+  { cc.block() } -> std::same_as<int>;               // blockIdx.x
+  { cc.grid_blocks() } -> std::same_as<int>;         // gridDim.x
+  { cc.lane() } -> std::same_as<int>;                // thread() % warp_threads
+  { cc.warp() } -> std::same_as<int>;                // thread() / warp_threads
+  c.sync();                                          // __syncthreads()
+  c.warp_sync();                                     // __syncwarp() (full mask)
   { c.shfl_xor(f, i) } -> std::same_as<float>;
   { c.shfl_idx(u, i) } -> std::same_as<unsigned>;
   { c.ballot(b) } -> std::same_as<unsigned>;
@@ -101,6 +117,15 @@ template <class K>
 concept simt_kernel = std::is_trivially_copyable_v<K> && requires {
   { K::block_threads } -> std::convertible_to<int>;
 } && K::block_threads >= 32 && K::block_threads <= 1024 && K::block_threads % 32 == 0;
+
+//! Whether K's body is a team (it declares `cooperative = true`): see the top of this file.
+template <class K>
+inline constexpr bool cooperative_kernel = [] {
+  if constexpr (requires { K::cooperative; })
+    return static_cast<bool>(K::cooperative);
+  else
+    return false;
+}();
 
 namespace detail {
 

@@ -270,7 +270,7 @@ class all_gather_dispatcher
   //! (one copy, a wait: a bad id or a repeat gave it no rows, a -1 its own pair none). Otherwise
   //! the forward checked every rank's record on the gathered header (its one wait), so this
   //! returns at once, after reading the context's device error word where it has one
-  //! (cuda_kernel_exec: bad indices its row kernels met).
+  //! (cuda_exec: bad indices its row kernels met).
   [[nodiscard]] status device_status(Exec& x, const handle_type& h) const {
     if (auto st = h.check_issued_by(this); !st) return st;
     if (auto st = device_status_of(x); !st) return st;  // the context's error word, if any

@@ -304,7 +304,7 @@ class all_to_all_dispatcher
   //! capacity gets no rows (its tokens' outputs and gradients are zero) and is reported here,
   //! at the cost of one device-to-host copy (a wait). Otherwise the forward checked the record
   //! (every rank every rank's) and this returns at once. On a context with a device error word
-  //! (cuda_kernel_exec: bad indices its row kernels met) that word is read too (one more copy).
+  //! (cuda_exec: bad indices its row kernels met) that word is read too (one more copy).
   [[nodiscard]] status device_status(Exec& x, const handle_type& h) const {
     if (auto st = h.check_issued_by(this); !st) return st;
     if (auto st = device_status_of(x); !st) return st;  // the context's error word, if any

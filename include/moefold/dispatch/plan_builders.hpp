@@ -1,7 +1,7 @@
 //! @file plan_builders.hpp
 //! @brief The dispatchers' bookkeeping operations on a routing record in a context's memory: the
 //! permutation plan builder and the per-expert count of a record. On host_exec they run the host
-//! logic on that memory; on a context that runs kernels (cpu_exec, cuda_kernel_exec) they launch
+//! logic on that memory; on a context that runs kernels (cpu_exec, cuda_exec) they launch
 //! the plan kernels (kernels/permute_plan.hpp, kernels/histogram.hpp) and read nothing back
 //! except through the context's counted copies: their results (counts, the record's faults) stay in
 //! the context's memory, where a dispatcher brings them to the host together with what it needs
@@ -33,7 +33,7 @@
 namespace moefold {
 inline namespace v0_1 {
 
-//! Whether a context's operations are kernel launches (cpu_exec, cuda_kernel_exec): its bookkeeping
+//! Whether a context's operations are kernel launches (cpu_exec, cuda_exec): its bookkeeping
 //! builders then launch kernels and read nothing back.
 template <class X>
 inline constexpr bool runs_kernels_v = requires {

@@ -92,8 +92,6 @@ class cpu_exec : public detail::simt_memory_ops<cpu_exec, cpu_device_space> {
   copy_counts counts_{};
 };
 
-static_assert(execution_context<cpu_exec>);
-
 //! Runs `kernel` on the CPU executor (exec/cpu_launch.hpp): every CUDA thread its own thread, two
 //! blocks at once in the seed's order, shared memory poisoned; returns when it is done.
 template <class K>
@@ -101,6 +99,8 @@ requires simt_kernel<K>
 [[nodiscard]] status launch(const cpu_exec& exec, const launch_grid& grid, const K& kernel) {
   return detail::cpu_run(cpu_exec::name, exec.seed(), cpu_exec::poison, grid, kernel);
 }
+
+static_assert(execution_context<cpu_exec>);
 
 }  // namespace v0_1
 }  // namespace moefold

@@ -48,6 +48,7 @@
 #include "../core/simt_launch.hpp"
 #include "cpu_fibers.hpp"
 #include "cpu_workers.hpp"
+#include "host_bytes16.hpp"
 
 namespace moefold {
 inline namespace v0_1 {
@@ -122,7 +123,7 @@ class simt_barriers {
       B.first = who;
     } else if (op != B.op) {
       fail_locked(where(b) + "thread " + to_decimal(B.first) + " reached " + to_string(B.op) +
-                  " while thread " + to_decimal(who) + " reached " + to_string(op));
+                  " while thread " + to_decimal(who) + " reached " + to_string(op) + rule);
       return false;
     }
     if (++B.arrived == B.n) {
@@ -141,7 +142,7 @@ class simt_barriers {
         if (bars_[i].arrived > 0)
           waits += (waits.empty() ? "" : ", ") + to_decimal(bars_[i].arrived) + " at " +
                    to_string(bars_[i].op) + (i == 0 ? "" : " of warp " + to_decimal(int(i) - 1));
-      fail_locked("every thread waits and no barrier can complete (" + waits + ")");
+      fail_locked("every thread waits and no barrier can complete (" + waits + ")" + rule);
       return false;
     }
     const unsigned long long phase = B.phase;
@@ -178,6 +179,9 @@ class simt_barriers {
     simt_op op = simt_op::sync;
     char order[2] = {};  // ThreadSanitizer's sync addresses of the even and odd phases
   };
+  static constexpr const char* rule =
+      " (every thread of a block must reach each sync(), every lane of a warp each warp "
+      "operation)";
   static std::string where(int b) {
     return b == 0 ? std::string() : "in warp " + to_decimal(b - 1) + ", ";
   }
@@ -230,9 +234,10 @@ struct simt_block_slot {
 
 //! The context a body gets on cpu_exec: one per thread.
 template <int Threads>
-class cpu_ctx {
+class cpu_ctx : public detail::host_bytes16<cpu_ctx<Threads>> {
  public:
   static constexpr int block_threads = Threads;
+  static constexpr int warp_threads = 32;
 
   cpu_ctx(detail::simt_block_slot& slot, int thread, int grid_blocks) noexcept
       : slot_(&slot), thread_(thread), grid_blocks_(grid_blocks) {}
@@ -278,16 +283,6 @@ class cpu_ctx {
   }
   [[nodiscard]] MOEFOLD_HOST_DEVICE std::size_t shared_bytes() const noexcept {
     return slot_->smem_bytes;
-  }
-
-  //! One 16-byte load / store; the address must be 16-byte aligned, as on the GPU.
-  [[nodiscard]] MOEFOLD_HOST_DEVICE bytes16 load16(const void* p) const {
-    bytes16 v{};
-    MOEFOLD_CPU_ONLY(check_aligned16(p, "load16"); std::memcpy(&v, p, 16));
-    return v;
-  }
-  MOEFOLD_HOST_DEVICE void store16(void* p, bytes16 v) const {
-    MOEFOLD_CPU_ONLY(check_aligned16(p, "store16"); std::memcpy(p, &v, 16));
   }
 
   //! atomicAdd on an integer (relaxed, as CUDA's); returns the old value.
@@ -348,7 +343,7 @@ class cpu_ctx {
   void warp_barrier(detail::simt_op op) {
     if (!slot_->bars.arrive_and_wait(1 + warp(), op, thread_)) abort_thread();
   }
-  [[noreturn]] void abort_thread() {
+  [[noreturn]] void abort_thread() const {
 #if defined(__cpp_exceptions)
     throw detail::simt_abort{};
 #else
@@ -356,11 +351,13 @@ class cpu_ctx {
     std::abort();
 #endif
   }
-  void check_aligned16(const void* p, const char* op) const {
-    if (reinterpret_cast<std::uintptr_t>(p) % 16 != 0) {
-      std::fprintf(stderr, "cpu_exec: %s of an address that is not 16-byte aligned (%p)\n", op, p);
-      std::abort();  // the GPU faults (misaligned address) here too
-    }
+  // A 16-byte access at a misaligned address (host_bytes16): the GPU faults here too; the block
+  // ends and the launch reports it.
+  friend class detail::host_bytes16<cpu_ctx>;
+  [[noreturn]] void fault_misaligned(const void*, const char* op) const {
+    slot_->bars.fail("thread " + detail::to_decimal(thread_) + ": " + op +
+                     " of an address that is not 16-byte aligned");
+    abort_thread();
   }
 
   detail::simt_block_slot* slot_;
@@ -472,11 +469,9 @@ requires simt_kernel<K>
 
   for (auto& sl : slot)
     if (auto why = sl->bars.fault(); !why.empty())
-      return make_error(errc::kernel_fault,
-                        std::string(exec_name) + ": " + detail::kernel_name<K>() + ", block " +
-                            detail::to_decimal(sl->block) + ": " + why +
-                            " (every thread of a block must reach each "
-                            "sync(), every lane of a warp each warp operation)");
+      return make_error(errc::kernel_fault, std::string(exec_name) + ": " +
+                                                detail::kernel_name<K>() + ", block " +
+                                                detail::to_decimal(sl->block) + ": " + why);
   return {};
 }
 }  // namespace detail

@@ -1,18 +1,28 @@
 //! @file exec.hpp
-//! @brief The execution-context concept. Every operation of the dispatcher and its kernels takes
-//! a context, which says where the buffers live (its memory space) and how work runs on them:
+//! @brief The execution-context concepts. Every operation of the router, the dispatcher, the
+//! experts and their kernels takes a context, which says where the buffers live (its memory
+//! space) and how work runs on them. Every execution context has one capability set: kernel
+//! launches, row operations, copies and allocation.
 //!
-//! | context              | header                         | space              | runs        |
-//! |----------------------|--------------------------------|--------------------|-------------|
-//! | `host_exec`          | exec/host_exec.hpp             | `host_space`       | host loops  |
-//! | `cpu_exec{seed}`     | exec/cpu_exec.hpp              | `cpu_device_space` | kernels, CPU|
-//! | `cuda_exec{stream}`  | exec/cuda/cuda_exec.hpp        | `device_space`     | copies, GPU |
-//! | `cuda_kernel_exec`   | exec/cuda/cuda_kernel_exec.cuh | `device_space`     | kernels, GPU|
+//! | context          | header                  | space              | kernels run as      |
+//! |------------------|-------------------------|--------------------|---------------------|
+//! | `host_exec`      | exec/host_exec.hpp      | `host_space`       | host loops (fast)   |
+//! | `cpu_exec{seed}` | exec/cpu_exec.hpp       | `cpu_device_space` | fibers (checker)    |
+//! | `cuda_exec`      | exec/cuda/cuda_exec.cuh | `device_space`     | CUDA kernels        |
+//!
+//! `cuda_copy_exec{stream}` (exec/cuda/cuda_copy_exec.hpp) is less: copies and allocation on a
+//! stream, what the GPU communicators need (`copy_context`), so that they compile without nvcc.
 //!
 //! Each context copies between its own space and host memory (`copy(src, dst)`, views of equal
 //! rows and width; a copy to host memory returns when the host can read the data, so it is where
 //! the host waits for the device) and allocates in its space (exec/exec_buffer.hpp). A stream
-//! travels inside cuda_exec, through every call, never as mutable state of a communicator.
+//! travels inside the GPU contexts, through every call, never as mutable state of a communicator.
+//!
+//! The rule for everything built on a context: the context is passed to every call and never
+//! stored by a layer, router or experts object, and nothing a call writes (scratch, a GEMM
+//! operation's state, staging) is shared between two calls in flight: it belongs to the caller's
+//! in-flight storage, or to the execution context (one per stream: handles, workspaces, pinned
+//! staging). So two micro-batches may run on two streams.
 #pragma once
 
 #include <concepts>
@@ -24,14 +34,16 @@
 #include "../core/expected.hpp"
 #include "../core/memory_space.hpp"
 #include "../core/row_view.hpp"
+#include "../core/simt_launch.hpp"
 
 namespace moefold {
 inline namespace v0_1 {
 
-//! An execution context: a memory space, a name for messages, copies between its space and the
-//! host, allocation in its space, and synchronize() (host: returns at once).
+//! A copy context: a memory space, a name for messages, copies between its space and the host,
+//! allocation in its space, and synchronize() (host: returns at once). What communicators and
+//! buffers need.
 template <class X>
-concept execution_context = memory_space<typename X::memory_space> &&
+concept copy_context = memory_space<typename X::memory_space> &&
     requires(X& x, row_view<const float, typename X::memory_space> src,
              row_view<float, typename X::memory_space> dst, row_view<const float> hsrc,
              row_view<float> hdst, std::size_t bytes, void* p) {
@@ -44,7 +56,26 @@ concept execution_context = memory_space<typename X::memory_space> &&
   { x.synchronize() } -> std::same_as<status>;
 };
 
-//! Transfers a context made: calls and bytes per direction (cpu_exec and cuda_kernel_exec count
+namespace detail {
+//! The kernel execution_context launches to check that `launch` exists for a context.
+struct launch_probe_kernel {
+  static constexpr int block_threads = 32;
+  template <class Ctx>
+  MOEFOLD_HOST_DEVICE void operator()(Ctx&) const {}
+};
+}  // namespace detail
+
+//! An execution context: a copy context that launches kernel bodies (`launch(x, grid, kernel)`)
+//! and has the row operations (exec/host_memory_ops.hpp, exec/simt_memory_ops.hpp; `fill` stands
+//! for them here).
+template <class X>
+concept execution_context = copy_context<X> &&
+    requires(const X& cx, X& x, launch_grid g, row_view<float, typename X::memory_space> v) {
+  { launch(cx, g, detail::launch_probe_kernel{}) } -> std::same_as<status>;
+  { x.fill(v, 0.0f) } -> std::same_as<status>;
+};
+
+//! Transfers a context made: calls and bytes per direction (cpu_exec and cuda_exec count
 //! them; a copy to the host is where the host waits).
 struct copy_counts {
   long long to_device = 0, to_host = 0, on_device = 0;                    //!< calls
@@ -54,7 +85,7 @@ struct copy_counts {
 };
 
 //! The errors a context's kernels left in device memory since the last call, where it keeps them
-//! (cuda_kernel_exec::device_status(): one copy to the host, a wait); contexts that report
+//! (cuda_exec::device_status(): one copy to the host, a wait); contexts that report
 //! errors at once (host_exec, cpu_exec) have none.
 template <class X>
 [[nodiscard]] status device_status_of(X& x) {

@@ -13,7 +13,7 @@
 namespace moefold {
 inline namespace v0_1 {
 
-template <class T, execution_context Exec>
+template <class T, copy_context Exec>
 class exec_buffer {
  public:
   using space = typename Exec::memory_space;

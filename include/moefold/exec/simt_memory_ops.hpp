@@ -49,7 +49,7 @@ namespace detail {
 //! The row operations over memory space S as kernel launches on the executor Derived, which
 //! provides `launch(const Derived&, launch_grid, kernel)`, `max_grid_blocks` and
 //! `check_indices_first` (true: a synchronous executor over host-addressable memory, cpu_exec;
-//! false: a GPU executor with `fault_word()`, exec/cuda/cuda_kernel_exec.cuh).
+//! false: a GPU executor with `fault_word()`, exec/cuda/cuda_exec.cuh).
 template <class Derived, class S>
 struct simt_memory_ops {
   //! dst[r] = src[index[r] / divisor] (0 where index[r] == -1).
@@ -297,10 +297,12 @@ struct simt_memory_ops {
   }
 
  private:
-  //! The warp count a block scan's scratch is sized by (any context type with the block size).
+  //! The team a block scan's scratch is sized by: the kernel's block in warps of 32, the most any
+  //! context gives it (a host context's team of one needs less).
   template <int Threads>
   struct cpu_ctx_shape {
     static constexpr int block_threads = Threads;
+    static constexpr int warp_threads = 32;
   };
   const Derived& self() const noexcept { return static_cast<const Derived&>(*this); }
 

@@ -1,6 +1,6 @@
 //! @file simt_moe_layer.hpp
 //! @brief One MoE layer on an execution context that runs kernels (cpu_exec in CI, under the
-//! sanitizers; cuda_kernel_exec on a GPU): the router (simt_router: gating GEMM, fused top-k),
+//! sanitizers; cuda_exec on a GPU): the router (simt_router: gating GEMM, fused top-k),
 //! the load-balancing losses (per micro-batch, per sequence, global) and the z-loss as device
 //! values (kernels/router_aux_loss, kernels/router_z_loss), the expert bias with its counts and
 //! its once-per-global-batch update (kernels/expert_bias), the dispatcher on the context (either of

@@ -1,5 +1,5 @@
 //! @file simt_router.hpp
-//! @brief The router on an execution context that runs kernels (cpu_exec, cuda_kernel_exec): the
+//! @brief The router on an execution context that runs kernels (cpu_exec, cuda_exec): the
 //! gating GEMM logits = x W^T (kernels/grouped_gemm.hpp, one group, one fma chain per logit in
 //! fp32), the fused score function + top-k + normalisation (kernels/router.hpp: a warp per token
 //! up to E = 256, kernels/router_block.hpp: a block per token up to E = 1,024), and the backward

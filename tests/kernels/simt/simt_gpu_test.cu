@@ -11,8 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <moefold/exec/cpu_exec.hpp>
-#include <moefold/exec/cuda/cuda_exec.hpp>
-#include <moefold/exec/cuda/cuda_kernel_exec.cuh>
+#include <moefold/exec/cuda/cuda_exec.cuh>
 #include <moefold/exec/cuda/cuda_launch.cuh>
 #include <moefold/exec/exec_buffer.hpp>
 #include <moefold/experts/simt_mlp.hpp>
@@ -40,6 +39,16 @@ using namespace moefold;
 using namespace moefold::test;
 
 namespace {
+
+//! The GPU context of these tests: the default stream and the context's error word, made once.
+cuda_exec& gpu_exec() {
+  static expected<cuda_exec> x = cuda_exec::make(nullptr);
+  if (!x) {
+    std::fprintf(stderr, "cuda_exec::make: %s\n", x.error().message.c_str());
+    std::abort();
+  }
+  return *x;
+}
 
 //! A device copy of a host vector, freed at scope exit.
 template <class T>
@@ -70,7 +79,7 @@ std::pair<std::vector<T>, std::vector<T>> both(std::size_t out_size, launch_grid
   std::memset(cpu.data(), 0xFF, sizeof(T) * out_size);
   device_vec<T> dev(cpu);
   REQUIRE(launch(cpu_exec{test::simt_seed()}, g, make(cpu.data())));
-  REQUIRE(launch(cuda_exec{nullptr}, g, make(dev.p)));
+  REQUIRE(launch(gpu_exec(), g, make(dev.p)));
   REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
   return {cpu, dev.host()};
 }
@@ -93,12 +102,13 @@ TEST_CASE("[kernel][small] warp sums and block scans: cuda_exec equals cpu_exec 
   for (auto& v : in) v = d(rng);
   device_vec<float> din(in);
   using K = scan_kernel<threads, float>;
-  const launch_grid g{.blocks = blocks,
-                      .smem_bytes = sizeof(float) * kernels::simt::block_scan_scratch<K>};
+  const launch_grid g{
+      .blocks = blocks,
+      .smem_bytes = sizeof(float) * kernels::simt::block_scan_scratch<cpu_ctx<K::block_threads>>};
   std::vector<float> ex(n), tot(n), ws(n);
   REQUIRE(launch(cpu_exec{seed}, g, K{in.data(), ex.data(), tot.data(), ws.data()}));
   device_vec<float> dex(ex), dtot(tot), dws(ws);
-  REQUIRE(launch(cuda_exec{nullptr}, g, K{din.p, dex.p, dtot.p, dws.p}));
+  REQUIRE(launch(gpu_exec(), g, K{din.p, dex.p, dtot.p, dws.p}));
   REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
   CHECK(same_bits(ex, dex.host()));
   CHECK(same_bits(tot, dtot.host()));
@@ -115,7 +125,7 @@ TEST_CASE("[kernel][small] atomic histogram: cuda_exec equals cpu_exec") {
   device_vec<int> dcounts(zero);
   const launch_grid g{.blocks = 40, .smem_bytes = sizeof(int) * bins};
   REQUIRE(launch(cpu_exec{1}, g, histogram_kernel{ids.data(), n, bins, cpu.data()}));
-  REQUIRE(launch(cuda_exec{nullptr}, g, histogram_kernel{dids.p, n, bins, dcounts.p}));
+  REQUIRE(launch(gpu_exec(), g, histogram_kernel{dids.p, n, bins, dcounts.p}));
   REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
   CHECK(cpu == dcounts.host());
 }
@@ -141,8 +151,8 @@ TEST_CASE(
   REQUIRE(launch(cpu_exec{test::simt_seed()}, g, hist(ids.data(), counts.data(), fault.data())));
   REQUIRE(launch(cpu_exec{2}, launch_grid{.blocks = 1},
                  kernels::record_fault_kernel{.ids = ids.data(), .fault = fault.data()}));
-  REQUIRE(launch(cuda_exec{nullptr}, g, hist(dids.p, dcounts.p, dfault.p)));
-  REQUIRE(launch(cuda_exec{nullptr}, launch_grid{.blocks = 1},
+  REQUIRE(launch(gpu_exec(), g, hist(dids.p, dcounts.p, dfault.p)));
+  REQUIRE(launch(gpu_exec(), launch_grid{.blocks = 1},
                  kernels::record_fault_kernel{.ids = dids.p, .fault = dfault.p}));
   REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
   CHECK(fault == std::vector<int>{4000 * k + 5, ids[static_cast<std::size_t>(4000 * k + 1)]});
@@ -165,7 +175,7 @@ TEST_CASE("[kernel][small] moefold's exp, log, sqrt, bf16 and fma: the same bits
   device_vec<float> dout(cpu);
   const launch_grid g{.blocks = 64};
   REQUIRE(launch(cpu_exec{1}, g, math_kernel{in.data(), cpu.data(), n}));
-  REQUIRE(launch(cuda_exec{nullptr}, g, math_kernel{din.p, dout.p, n}));
+  REQUIRE(launch(gpu_exec(), g, math_kernel{din.p, dout.p, n}));
   REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
   const auto gpu = dout.host();
   int differ[5] = {};
@@ -218,8 +228,7 @@ TEST_CASE("[kernel][small] router forward and backward: cuda_exec equals cpu_exe
     };
     REQUIRE(launch(cpu_exec{1}, launch_grid{.blocks = 8},
                    make(logits.data(), bias.data(), idx.data(), probs.data())));
-    REQUIRE(
-        launch(cuda_exec{nullptr}, launch_grid{.blocks = 50}, make(dl.p, db.p, didx.p, dprobs.p)));
+    REQUIRE(launch(gpu_exec(), launch_grid{.blocks = 50}, make(dl.p, db.p, didx.p, dprobs.p)));
     REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
     CHECK(idx == didx.host());
     CHECK(same_bits(probs, dprobs.host()));
@@ -243,8 +252,7 @@ TEST_CASE("[kernel][small] router forward and backward: cuda_exec equals cpu_exe
     };
     REQUIRE(launch(cpu_exec{1}, launch_grid{.blocks = 8},
                    back(logits.data(), idx.data(), grad.data(), dl_cpu.data())));
-    REQUIRE(launch(cuda_exec{nullptr}, launch_grid{.blocks = 50},
-                   back(dl.p, dsel.p, dgrad.p, dl_gpu.p)));
+    REQUIRE(launch(gpu_exec(), launch_grid{.blocks = 50}, back(dl.p, dsel.p, dgrad.p, dl_gpu.p)));
     REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
     CHECK(same_bits(dl_cpu, dl_gpu.host()));
   }
@@ -287,7 +295,7 @@ TEST_CASE(
     };
     const launch_grid g{.blocks = 8, .smem_bytes = k::router_topk_block_kernel::smem_bytes};
     REQUIRE(launch(cpu_exec{1}, g, make(logits.data(), bias.data(), idx.data(), probs.data())));
-    REQUIRE(launch(cuda_exec{nullptr}, g, make(dl.p, db.p, didx.p, dprobs.p)));
+    REQUIRE(launch(gpu_exec(), g, make(dl.p, db.p, didx.p, dprobs.p)));
     REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
     CHECK(idx == didx.host());
     CHECK(same_bits(probs, dprobs.host()));
@@ -310,7 +318,7 @@ TEST_CASE(
                                              .dlogits = out};
     };
     REQUIRE(launch(cpu_exec{1}, g, back(logits.data(), idx.data(), grad.data(), dl_cpu.data())));
-    REQUIRE(launch(cuda_exec{nullptr}, g, back(dl.p, dsel.p, dgrad.p, dl_gpu.p)));
+    REQUIRE(launch(gpu_exec(), g, back(dl.p, dsel.p, dgrad.p, dl_gpu.p)));
     REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
     CHECK(same_bits(dl_cpu, dl_gpu.host()));
   }
@@ -430,7 +438,7 @@ void check_loss_chain(int N, int E, int kk) {
                   valid.data()},
         N, E, kk, score);
     loss_chain<Aux, AuxBw, Lse, ZBw>(
-        cuda_exec{nullptr},
+        gpu_exec(),
         loss_ptrs{g_logits.p, g_padding.p, g_scores.p, g_sums.p, g_dscores.p, g_dl.p, g_lse.p,
                   g_loss.p, g_map.p, g_counts.p, g_used.p, g_valid.p},
         N, E, kk, score);
@@ -481,7 +489,7 @@ TEST_CASE("[kernel][small] expert-bias counts and update: cuda_exec equals cpu_e
                        .summed = s, .num_experts = E, .rate = 1e-3f, .bias = b, .local = l}));
   };
   chain(cpu_exec{1}, hist.data(), summed.data(), local.data(), bias.data());
-  chain(cuda_exec{nullptr}, g_hist.p, g_summed.p, g_local.p, g_bias.p);
+  chain(gpu_exec(), g_hist.p, g_summed.p, g_local.p, g_bias.p);
   REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
   CHECK(same_bits(local, g_local.host()));
   CHECK(same_bits(bias, g_bias.host()));
@@ -522,7 +530,7 @@ TEST_CASE("[kernel][small] full-sequence order from keys: cuda_exec equals cpu_e
     };
     chain(cpu_exec{1}, keys.data(), counts.data(), fault.data(), sticky.data(), order.data(),
           by_order.data());
-    chain(cuda_exec{nullptr}, g_keys.p, g_counts.p, g_fault.p, g_sticky.p, g_order.p, g_by.p);
+    chain(gpu_exec(), g_keys.p, g_counts.p, g_fault.p, g_sticky.p, g_order.p, g_by.p);
     REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
     CHECK((fault[1] == k::order_fault_none) == !repeat);
     CHECK(same_bits(counts, g_counts.host()));
@@ -574,8 +582,8 @@ TEST_CASE("[kernel][small] shared expert's gate, forward and backward: cuda_exec
   };
   chain(cpu_exec{1}, x.data(), w.data(), y.data(), dout.data(), out.data(), gates.data(),
         dpre.data(), dy.data(), grad.data(), dx.data());
-  chain(cuda_exec{nullptr}, g_x.p, g_w.p, g_y.p, g_dout.p, g_out.p, g_gates.p, g_dpre.p, g_dy.p,
-        g_grad.p, g_dx.p);
+  chain(gpu_exec(), g_x.p, g_w.p, g_y.p, g_dout.p, g_out.p, g_gates.p, g_dpre.p, g_dy.p, g_grad.p,
+        g_dx.p);
   REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
   CHECK(same_bits(gates, g_gates.host()));
   CHECK(same_bits(out, g_out.host()));
@@ -632,8 +640,8 @@ TEST_CASE(
                       .smem_bytes = k::grouped_gemm_kernel<float, float, float>::smem_bytes};
   REQUIRE(launch(cpu_exec{1}, g, fwd(offsets.data(), a.data(), w.data(), c.data())));
   REQUIRE(launch(cpu_exec{1}, g, wgrad(offsets.data(), a.data(), b.data(), grad.data())));
-  REQUIRE(launch(cuda_exec{nullptr}, g, fwd(g_off.p, g_a.p, g_w.p, g_c.p)));
-  REQUIRE(launch(cuda_exec{nullptr}, g, wgrad(g_off.p, g_a.p, g_b.p, g_grad.p)));
+  REQUIRE(launch(gpu_exec(), g, fwd(g_off.p, g_a.p, g_w.p, g_c.p)));
+  REQUIRE(launch(gpu_exec(), g, wgrad(g_off.p, g_a.p, g_b.p, g_grad.p)));
   REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
   CHECK(same_bits(c, g_c.host()));
   CHECK(same_bits(grad, g_grad.host()));
@@ -706,7 +714,7 @@ TEST_CASE(
   auto p = fill(M, 0.5f);
   for (auto& v : p) v = std::fabs(v);
   cpu_exec cpu(1);
-  cuda_exec gpu(nullptr);
+  cuda_exec& gpu = gpu_exec();
   const auto a = run_simt_mlp(cpu, s, counts, w1, w2, x, p, dy);
   const auto b = run_simt_mlp(gpu, s, counts, w1, w2, x, p, dy);
   CHECK(same_bits(a.y, b.y));
@@ -764,8 +772,7 @@ router_results run_simt_router(Exec& ex, const topk_router_options& o, int N, in
 
 }  // namespace
 
-TEST_CASE(
-    "[kernel][small] the router on a context (simt_router): cuda_kernel_exec equals cpu_exec") {
+TEST_CASE("[kernel][small] the router on a context (simt_router): cuda_exec equals cpu_exec") {
   std::mt19937 rng(static_cast<unsigned>(test::simt_seed()) + 5);
   std::normal_distribution<float> d(0.0f, 1.0f);
   const int N = 300, H = 72;
@@ -782,7 +789,7 @@ TEST_CASE(
                x = fill(static_cast<std::size_t>(N) * H, 1.0f),
                dp = fill(static_cast<std::size_t>(N) * o.topk, 1.0f);
     cpu_exec cpu(3);
-    auto gpu = cuda_kernel_exec::make(nullptr);
+    auto gpu = cuda_exec::make(nullptr);
     REQUIRE(gpu);
     const auto a = run_simt_router(cpu, o, N, H, w, x, dp);
     const auto b = run_simt_router(*gpu, o, N, H, w, x, dp);
@@ -848,7 +855,7 @@ TEST_CASE(
     };
     run(cpu_exec{1}, args(ex.data(), source_first.data(), tile_counts.data(), counts.data(),
                           offsets.data(), row_slot.data(), slot_row.data(), fault.data()));
-    run(cuda_exec{nullptr},
+    run(gpu_exec(),
         args(g_ex.p, g_sf.p, g_tc.p, g_counts.p, g_offsets.p, g_rs.p, g_sr.p, g_fault.p));
     REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
     CHECK(counts == g_counts.host());
@@ -906,8 +913,8 @@ TEST_CASE("[kernel][small] activations forward and backward: cuda_exec equals cp
     const auto [gf, gb] = f32(da_.p, ddh.p, dp.p)(gpu.p);
     REQUIRE(launch(cpu_exec{3}, launch_grid{.blocks = 4}, cf));
     REQUIRE(launch(cpu_exec{3}, launch_grid{.blocks = 4}, cb));
-    REQUIRE(launch(cuda_exec{nullptr}, launch_grid{.blocks = 4}, gf));
-    REQUIRE(launch(cuda_exec{nullptr}, launch_grid{.blocks = 4}, gb));
+    REQUIRE(launch(gpu_exec(), launch_grid{.blocks = 4}, gf));
+    REQUIRE(launch(gpu_exec(), launch_grid{.blocks = 4}, gb));
     REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
     CHECK(same_bits(cpu, gpu.host()));
     // bf16 rows without probabilities.
@@ -935,8 +942,8 @@ TEST_CASE("[kernel][small] activations forward and backward: cuda_exec equals cp
     const auto [gbf, gbb] = b16(dab.p, ddhb.p, gpub.p);
     REQUIRE(launch(cpu_exec{3}, launch_grid{.blocks = 4}, cbf));
     REQUIRE(launch(cpu_exec{3}, launch_grid{.blocks = 4}, cbb));
-    REQUIRE(launch(cuda_exec{nullptr}, launch_grid{.blocks = 4}, gbf));
-    REQUIRE(launch(cuda_exec{nullptr}, launch_grid{.blocks = 4}, gbb));
+    REQUIRE(launch(gpu_exec(), launch_grid{.blocks = 4}, gbf));
+    REQUIRE(launch(gpu_exec(), launch_grid{.blocks = 4}, gbb));
     REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
     CHECK(same_bits(cpub, gpub.host()));
   }
@@ -1001,7 +1008,7 @@ TEST_CASE("[kernel][small] capacity keep decision and kept record: cuda_exec equ
                                  .padded = in + 2 * E,
                                  .filler_map = b + N * K};
     };
-    auto run = [&](auto exec, const k::keep_args<float>& a, long long* tot) {
+    auto run = [&](const auto& exec, const k::keep_args<float>& a, long long* tot) {
       REQUIRE(launch(exec, launch_grid{.blocks = 1}, k::expert_lists_kernel<float>{a}));
       REQUIRE(launch(exec, launch_grid{.blocks = 4}, k::keep_rank_kernel<float>{a}));
       REQUIRE(launch(exec,
@@ -1028,7 +1035,7 @@ TEST_CASE("[kernel][small] capacity keep decision and kept record: cuda_exec equ
         args(expert.data(), probs.data(), order.data(), by_order.data(), offsets.data(),
              bytes.data(), ints.data()),
         totals.data());
-    run(cuda_exec{nullptr},
+    run(gpu_exec(),
         args(d_expert.p, d_probs.p, d_order.p, d_by_order.p, d_offsets.p, d_bytes.p, d_ints.p),
         d_totals.p);
     REQUIRE(cudaDeviceSynchronize() == cudaSuccess);

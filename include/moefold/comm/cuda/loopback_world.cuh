@@ -32,7 +32,7 @@
 #include "../../core/dtype.hpp"
 #include "../../core/expected.hpp"
 #include "../../core/row_view.hpp"
-#include "../../exec/cuda/cuda_exec.hpp"
+#include "../../exec/cuda/cuda_copy_exec.hpp"
 #include "../communicator.hpp"
 #include "../schedule.hpp"
 #include "../span_collectives.hpp"
@@ -110,7 +110,7 @@ class loopback_communicator : public span_collectives<loopback_communicator, dev
   [[nodiscard]] cudaStream_t stream() const noexcept { return stream_->s; }
 
   //! The context of the span forms: this rank's stream.
-  [[nodiscard]] cuda_exec default_exec() const noexcept { return cuda_exec(stream()); }
+  [[nodiscard]] cuda_copy_exec default_exec() const noexcept { return cuda_copy_exec(stream()); }
 
   using spans::all_gather;
   using spans::all_gather_v;
@@ -129,17 +129,17 @@ class loopback_communicator : public span_collectives<loopback_communicator, dev
   // --- row views on the context's stream (counts in rows) -------------------------------------
 
   template <reducible T>
-  [[nodiscard]] status all_reduce(cuda_exec& x, row_view<T, device_space> buf, reduce_op op) {
+  [[nodiscard]] status all_reduce(cuda_copy_exec& x, row_view<T, device_space> buf, reduce_op op) {
     return all_reduce_on(detail::flat(buf), op, x.stream());
   }
   template <transferable T>
-  [[nodiscard]] status broadcast(cuda_exec& x, row_view<T, device_space> buf, int root) {
+  [[nodiscard]] status broadcast(cuda_copy_exec& x, row_view<T, device_space> buf, int root) {
     return broadcast_on(detail::flat(buf), root, x.stream());
   }
-  [[nodiscard]] status barrier(cuda_exec& x) { return barrier_on(x.stream()); }
+  [[nodiscard]] status barrier(cuda_copy_exec& x) { return barrier_on(x.stream()); }
 
   template <transferable T>
-  [[nodiscard]] status all_gather(cuda_exec& x, row_view<const T, device_space> send,
+  [[nodiscard]] status all_gather(cuda_copy_exec& x, row_view<const T, device_space> send,
                                   row_view<T, device_space> recv) {
     auto s = detail::rows_schedule("all_gather", send, recv, [&](int w) {
       return schedule_builder::all_gather(rank(), size(), detail::uz(send.rows()),
@@ -150,7 +150,7 @@ class loopback_communicator : public span_collectives<loopback_communicator, dev
   }
 
   template <transferable T>
-  [[nodiscard]] status all_gather_v(cuda_exec& x, row_view<const T, device_space> send,
+  [[nodiscard]] status all_gather_v(cuda_copy_exec& x, row_view<const T, device_space> send,
                                     row_view<T, device_space> recv, std::span<const int> counts) {
     auto s = detail::rows_schedule("all_gather_v", send, recv, [&](int w) {
       return schedule_builder::all_gather_v(rank(), size(), counts, detail::uz(send.rows()),
@@ -161,7 +161,7 @@ class loopback_communicator : public span_collectives<loopback_communicator, dev
   }
 
   template <transferable T>
-  [[nodiscard]] status all_to_all_v(cuda_exec& x, row_view<const T, device_space> send,
+  [[nodiscard]] status all_to_all_v(cuda_copy_exec& x, row_view<const T, device_space> send,
                                     std::span<const int> send_counts,
                                     row_view<T, device_space> recv,
                                     std::span<const int> recv_counts) {
@@ -174,7 +174,7 @@ class loopback_communicator : public span_collectives<loopback_communicator, dev
   }
 
   template <reducible T>
-  [[nodiscard]] status reduce_scatter_v(cuda_exec& x, row_view<const T, device_space> send,
+  [[nodiscard]] status reduce_scatter_v(cuda_copy_exec& x, row_view<const T, device_space> send,
                                         std::span<const int> counts, row_view<T, device_space> recv,
                                         reduce_op op) {
     using D = device_type_t<T>;
@@ -346,7 +346,7 @@ class loopback_communicator : public span_collectives<loopback_communicator, dev
 };
 
 static_assert(splittable_communicator<loopback_communicator>);
-static_assert(communicator_for<loopback_communicator, cuda_exec>);
+static_assert(communicator_for<loopback_communicator, cuda_copy_exec>);
 
 //! Runs fn(loopback_communicator&) for n ranks, each on its own host thread and its own stream
 //! of GPU `opt.device`, and returns each rank's status (as run_thread_world). Each rank's stream

@@ -12,7 +12,7 @@
 //! Host and managed buffers go to MPI as they are.
 //!
 //! Its memory space is device_space: the row-view collectives take device row views and a
-//! cuda_exec, whose stream orders the copies (no pointer probing: the type says where the rows
+//! cuda_copy_exec, whose stream orders the copies (no pointer probing: the type says where the rows
 //! are). The span forms probe each pointer (cudaPointerGetAttributes) and order on stream().
 #pragma once
 
@@ -33,7 +33,7 @@
 #include "../../core/dtype.hpp"
 #include "../../core/expected.hpp"
 #include "../../core/row_view.hpp"
-#include "../../exec/cuda/cuda_exec.hpp"
+#include "../../exec/cuda/cuda_copy_exec.hpp"
 #include "../communicator.hpp"
 #include "../mpi/mpi_communicator.hpp"
 #include "../span_collectives.hpp"
@@ -144,7 +144,7 @@ class mpi_device_communicator {
   // --- row views in device memory, ordered on the context's stream ----------------------------
 
   template <reducible T>
-  [[nodiscard]] status all_reduce(cuda_exec& x, row_view<T, device_space> buf, reduce_op op) {
+  [[nodiscard]] status all_reduce(cuda_copy_exec& x, row_view<T, device_space> buf, reduce_op op) {
     auto b = detail::flat(buf);
     return staged<T>(b, b, false, x.stream(), true, [&](std::span<const T>, std::span<T> out) {
       return host_.all_reduce<T>(out, op);
@@ -152,7 +152,7 @@ class mpi_device_communicator {
   }
 
   template <transferable T>
-  [[nodiscard]] status all_gather(cuda_exec& x, row_view<const T, device_space> send,
+  [[nodiscard]] status all_gather(cuda_copy_exec& x, row_view<const T, device_space> send,
                                   row_view<T, device_space> recv) {
     const int w = detail::row_width(send, recv);
     return staged<T>(detail::flat(send), detail::flat(recv), true, x.stream(), true,
@@ -164,7 +164,7 @@ class mpi_device_communicator {
   }
 
   template <transferable T>
-  [[nodiscard]] status all_gather_v(cuda_exec& x, row_view<const T, device_space> send,
+  [[nodiscard]] status all_gather_v(cuda_copy_exec& x, row_view<const T, device_space> send,
                                     row_view<T, device_space> recv, std::span<const int> counts) {
     const int w = detail::row_width(send, recv);
     return staged<T>(detail::flat(send), detail::flat(recv), true, x.stream(), true,
@@ -176,7 +176,7 @@ class mpi_device_communicator {
   }
 
   template <transferable T>
-  [[nodiscard]] status all_to_all_v(cuda_exec& x, row_view<const T, device_space> send,
+  [[nodiscard]] status all_to_all_v(cuda_copy_exec& x, row_view<const T, device_space> send,
                                     std::span<const int> send_counts,
                                     row_view<T, device_space> recv,
                                     std::span<const int> recv_counts) {
@@ -190,7 +190,7 @@ class mpi_device_communicator {
   }
 
   template <reducible T>
-  [[nodiscard]] status reduce_scatter_v(cuda_exec& x, row_view<const T, device_space> send,
+  [[nodiscard]] status reduce_scatter_v(cuda_copy_exec& x, row_view<const T, device_space> send,
                                         std::span<const int> counts, row_view<T, device_space> recv,
                                         reduce_op op) {
     const int w = detail::row_width(send, recv);
@@ -203,14 +203,14 @@ class mpi_device_communicator {
   }
 
   template <transferable T>
-  [[nodiscard]] status broadcast(cuda_exec& x, row_view<T, device_space> buf, int root) {
+  [[nodiscard]] status broadcast(cuda_copy_exec& x, row_view<T, device_space> buf, int root) {
     auto b = detail::flat(buf);
     return staged<T>(b, b, true, x.stream(), true, [&](std::span<const T>, std::span<T> out) {
       return host_.broadcast<T>(out, root);
     });
   }
 
-  [[nodiscard]] status barrier(cuda_exec&) { return host_.barrier(); }
+  [[nodiscard]] status barrier(cuda_copy_exec&) { return host_.barrier(); }
 
   [[nodiscard]] expected<mpi_device_communicator> split(int color, int key) {
     auto sub = host_.split(color, key);
@@ -280,7 +280,7 @@ class mpi_device_communicator {
 };
 
 static_assert(splittable_communicator<mpi_device_communicator>);
-static_assert(communicator_for<mpi_device_communicator, cuda_exec>);
+static_assert(communicator_for<mpi_device_communicator, cuda_copy_exec>);
 
 }  // namespace v0_1
 }  // namespace moefold

@@ -51,7 +51,7 @@
 #include "../../core/dtype.hpp"
 #include "../../core/expected.hpp"
 #include "../../core/row_view.hpp"
-#include "../../exec/cuda/cuda_exec.hpp"
+#include "../../exec/cuda/cuda_copy_exec.hpp"
 #include "../communicator.hpp"
 #include "../schedule.hpp"
 #include "../span_collectives.hpp"
@@ -162,8 +162,8 @@ class nccl_communicator : public span_collectives<nccl_communicator, device_spac
   [[nodiscard]] bool broken() const noexcept { return broken_; }
   [[nodiscard]] cudaStream_t stream() const noexcept { return opt_.stream; }
   [[nodiscard]] const nccl_options& options() const noexcept { return opt_; }
-  //! The context of the span forms without a stream: cuda_exec{options().stream}.
-  [[nodiscard]] cuda_exec default_exec() const noexcept { return cuda_exec(opt_.stream); }
+  //! The context of the span forms without a stream: cuda_copy_exec{options().stream}.
+  [[nodiscard]] cuda_copy_exec default_exec() const noexcept { return cuda_copy_exec(opt_.stream); }
 
   // --- the concept's collectives, on options().stream (fixed at creation) ----------------------
   using spans::all_gather;
@@ -184,17 +184,17 @@ class nccl_communicator : public span_collectives<nccl_communicator, device_spac
   // --- row views on the context's stream (counts in rows; elements in 64-bit) -----------------
 
   template <reducible T>
-  [[nodiscard]] status all_reduce(cuda_exec& x, row_view<T, device_space> buf, reduce_op op) {
+  [[nodiscard]] status all_reduce(cuda_copy_exec& x, row_view<T, device_space> buf, reduce_op op) {
     return all_reduce(detail::flat(buf), op, x.stream());
   }
   template <transferable T>
-  [[nodiscard]] status broadcast(cuda_exec& x, row_view<T, device_space> buf, int root) {
+  [[nodiscard]] status broadcast(cuda_copy_exec& x, row_view<T, device_space> buf, int root) {
     return broadcast(detail::flat(buf), root, x.stream());
   }
-  [[nodiscard]] status barrier(cuda_exec& x) { return barrier(x.stream()); }
+  [[nodiscard]] status barrier(cuda_copy_exec& x) { return barrier(x.stream()); }
 
   template <transferable T>
-  [[nodiscard]] status all_gather(cuda_exec& x, row_view<const T, device_space> send,
+  [[nodiscard]] status all_gather(cuda_copy_exec& x, row_view<const T, device_space> send,
                                   row_view<T, device_space> recv) {
     const auto sch = detail::rows_schedule("all_gather", send, recv, [&](int w) {
       return schedule_builder::all_gather(rank_, size_, detail::uz(send.rows()),
@@ -209,7 +209,7 @@ class nccl_communicator : public span_collectives<nccl_communicator, device_spac
   }
 
   template <transferable T>
-  [[nodiscard]] status all_gather_v(cuda_exec& x, row_view<const T, device_space> send,
+  [[nodiscard]] status all_gather_v(cuda_copy_exec& x, row_view<const T, device_space> send,
                                     row_view<T, device_space> recv, std::span<const int> counts) {
     const auto sch = detail::rows_schedule("all_gather_v", send, recv, [&](int w) {
       return schedule_builder::all_gather_v(rank_, size_, counts, detail::uz(send.rows()),
@@ -234,7 +234,7 @@ class nccl_communicator : public span_collectives<nccl_communicator, device_spac
   }
 
   template <transferable T>
-  [[nodiscard]] status all_to_all_v(cuda_exec& x, row_view<const T, device_space> send,
+  [[nodiscard]] status all_to_all_v(cuda_copy_exec& x, row_view<const T, device_space> send,
                                     std::span<const int> send_counts,
                                     row_view<T, device_space> recv,
                                     std::span<const int> recv_counts) {
@@ -251,7 +251,7 @@ class nccl_communicator : public span_collectives<nccl_communicator, device_spac
   //! ncclSend/ncclRecv, the schedule's staging layout) and cuBLAS reduces it in fp32, one
   //! rounding per element; everything else is one ncclReduce per root.
   template <reducible T>
-  [[nodiscard]] status reduce_scatter_v(cuda_exec& x, row_view<const T, device_space> send,
+  [[nodiscard]] status reduce_scatter_v(cuda_copy_exec& x, row_view<const T, device_space> send,
                                         std::span<const int> counts, row_view<T, device_space> recv,
                                         reduce_op op) {
     const auto sch = detail::rows_schedule("reduce_scatter_v", send, recv, [&](int w) {
@@ -301,7 +301,7 @@ class nccl_communicator : public span_collectives<nccl_communicator, device_spac
   template <transferable T>
   [[nodiscard]] status all_gather(std::span<const std::type_identity_t<T>> send, std::span<T> recv,
                                   cudaStream_t s) {
-    cuda_exec x(s);
+    cuda_copy_exec x(s);
     return all_gather(x, column(send), column(recv));
   }
 
@@ -309,7 +309,7 @@ class nccl_communicator : public span_collectives<nccl_communicator, device_spac
   [[nodiscard]] status all_gather_v(std::span<const std::type_identity_t<T>> send,
                                     std::span<T> recv, std::span<const int> counts,
                                     cudaStream_t s) {
-    cuda_exec x(s);
+    cuda_copy_exec x(s);
     return all_gather_v(x, column(send), column(recv), counts);
   }
 
@@ -317,7 +317,7 @@ class nccl_communicator : public span_collectives<nccl_communicator, device_spac
   [[nodiscard]] status all_to_all_v(std::span<const std::type_identity_t<T>> send,
                                     std::span<const int> send_counts, std::span<T> recv,
                                     std::span<const int> recv_counts, cudaStream_t s) {
-    cuda_exec x(s);
+    cuda_copy_exec x(s);
     return all_to_all_v(x, column(send), send_counts, column(recv), recv_counts);
   }
 
@@ -325,7 +325,7 @@ class nccl_communicator : public span_collectives<nccl_communicator, device_spac
   [[nodiscard]] status reduce_scatter_v(std::span<const std::type_identity_t<T>> send,
                                         std::span<const int> counts, std::span<T> recv,
                                         reduce_op op, cudaStream_t s) {
-    cuda_exec x(s);
+    cuda_copy_exec x(s);
     return reduce_scatter_v(x, column(send), counts, column(recv), op);
   }
 
@@ -794,7 +794,7 @@ class nccl_communicator : public span_collectives<nccl_communicator, device_spac
 };
 
 static_assert(splittable_communicator<nccl_communicator>);
-static_assert(communicator_for<nccl_communicator, cuda_exec>);
+static_assert(communicator_for<nccl_communicator, cuda_copy_exec>);
 
 }  // namespace v0_1
 }  // namespace moefold

@@ -16,7 +16,7 @@ struct nccl_options {
   //! How long creation, split or synchronize() may wait for the peers.
   std::chrono::milliseconds timeout{60000};
   //! The stream the span forms without a stream enqueue on, fixed at creation (the row-view forms
-  //! take a cuda_exec, the stream overloads a stream).
+  //! take a cuda_copy_exec, the stream overloads a stream).
   cudaStream_t stream = nullptr;
   //! A debugging aid for counts that disagree, which NCCL cannot detect (it hangs until the
   //! timeout, or moves garbage). Before every collective (and split) the ranks all-gather their

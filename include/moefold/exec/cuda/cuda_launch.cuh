@@ -1,6 +1,7 @@
 //! @file cuda_launch.cuh
-//! @brief launch(cuda_exec, grid, kernel): the body of a kernel (core/simt_launch.hpp) enqueued on
-//! the executor's stream through one generic `__global__` entry per kernel type, with
+//! @brief What launch(cuda_exec, grid, kernel) (exec/cuda/cuda_exec.cuh) does: the body of a kernel
+//! (core/simt_launch.hpp) enqueued on the context's stream through one generic `__global__` entry
+//! per kernel type, with
 //! `__launch_bounds__(K::block_threads)`. The context's members are one-instruction wrappers
 //! (threadIdx, __syncthreads, __shfl_xor_sync, ...) that the compiler inlines away, so a body costs
 //! what the same kernel written by hand costs. Needs nvcc.
@@ -13,7 +14,6 @@
 
 #include "../../core/cuda/cuda_check.hpp"
 #include "../../core/simt_launch.hpp"
-#include "cuda_exec.hpp"
 
 namespace moefold {
 inline namespace v0_1 {
@@ -22,6 +22,7 @@ inline namespace v0_1 {
 template <int Threads>
 struct cuda_ctx {
   static constexpr int block_threads = Threads;
+  static constexpr int warp_threads = 32;
 
   __device__ __forceinline__ int thread() const { return static_cast<int>(threadIdx.x); }
   __device__ __forceinline__ int block() const { return static_cast<int>(blockIdx.x); }
@@ -87,28 +88,28 @@ __global__ void __launch_bounds__(K::block_threads) simt_entry(const K kernel) {
   kernel(c);
 }
 
-}  // namespace detail
-
-//! Enqueues `kernel` over `grid.blocks` blocks of K::block_threads threads on the executor's
-//! stream; returns the launch status without waiting (cudaGetLastError, which clears the error
-//! so that a later call does not report it again). More than 48 KiB of shared memory raises the
-//! kernel's dynamic limit first.
+//! Enqueues `kernel` over `grid.blocks` blocks of K::block_threads threads on `stream`; returns
+//! the launch status without waiting (cudaGetLastError, which clears the error so that a later
+//! call does not report it again). More than 48 KiB of shared memory raises the kernel's dynamic
+//! limit first. `exec` names the context in messages.
 template <class K>
 requires simt_kernel<K>
-[[nodiscard]] status launch(const cuda_exec& exec, const launch_grid& grid, const K& kernel) {
-  if (auto st = detail::check_launch(grid, cuda_exec::name, detail::kernel_name<K>()); !st)
-    return st;
+[[nodiscard]] status cuda_run(const char* exec, cudaStream_t stream, const launch_grid& grid,
+                              const K& kernel) {
+  if (auto st = check_launch(grid, exec, kernel_name<K>()); !st) return st;
   if (grid.blocks == 0) return {};
   if (grid.smem_bytes > 48 * 1024)
-    if (auto st = detail::cuda_check(
-            cudaFuncSetAttribute(detail::simt_entry<K>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    if (auto st = cuda_check(
+            cudaFuncSetAttribute(simt_entry<K>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  static_cast<int>(grid.smem_bytes)),
             "cudaFuncSetAttribute");
         !st)
       return st;
-  detail::simt_entry<K><<<grid.blocks, K::block_threads, grid.smem_bytes, exec.stream()>>>(kernel);
-  return detail::cuda_check(cudaGetLastError(), detail::kernel_name<K>());
+  simt_entry<K><<<grid.blocks, K::block_threads, grid.smem_bytes, stream>>>(kernel);
+  return cuda_check(cudaGetLastError(), kernel_name<K>());
 }
+
+}  // namespace detail
 
 }  // namespace v0_1
 }  // namespace moefold

@@ -1,7 +1,11 @@
-//! @file cuda_exec.hpp
-//! @brief cuda_exec{stream}: the execution context of CUDA device memory. Every operation is
-//! enqueued on its stream and returns without waiting (synchronize() waits). The stream is the
-//! context's, passed with every call: communicators and dispatchers hold none.
+//! @file cuda_copy_exec.hpp
+//! @brief cuda_copy_exec{stream}: copies and allocation in CUDA device memory on a stream, and
+//! nothing else: what the GPU communicators need (NCCL, the loopback, MPI with device memory), so
+//! that they compile without nvcc. It launches no kernel and has no row operations: the execution
+//! context of the GPU is cuda_exec (exec/cuda/cuda_exec.cuh), which is a cuda_copy_exec with
+//! kernels, and communicators take either. Every operation is enqueued on its stream and returns
+//! without waiting (synchronize() waits). The stream is the caller's, passed with every call:
+//! communicators and dispatchers hold none.
 //!
 //! A copy to host memory returns when the host can read the data: it waits for the stream (a
 //! pinned destination would otherwise be written after the call returns, and the callers, the
@@ -22,13 +26,13 @@
 namespace moefold {
 inline namespace v0_1 {
 
-class cuda_exec {
+class cuda_copy_exec {
  public:
   using memory_space = device_space;
-  static constexpr const char* name = "cuda_exec";
+  static constexpr const char* name = "cuda_copy_exec";
 
-  constexpr cuda_exec() noexcept = default;
-  constexpr explicit cuda_exec(cudaStream_t stream) noexcept : stream_(stream) {}
+  constexpr cuda_copy_exec() noexcept = default;
+  constexpr explicit cuda_copy_exec(cudaStream_t stream) noexcept : stream_(stream) {}
 
   [[nodiscard]] constexpr cudaStream_t stream() const noexcept { return stream_; }
 
@@ -85,7 +89,7 @@ class cuda_exec {
   cudaStream_t stream_ = nullptr;
 };
 
-static_assert(execution_context<cuda_exec>);
+static_assert(copy_context<cuda_copy_exec>);
 
 }  // namespace v0_1
 }  // namespace moefold

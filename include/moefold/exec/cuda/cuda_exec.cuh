@@ -1,5 +1,5 @@
-//! @file cuda_kernel_exec.cuh
-//! @brief cuda_kernel_exec: cuda_exec with kernels, the context a dispatcher runs on a GPU. Its
+//! @file cuda_exec.cuh
+//! @brief cuda_exec: cuda_copy_exec with kernels, the context a dispatcher runs on a GPU. Its
 //! row operations are exec/simt_memory_ops.hpp's, each one launch of the same portable kernel
 //! body cpu_exec runs (kernels/*.hpp), enqueued on the stream; its bookkeeping builders are the
 //! plan and histogram kernels (dispatch/plan_builders.hpp), which read nothing back. Needs nvcc.
@@ -8,7 +8,7 @@
 //! are counted by the kernels into a device error word the context owns and reported by the next
 //! host-side status call, status(): one device-to-host copy, which waits. Copies are counted as
 //! cpu_exec counts them, so a test can state how often a step makes the host wait (copies to the
-//! host are the waits: exec/cuda/cuda_exec.hpp).
+//! host are the waits: exec/cuda/cuda_copy_exec.hpp).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -21,17 +21,16 @@
 #include "../../core/cuda/cuda_check.hpp"
 #include "../exec.hpp"
 #include "../simt_memory_ops.hpp"
-#include "cuda_exec.hpp"
+#include "cuda_copy_exec.hpp"
 #include "cuda_launch.cuh"
 
 namespace moefold {
 inline namespace v0_1 {
 
-class cuda_kernel_exec : public cuda_exec,
-                         public detail::simt_memory_ops<cuda_kernel_exec, device_space> {
+class cuda_exec : public cuda_copy_exec, public detail::simt_memory_ops<cuda_exec, device_space> {
  public:
   using memory_space = device_space;
-  static constexpr const char* name = "cuda_kernel_exec";
+  static constexpr const char* name = "cuda_exec";
   //! Its operations are kernel launches (the bookkeeping builders pick their kernels then).
   static constexpr bool runs_kernels = true;
   //! Index arrays live on the device: the kernels count bad ones into the error word instead.
@@ -41,8 +40,8 @@ class cuda_kernel_exec : public cuda_exec,
   static constexpr int max_grid_blocks = 132 * 8;
 
   //! A context on `stream` with its error word (allocated and zeroed on the stream).
-  [[nodiscard]] static expected<cuda_kernel_exec> make(cudaStream_t stream) {
-    cuda_kernel_exec x(stream);
+  [[nodiscard]] static expected<cuda_exec> make(cudaStream_t stream) {
+    cuda_exec x(stream);
     void* p = nullptr;
     if (auto st = detail::cuda_check(cudaMallocAsync(&p, sizeof(int), stream), "cudaMallocAsync");
         !st)
@@ -54,20 +53,20 @@ class cuda_kernel_exec : public cuda_exec,
       return unexpected<error>(st.error());
     return x;
   }
-  cuda_kernel_exec(cuda_kernel_exec&& o) noexcept
-      : cuda_exec(o), word_(std::exchange(o.word_, nullptr)), counts_(o.counts_) {}
-  cuda_kernel_exec& operator=(cuda_kernel_exec&& o) noexcept {
+  cuda_exec(cuda_exec&& o) noexcept
+      : cuda_copy_exec(o), word_(std::exchange(o.word_, nullptr)), counts_(o.counts_) {}
+  cuda_exec& operator=(cuda_exec&& o) noexcept {
     if (this != &o) {
       release();
-      static_cast<cuda_exec&>(*this) = o;
+      static_cast<cuda_copy_exec&>(*this) = o;
       word_ = std::exchange(o.word_, nullptr);
       counts_ = o.counts_;
     }
     return *this;
   }
-  cuda_kernel_exec(const cuda_kernel_exec&) = delete;
-  cuda_kernel_exec& operator=(const cuda_kernel_exec&) = delete;
-  ~cuda_kernel_exec() { release(); }
+  cuda_exec(const cuda_exec&) = delete;
+  cuda_exec& operator=(const cuda_exec&) = delete;
+  ~cuda_exec() { release(); }
 
   //! The device word the row kernels count bad indices into (simt_memory_ops).
   [[nodiscard]] int* fault_word() const noexcept { return word_; }
@@ -97,21 +96,21 @@ class cuda_kernel_exec : public cuda_exec,
   template <class U, class T>
   requires std::is_same_v<std::remove_const_t<U>, T>
   [[nodiscard]] status copy(row_view<U, host_space> src, row_view<T, memory_space> dst) {
-    return counted(cuda_exec::copy(src, dst), src, counts_.to_device, counts_.bytes_to_device);
+    return counted(cuda_copy_exec::copy(src, dst), src, counts_.to_device, counts_.bytes_to_device);
   }
   template <class U, class T>
   requires std::is_same_v<std::remove_const_t<U>, T>
   [[nodiscard]] status copy(row_view<U, memory_space> src, row_view<T, host_space> dst) {
-    return counted(cuda_exec::copy(src, dst), src, counts_.to_host, counts_.bytes_to_host);
+    return counted(cuda_copy_exec::copy(src, dst), src, counts_.to_host, counts_.bytes_to_host);
   }
   template <class U, class T>
   requires std::is_same_v<std::remove_const_t<U>, T>
   [[nodiscard]] status copy(row_view<U, memory_space> src, row_view<T, memory_space> dst) {
-    return counted(cuda_exec::copy(src, dst), src, counts_.on_device, counts_.bytes_on_device);
+    return counted(cuda_copy_exec::copy(src, dst), src, counts_.on_device, counts_.bytes_on_device);
   }
 
  private:
-  explicit cuda_kernel_exec(cudaStream_t s) noexcept : cuda_exec(s) {}
+  explicit cuda_exec(cudaStream_t s) noexcept : cuda_copy_exec(s) {}
   void release() noexcept {
     if (word_) static_cast<void>(cudaFreeAsync(word_, stream()));
     word_ = nullptr;
@@ -128,14 +127,15 @@ class cuda_kernel_exec : public cuda_exec,
   copy_counts counts_{};
 };
 
-static_assert(execution_context<cuda_kernel_exec>);
-
-//! Launches on cuda_kernel_exec are cuda_exec's (exec/cuda/cuda_launch.cuh).
+//! Enqueues `kernel` on the context's stream (exec/cuda/cuda_launch.cuh says how); returns without
+//! waiting.
 template <class K>
 requires simt_kernel<K>
-[[nodiscard]] status launch(const cuda_kernel_exec& x, const launch_grid& grid, const K& kernel) {
-  return launch(static_cast<const cuda_exec&>(x), grid, kernel);
+[[nodiscard]] status launch(const cuda_exec& x, const launch_grid& grid, const K& kernel) {
+  return detail::cuda_run(cuda_exec::name, x.stream(), grid, kernel);
 }
+
+static_assert(execution_context<cuda_exec>);
 
 }  // namespace v0_1
 }  // namespace moefold
