@@ -181,3 +181,22 @@ TEST_CASE("grouped GEMM kernel: forward, data and weight gradient shapes against
   CHECK(f32.differ == 0);
   CHECK(b16.differ == 0);
 }
+
+TEST_CASE("widen_offsets kernel: the experts' row ranges widened, on cpu_exec and host_exec") {
+  std::mt19937_64 rng(test::simt_seed());
+  for (int count : {1, 9, 257, 1000}) {
+    CAPTURE(count);
+    std::vector<int> from(static_cast<std::size_t>(count));
+    int run = 0;
+    for (auto& v : from) v = run += static_cast<int>(rng() % 100);
+    std::vector<long long> cpu(from.size() + 1, -7), host(cpu);
+    const k::widen_offsets_kernel on_cpu{.from = from.data(), .count = count, .to = cpu.data()};
+    const k::widen_offsets_kernel on_host{.from = from.data(), .count = count, .to = host.data()};
+    REQUIRE(launch(cpu_exec{rng()}, launch_grid{.blocks = 3}, on_cpu));
+    REQUIRE(launch(host_exec{}, launch_grid{.blocks = 3}, on_host));
+    for (int i = 0; i < count; ++i)
+      CHECK(cpu[static_cast<std::size_t>(i)] == from[static_cast<std::size_t>(i)]);
+    CHECK(cpu.back() == -7);  // nothing past count
+    CHECK(host == cpu);
+  }
+}

@@ -534,6 +534,9 @@ TEST_CASE("router losses: aux scores, every load-balancing loss, z-loss, gradien
 }
 
 TEST_CASE("expert bias: counts and update on an executor equal the host's bits") {
+  // cpu_exec against the host's expert bias, and host_exec (the histogram a team of one, the
+  // counts and update independent threads) against cpu_exec: integer counts and one float add
+  // per element, so the same bits on both.
   const auto seed = test::simt_seed();
   MESSAGE("seed " << seed);
   std::mt19937_64 rng(seed + 3);
@@ -544,6 +547,7 @@ TEST_CASE("expert bias: counts and update on an executor equal the host's bits")
     std::vector<float> bias(static_cast<std::size_t>(E)), local(bias.size(), 0.0f);
     std::normal_distribution<float> d(0.0f, 1e-3f);
     for (int e = 0; e < E; ++e) host.bias[e] = bias[e] = d(rng);
+    std::vector<float> h_bias = bias, h_local = local;  // the same chain on host_exec
     for (int forward = 0; forward < 2; ++forward) {
       // A dispatched record: k distinct experts per token, some pairs dropped (-1), padding
       // tokens all -1; the host sees the same as its final map and padding mask.
@@ -576,6 +580,21 @@ TEST_CASE("expert bias: counts and update on an executor equal the host's bits")
       REQUIRE(launch(cpu_exec{rng()}, launch_grid{.blocks = 2},
                      k::expert_counts_accumulate_kernel{
                          .counts = hist.data(), .num_experts = E, .local = local.data()}));
+      std::vector<int> h_hist(static_cast<std::size_t>(E), 0);
+      int h_first_bad = INT_MAX;
+      REQUIRE(
+          launch(host_exec{},
+                 launch_grid{.blocks = 2, .smem_bytes = k::expert_histogram_kernel::smem_bytes(E)},
+                 k::expert_histogram_kernel{.ids = ids.data(),
+                                            .n = static_cast<long long>(ids.size()),
+                                            .num_experts = E,
+                                            .counts = h_hist.data(),
+                                            .first_bad = &h_first_bad}));
+      CHECK(h_first_bad == INT_MAX);
+      CHECK(h_hist == hist);
+      REQUIRE(launch(host_exec{}, launch_grid{.blocks = 2},
+                     k::expert_counts_accumulate_kernel{
+                         .counts = h_hist.data(), .num_experts = E, .local = h_local.data()}));
       REQUIRE(count_routed_tokens(host, final_map, padding));
     }
     for (int e = 0; e < E; ++e) CHECK(same_bits(local[e], host.local_tokens_per_expert[e]));
@@ -586,6 +605,18 @@ TEST_CASE("expert bias: counts and update on an executor equal the host's bits")
                                                 .rate = 1e-3f,
                                                 .bias = bias.data(),
                                                 .local = local.data()}));
+    for (int e = 0; e < E; ++e) CHECK(same_bits(h_local[e], summed[e]));  // before the update
+    const std::vector<float> h_summed = h_local;
+    REQUIRE(launch(host_exec{}, launch_grid{.blocks = 1},
+                   k::expert_bias_update_kernel{.summed = h_summed.data(),
+                                                .num_experts = E,
+                                                .rate = 1e-3f,
+                                                .bias = h_bias.data(),
+                                                .local = h_local.data()}));
+    for (int e = 0; e < E; ++e) {
+      CHECK(same_bits(h_bias[e], bias[e]));
+      CHECK(h_local[e] == 0.0f);
+    }
     const auto st = run_thread_world(
         1, [&](thread_communicator& c) { REQUIRE(update_expert_bias(c, host, 1e-3f)); });
     REQUIRE(st[0]);
