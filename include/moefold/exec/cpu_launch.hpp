@@ -354,9 +354,8 @@ class cpu_ctx : public detail::host_bytes16<cpu_ctx<Threads>> {
   // A 16-byte access at a misaligned address (host_bytes16): the GPU faults here too; the block
   // ends and the launch reports it.
   friend class detail::host_bytes16<cpu_ctx>;
-  [[noreturn]] void fault_misaligned(const void*, const char* op) const {
-    slot_->bars.fail("thread " + detail::to_decimal(thread_) + ": " + op +
-                     " of an address that is not 16-byte aligned");
+  [[noreturn]] void fault_misaligned(const void*, const char* what) const {
+    slot_->bars.fail("thread " + detail::to_decimal(thread_) + ": " + what);
     abort_thread();
   }
 
