@@ -16,20 +16,27 @@
 
 namespace moefold::kernels {
 
-//! local[e] += counts[e] (Megatron-Core's local_tokens_per_expert).
+//! local[e] += counts[e] - dropped[e] + padded[e] (Megatron-Core's local_tokens_per_expert: the
+//! rows each expert received; dropped and padded null when the counts are already those rows).
 struct expert_counts_accumulate_kernel {
   static constexpr int block_threads = 256;
   static constexpr const char* name = "expert_counts_accumulate";
 
-  const int* counts;  //!< [E], one forward's dispatched rows per expert
+  const int* counts;  //!< [E], one forward's routed pairs (or dispatched rows) per expert
   int num_experts;
-  float* local;  //!< [E]
+  float* local;          //!< [E]
+  const int* dropped{};  //!< [E] or null: routed pairs beyond capacity
+  const int* padded{};   //!< [E] or null: pad-mode filler rows
 
   template <class Ctx>
   MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
     for (int e = c.block() * block_threads + c.thread(); e < num_experts;
-         e += c.grid_blocks() * block_threads)
-      local[e] = simt::add(local[e], static_cast<float>(counts[e]));
+         e += c.grid_blocks() * block_threads) {
+      int rows = counts[e];
+      if (dropped != nullptr) rows -= dropped[e];
+      if (padded != nullptr) rows += padded[e];
+      local[e] = simt::add(local[e], static_cast<float>(rows));
+    }
   }
 };
 

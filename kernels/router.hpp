@@ -44,13 +44,14 @@ constexpr int block_threads = 128;
 constexpr int per_thread = 8;  //!< experts per thread of a GPU team: rank + width * j, j < 8
 
 //! torch's softplus with threshold 20: the identity above it.
-[[nodiscard]] MOEFOLD_HOST_DEVICE inline float softplus(float x) {
-  return x > 20.0f ? x : simt::log1p(simt::exp(x));
+template <class R>
+[[nodiscard]] MOEFOLD_HOST_DEVICE R softplus(R x) {
+  return x > R(20) ? x : simt::log1p(simt::exp(x));
 }
 //! The sum of lanes 0..n-1's values, added in lane order (the host's order); on every lane.
-template <class Ctx>
-[[nodiscard]] MOEFOLD_HOST_DEVICE float ordered_sum(Ctx& c, float v, int n) {
-  float sum = 0.0f;
+template <class Ctx, class R>
+[[nodiscard]] MOEFOLD_HOST_DEVICE R ordered_sum(Ctx& c, R v, int n) {
+  R sum = R(0);
   for (int j = 0; j < n; ++j) sum = simt::add(sum, c.shfl_idx(v, j));
   return sum;
 }
@@ -70,17 +71,18 @@ struct warp_per_token {
   static constexpr int max_experts = width * per_thread;  //!< 256
   static constexpr int max_topk = 32;                     //!< lane r keeps selection r
   static constexpr int max_groups = 32;                   //!< lane g keeps group g's score
-  static constexpr int smem_bytes = 0;
+  template <class R>
+  static constexpr std::size_t smem_for = 0;
 
-  template <class Ctx>
+  template <class Ctx, class R>
   struct team {
     static constexpr int width = warp_per_token::width;
     static constexpr int per_thread = detail_router::per_thread;
     static constexpr int selections = 1;  // lane r: selection r
     Ctx& c;
-    int my_index = -1;      // lane r: selection r's expert
-    float my_value = 0.0f;  // lane r: the value selection r's probability starts from
-    float my_group = simt::bits_float(0xff800000u);  // lane g: group g's score
+    int my_index = -1;                // lane r: selection r's expert
+    R my_value = R(0);                // lane r: the value selection r's probability starts from
+    R my_group = simt::neg_inf<R>();  // lane g: group g's score
 
     MOEFOLD_HOST_DEVICE explicit team(Ctx& ctx) : c(ctx) {}
     [[nodiscard]] MOEFOLD_HOST_DEVICE static constexpr int slot_begin(int) { return 0; }
@@ -93,13 +95,13 @@ struct warp_per_token {
     [[nodiscard]] MOEFOLD_HOST_DEVICE int token_step() const {
       return c.grid_blocks() * (block_threads / 32);
     }
-    [[nodiscard]] MOEFOLD_HOST_DEVICE float max(float v) { return simt::warp_max(c, v); }
-    [[nodiscard]] MOEFOLD_HOST_DEVICE float sum(float v) { return simt::warp_sum(c, v); }
-    MOEFOLD_HOST_DEVICE void argmax(float& v, int& i) { simt::warp_argmax(c, v, i); }
+    [[nodiscard]] MOEFOLD_HOST_DEVICE R max(R v) { return simt::warp_max(c, v); }
+    [[nodiscard]] MOEFOLD_HOST_DEVICE R sum(R v) { return simt::warp_sum(c, v); }
+    MOEFOLD_HOST_DEVICE void argmax(R& v, int& i) { simt::warp_argmax(c, v, i); }
     //! Round r chose expert i; `owner_value` is meaningful on its owner (rank i % 32) only,
     //! which hands it over.
-    MOEFOLD_HOST_DEVICE void record(int r, int i, float owner_value) {
-      const float chosen = c.shfl_idx(owner_value, i % width);
+    MOEFOLD_HOST_DEVICE void record(int r, int i, R owner_value) {
+      const R chosen = c.shfl_idx(owner_value, i % width);
       if (c.lane() == r) {
         my_index = i;
         my_value = chosen;
@@ -109,43 +111,43 @@ struct warp_per_token {
     //! Ranks r < k hand their selections' (index, value) to every lane: shared_index(r),
     //! shared_value(r) until unshare().
     MOEFOLD_HOST_DEVICE void share(int, const int (&index)[selections],
-                                   const float (&value)[selections]) {
+                                   const R (&value)[selections]) {
       my_index = index[0];
       my_value = value[0];
     }
     [[nodiscard]] MOEFOLD_HOST_DEVICE int shared_index(int r) { return c.shfl_idx(my_index, r); }
-    [[nodiscard]] MOEFOLD_HOST_DEVICE float shared_value(int r) { return c.shfl_idx(my_value, r); }
+    [[nodiscard]] MOEFOLD_HOST_DEVICE R shared_value(int r) { return c.shfl_idx(my_value, r); }
     MOEFOLD_HOST_DEVICE void unshare() {}
     //! The expert and value of selection rank() + width q (meaningful below k).
     [[nodiscard]] MOEFOLD_HOST_DEVICE int selected_index(int) const { return my_index; }
-    [[nodiscard]] MOEFOLD_HOST_DEVICE float selected_value(int) const { return my_value; }
-    [[nodiscard]] MOEFOLD_HOST_DEVICE float first_value() { return c.shfl_idx(my_value, 0); }
+    [[nodiscard]] MOEFOLD_HOST_DEVICE R selected_value(int) const { return my_value; }
+    [[nodiscard]] MOEFOLD_HOST_DEVICE R first_value() { return c.shfl_idx(my_value, 0); }
     //! f(value) summed over the k selections in selection order, on every lane.
     template <class F>
-    [[nodiscard]] MOEFOLD_HOST_DEVICE float ordered_sum(int k, F f) {
-      return detail_router::ordered_sum(c, c.lane() < k ? f(my_value) : 0.0f, k);
+    [[nodiscard]] MOEFOLD_HOST_DEVICE R ordered_sum(int k, F f) {
+      return detail_router::ordered_sum(c, c.lane() < k ? f(my_value) : R(0), k);
     }
-    MOEFOLD_HOST_DEVICE void set_group_score(int g, float s) {
+    MOEFOLD_HOST_DEVICE void set_group_score(int g, R s) {
       if (c.lane() == g) my_group = s;
     }
     //! Bit g: group g is among the `keep` best of `groups` (lower group first on a tie).
     [[nodiscard]] MOEFOLD_HOST_DEVICE unsigned kept_groups(int groups, int keep) {
       unsigned kept = 0;
-      float gv = my_group;
+      R gv = my_group;
       for (int r = 0; r < keep; ++r) {
-        float v = gv;
+        R v = gv;
         int i = c.lane() < groups ? c.lane() : 0x7fffffff;
         simt::warp_argmax(c, v, i);
         kept |= 1u << i;
-        if (c.lane() == i) gv = simt::bits_float(0xff800000u);
+        if (c.lane() == i) gv = simt::neg_inf<R>();
       }
-      my_group = simt::bits_float(0xff800000u);
+      my_group = simt::neg_inf<R>();
       return kept;
     }
     //! Back to the initial values: none of the token's state stays live into the next token.
     MOEFOLD_HOST_DEVICE void token_done() {
       my_index = -1;
-      my_value = 0.0f;
+      my_value = R(0);
     }
   };
 };
@@ -155,15 +157,15 @@ struct warp_per_token {
 //! stop at E) and every selection (slot q: selection q, q < Team::max_topk; loops stop at k). A
 //! reduction over the team is the thread's own value; the sums over E the bodies form from their
 //! slots run in expert order (the top of this file says what that changes).
-template <class Team, class Ctx>
+template <class Team, class Ctx, class R>
 struct one_thread_team {
   static constexpr int width = 1;
   static constexpr int per_thread = Team::max_experts;
   static constexpr int selections = Team::max_topk;
   Ctx& c;
-  int index[selections] = {};          // selection q's expert
-  float value[selections] = {};        // selection q's value (what its probability starts from)
-  float group[Team::max_groups] = {};  // group g's score
+  int index[selections] = {};      // selection q's expert
+  R value[selections] = {};        // selection q's value (what its probability starts from)
+  R group[Team::max_groups] = {};  // group g's score
 
   MOEFOLD_HOST_DEVICE explicit one_thread_team(Ctx& ctx) : c(ctx) {}
   //! The slots of the experts from e on / below e: at least one, as a GPU team's thread holds all
@@ -180,37 +182,36 @@ struct one_thread_team {
   [[nodiscard]] MOEFOLD_HOST_DEVICE int rank() const { return 0; }
   [[nodiscard]] MOEFOLD_HOST_DEVICE int first_token() const { return c.block(); }
   [[nodiscard]] MOEFOLD_HOST_DEVICE int token_step() const { return c.grid_blocks(); }
-  [[nodiscard]] MOEFOLD_HOST_DEVICE float max(float v) const { return v; }
-  [[nodiscard]] MOEFOLD_HOST_DEVICE float sum(float v) const { return v; }
-  MOEFOLD_HOST_DEVICE void argmax(float&, int&) const {}
+  [[nodiscard]] MOEFOLD_HOST_DEVICE R max(R v) const { return v; }
+  [[nodiscard]] MOEFOLD_HOST_DEVICE R sum(R v) const { return v; }
+  MOEFOLD_HOST_DEVICE void argmax(R&, int&) const {}
   //! Round r chose expert i (rounds past max_topk, which no GPU team's thread keeps, neither).
-  MOEFOLD_HOST_DEVICE void record(int r, int i, float owner_value) {
+  MOEFOLD_HOST_DEVICE void record(int r, int i, R owner_value) {
     if (r >= selections) return;
     index[r] = i;
     value[r] = owner_value;
   }
   MOEFOLD_HOST_DEVICE void records_done() const {}
-  MOEFOLD_HOST_DEVICE void share(int k, const int (&idx)[selections],
-                                 const float (&val)[selections]) {
+  MOEFOLD_HOST_DEVICE void share(int k, const int (&idx)[selections], const R (&val)[selections]) {
     for (int q = 0; q < k && q < selections; ++q) {
       index[q] = idx[q];
       value[q] = val[q];
     }
   }
   [[nodiscard]] MOEFOLD_HOST_DEVICE int shared_index(int r) const { return index[r]; }
-  [[nodiscard]] MOEFOLD_HOST_DEVICE float shared_value(int r) const { return value[r]; }
+  [[nodiscard]] MOEFOLD_HOST_DEVICE R shared_value(int r) const { return value[r]; }
   MOEFOLD_HOST_DEVICE void unshare() const {}
   [[nodiscard]] MOEFOLD_HOST_DEVICE int selected_index(int q) const { return index[q]; }
-  [[nodiscard]] MOEFOLD_HOST_DEVICE float selected_value(int q) const { return value[q]; }
-  [[nodiscard]] MOEFOLD_HOST_DEVICE float first_value() const { return value[0]; }
+  [[nodiscard]] MOEFOLD_HOST_DEVICE R selected_value(int q) const { return value[q]; }
+  [[nodiscard]] MOEFOLD_HOST_DEVICE R first_value() const { return value[0]; }
   //! f(value) summed over the k selections in selection order.
   template <class F>
-  [[nodiscard]] MOEFOLD_HOST_DEVICE float ordered_sum(int k, F f) const {
-    float s = 0.0f;
+  [[nodiscard]] MOEFOLD_HOST_DEVICE R ordered_sum(int k, F f) const {
+    R s = R(0);
     for (int j = 0; j < k; ++j) s = simt::add(s, f(value[j]));
     return s;
   }
-  MOEFOLD_HOST_DEVICE void set_group_score(int g, float s) {
+  MOEFOLD_HOST_DEVICE void set_group_score(int g, R s) {
     if (g < Team::max_groups) group[g] = s;
   }
   //! Bit g: group g is among the `keep` best of `groups` (lower group first on a tie).
@@ -229,9 +230,9 @@ struct one_thread_team {
 
 //! The team a body over Team runs with on context Ctx: Team's own (a warp or a block per token),
 //! or one thread per token on a host context's team of one.
-template <class Team, class Ctx>
-using team_for = std::conditional_t<Ctx::block_threads == 1, one_thread_team<Team, Ctx>,
-                                    typename Team::template team<Ctx>>;
+template <class Team, class Ctx, class R>
+using team_for = std::conditional_t<Ctx::block_threads == 1, one_thread_team<Team, Ctx, R>,
+                                    typename Team::template team<Ctx, R>>;
 
 //! One flag per slot of a thread, below n after clear(n): a bitmask over a GPU team's 8 slots
 //! (one register), a bool per slot over a team of one's.
@@ -266,48 +267,50 @@ MOEFOLD_HOST_DEVICE void at_expert(const T& tm, int e, int num_experts, F f) {
 }
 
 //! The elementwise score (sigmoid or sqrt-softplus) of x.
-[[nodiscard]] MOEFOLD_HOST_DEVICE inline float elementwise_score(score_function f, float x) {
+template <class R>
+[[nodiscard]] MOEFOLD_HOST_DEVICE R elementwise_score(score_function f, R x) {
   return f == score_function::sigmoid ? simt::sigmoid(x) : simt::sqrt(softplus(x));
 }
 //! d score / d x from x and the score sk, as routing/score_function.hpp's
 //! elementwise_score_grad (sqrt-softplus: 0 where the score underflowed to 0).
-[[nodiscard]] MOEFOLD_HOST_DEVICE inline float score_grad(score_function f, float x, float sk) {
-  if (f == score_function::sigmoid) return simt::mul(sk, simt::add(1.0f, -sk));
-  if (!(sk > 0.0f)) return 0.0f;
-  const float sp_grad = x > 20.0f ? 1.0f : simt::sigmoid(x);
-  return simt::div(sp_grad, simt::mul(2.0f, sk));
+template <class R>
+[[nodiscard]] MOEFOLD_HOST_DEVICE R score_grad(score_function f, R x, R sk) {
+  if (f == score_function::sigmoid) return simt::mul(sk, simt::add(R(1), -sk));
+  if (!(sk > R(0))) return R(0);
+  const R sp_grad = x > R(20) ? R(1) : simt::sigmoid(x);
+  return simt::div(sp_grad, simt::mul(R(2), sk));
 }
 
 //! The team's logits of experts rank + width j (-inf past E), slots j < slot_end(E).
-template <class Team, int P>
-MOEFOLD_HOST_DEVICE void load_row(Team& tm, const float* row, int num_experts, float (&s)[P]) {
+template <class Team, class R, int P>
+MOEFOLD_HOST_DEVICE void load_row(Team& tm, const R* row, int num_experts, R (&s)[P]) {
   for (int j = 0; j < Team::slot_end(num_experts); ++j) {
     const int e = tm.rank() + Team::width * j;
-    s[j] = e < num_experts ? row[e] : simt::bits_float(0xff800000u);
+    s[j] = e < num_experts ? row[e] : simt::neg_inf<R>();
   }
 }
 //! softmax over the team's E values in place (max-subtracted; the sum in the team's fixed
 //! reduction order: a GPU team's tree, a team of one's expert order); 0 past E.
-template <class Team, int P>
-MOEFOLD_HOST_DEVICE void softmax(Team& tm, float (&s)[P], int num_experts) {
+template <class Team, class R, int P>
+MOEFOLD_HOST_DEVICE void softmax(Team& tm, R (&s)[P], int num_experts) {
   const int n = Team::slot_end(num_experts);
-  float m = s[0];
+  R m = s[0];
   for (int j = 1; j < n; ++j) m = s[j] > m ? s[j] : m;
   m = tm.max(m);
-  float part = 0.0f;
+  R part = R(0);
   for (int j = 0; j < n; ++j) {
-    s[j] = tm.rank() + Team::width * j < num_experts ? simt::exp(simt::add(s[j], -m)) : 0.0f;
+    s[j] = tm.rank() + Team::width * j < num_experts ? simt::exp(simt::add(s[j], -m)) : R(0);
     part = simt::add(part, s[j]);
   }
-  const float sum = tm.sum(part);
+  const R sum = tm.sum(part);
   for (int j = 0; j < n; ++j)
-    s[j] = tm.rank() + Team::width * j < num_experts ? simt::div(s[j], sum) : 0.0f;
+    s[j] = tm.rank() + Team::width * j < num_experts ? simt::div(s[j], sum) : R(0);
 }
 }  // namespace detail_router
 
 //! The router's forward over a team of threads per token (Team: detail_router::warp_per_token
 //! here, block_per_token in router_block.hpp). One parameter list and one body for both.
-template <class Team>
+template <class Team, class R = float>
 struct basic_router_topk_kernel {
   static constexpr int block_threads = detail_router::block_threads;
   static constexpr bool cooperative = true;  // a team per token (a team of one on the host)
@@ -316,9 +319,9 @@ struct basic_router_topk_kernel {
   static constexpr int max_experts = Team::max_experts;
   static constexpr int max_topk = Team::max_topk;
   static constexpr int max_groups = Team::max_groups;
-  static constexpr auto smem_bytes = Team::smem_bytes;
+  static constexpr auto smem_bytes = Team::template smem_for<R>;
 
-  const float* logits;
+  const R* logits;
   int num_tokens, num_experts, topk;
   score_function score;
   bool pre_softmax;
@@ -326,22 +329,22 @@ struct basic_router_topk_kernel {
   int group_topk;
   const float* expert_bias;  //!< [E] added to the selection scores, or null
   bool scale;                //!< probabilities times scaling_factor
-  float scaling_factor;
+  R scaling_factor;
   int* indices;  //!< [N, k]
-  float* probs;  //!< [N, k]
+  R* probs;      //!< [N, k]
 
   template <class Ctx>
   MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
-    using team_t = detail_router::team_for<Team, Ctx>;
+    using team_t = detail_router::team_for<Team, Ctx, R>;
     constexpr int per_thread = team_t::per_thread, width = team_t::width;
-    const float neg_inf = simt::bits_float(0xff800000u);
+    const R neg_inf = simt::neg_inf<R>();
     team_t tm(c);
     const int rank = tm.rank();
     const int n = team_t::slot_end(num_experts);  // the slots the thread's experts are in
     const int nq = team_t::selection_end(topk);   // the slots of the thread's selections
     for (int t = tm.first_token(); t < num_tokens; t += tm.token_step()) {
-      const float* row = logits + static_cast<long long>(t) * num_experts;
-      float s[per_thread], sel[per_thread];  // experts rank + width j: score, selection value
+      const R* row = logits + static_cast<long long>(t) * num_experts;
+      R s[per_thread], sel[per_thread];  // experts rank + width j: score, selection value
       detail_router::load_row(tm, row, num_experts, s);
       if (score == score_function::softmax) {
         if (pre_softmax) detail_router::softmax(tm, s, num_experts);
@@ -354,7 +357,7 @@ struct basic_router_topk_kernel {
             continue;
           }
           s[j] = detail_router::elementwise_score(score, s[j]);
-          sel[j] = expert_bias ? simt::add(s[j], expert_bias[e]) : s[j];
+          sel[j] = expert_bias ? simt::add(s[j], static_cast<R>(expert_bias[e])) : s[j];
         }
       }
 
@@ -364,7 +367,7 @@ struct basic_router_topk_kernel {
       // probability starts from (the selected logit, or the score without the bias) and
       // retires it.
       for (int r = 0; r < topk; ++r) {
-        float v = neg_inf;
+        R v = neg_inf;
         int i = 0x7fffffff;
         for (int j = 0; j < n; ++j)
           if (sel[j] > v) {  // strictly: the lower index (smaller j) stays on a tie
@@ -372,7 +375,7 @@ struct basic_router_topk_kernel {
             i = rank + width * j;
           }
         tm.argmax(v, i);
-        float owned = 0.0f;
+        R owned = R(0);
         detail_router::at_expert(tm, i, num_experts, [&](int j) {
           owned = s[j];
           sel[j] = neg_inf;
@@ -383,17 +386,17 @@ struct basic_router_topk_kernel {
 
       // Probabilities, every sum in selection order (selection 0 first), as the host: the
       // thread's selections rank + width q.
-      float p[team_t::selections];
-      for (int q = 0; q < nq; ++q) p[q] = rank + width * q < topk ? tm.selected_value(q) : 0.0f;
+      R p[team_t::selections];
+      for (int q = 0; q < nq; ++q) p[q] = rank + width * q < topk ? tm.selected_value(q) : R(0);
       if (score == score_function::softmax && !pre_softmax) {
-        const float top = tm.first_value();  // the largest selected logit
-        const auto e = [top](float x) { return simt::exp(simt::add(x, -top)); };
-        const float sum = tm.ordered_sum(topk, e);
+        const R top = tm.first_value();  // the largest selected logit
+        const auto e = [top](R x) { return simt::exp(simt::add(x, -top)); };
+        const R sum = tm.ordered_sum(topk, e);
         for (int q = 0; q < nq; ++q)
-          p[q] = rank + width * q < topk ? simt::div(e(p[q]), sum) : 0.0f;
+          p[q] = rank + width * q < topk ? simt::div(e(p[q]), sum) : R(0);
       } else if (score != score_function::softmax && topk > 1) {
-        const float sum = tm.ordered_sum(topk, [](float x) { return x; });
-        for (int q = 0; q < nq; ++q) p[q] = simt::div(p[q], simt::add(sum, 1e-20f));
+        const R sum = tm.ordered_sum(topk, [](R x) { return x; });
+        for (int q = 0; q < nq; ++q) p[q] = simt::div(p[q], simt::add(sum, R(1e-20)));
       }
       for (int q = 0; q < nq; ++q) {
         const int r = rank + width * q;
@@ -412,21 +415,21 @@ struct basic_router_topk_kernel {
   //! (in descending order, as torch sums them); the group_topk best groups stay (lower group
   //! first on a tie); the other experts' selection values become -inf.
   template <class T>
-  MOEFOLD_HOST_DEVICE void mask_groups(T& tm, float* sel, float neg_inf) const {
+  MOEFOLD_HOST_DEVICE void mask_groups(T& tm, R* sel, R neg_inf) const {
     constexpr int per_thread = T::per_thread, width = T::width;
     const int rank = tm.rank();
     const int per = num_experts / num_groups, take = topk / group_topk;
     for (int g = 0; g < num_groups; ++g) {
       // The slots of the group's experts (all slots on a GPU team, masked by the test below).
       const int lo = T::slot_begin(g * per), hi = T::slot_end((g + 1) * per);
-      float tmp[per_thread];
+      R tmp[per_thread];
       for (int j = lo; j < hi; ++j) {
         const int e = rank + width * j;
         tmp[j] = e >= g * per && e < (g + 1) * per ? sel[j] : neg_inf;
       }
-      float sum = 0.0f;
+      R sum = R(0);
       for (int r = 0; r < take; ++r) {
-        float v = neg_inf;
+        R v = neg_inf;
         int i = 0x7fffffff;
         for (int j = lo; j < hi; ++j)
           if (tmp[j] > v) {
@@ -461,7 +464,7 @@ using router_topk_kernel = basic_router_topk_kernel<detail_router::warp_per_toke
 //! contributes nothing instead of reading out of bounds.
 //!
 //! logits [N, E], indices [N, k] (the forward's), dprobs [N, k]; out: dlogits [N, E]
-template <class Team>
+template <class Team, class R = float>
 struct basic_router_backward_kernel {
   static constexpr int block_threads = detail_router::block_threads;
   static constexpr bool cooperative = true;  // a team per token (a team of one on the host)
@@ -469,94 +472,94 @@ struct basic_router_backward_kernel {
       Team::width == 32 ? "router_backward" : "router_backward_block";
   static constexpr int max_experts = Team::max_experts;
   static constexpr int max_topk = Team::max_topk;
-  static constexpr auto smem_bytes = Team::smem_bytes;
+  static constexpr auto smem_bytes = Team::template smem_for<R>;
 
-  const float* logits;
+  const R* logits;
   const int* indices;
-  const float* dprobs;
+  const R* dprobs;
   int num_tokens, num_experts, topk;
   score_function score;
   bool pre_softmax;
   bool scale;
-  float scaling_factor;
-  float* dlogits;
+  R scaling_factor;
+  R* dlogits;
 
   template <class Ctx>
   MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
-    using team_t = detail_router::team_for<Team, Ctx>;
+    using team_t = detail_router::team_for<Team, Ctx, R>;
     constexpr int per_thread = team_t::per_thread, width = team_t::width;
     constexpr int sels = team_t::selections;
     team_t tm(c);
     const int rank = tm.rank();
     const int n = team_t::slot_end(num_experts), nq = team_t::selection_end(topk);
     for (int t = tm.first_token(); t < num_tokens; t += tm.token_step()) {
-      const float* row = logits + static_cast<long long>(t) * num_experts;
-      float* drow = dlogits + static_cast<long long>(t) * num_experts;
+      const R* row = logits + static_cast<long long>(t) * num_experts;
+      R* drow = dlogits + static_cast<long long>(t) * num_experts;
       const long long base = static_cast<long long>(t) * topk;
       // The thread's selections r = rank + width q < k: expert and gradient (times the scaling
       // factor).
       int my_index[sels];
-      float g[sels];
+      R g[sels];
       for (int q = 0; q < nq; ++q) {
         const int r = rank + width * q;
         my_index[q] = r < topk ? indices[base + r] : -1;
-        g[q] = r < topk ? dprobs[base + r] : 0.0f;
+        g[q] = r < topk ? dprobs[base + r] : R(0);
         if (scale) g[q] = simt::mul(g[q], scaling_factor);
       }
-      float out[per_thread];  // the thread's experts rank + width j
-      for (int j = 0; j < n; ++j) out[j] = 0.0f;
+      R out[per_thread];  // the thread's experts rank + width j
+      for (int j = 0; j < n; ++j) out[j] = R(0);
       if (score == score_function::softmax && pre_softmax) {
         // s = softmax(row); ds = the selections' gradients scattered; ds_e -> s_e (ds_e - <s, ds>).
-        float s[per_thread], ds[per_thread];
-        for (int j = 0; j < n; ++j) ds[j] = 0.0f;
+        R s[per_thread], ds[per_thread];
+        for (int j = 0; j < n; ++j) ds[j] = R(0);
         detail_router::load_row(tm, row, num_experts, s);
         detail_router::softmax(tm, s, num_experts);
         tm.share(topk, my_index, g);
         for (int r = 0; r < topk; ++r) {
           const int e = tm.shared_index(r);
-          const float gr = tm.shared_value(r);
+          const R gr = tm.shared_value(r);
           // A constant index on a GPU team: the array stays in registers.
           detail_router::at_expert(tm, e, num_experts,
                                    [&](int j) { ds[j] = simt::add(ds[j], gr); });
         }
         tm.unshare();
-        float dot = 0.0f;  // in slot order, then the team's: on a team of one, expert order
+        R dot = R(0);  // in slot order, then the team's: on a team of one, expert order
         for (int j = 0; j < n; ++j) dot = simt::add(dot, simt::mul(s[j], ds[j]));
         dot = tm.sum(dot);
         for (int j = 0; j < n; ++j) out[j] = simt::mul(s[j], simt::add(ds[j], -dot));
       } else {
-        float x[sels], gx[sels];  // the selected logit, d loss / d x
+        R x[sels], gx[sels];  // the selected logit, d loss / d x
         for (int q = 0; q < nq; ++q) {
           const bool valid =
               rank + width * q < topk && my_index[q] >= 0 && my_index[q] < num_experts;
-          x[q] = valid ? row[my_index[q]] : 0.0f;
+          x[q] = valid ? row[my_index[q]] : R(0);
         }
         if (score == score_function::softmax) {
           // p = softmax over the k selected logits; dx_i = p_i (g_i - <p, g>).
-          const float top = held(tm, x, 0);  // the largest selected logit
-          float p[sels], pg[sels];
+          const R top = held(tm, x, 0);  // the largest selected logit
+          R p[sels], pg[sels];
           for (int q = 0; q < nq; ++q)
-            p[q] = rank + width * q < topk ? simt::exp(simt::add(x[q], -top)) : 0.0f;
-          const float z = held_sum(tm, p);
+            p[q] = rank + width * q < topk ? simt::exp(simt::add(x[q], -top)) : R(0);
+          const R z = held_sum(tm, p);
           for (int q = 0; q < nq; ++q) {
             p[q] = simt::div(p[q], z);
-            pg[q] = rank + width * q < topk ? simt::mul(p[q], g[q]) : 0.0f;
+            pg[q] = rank + width * q < topk ? simt::mul(p[q], g[q]) : R(0);
           }
-          const float dot = held_sum(tm, pg);
+          const R dot = held_sum(tm, pg);
           for (int q = 0; q < nq; ++q) gx[q] = simt::mul(p[q], simt::add(g[q], -dot));
         } else {
-          float sk[sels], gs[sels];
+          R sk[sels], gs[sels];
           for (int q = 0; q < nq; ++q) {
-            sk[q] = rank + width * q < topk ? detail_router::elementwise_score(score, x[q]) : 0.0f;
+            sk[q] = rank + width * q < topk ? detail_router::elementwise_score(score, x[q]) : R(0);
             gs[q] = g[q];
           }
           if (topk > 1) {
             // p_i = s_i / D, D = sum s + 1e-20: ds_i = g_i / D - <g, s> / D^2.
-            const float d = simt::add(held_sum(tm, sk), 1e-20f);
-            float gsk[sels];
+            const R d = simt::add(held_sum(tm, sk), R(1e-20));
+            R gsk[sels];
             for (int q = 0; q < nq; ++q)
-              gsk[q] = rank + width * q < topk ? simt::mul(g[q], sk[q]) : 0.0f;
-            const float gsum = held_sum(tm, gsk);
+              gsk[q] = rank + width * q < topk ? simt::mul(g[q], sk[q]) : R(0);
+            const R gsum = held_sum(tm, gsk);
             for (int q = 0; q < nq; ++q)
               gs[q] = simt::add(simt::div(g[q], d), -simt::div(gsum, simt::mul(d, d)));
           }
@@ -566,7 +569,7 @@ struct basic_router_backward_kernel {
         tm.share(topk, my_index, gx);
         for (int r = 0; r < topk; ++r) {
           const int e = tm.shared_index(r);
-          const float gr = tm.shared_value(r);
+          const R gr = tm.shared_value(r);
           detail_router::at_expert(tm, e, num_experts, [&](int j) { out[j] = gr; });
         }
         tm.unshare();
@@ -582,21 +585,21 @@ struct basic_router_backward_kernel {
  private:
   // Selection r's v (the thread holding it passes its slots' values), on every thread.
   template <class T, int S>
-  MOEFOLD_HOST_DEVICE static float held(T& tm, const float (&v)[S], int r) {
+  MOEFOLD_HOST_DEVICE static R held(T& tm, const R (&v)[S], int r) {
     int none[S];
     for (int q = 0; q < S; ++q) none[q] = -1;
     tm.share(r + 1, none, v);
-    const float out = tm.shared_value(r);
+    const R out = tm.shared_value(r);
     tm.unshare();
     return out;
   }
   // The sum of selections 0..k-1's v, added in selection order, on every thread.
   template <class T, int S>
-  MOEFOLD_HOST_DEVICE float held_sum(T& tm, const float (&v)[S]) const {
+  MOEFOLD_HOST_DEVICE R held_sum(T& tm, const R (&v)[S]) const {
     int none[S];
     for (int q = 0; q < S; ++q) none[q] = -1;
     tm.share(topk, none, v);
-    float sum = 0.0f;
+    R sum = R(0);
     for (int j = 0; j < topk; ++j) sum = simt::add(sum, tm.shared_value(j));
     tm.unshare();
     return sum;

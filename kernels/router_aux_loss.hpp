@@ -34,54 +34,54 @@ namespace moefold::kernels {
 //! E (softmax, or the elementwise score renormalised over E) and their plain top-k map, without
 //! bias, group limits or dropping; padding tokens get zero scores and no map entry. Every
 //! element of scores and map is written.
-template <class Team>
+template <class Team, class R = float>
 struct basic_aux_scores_kernel {
   static constexpr int block_threads = detail_router::block_threads;
   static constexpr bool cooperative = true;  // a team per token (a team of one on the host)
   static constexpr const char* name = Team::width == 32 ? "aux_scores" : "aux_scores_block";
   static constexpr int max_experts = Team::max_experts;
-  static constexpr auto smem_bytes = Team::smem_bytes;
+  static constexpr auto smem_bytes = Team::template smem_for<R>;
 
-  const float* logits;
+  const R* logits;
   const std::uint8_t* padding;  //!< [N] or null
   int num_tokens, num_experts, topk;
   score_function score;
-  float* scores;      //!< [N, E]
+  R* scores;          //!< [N, E]
   std::uint8_t* map;  //!< [N, E]: 1 where the expert is among the token's top k
 
   template <class Ctx>
   MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
-    using team_t = detail_router::team_for<Team, Ctx>;
+    using team_t = detail_router::team_for<Team, Ctx, R>;
     constexpr int per_thread = team_t::per_thread, width = team_t::width;
-    const float neg_inf = simt::bits_float(0xff800000u);
+    const R neg_inf = simt::neg_inf<R>();
     team_t tm(c);
     const int rank = tm.rank();
     const int n = team_t::slot_end(num_experts);  // the slots the thread's experts are in
     for (int t = tm.first_token(); t < num_tokens; t += tm.token_step()) {
       const long long at = static_cast<long long>(t) * num_experts;
-      float s[per_thread];
+      R s[per_thread];
       detail_router::slot_flags<per_thread> chosen;  // j: expert rank + width j is in the top k
       chosen.clear(n);
       if (padding != nullptr && padding[t] != 0) {
-        for (int j = 0; j < n; ++j) s[j] = 0.0f;
+        for (int j = 0; j < n; ++j) s[j] = R(0);
       } else {
         detail_router::load_row(tm, logits + at, num_experts, s);
         if (score == score_function::softmax) {
           detail_router::softmax(tm, s, num_experts);
         } else {
-          float part = 0.0f;  // in slot order, then the team's: on a team of one, expert order
+          R part = R(0);  // in slot order, then the team's: on a team of one, expert order
           for (int j = 0; j < n; ++j) {
             s[j] = rank + width * j < num_experts ? detail_router::elementwise_score(score, s[j])
-                                                  : 0.0f;
+                                                  : R(0);
             part = simt::add(part, s[j]);
           }
-          const float d = simt::add(tm.sum(part), 1e-20f);
+          const R d = simt::add(tm.sum(part), R(1e-20));
           for (int j = 0; j < n; ++j) s[j] = simt::div(s[j], d);
         }
-        float sel[per_thread];
+        R sel[per_thread];
         for (int j = 0; j < n; ++j) sel[j] = rank + width * j < num_experts ? s[j] : neg_inf;
         for (int r = 0; r < topk; ++r) {
-          float v = neg_inf;
+          R v = neg_inf;
           int i = 0x7fffffff;
           for (int j = 0; j < n; ++j)
             if (sel[j] > v) {  // strictly: the lower index stays on a tie
@@ -111,22 +111,23 @@ using aux_scores_block_kernel = basic_aux_scores_kernel<detail_router::block_per
 //! Column sums of the scores and counts of the map viewed as [rows, columns]: a thread per
 //! column adds its rows in row order (the host's order: the same bits from the same scores).
 //! Counts in double, as the host keeps them and as they are summed across ranks.
+template <class R = float>
 struct aux_column_sums_kernel {
   static constexpr int block_threads = 256;
   static constexpr const char* name = "aux_column_sums";
 
-  const float* scores;      //!< [rows, columns]
+  const R* scores;          //!< [rows, columns]
   const std::uint8_t* map;  //!< [rows, columns]
   long long rows;
   int columns;
-  float* sums;     //!< [columns]
+  R* sums;         //!< [columns]
   double* counts;  //!< [columns]
 
   template <class Ctx>
   MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
     for (int col = c.block() * block_threads + c.thread(); col < columns;
          col += c.grid_blocks() * block_threads) {
-      float s = 0.0f;
+      R s = R(0);
       double n = 0.0;
       for (long long r = 0; r < rows; ++r) {
         s = simt::add(s, scores[r * columns + col]);
@@ -147,12 +148,13 @@ struct aux_column_sums_kernel {
 //! which the kernel adds these counts to) and `steps` (micro-batches including this one): the
 //! counts used are running / steps. One thread, columns in order: the host's arithmetic, the
 //! same bits. T <= 0 gives loss 0 and zero gradients (no valid token anywhere).
+template <class R = float>
 struct switch_loss_kernel {
   static constexpr int block_threads = 32;
   static constexpr const char* name = "switch_loss";
 
-  const float* column_sums;  //!< [columns]
-  const double* counts;      //!< [columns], summed over the group
+  const R* column_sums;  //!< [columns]
+  const double* counts;  //!< [columns], summed over the group
   int columns;
   double total_tokens;  //!< T, or 0: sum(counts) / per_token
   double per_token;     //!< k (k B per sequence) under a padding mask
@@ -161,8 +163,8 @@ struct switch_loss_kernel {
   double* running;  //!< [columns] the global loss's running counts, or null
   int steps;        //!< with running: micro-batches so far, this one included
   double* used;     //!< [columns] the counts the loss used (logging, tests), or null
-  float* loss;      //!< [1]
-  float* dscores;   //!< [columns] d loss / d scores[row, col], the same for every row
+  R* loss;          //!< [1]
+  R* dscores;       //!< [columns] d loss / d scores[row, col], the same for every row
 
   template <class Ctx>
   MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
@@ -174,8 +176,8 @@ struct switch_loss_kernel {
       total = simt::div(sum, per_token);
     }
     if (!(total > 0.0)) {
-      *loss = 0.0f;
-      for (int col = 0; col < columns; ++col) dscores[col] = 0.0f;
+      *loss = R(0);
+      for (int col = 0; col < columns; ++col) dscores[col] = R(0);
       return;
     }
     const auto count = [&](int col) {
@@ -183,15 +185,15 @@ struct switch_loss_kernel {
       running[col] = simt::add(running[col], counts[col]);
       return simt::div(running[col], static_cast<double>(steps));
     };
-    const float factor = static_cast<float>(
-        simt::div(simt::mul(static_cast<double>(num_experts), coeff),
-                  simt::mul(simt::mul(static_cast<double>(topk), total), total)));
-    const float divisor = static_cast<float>(divide_by);
-    float dot = 0.0f;
+    const R factor =
+        static_cast<R>(simt::div(simt::mul(static_cast<double>(num_experts), coeff),
+                                 simt::mul(simt::mul(static_cast<double>(topk), total), total)));
+    const R divisor = static_cast<R>(divide_by);
+    R dot = R(0);
     for (int col = 0; col < columns; ++col) {
       const double n = count(col);
       if (used != nullptr) used[col] = n;
-      const float nf = static_cast<float>(n);
+      const R nf = static_cast<R>(n);
       dot = simt::add(dot, simt::mul(column_sums[col], nf));
       dscores[col] = simt::div(simt::mul(nf, factor), divisor);
     }
@@ -204,27 +206,27 @@ struct switch_loss_kernel {
 //! score ((ds_e / D - <ds, s> / D^2) score'(x_e), D = sum s + 1e-20). Padding tokens get
 //! nothing. `seed` is the gradient of the training loss with respect to this loss (Megatron's
 //! main_loss_backward_scale).
-template <class Team>
+template <class Team, class R = float>
 struct basic_aux_loss_backward_kernel {
   static constexpr int block_threads = detail_router::block_threads;
   static constexpr bool cooperative = true;  // a team per token (a team of one on the host)
   static constexpr const char* name =
       Team::width == 32 ? "aux_loss_backward" : "aux_loss_backward_block";
   static constexpr int max_experts = Team::max_experts;
-  static constexpr auto smem_bytes = Team::smem_bytes;
+  static constexpr auto smem_bytes = Team::template smem_for<R>;
 
-  const float* logits;
+  const R* logits;
   const std::uint8_t* padding;  //!< [N] or null
   int num_tokens, num_experts;
   score_function score;
-  const float* dscores;  //!< [columns], from switch_loss_kernel
+  const R* dscores;  //!< [columns], from switch_loss_kernel
   int columns;
-  float seed;
-  float* dlogits;  //!< [N, E], added to
+  R seed;
+  R* dlogits;  //!< [N, E], added to
 
   template <class Ctx>
   MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
-    using team_t = detail_router::team_for<Team, Ctx>;
+    using team_t = detail_router::team_for<Team, Ctx, R>;
     constexpr int per_thread = team_t::per_thread, width = team_t::width;
     team_t tm(c);
     const int rank = tm.rank();
@@ -232,36 +234,36 @@ struct basic_aux_loss_backward_kernel {
     for (int t = tm.first_token(); t < num_tokens; t += tm.token_step()) {
       if (padding != nullptr && padding[t] != 0) continue;  // the same on every thread of a team
       const long long at = static_cast<long long>(t) * num_experts;
-      float x[per_thread], s[per_thread], ds[per_thread], dl[per_thread];
+      R x[per_thread], s[per_thread], ds[per_thread], dl[per_thread];
       detail_router::load_row(tm, logits + at, num_experts, x);
       for (int j = 0; j < n; ++j) {
         const int e = rank + width * j;
-        ds[j] = e < num_experts ? simt::mul(seed, dscores[(at + e) % columns]) : 0.0f;
+        ds[j] = e < num_experts ? simt::mul(seed, dscores[(at + e) % columns]) : R(0);
         s[j] = x[j];
       }
       // The sums over E in slot order, then the team's: on a team of one, expert order.
       if (score == score_function::softmax) {
         detail_router::softmax(tm, s, num_experts);
-        float dot = 0.0f;
+        R dot = R(0);
         for (int j = 0; j < n; ++j) dot = simt::add(dot, simt::mul(s[j], ds[j]));
         dot = tm.sum(dot);
         for (int j = 0; j < n; ++j) dl[j] = simt::mul(s[j], simt::add(ds[j], -dot));
       } else {
-        float part = 0.0f, gpart = 0.0f;
+        R part = R(0), gpart = R(0);
         for (int j = 0; j < n; ++j) {
           s[j] =
-              rank + width * j < num_experts ? detail_router::elementwise_score(score, x[j]) : 0.0f;
+              rank + width * j < num_experts ? detail_router::elementwise_score(score, x[j]) : R(0);
           part = simt::add(part, s[j]);
           gpart = simt::add(gpart, simt::mul(ds[j], s[j]));
         }
-        const float d = simt::add(tm.sum(part), 1e-20f);
-        const float gs = tm.sum(gpart);
-        const float tail = simt::div(gs, simt::mul(d, d));
+        const R d = simt::add(tm.sum(part), R(1e-20));
+        const R gs = tm.sum(gpart);
+        const R tail = simt::div(gs, simt::mul(d, d));
         for (int j = 0; j < n; ++j)
           dl[j] = rank + width * j < num_experts
                       ? simt::mul(simt::add(simt::div(ds[j], d), -tail),
                                   detail_router::score_grad(score, x[j], s[j]))
-                      : 0.0f;
+                      : R(0);
       }
       for (int j = 0; j < n; ++j) {
         const int e = rank + width * j;

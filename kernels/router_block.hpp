@@ -32,25 +32,27 @@ struct block_per_token {
   static constexpr int max_groups = 32;
 
   //! Shared memory: the reductions' per-warp values, the selections, the group scores.
+  template <class R>
   struct shared_state {
-    float red_v[warps];
+    R red_v[warps];
     int red_i[warps];
     int sel_index[max_topk];
-    float sel_value[max_topk];  // the score (or logit) each selection's probability starts from
-    float group_score[max_groups];
+    R sel_value[max_topk];  // the score (or logit) each selection's probability starts from
+    R group_score[max_groups];
   };
-  static constexpr std::size_t smem_bytes = sizeof(shared_state);
+  template <class R>
+  static constexpr std::size_t smem_for = sizeof(shared_state<R>);
 
-  template <class Ctx>
+  template <class Ctx, class R>
   struct team {
     static constexpr int width = block_per_token::width;
     static constexpr int per_thread = detail_router::per_thread;
     static constexpr int selections = (max_topk + width - 1) / width;  // 1: thread r, selection r
     Ctx& c;
-    shared_state& sh;
+    shared_state<R>& sh;
 
     MOEFOLD_HOST_DEVICE explicit team(Ctx& ctx)
-        : c(ctx), sh(*ctx.template shared<shared_state>()) {}
+        : c(ctx), sh(*ctx.template shared<shared_state<R>>()) {}
     //! All slots (constant bounds), as warp_per_token's team (router.hpp says what they mean).
     [[nodiscard]] MOEFOLD_HOST_DEVICE static constexpr int slot_begin(int) { return 0; }
     [[nodiscard]] MOEFOLD_HOST_DEVICE static constexpr int slot_end(int) { return per_thread; }
@@ -58,26 +60,26 @@ struct block_per_token {
     [[nodiscard]] MOEFOLD_HOST_DEVICE int rank() const { return c.thread(); }
     [[nodiscard]] MOEFOLD_HOST_DEVICE int first_token() const { return c.block(); }
     [[nodiscard]] MOEFOLD_HOST_DEVICE int token_step() const { return c.grid_blocks(); }
-    [[nodiscard]] MOEFOLD_HOST_DEVICE float max(float v) {
+    [[nodiscard]] MOEFOLD_HOST_DEVICE R max(R v) {
       v = simt::warp_max(c, v);
       if (c.lane() == 0) sh.red_v[c.warp()] = v;
       c.sync();
-      float m = sh.red_v[0];
+      R m = sh.red_v[0];
       for (int w = 1; w < warps; ++w) m = sh.red_v[w] > m ? sh.red_v[w] : m;
       c.sync();
       return m;
     }
-    [[nodiscard]] MOEFOLD_HOST_DEVICE float sum(float v) {
+    [[nodiscard]] MOEFOLD_HOST_DEVICE R sum(R v) {
       v = simt::warp_sum(c, v);
       if (c.lane() == 0) sh.red_v[c.warp()] = v;
       c.sync();
-      float s = sh.red_v[0];
+      R s = sh.red_v[0];
       for (int w = 1; w < warps; ++w) s = simt::add(s, sh.red_v[w]);
       c.sync();
       return s;
     }
     //! (value, index) of the block's largest value, the lower index on a tie; on every thread.
-    MOEFOLD_HOST_DEVICE void argmax(float& v, int& i) {
+    MOEFOLD_HOST_DEVICE void argmax(R& v, int& i) {
       simt::warp_argmax(c, v, i);
       if (c.lane() == 0) {
         sh.red_v[c.warp()] = v;
@@ -94,7 +96,7 @@ struct block_per_token {
       c.sync();
     }
     //! Round r chose expert i; its owner (thread i % 128) records it.
-    MOEFOLD_HOST_DEVICE void record(int r, int i, float owner_value) {
+    MOEFOLD_HOST_DEVICE void record(int r, int i, R owner_value) {
       if (c.thread() == i % width) {
         sh.sel_index[r] = i;
         sh.sel_value[r] = owner_value;
@@ -105,7 +107,7 @@ struct block_per_token {
     //! The threads' selections r < k hand (index, value) to every thread through shared memory
     //! (the selection slots): shared_index(r), shared_value(r) until unshare().
     MOEFOLD_HOST_DEVICE void share(int k, const int (&index)[selections],
-                                   const float (&value)[selections]) {
+                                   const R (&value)[selections]) {
       for (int q = 0; q < selections; ++q) {
         const int r = c.thread() + width * q;
         if (r < k) {
@@ -116,24 +118,24 @@ struct block_per_token {
       c.sync();
     }
     [[nodiscard]] MOEFOLD_HOST_DEVICE int shared_index(int r) const { return sh.sel_index[r]; }
-    [[nodiscard]] MOEFOLD_HOST_DEVICE float shared_value(int r) const { return sh.sel_value[r]; }
+    [[nodiscard]] MOEFOLD_HOST_DEVICE R shared_value(int r) const { return sh.sel_value[r]; }
     //! The slots are read by every thread before anyone writes them again.
     MOEFOLD_HOST_DEVICE void unshare() { c.sync(); }
     //! The expert and value of selection thread() + width q (below k only).
     [[nodiscard]] MOEFOLD_HOST_DEVICE int selected_index(int q) const {
       return sh.sel_index[c.thread() + width * q];
     }
-    [[nodiscard]] MOEFOLD_HOST_DEVICE float selected_value(int q) const {
+    [[nodiscard]] MOEFOLD_HOST_DEVICE R selected_value(int q) const {
       return sh.sel_value[c.thread() + width * q];
     }
-    [[nodiscard]] MOEFOLD_HOST_DEVICE float first_value() const { return sh.sel_value[0]; }
+    [[nodiscard]] MOEFOLD_HOST_DEVICE R first_value() const { return sh.sel_value[0]; }
     template <class F>
-    [[nodiscard]] MOEFOLD_HOST_DEVICE float ordered_sum(int k, F f) const {
-      float s = 0.0f;
+    [[nodiscard]] MOEFOLD_HOST_DEVICE R ordered_sum(int k, F f) const {
+      R s = R(0);
       for (int j = 0; j < k; ++j) s = simt::add(s, f(sh.sel_value[j]));
       return s;
     }
-    MOEFOLD_HOST_DEVICE void set_group_score(int g, float s) {
+    MOEFOLD_HOST_DEVICE void set_group_score(int g, R s) {
       if (c.thread() == 0) sh.group_score[g] = s;
     }
     //! Bit g: group g is among the `keep` best (lower group first on a tie), chosen by every

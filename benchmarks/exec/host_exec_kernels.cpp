@@ -43,7 +43,7 @@
 #include <moefold/kernels/router_z_loss.hpp>
 #include <moefold/kernels/scan.hpp>
 #include <moefold/routing/aux_loss.hpp>
-#include <moefold/routing/topk_router.hpp>
+#include <moefold/routing/host_topk_router.hpp>
 #include <numeric>
 #include <random>
 #include <string>
@@ -95,7 +95,7 @@ constexpr bool in_step[groups] = {true, true, true, true, false, false, true, tr
 
 template <class T>
 struct host_state {
-  topk_router<T> router{};
+  host_topk_router<T> router{};
   std::vector<T> logits{};  // [N, E]
   topk_routing<T> routing{};
   topk_router_scratch<T> router_ws{};
@@ -175,7 +175,7 @@ void must(const status& st, const std::string& what) {
 
 template <class T>
 host_state<T> make_host(const inputs& in) {
-  auto r = topk_router<T>::make({.num_experts = in.E, .topk = in.K});
+  auto r = host_topk_router<T>::make({.num_experts = in.E, .topk = in.K});
   if (!r) fail("topk_router::make: " + r.error().message);
   host_state<T> h{.router = *r};
   h.logits.assign(in.logits.begin(), in.logits.end());
@@ -269,7 +269,7 @@ struct host_loops {
 };
 
 // ---------------------------------------------------------------------------------------------
-// The kernels on a context, one group per call: the launches and grids simt_router,
+// The kernels on a context, one group per call: the launches and grids topk_router,
 // simt_moe_layer and simt_memory_ops use.
 
 kernel_state make_kernel_state(const inputs& in) {
@@ -384,30 +384,30 @@ struct kernel_groups {
             });
             !st)
           return st;
-        const k::aux_column_sums_kernel sums{.scores = s.scores.data(),
-                                             .map = s.map.data(),
-                                             .rows = N,
-                                             .columns = E,
-                                             .sums = s.sums.data(),
-                                             .counts = s.counts.data()};
+        const k::aux_column_sums_kernel<> sums{.scores = s.scores.data(),
+                                               .map = s.map.data(),
+                                               .rows = N,
+                                               .columns = E,
+                                               .sums = s.sums.data(),
+                                               .counts = s.counts.data()};
         if (auto st =
                 launch(x, launch_grid{.blocks = capped_blocks<Exec>(E, sums.block_threads)}, sums);
             !st)
           return st;
-        const k::switch_loss_kernel loss{.column_sums = s.sums.data(),
-                                         .counts = s.counts.data(),
-                                         .columns = E,
-                                         .total_tokens = static_cast<double>(N),
-                                         .per_token = static_cast<double>(K),
-                                         .topk = K,
-                                         .num_experts = E,
-                                         .coeff = aux_coeff,
-                                         .divide_by = 1.0,
-                                         .running = nullptr,
-                                         .steps = 0,
-                                         .used = nullptr,
-                                         .loss = s.aux_loss.data(),
-                                         .dscores = s.dscores.data()};
+        const k::switch_loss_kernel<> loss{.column_sums = s.sums.data(),
+                                           .counts = s.counts.data(),
+                                           .columns = E,
+                                           .total_tokens = static_cast<double>(N),
+                                           .per_token = static_cast<double>(K),
+                                           .topk = K,
+                                           .num_experts = E,
+                                           .coeff = aux_coeff,
+                                           .divide_by = 1.0,
+                                           .running = nullptr,
+                                           .steps = 0,
+                                           .used = nullptr,
+                                           .loss = s.aux_loss.data(),
+                                           .dscores = s.dscores.data()};
         return launch(x, launch_grid{.blocks = 1}, loss);
       }
       case aux_bwd:
@@ -433,12 +433,12 @@ struct kernel_groups {
             });
             !st)
           return st;
-        const k::z_loss_total_kernel total{.lse = s.lse.data(),
-                                           .padding = nullptr,
-                                           .num_tokens = N,
-                                           .coeff = static_cast<float>(z_coeff),
-                                           .loss = s.z_loss.data(),
-                                           .valid = s.valid.data()};
+        const k::z_loss_total_kernel<> total{.lse = s.lse.data(),
+                                             .padding = nullptr,
+                                             .num_tokens = N,
+                                             .coeff = static_cast<float>(z_coeff),
+                                             .loss = s.z_loss.data(),
+                                             .valid = s.valid.data()};
         return launch(x, launch_grid{.blocks = 1, .smem_bytes = total.smem_bytes}, total);
       }
       case z_bwd:
@@ -856,12 +856,12 @@ int run(int argc, char** argv) {
     std::vector<int> ids{3}, fault{2147483647, 0}, valid{0};
     std::vector<float> loss{0.0f};
     const k::record_fault_kernel rf{.ids = ids.data(), .fault = fault.data()};
-    const k::z_loss_total_kernel zt{.lse = nullptr,
-                                    .padding = nullptr,
-                                    .num_tokens = 0,
-                                    .coeff = 1.0f,
-                                    .loss = loss.data(),
-                                    .valid = valid.data()};
+    const k::z_loss_total_kernel<> zt{.lse = nullptr,
+                                      .padding = nullptr,
+                                      .num_tokens = 0,
+                                      .coeff = 1.0f,
+                                      .loss = loss.data(),
+                                      .valid = valid.data()};
     const launch_grid one{.blocks = 1}, one_smem{.blocks = 1, .smem_bytes = zt.smem_bytes};
     launches[0] = time_calls([&] { return launch(host_exec{}, one, rf); }, reps, target_s,
                              "record_fault on host_exec");
@@ -878,7 +878,7 @@ int run(int argc, char** argv) {
     inputs in = make_inputs(sz);
     // The capacity's and the histogram's record: the float host router's selection.
     {
-      auto r = topk_router<float>::make({.num_experts = in.E, .topk = in.K});
+      auto r = host_topk_router<float>::make({.num_experts = in.E, .topk = in.K});
       topk_routing<float> rt;
       must(r->route(std::span<const float>(in.logits), rt), "route");
       in.route_ids = rt.indices;

@@ -141,6 +141,14 @@ requires std::is_integral_v<T>
   return gpu_nan(std::sqrt(x));
 #endif
 }
+//! sqrt(x) correctly rounded, in double.
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline double sqrt(double x) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __dsqrt_rn(x);
+#else
+  return std::sqrt(x);
+#endif
+}
 //! x rounded to the nearest integer, ties to even (the default rounding mode on both sides).
 [[nodiscard]] MOEFOLD_HOST_DEVICE inline float rint(float x) noexcept {
 #if defined(__CUDA_ARCH__)
@@ -291,6 +299,80 @@ template <int K, int k = 2>
   if (x >= 0.0f) return div(1.0f, add(1.0f, exp(-x)));
   const float e = exp(x);
   return div(e, add(1.0f, e));
+}
+
+//! The bits of a double, and back.
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline std::uint64_t double_bits(double d) noexcept {
+#if defined(__CUDA_ARCH__)
+  return static_cast<std::uint64_t>(__double_as_longlong(d));
+#else
+  std::uint64_t u;
+  std::memcpy(&u, &d, 8);
+  return u;
+#endif
+}
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline double bits_double(std::uint64_t u) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __longlong_as_double(static_cast<long long>(u));
+#else
+  double d;
+  std::memcpy(&d, &u, 8);
+  return d;
+#endif
+}
+
+//! ln x in double (the router in fp64 on a CPU context: the logsumexp, sqrt-softplus), the
+//! float log's method with the series of 2 atanh(s) to s^23 (|s| <= 0.1716: truncation below
+//! 1e-19 relative) and e ln2 in two parts (ln2_hi has 32 significant bits: e ln2_hi is exact).
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline double log(double x) noexcept {
+  if (x != x) return x;
+  if (x < 0.0) return bits_double(0x7ff8000000000000ull);    // NaN
+  if (x == 0.0) return -bits_double(0x7ff0000000000000ull);  // -inf
+  if (x == bits_double(0x7ff0000000000000ull)) return x;     // +inf
+  std::uint64_t u = double_bits(x);
+  int e = 0;
+  if (u < 0x0010000000000000ull) {  // subnormal: scale by 2^52 first
+    u = double_bits(mul(x, 4503599627370496.0));
+    e = -52;
+  }
+  e += static_cast<int>(u >> 52) - 1023;
+  double m = bits_double((u & 0x000fffffffffffffull) | 0x3ff0000000000000ull);  // [1, 2)
+  if (m > 1.4142135623730951) {  // fold [sqrt2, 2) to [sqrt2/2, 1)
+    m = mul(m, 0.5);
+    ++e;
+  }
+  const double f = add(m, -1.0);  // exact (Sterbenz)
+  const double s = div(f, add(m, 1.0));
+  const double z = mul(s, s);
+  double p = 2.0 / 23;  // 2 / (2j + 1), j = 11 .. 1, by Horner
+  for (int j = 10; j >= 1; --j) p = fma(p, z, 2.0 / (2 * j + 1));
+  const double lm = fma(mul(s, z), p, add(s, s));  // 2s + s z p; 2s is exact
+  const double fe = static_cast<double>(e);
+  return add(mul(fe, 6.93147180369123816490e-01), fma(fe, 1.90821492927058770002e-10, lm));
+}
+
+//! ln(1 + x) in double (the float log1p's method).
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline double log1p(double x) noexcept {
+  const double u = add(1.0, x);
+  if (u == 1.0) return x;
+  if (u == bits_double(0x7ff0000000000000ull)) return u;
+  return mul(log(u), div(x, add(u, -1.0)));
+}
+
+//! 1 / (1 + e^-x) in double (the float sigmoid's two branches).
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline double sigmoid(double x) noexcept {
+  if (x >= 0.0) return div(1.0, add(1.0, exp(-x)));
+  const double e = exp(x);
+  return div(e, add(1.0, e));
+}
+
+//! -infinity of the router's element type (float or double).
+template <class R>
+[[nodiscard]] MOEFOLD_HOST_DEVICE inline R neg_inf() noexcept {
+  if constexpr (std::is_same_v<R, double>)
+    return -bits_double(0x7ff0000000000000ull);
+  else
+    return bits_float(0xff800000u);
 }
 
 }  // namespace moefold::kernels::simt

@@ -29,10 +29,10 @@ template <class Ctx, class T>
 
 //! (value, index) of the largest value over the lanes, the lower index on a tie; on every lane.
 //! The top-k of the router is k rounds of this.
-template <class Ctx>
-MOEFOLD_HOST_DEVICE void warp_argmax(Ctx& c, float& v, int& i) {
+template <class Ctx, class T>
+MOEFOLD_HOST_DEVICE void warp_argmax(Ctx& c, T& v, int& i) {
   for (int m = Ctx::warp_threads / 2; m >= 1; m /= 2) {
-    const float ov = c.shfl_xor(v, m);
+    const T ov = c.shfl_xor(v, m);
     const int oi = c.shfl_xor(i, m);
     if (ov > v || (ov == v && oi < i)) {
       v = ov;

@@ -21,7 +21,7 @@
 #include <moefold/exec/host_exec.hpp>
 #include <moefold/kernels/router.hpp>
 #include <moefold/kernels/router_block.hpp>
-#include <moefold/routing/topk_router.hpp>
+#include <moefold/routing/host_topk_router.hpp>
 #include <random>
 #include <string>
 #include <vector>
@@ -161,7 +161,7 @@ void check_forward(const std::vector<variant>& variants, const std::vector<int>&
       CAPTURE(o.num_experts);
       CAPTURE(o.topk);
       CAPTURE(N);
-      auto router = topk_router<float>::make(o);
+      auto router = host_topk_router<float>::make(o);
       REQUIRE(router);
       const int E = o.num_experts, kk = o.topk;
       auto [logits, bias] = random_inputs(o, N, rng);
@@ -343,8 +343,8 @@ void check_backward(const std::vector<variant>& variants, const std::vector<int>
       CAPTURE(o.num_experts);
       CAPTURE(o.topk);
       CAPTURE(N);
-      auto router = topk_router<float>::make(o);
-      auto router64 = topk_router<double>::make(o);
+      auto router = host_topk_router<float>::make(o);
+      auto router64 = host_topk_router<double>::make(o);
       REQUIRE(router);
       REQUIRE(router64);
       const int E = o.num_experts, kk = o.topk;

@@ -30,12 +30,12 @@
 #include <moefold/kernels/router_aux_loss.hpp>
 #include <moefold/kernels/router_z_loss.hpp>
 #include <moefold/routing/aux_loss.hpp>
-#include <moefold/routing/expert_bias.hpp>
 #include <moefold/routing/group_losses.hpp>
 #include <numeric>
 #include <random>
 #include <string>
 #include <vector>
+#include "../support/host_expert_bias.hpp"
 
 #include "../support/simt_test_sizes.hpp"
 #include "../support/ulp.hpp"
@@ -131,20 +131,20 @@ switch_result run_switch(const std::vector<float>& sums, const std::vector<doubl
   switch_result r{-7.0f, std::vector<float>(sums.size(), -7.0f), std::vector<double>(sums.size())};
   std::vector<double> host_running;  // the running counts as they were, for host_exec
   if (running) host_running = *running;
-  const k::switch_loss_kernel kernel{.column_sums = sums.data(),
-                                     .counts = counts.data(),
-                                     .columns = cols,
-                                     .total_tokens = total,
-                                     .per_token = per_token,
-                                     .topk = kk,
-                                     .num_experts = E,
-                                     .coeff = coeff,
-                                     .divide_by = divide_by,
-                                     .running = running ? running->data() : nullptr,
-                                     .steps = steps,
-                                     .used = r.used.data(),
-                                     .loss = &r.loss,
-                                     .dscores = r.dscores.data()};
+  const k::switch_loss_kernel<> kernel{.column_sums = sums.data(),
+                                       .counts = counts.data(),
+                                       .columns = cols,
+                                       .total_tokens = total,
+                                       .per_token = per_token,
+                                       .topk = kk,
+                                       .num_experts = E,
+                                       .coeff = coeff,
+                                       .divide_by = divide_by,
+                                       .running = running ? running->data() : nullptr,
+                                       .steps = steps,
+                                       .used = r.used.data(),
+                                       .loss = &r.loss,
+                                       .dscores = r.dscores.data()};
   run(kernel, rng, 1);
   // The same on host_exec (independent threads, one of which does it all): the same bits.
   switch_result h{-7.0f, std::vector<float>(sums.size(), -7.0f), std::vector<double>(sums.size())};
@@ -272,12 +272,12 @@ void check_losses(const std::vector<loss_case>& cases, std::mt19937_64& rng, wor
     auto sums_of = [&](int cols) {
       std::vector<float> sums(static_cast<std::size_t>(cols), -7.0f);
       std::vector<double> counts(static_cast<std::size_t>(cols), -7.0);
-      const k::aux_column_sums_kernel col_sums{.scores = scores.data(),
-                                               .map = map.data(),
-                                               .rows = static_cast<long long>(NE / cols),
-                                               .columns = cols,
-                                               .sums = sums.data(),
-                                               .counts = counts.data()};
+      const k::aux_column_sums_kernel<> col_sums{.scores = scores.data(),
+                                                 .map = map.data(),
+                                                 .rows = static_cast<long long>(NE / cols),
+                                                 .columns = cols,
+                                                 .sums = sums.data(),
+                                                 .counts = counts.data()};
       run(col_sums, rng, 2);
       // host_exec (independent threads in a loop; one block strides over every column): the
       // same row-order sums, the same bits.
@@ -428,12 +428,12 @@ void check_losses(const std::vector<loss_case>& cases, std::mt19937_64& rng, wor
     const float zcoeff = 1e-3f;
     float z = -7.0f;
     int valid = -7;
-    const k::z_loss_total_kernel z_total{.lse = lse.data(),
-                                         .padding = pad,
-                                         .num_tokens = N,
-                                         .coeff = zcoeff,
-                                         .loss = &z,
-                                         .valid = &valid};
+    const k::z_loss_total_kernel<> z_total{.lse = lse.data(),
+                                           .padding = pad,
+                                           .num_tokens = N,
+                                           .coeff = zcoeff,
+                                           .loss = &z,
+                                           .valid = &valid};
     run(z_total, rng, 1);
     CHECK(valid == a.valid_tokens);
     // host_exec from cpu_exec's lse: the same valid count; the sum of the N squares in token

@@ -9,6 +9,7 @@
 #include <moefold/dispatch/drop_policy_full_sequence.hpp>
 #include <moefold/dispatch/drop_policy_local.hpp>
 #include <moefold/layer/moe_layer.hpp>
+#include <moefold/routing/aux_loss.hpp>
 
 #include <doctest/doctest.h>
 
@@ -163,7 +164,7 @@ long long check_layer_results(const problem& p, const std::vector<layer_result>&
   const data w = make_weights(p);
   const auto wr = router_weight(p);
   const int E = p.experts, H = p.hidden, K = p.topk, L = E / fold.ep();
-  const auto router = topk_router<double>::make({.num_experts = E, .topk = K}).value();
+  const auto router = host_topk_router<double>::make({.num_experts = E, .topk = K}).value();
   for (auto stage : groups(group_kind::tp_dp_cp)) {
     reference_grads g;
     std::vector<double> dw_router(static_cast<std::size_t>(E * H), 0.0);

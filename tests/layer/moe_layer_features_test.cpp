@@ -113,7 +113,12 @@ std::vector<rank_out> run(const problem& p, variant v) {
         return s;
       std::copy(wg.begin(), wg.end(), se->gate_weight().begin());
     }
-    if (v == variant::expert_bias) layer->expert_bias().bias = bias_values(p.experts);
+    if (v == variant::expert_bias)
+      if (auto s = layer->load_state(
+              {.expert_bias = bias_values(p.experts),
+               .expert_bias_counts = std::vector<float>(static_cast<std::size_t>(p.experts), 0.f)});
+          !s)
+        return s;
     const moe_layer_groups<thread_communicator> g{
         .tp_cp = tp_cp, .dispatch = {ep, etp, tp_ep}, .tp = &tp, .tp_dp_cp = &stage};
     auto& res = results[static_cast<std::size_t>(r)];
@@ -149,22 +154,22 @@ std::vector<rank_out> run(const problem& p, variant v) {
       res.shared_dw2.assign(se->mlp().grads_fc2().begin(), se->mlp().grads_fc2().end());
       res.gate_dw.assign(se->gate_grad().begin(), se->gate_grad().end());
     }
-    res.counts_after_train = layer->expert_bias().local_tokens_per_expert;
+    res.counts_after_train = layer->save_state().expert_bias_counts;
     // Evaluation: micro-batch 0 again; same output, no losses, no counting.
-    res.global_steps_before_eval = layer->global_aux().steps;
+    res.global_steps_before_eval = layer->save_state().global_aux_steps;
     layer->set_training(false);
     inputs(0, x, dout);
     res.eval_out.resize(x.size());
     auto ev = layer->forward(p.tokens, x, {}, g, res.eval_out);
     if (!ev) return unexpected<error>(ev.error());
     res.eval_stats = *ev;
-    res.global_steps_after_eval = layer->global_aux().steps;
-    res.counts_after_eval = layer->expert_bias().local_tokens_per_expert;
+    res.global_steps_after_eval = layer->save_state().global_aux_steps;
+    res.counts_after_eval = layer->save_state().expert_bias_counts;
     layer->set_training(true);
     // End of the global batch: bias update, running counts restart.
     if (auto s = layer->end_global_batch(stage); !s) return s;
-    res.bias_after_update = layer->expert_bias().bias;
-    res.counts_after_update = layer->expert_bias().local_tokens_per_expert;
+    res.bias_after_update = layer->save_state().expert_bias;
+    res.counts_after_update = layer->save_state().expert_bias_counts;
     if (v == variant::losses_and_shared) {
       inputs(1, x, dout);
       std::vector<double> out(x.size());
@@ -208,7 +213,7 @@ void check(const problem& p, variant v) {
   const auto wr = router_weight(p), wg = gate_weight(p);
   const bool losses = v == variant::losses_and_shared;
   const auto bias = bias_values(E);
-  const auto router = topk_router<double>::make(router_options(p, v)).value();
+  const auto router = host_topk_router<double>::make(router_options(p, v)).value();
   REQUIRE(fold.pp() == 1);  // one stage: the whole world
 
   reference_grads g, gs;  // routed experts, shared expert
@@ -532,8 +537,8 @@ TEST_CASE("MoE layer: the expert bias counts the pairs that survive the drop pol
     for (int e : ke)
       if (e >= 0) kept[static_cast<std::size_t>(e)] += 1.f;
     for (int e : layer->last_routing().indices) routed[static_cast<std::size_t>(e)] += 1.f;
-    CHECK(layer->expert_bias().local_tokens_per_expert == kept);
-    CHECK(layer->expert_bias().local_tokens_per_expert != routed);
+    CHECK(layer->save_state().expert_bias_counts == kept);
+    CHECK(layer->save_state().expert_bias_counts != routed);
     return {};
   });
   for (const auto& s : st) CHECK_MESSAGE(s.has_value(), s.error().message);

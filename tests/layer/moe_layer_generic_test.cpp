@@ -39,29 +39,25 @@ struct fixed_router {
   int experts = 0, k = 0;
   [[nodiscard]] int num_experts() const { return experts; }
   [[nodiscard]] int topk() const { return k; }
-  [[nodiscard]] status route(std::span<const double> logits, topk_routing<double>& out) const {
-    const auto n = logits.size() / static_cast<std::size_t>(experts);
-    out.num_tokens = static_cast<int>(n);
-    out.num_experts = experts;
-    out.topk = k;
-    out.indices.resize(n * static_cast<std::size_t>(k));
-    out.probs.resize(out.indices.size());
-    for (std::size_t t = 0; t < n; ++t)
+  [[nodiscard]] status route(host_exec&, const router_route_args<double, host_space>& f) const {
+    const int n = f.logits.rows();
+    if (!f.expert_bias.empty())
+      return make_error(errc::invalid_argument, "fixed_router: takes no expert bias");
+    for (int t = 0; t < n; ++t)
       for (int j = 0; j < k; ++j) {
-        const auto i = t * static_cast<std::size_t>(k) + static_cast<std::size_t>(j);
-        out.indices[i] =
-            static_cast<int>((t + static_cast<std::size_t>(j)) % static_cast<std::size_t>(experts));
-        out.probs[i] = j == 0 ? 0.7 : 0.3 / (k - 1);
+        f.indices.data()[t * k + j] = (t + j) % experts;
+        f.probs.data()[t * k + j] = j == 0 ? 0.7 : 0.3 / (k - 1);
       }
     return {};
   }
-  [[nodiscard]] status backward(std::span<const double>, const topk_routing<double>&,
-                                std::span<const double>, std::span<double> dlogits) const {
-    std::fill(dlogits.begin(), dlogits.end(), 0.0);
+  [[nodiscard]] status backward(host_exec&,
+                                const router_backward_args<double, host_space>& b) const {
+    std::fill(b.dlogits.data(),
+              b.dlogits.data() + static_cast<std::size_t>(b.dlogits.rows()) * experts, 0.0);
     return {};
   }
 };
-static_assert(routing::router<fixed_router>);
+static_assert(routing::router<fixed_router, host_exec>);
 
 // A dispatcher for a single rank (EP = ETP = 1): the kept pairs, sorted by expert (token order
 // within one), become the rows; a token's rows are summed back in slot order.

@@ -1,4 +1,4 @@
-// The MoE layer on the CPU executor from kernels (simt_moe_layer: simt_router, the router losses
+// The MoE layer on the CPU executor from kernels (simt_moe_layer: topk_router, the router losses
 // as device values, a dispatcher on cpu_exec, simt_mlp experts) over the device-space thread
 // world, EP 4 x ETP 2 and other folds, both dispatchers: every rank's output, input gradient,
 // reduced router and expert gradients and losses against the host layer (moe_layer on host_exec
@@ -235,7 +235,9 @@ std::vector<feature_out> run_host_features(const problem& p, const Policy& polic
     TRY_ASSIGN(layer, layer_t::make(feature_options(p, fold, r, shared), policy, std::move(*mlp)));
     std::transform(wr.begin(), wr.end(), layer->router_weight().begin(),
                    [](double v) { return static_cast<float>(v); });
-    layer->expert_bias().bias = feature_bias(p.experts);
+    TRY(layer->load_state(
+        {.expert_bias = feature_bias(p.experts),
+         .expert_bias_counts = std::vector<float>(static_cast<std::size_t>(p.experts), 0.0f)}));
     if (auto* se = layer->shared()) {
       const shared_weights sw = make_shared_weights(p);
       TRY(se->mlp().load_full(0, sw.fc1, sw.fc2));
@@ -269,21 +271,23 @@ std::vector<feature_out> run_host_features(const problem& p, const Policy& polic
     res.dw_router = widen(layer->router_weight_grad());
     res.dw1 = widen(layer->experts().grads_fc1());
     res.dw2 = widen(layer->experts().grads_fc2());
-    res.counts_after_train = layer->expert_bias().local_tokens_per_expert;
-    res.running_after_train = layer->global_aux().tokens_per_expert;
-    res.steps_after_train = layer->global_aux().steps;
+    const moe_layer_state trained = layer->save_state();
+    res.counts_after_train = trained.expert_bias_counts;
+    res.running_after_train = trained.global_aux_counts;
+    res.steps_after_train = trained.global_aux_steps;
     layer->set_training(false);
     feature_inputs(p, 0, r, x, dout);
     out.assign(x.size(), 0.0f);
     TRY(layer->forward(p.tokens, x, {}, g, out));
     res.eval_out = widen_all(out);
-    res.steps_after_eval = layer->global_aux().steps;
-    res.counts_after_eval = layer->expert_bias().local_tokens_per_expert;
+    res.steps_after_eval = layer->save_state().global_aux_steps;
+    res.counts_after_eval = layer->save_state().expert_bias_counts;
     layer->set_training(true);
     TRY(layer->end_global_batch(stage));
-    res.bias_after_update = layer->expert_bias().bias;
-    res.counts_after_update = layer->expert_bias().local_tokens_per_expert;
-    res.steps_after_update = layer->global_aux().steps;
+    const moe_layer_state updated = layer->save_state();
+    res.bias_after_update = updated.expert_bias;
+    res.counts_after_update = updated.expert_bias_counts;
+    res.steps_after_update = updated.global_aux_steps;
     feature_inputs(p, 1, r, x, dout);
     TRY_ASSIGN(again, layer->forward(p.tokens, x, {}, g, out));
     res.global_after_reset = again->global_aux_loss;

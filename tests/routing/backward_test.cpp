@@ -4,7 +4,7 @@
 #include <moefold/dispatch/drop_policy_local.hpp>
 #include <moefold/routing/gating.hpp>
 #include <moefold/routing/group_losses.hpp>
-#include <moefold/routing/topk_router.hpp>
+#include <moefold/routing/host_topk_router.hpp>
 
 #include <doctest/doctest.h>
 
@@ -65,7 +65,7 @@ TEST_CASE("router backward equals finite differences, every variant") {
   const auto bias = random_vector<float>(E, 103, -0.3, 0.3);
   for (const auto& v : all_variants(E)) {
     CAPTURE(v.name);
-    const auto router = topk_router<double>::make(v.opt).value();
+    const auto router = host_topk_router<double>::make(v.opt).value();
     const auto b = v.opt.expert_bias ? std::span<const float>(bias) : std::span<const float>{};
     const int k = v.opt.topk;
     auto loss = [&](const std::vector<double>& l) {
@@ -90,7 +90,7 @@ TEST_CASE("gradient through the drop mask: dropped pairs get none, survivors are
     for (bool pad : {false, true}) {
       CAPTURE(static_cast<int>(by));
       CAPTURE(pad);
-      const auto router = topk_router<double>::make({.num_experts = E, .topk = 2}).value();
+      const auto router = host_topk_router<double>::make({.num_experts = E, .topk = 2}).value();
       const sub_sequence policy{.capacity_factor = 0.75, .pad_to_capacity = pad, .by = by};
       auto loss = [&](const std::vector<double>& l) {
         topk_routing<double> r;
@@ -181,9 +181,9 @@ TEST_CASE("the whole router step: d(probs . w + aux + z) / d router weight") {
   const auto x = random_vector<double>(N * H, 141);
   const auto W = random_vector<double>(E * H, 142, -0.5, 0.5);
   const auto w = random_vector<double>(N * E, 143);
-  const auto router =
-      topk_router<double>::make({.num_experts = E, .topk = 2, .score = score_function::sigmoid})
-          .value();
+  const auto router = host_topk_router<double>::make(
+                          {.num_experts = E, .topk = 2, .score = score_function::sigmoid})
+                          .value();
   const sub_sequence policy{.capacity_factor = 1.0};
   on_one_rank([&](thread_communicator& c) {
     auto forward = [&](const std::vector<double>& WW, std::vector<double>& logits,

@@ -3,7 +3,7 @@
 #include <moefold/comm/thread_world.hpp>
 #include <moefold/dispatch/drop_policy_full_sequence.hpp>
 #include <moefold/dispatch/drop_policy_local.hpp>
-#include <moefold/routing/topk_router.hpp>
+#include <moefold/routing/host_topk_router.hpp>
 
 #include <doctest/doctest.h>
 
@@ -24,7 +24,7 @@ topk_routing<double> route(int n, int k, std::uint64_t seed,
                            score_function f = score_function::softmax) {
   const auto logits = random_vector<double>(static_cast<std::size_t>(n) * E, seed);
   topk_routing<double> r;
-  REQUIRE(topk_router<double>::make({.num_experts = E, .topk = k, .score = f})
+  REQUIRE(host_topk_router<double>::make({.num_experts = E, .topk = k, .score = f})
               .value()
               .route(logits, r));
   return r;

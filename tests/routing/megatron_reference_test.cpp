@@ -15,10 +15,10 @@
 // compared.
 #include <moefold/comm/thread_world.hpp>
 #include <moefold/dispatch/drop_policy_local.hpp>
-#include <moefold/routing/expert_bias.hpp>
 #include <moefold/routing/gating.hpp>
 #include <moefold/routing/group_losses.hpp>
-#include <moefold/routing/topk_router.hpp>
+#include <moefold/routing/host_topk_router.hpp>
+#include "../support/host_expert_bias.hpp"
 
 #include <doctest/doctest.h>
 
@@ -137,7 +137,7 @@ TEST_CASE("moefold's router agrees with Megatron-Core's on every case") {
                                                 : std::nullopt,
                           .expert_bias = mc.i("expert_bias") != 0};
     const int k = o.topk;
-    const auto router = topk_router<float>::make(o).value();
+    const auto router = host_topk_router<float>::make(o).value();
     const auto lb = split_plus(mc.config.at("lb"));
     const auto coeffs = split_plus(mc.config.at("coeff"));
     const double z = mc.d("z"), cf = mc.d("cf");

@@ -1,7 +1,10 @@
 // The top-k router's forward on the host: the router-math invariants of docs/dispatch-semantics.md
 // section 11 (item 11), the tie rule, group limits, float vs double, and every kind of bad input.
 // The values themselves are checked against Megatron-Core's own code in megatron_reference_test.
+#include <moefold/exec/cpu_exec.hpp>
+#include <moefold/exec/host_exec.hpp>
 #include <moefold/routing/gating.hpp>
+#include <moefold/routing/host_topk_router.hpp>
 #include <moefold/routing/router.hpp>
 #include <moefold/routing/topk_router.hpp>
 
@@ -51,7 +54,7 @@ TEST_CASE_TEMPLATE("every variant: selection is the top-k of its scores, within 
   const auto bias = random_vector<float>(E, 12, -0.3, 0.3);
   for (const auto& v : all_variants(E)) {
     CAPTURE(v.name);
-    const auto router = topk_router<T>::make(v.opt).value();
+    const auto router = host_topk_router<T>::make(v.opt).value();
     topk_routing<T> r;
     REQUIRE(router.route(
         logits, r, v.opt.expert_bias ? std::span<const float>(bias) : std::span<const float>{}));
@@ -101,7 +104,7 @@ TEST_CASE_TEMPLATE("router math: probabilities per variant (invariant 11)", T, f
   const T tol = std::is_same_v<T, float> ? T(2e-6) : T(1e-14);
   for (const auto& v : all_variants(E)) {
     CAPTURE(v.name);
-    const auto router = topk_router<T>::make(v.opt).value();
+    const auto router = host_topk_router<T>::make(v.opt).value();
     topk_routing<T> r;
     REQUIRE(router.route(
         logits, r, v.opt.expert_bias ? std::span<const float>(bias) : std::span<const float>{}));
@@ -152,15 +155,15 @@ TEST_CASE("the expert bias changes the indices, never the probability values") {
   const auto logits = random_vector<double>(N * E, 31);
   const topk_router_options o{
       .num_experts = E, .topk = 2, .score = score_function::sigmoid, .expert_bias = true};
-  const auto router = topk_router<double>::make(o).value();
+  const auto router = host_topk_router<double>::make(o).value();
   std::vector<float> zero(E, 0.f), bias(E, 0.f);
   bias[5] = 10.f;  // forces expert 5 into every selection
   topk_routing<double> a, b;
   REQUIRE(router.route(logits, a, zero));
   REQUIRE(router.route(logits, b, bias));
-  const auto plain =
-      topk_router<double>::make({.num_experts = E, .topk = 2, .score = score_function::sigmoid})
-          .value();
+  const auto plain = host_topk_router<double>::make(
+                         {.num_experts = E, .topk = 2, .score = score_function::sigmoid})
+                         .value();
   topk_routing<double> c;
   REQUIRE(plain.route(logits, c));
   CHECK(a.indices == c.indices);
@@ -181,7 +184,7 @@ TEST_CASE("exact ties go to the lower expert index, in plain and group-limited s
   std::vector<double> flat(3 * E, 0.5);
   for (const auto& v : all_variants(E)) {
     CAPTURE(v.name);
-    const auto router = topk_router<double>::make(v.opt).value();
+    const auto router = host_topk_router<double>::make(v.opt).value();
     topk_routing<double> r;
     std::vector<float> bias(E, 0.f);
     REQUIRE(router.route(
@@ -191,7 +194,7 @@ TEST_CASE("exact ties go to the lower expert index, in plain and group-limited s
   }
   // A tie between experts 6 and 2 for the second place: 2 wins.
   std::vector<double> row = {0, 0, 1, 0, 0, 0, 1, 3};
-  const auto router = topk_router<double>::make({.num_experts = E, .topk = 2}).value();
+  const auto router = host_topk_router<double>::make({.num_experts = E, .topk = 2}).value();
   topk_routing<double> r;
   REQUIRE(router.route(row, r));
   CHECK(r.expert(0, 0) == 7);
@@ -208,8 +211,8 @@ TEST_CASE("float and double routers agree to float rounding") {
     topk_routing<float> rf;
     topk_routing<double> rd;
     const auto b = v.opt.expert_bias ? std::span<const float>(bias) : std::span<const float>{};
-    REQUIRE(topk_router<float>::make(v.opt).value().route(lf, rf, b));
-    REQUIRE(topk_router<double>::make(v.opt).value().route(lfd, rd, b));
+    REQUIRE(host_topk_router<float>::make(v.opt).value().route(lf, rf, b));
+    REQUIRE(host_topk_router<double>::make(v.opt).value().route(lfd, rd, b));
     CHECK(rf.indices == rd.indices);
     for (std::size_t i = 0; i < rf.probs.size(); ++i)
       CHECK(rf.probs[i] == doctest::Approx(rd.probs[i]).epsilon(1e-6));
@@ -217,7 +220,7 @@ TEST_CASE("float and double routers agree to float rounding") {
 }
 
 TEST_CASE("no tokens: an empty routing, not an error") {
-  const auto router = topk_router<float>::make({.num_experts = E, .topk = 2}).value();
+  const auto router = host_topk_router<float>::make({.num_experts = E, .topk = 2}).value();
   topk_routing<float> r;
   REQUIRE(router.route(std::span<const float>{}, r));
   CHECK(r.num_tokens == 0);
@@ -225,7 +228,7 @@ TEST_CASE("no tokens: an empty routing, not an error") {
 }
 
 TEST_CASE("bad options are rejected with the rule that was broken") {
-  auto code = [](topk_router_options o) { return topk_router<float>::make(o).error().code; };
+  auto code = [](topk_router_options o) { return host_topk_router<float>::make(o).error().code; };
   CHECK(code({.num_experts = 0, .topk = 1}) == errc::invalid_size);
   CHECK(code({.num_experts = 8, .topk = 9}) == errc::invalid_argument);  // k > E
   CHECK(code({.num_experts = 8, .topk = 0}) == errc::invalid_argument);
@@ -246,14 +249,14 @@ TEST_CASE("bad options are rejected with the rule that was broken") {
         errc::invalid_argument);  // 2 groups of 2 cannot supply 5 experts
   CHECK(code({.num_experts = 8, .topk = 2, .scaling_factor = 0.0}) == errc::invalid_argument);
   CHECK(code({.num_experts = 8, .topk = 2, .scaling_factor = NAN}) == errc::invalid_argument);
-  const auto e = topk_router<float>::make({.num_experts = 8, .topk = 9}).error();
+  const auto e = host_topk_router<float>::make({.num_experts = 8, .topk = 9}).error();
   CHECK(e.message.find("topk") != std::string::npos);
   CHECK(e.message.find("9") != std::string::npos);
 }
 
 TEST_CASE_TEMPLATE("bad inputs: non-finite logits, wrong shapes, a missing or extra bias", T, float,
                    double) {
-  const auto router = topk_router<T>::make({.num_experts = E, .topk = 2}).value();
+  const auto router = host_topk_router<T>::make({.num_experts = E, .topk = 2}).value();
   topk_routing<T> r;
   auto logits = random_vector<T>(4 * E, 51);
   CHECK(router.route(std::span<const T>(logits.data(), 4 * E - 1), r).error().code ==
@@ -268,7 +271,7 @@ TEST_CASE_TEMPLATE("bad inputs: non-finite logits, wrong shapes, a missing or ex
   std::vector<float> bias(E, 0.f);
   CHECK(router.route(logits, r, bias).error().code == errc::invalid_argument);
   const auto biased =
-      topk_router<T>::make(
+      host_topk_router<T>::make(
           {.num_experts = E, .topk = 2, .score = score_function::sigmoid, .expert_bias = true})
           .value();
   CHECK(biased.route(logits, r).error().code == errc::shape_mismatch);
@@ -288,24 +291,23 @@ TEST_CASE("a user type models the router concept") {
     int E = 4, k = 2;
     int num_experts() const { return E; }
     int topk() const { return k; }
-    status route(std::span<const float> logits, topk_routing<float>& out) const {
-      out.num_tokens = static_cast<int>(logits.size()) / E;
-      out.num_experts = E;
-      out.topk = k;
-      out.indices.resize(out.num_tokens * k);
-      out.probs.assign(out.num_tokens * k, 1.f / k);
-      for (int t = 0; t < out.num_tokens; ++t)
-        for (int i = 0; i < k; ++i) out.indices[t * k + i] = (t * k + i) % E;
+    status route(host_exec&, const router_route_args<float, host_space>& f) const {
+      for (int t = 0; t < f.logits.rows(); ++t)
+        for (int i = 0; i < k; ++i) {
+          f.indices.data()[t * k + i] = (t * k + i) % E;
+          f.probs.data()[t * k + i] = 1.f / k;
+        }
       return {};
     }
-    status backward(std::span<const float>, const topk_routing<float>&, std::span<const float>,
-                    std::span<float> dl) const {
-      std::fill(dl.begin(), dl.end(), 0.f);
+    status backward(host_exec&, const router_backward_args<float, host_space>& b) const {
+      std::fill(b.dlogits.data(), b.dlogits.data() + b.dlogits.rows() * E, 0.f);
       return {};
     }
   };
-  static_assert(routing::router<round_robin>);
-  static_assert(!routing::router<int>);
+  static_assert(routing::router<round_robin, host_exec>);
+  static_assert(!routing::router<round_robin, cpu_exec>);  // its views are host memory
+  static_assert(routing::router<topk_router<float, host_exec>, host_exec>);
+  static_assert(routing::router<topk_router<double, cpu_exec, double>, cpu_exec>);
 }
 
 TEST_CASE("gating: logits = x W^T + b in the router dtype") {

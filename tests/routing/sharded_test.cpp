@@ -6,11 +6,14 @@
 #include <moefold/comm/thread_world.hpp>
 #include <moefold/dispatch/drop_policy_full_sequence.hpp>
 #include <moefold/dispatch/drop_policy_local.hpp>
+#include <moefold/exec/host_exec.hpp>
 #include <moefold/mesh/fold.hpp>
 #include <moefold/mesh/groups.hpp>
 #include <moefold/routing/expert_bias.hpp>
+
 #include <moefold/routing/group_losses.hpp>
-#include <moefold/routing/topk_router.hpp>
+#include <moefold/routing/host_topk_router.hpp>
+#include "../support/host_expert_bias.hpp"
 
 #include <doctest/doctest.h>
 
@@ -72,7 +75,7 @@ TEST_CASE("full-sequence keep mask is independent of TP x CP and equals the whol
     auto logits = random_vector<double>(S * B * E, 401);
     if (quantized)
       for (auto& x : logits) x = std::round(x * 2) / 2;
-    const auto router = topk_router<double>::make({.num_experts = E, .topk = K}).value();
+    const auto router = host_topk_router<double>::make({.num_experts = E, .topk = K}).value();
     topk_routing<double> whole;
     REQUIRE(router.route(logits, whole));
     for (auto by : {drop_by::probs, drop_by::position})
@@ -224,43 +227,81 @@ TEST_CASE("global aux loss over TP x DP x CP: running average, reset per global 
 }
 
 TEST_CASE("expert-bias update over TP x DP x CP equals the single-rank update") {
+  // The production object (routing/expert_bias.hpp) on host_exec: the rows each expert received
+  // added per forward, the update over the group.
   const auto logits = random_vector<double>(S * B * E, 431);
   const auto router =
-      topk_router<double>::make(
+      host_topk_router<double>::make(
           {.num_experts = E, .topk = K, .score = score_function::sigmoid, .expert_bias = true})
           .value();
   const auto bias0 = random_vector<float>(E, 432, -0.1, 0.1);
+  const std::vector<float> zeros(E, 0.f);
+  host_exec x;
+  // The routed pairs per expert of a routing (what a dropless forward dispatches).
+  const auto routed = [](const topk_routing<double>& r) {
+    std::vector<int> c(E, 0);
+    for (int e : r.indices) ++c[static_cast<std::size_t>(e)];
+    return c;
+  };
+  const auto view = [](const std::vector<int>& c) {
+    return row_view<const int, host_space>(c.data(), 1, E);
+  };
   // Whole batch, and an independent expectation of the rule.
-  auto whole = expert_bias_state::zeros(E);
-  whole.bias = bias0;
+  auto whole = expert_bias<host_exec>::make(x, E, 1e-3f).value();
+  REQUIRE(whole.load(x, bias0, zeros));
   topk_routing<double> r;
-  REQUIRE(router.route(logits, r, whole.bias));
-  REQUIRE(count_routed_tokens(whole, r.dense_map()));
-  std::vector<float> counts = whole.local_tokens_per_expert;
-  run_ok(1, [&](thread_communicator& c) { REQUIRE(update_expert_bias(c, whole, 1e-3f)); });
+  REQUIRE(router.route(logits, r, bias0));
+  const std::vector<int> counts = routed(r);
+  REQUIRE(whole.add_counts(x, view(counts)));
+  std::vector<float> saved_bias, saved_counts;
+  REQUIRE(whole.save(x, saved_bias, saved_counts));
+  CHECK(saved_counts == std::vector<float>(counts.begin(), counts.end()));
+  run_ok(1, [&](thread_communicator& c) { REQUIRE(whole.update(x, c)); });
+  REQUIRE(whole.save(x, saved_bias, saved_counts));
   float mean = 0;
-  for (float v : counts) mean += v / E;
+  for (int v : counts) mean += static_cast<float>(v) / E;
   for (int e = 0; e < E; ++e) {
-    const float expect = bias0[e] + (counts[e] < mean ? 1e-3f : counts[e] > mean ? -1e-3f : 0.f);
-    CHECK(whole.bias[e] == expect);
-    CHECK(whole.local_tokens_per_expert[e] == 0.f);
+    const auto ce = static_cast<float>(counts[static_cast<std::size_t>(e)]);
+    const float expect = bias0[e] + (ce < mean ? 1e-3f : ce > mean ? -1e-3f : 0.f);
+    CHECK(saved_bias[static_cast<std::size_t>(e)] == expect);
+    CHECK(saved_counts[static_cast<std::size_t>(e)] == 0.f);
   }
   for (const auto sp : splits) {
     CAPTURE(sp.tp);
     CAPTURE(sp.cp);
     std::mutex m;
     run_ok(sp.tp * sp.cp, [&](thread_communicator& c) {
+      host_exec rx;
       const auto keys = keys_of(c.rank(), sp);
-      auto st = expert_bias_state::zeros(E);
-      st.bias = bias0;
+      auto st = expert_bias<host_exec>::make(rx, E, 1e-3f).value();
+      REQUIRE(st.load(rx, bias0, zeros));
       topk_routing<double> lr;
-      REQUIRE(router.route(rows(logits, keys), lr, st.bias));
-      REQUIRE(count_routed_tokens(st, lr.dense_map()));
-      REQUIRE(update_expert_bias(c, st, 1e-3f));
+      REQUIRE(router.route(rows(logits, keys), lr, bias0));
+      const std::vector<int> mine = routed(lr);
+      REQUIRE(st.add_counts(rx, view(mine)));
+      REQUIRE(st.update(rx, c));
+      std::vector<float> b, n;
+      REQUIRE(st.save(rx, b, n));
       std::lock_guard lk(m);
-      CHECK(st.bias == whole.bias);  // integer counts: bitwise equal
+      CHECK(b == saved_bias);  // integer counts: bitwise equal
     });
   }
+  // Dropped and padded rows: routed - dropped + padded per expert; bad shapes refused.
+  auto d = expert_bias<host_exec>::make(x, 4, 1e-3f).value();
+  const std::vector<int> rt = {5, 3, 0, 2}, dr = {2, 0, 0, 1}, pd = {0, 1, 3, 0};
+  const auto v4 = [](const std::vector<int>& c) {
+    return row_view<const int, host_space>(c.data(), 1, 4);
+  };
+  REQUIRE(d.add_counts(x, v4(rt), v4(dr), v4(pd)));
+  REQUIRE(d.save(x, saved_bias, saved_counts));
+  CHECK(saved_counts == std::vector<float>{3, 4, 3, 1});
+  CHECK(d.add_counts(x, row_view<const int, host_space>(rt.data(), 1, 3)).error().code ==
+        errc::shape_mismatch);
+  CHECK(d.load(x, std::vector<float>(3, 0.f), std::vector<float>(4, 0.f)).error().code ==
+        errc::shape_mismatch);
+  CHECK(d.load(x, std::vector<float>(4, 0.f), std::vector<float>{0, -1, 0, 0}).error().code ==
+        errc::invalid_argument);
+  CHECK(expert_bias<host_exec>::make(x, 4, -1.f).error().code == errc::invalid_argument);
 }
 
 TEST_CASE("counts exclude padding tokens and a padding mask changes the token total") {
@@ -288,7 +329,7 @@ TEST_CASE("folded groups: TP x CP and TP x DP x CP communicators from a Megatron
   // dropping over each tp-cp group equals the whole-sequence decision of that replica.
   const auto fold = make_folded({.world = 16, .tp = 2, .cp = 2, .ep = 4, .etp = 1}).value();
   const megatron_groups groups(fold);
-  const auto router = topk_router<double>::make({.num_experts = E, .topk = K}).value();
+  const auto router = host_topk_router<double>::make({.num_experts = E, .topk = K}).value();
   const full_sequence policy{.capacity_factor = 0.75, .by = drop_by::position};
   std::vector<drop_result<double>> ref(4);
   std::vector<std::vector<double>> batch(4);

@@ -152,6 +152,11 @@ template <class T>
 using accumulator_t =
     std::conditional_t<dtype_of<T> == dtype::bf16 || dtype_of<T> == dtype::f16, float, T>;
 
+//! The gradient element type a weight type accumulates into by default: fp32 for bf16/fp16
+//! weights (Megatron-Core's main_grad), the weight type otherwise.
+template <class T>
+using main_grad_t = accumulator_t<T>;
+
 namespace detail {
 template <class T>
 MOEFOLD_HOST_DEVICE constexpr accumulator_t<T> widen(const T& v) noexcept {

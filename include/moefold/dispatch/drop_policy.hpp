@@ -18,8 +18,8 @@
 #include "../core/drop_by.hpp"
 #include "../core/error.hpp"
 #include "../core/expected.hpp"
+#include "../routing/host_topk_router.hpp"
 #include "../routing/routing_view.hpp"
-#include "../routing/topk_router.hpp"
 
 namespace moefold {
 inline namespace v0_1 {

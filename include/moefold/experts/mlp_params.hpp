@@ -38,11 +38,6 @@ struct mlp_shape {
   activation act = activation::swiglu;
 };
 
-//! The gradient element type a weight type accumulates into by default: fp32 for bf16/fp16
-//! weights (Megatron-Core's main_grad), the weight type otherwise.
-template <class T>
-using main_grad_t = accumulator_t<T>;
-
 //! Element counts of one rank's shards (all local experts), for sizing a caller's buffers.
 struct mlp_param_sizes {
   std::size_t fc1 = 0;  //!< L * F1 * H

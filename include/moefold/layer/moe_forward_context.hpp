@@ -15,8 +15,9 @@
 #include <vector>
 
 #include "../dispatch/drop_policy.hpp"
-#include "../routing/aux_loss.hpp"
-#include "../routing/topk_router.hpp"
+#include "../routing/host_topk_router.hpp"
+#include "../routing/load_balancing_losses.hpp"
+#include "../routing/router_z_loss.hpp"
 
 namespace moefold {
 inline namespace v0_1 {
@@ -95,9 +96,9 @@ class moe_forward_context {
     kept_probs_ = std::move(o.kept_probs_);
     report_ = std::move(o.report_);
     stats_ = o.stats_;
-    aux_terms_ = std::move(o.aux_terms_);
-    aux_active_ = o.aux_active_;
-    z_active_ = o.z_active_;
+    lb_ = o.lb_;
+    z_ = o.z_;
+    loss_saved_ = std::move(o.loss_saved_);
     return *this;
   }
   ~moe_forward_context() = default;
@@ -144,10 +145,11 @@ class moe_forward_context {
   std::vector<typename Layer::prob_type> kept_probs_;  // [N*k] in the dispatcher's prob_type
   drop_report report_{};  // what the policy counted (its vectors sized once)
   moe_forward_stats stats_{};
-  std::array<aux_loss_term<router_value_type>, 3>
-      aux_terms_{};  // micro-batch, per sequence, global
-  std::array<bool, 3> aux_active_{};
-  bool z_active_ = false;
+  load_balancing_record lb_{};            // the load-balancing terms the forward ran
+  z_loss_record<router_value_type> z_{};  // the z-loss the forward ran
+  // What the losses keep for the backward (their saved bytes; the layer's context memory): kept
+  // across a recompute, sized at the context's first training forward.
+  std::vector<std::byte> loss_saved_;
 };
 
 }  // namespace v0_1

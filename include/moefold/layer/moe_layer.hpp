@@ -28,6 +28,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -45,11 +46,12 @@
 #include "../experts/expert_fn.hpp"
 #include "../experts/shared_expert.hpp"
 #include "../mesh/groups.hpp"
-#include "../routing/aux_loss.hpp"
 #include "../routing/expert_bias.hpp"
-#include "../routing/gating.hpp"
-#include "../routing/group_losses.hpp"
+#include "../routing/host_topk_router.hpp"
+#include "../routing/load_balancing_losses.hpp"
 #include "../routing/router.hpp"
+#include "../routing/router_gating.hpp"
+#include "../routing/router_z_loss.hpp"
 #include "../routing/routing_view.hpp"
 #include "../routing/topk_router.hpp"
 #include "moe_forward_context.hpp"
@@ -129,7 +131,8 @@ inline constexpr group_kind shared_gate_gradient_group = group_kind::tp_dp_cp;
 //! routing::router, moefold's topk_router by default, whose element type R (`router_value_type`)
 //! is the type of the logits, the scores, the probabilities the router gives and the losses
 //! (Megatron-Core's moe_router_dtype; the default, accumulator_t<T>, is fp32 for bf16 tokens).
-//! The gating GEMM reads the T tokens and weight and accumulates in R. `Dispatcher` is any
+//! The gating GEMM (router_gating, for every router) reads the T tokens and weight and
+//! accumulates in fp32 (fp64 for fp64 operands) into R. `Dispatcher` is any
 //! token_dispatcher of token type T; its probability type Pt (`prob_type`: T, or wider, e.g.
 //! all_to_all_dispatcher<bf16, Comm, host_exec, float>) is the type the kept probabilities are
 //! converted to once (exactly when Pt is R), travel in to the experts, who apply them (Experts
@@ -138,9 +141,10 @@ inline constexpr group_kind shared_gate_gradient_group = group_kind::tp_dp_cp;
 //! 16 bits, as in Megatron-Core with moe_router_dtype='fp32'. The router weight is a T parameter
 //! with a main_grad_t<T> gradient.
 template <class T, communicator Comm, class Policy, class Dispatcher, class Experts,
-          class Router = topk_router<accumulator_t<T>>>
+          class Router = topk_router<T, typename Dispatcher::exec_type>>
 requires expert_fn<Experts, T, typename Dispatcher::prob_type> &&
     drop_policy<Policy, typename Router::value_type, Comm> && token_dispatcher<Dispatcher, Comm> &&
+    routing::router<Router, typename Dispatcher::exec_type> &&
     std::same_as<typename Dispatcher::value_type, T> &&
     std::floating_point<typename Router::value_type> &&
     communicator_for<Comm, typename Dispatcher::exec_type, T>
@@ -155,6 +159,11 @@ class moe_layer {
  private:
   using R = router_value_type;
   using Pt = prob_type;
+  using exec_t = typename Dispatcher::exec_type;
+  // moefold's router (any of its GEMM policies), which takes the expert bias.
+  static constexpr bool is_topk_router = is_topk_router_v<Router>;
+  // The gating linear for every router (topk_router's own runs the same code).
+  using gating_type = router_gating<T, exec_t, R>;
 
  public:
   //! The element type of the router's and the shared expert's gradients (fp32 for bf16 weights).
@@ -169,9 +178,8 @@ class moe_layer {
 
   //! A layer with moefold's top-k router made from `o.router`.
   [[nodiscard]] static expected<moe_layer> make(const moe_layer_options& o, Policy policy,
-                                                Experts experts) requires
-      std::same_as<Router, topk_router<typename Router::value_type>> && routing::router<Router> {
-    auto router = Router::make(o.router);
+                                                Experts experts) requires is_topk_router {
+    auto router = Router::make(o.router, o.hidden);
     if (!router) return unexpected<error>(router.error());
     return make(o, std::move(policy), std::move(experts), std::move(*router));
   }
@@ -180,15 +188,14 @@ class moe_layer {
   //! `o.router.num_experts` experts; the load-balancing losses score the logits with
   //! `o.router.score`; the expert bias is topk_router's alone.
   [[nodiscard]] static expected<moe_layer> make(const moe_layer_options& o, Policy policy,
-                                                Experts experts,
-                                                Router router) requires routing::router<Router> {
+                                                Experts experts, Router router) {
     using detail::to_decimal;
     if (router.num_experts() != o.router.num_experts || router.topk() != o.router.topk)
       return make_error(errc::shape_mismatch,
                         "moe_layer: the router selects " + to_decimal(router.topk()) + " of " +
                             to_decimal(router.num_experts()) + " experts; the options say " +
                             to_decimal(o.router.topk) + " of " + to_decimal(o.router.num_experts));
-    if (o.router.expert_bias && !std::same_as<Router, topk_router<R>>)
+    if (o.router.expert_bias && !is_topk_router)
       return make_error(errc::invalid_argument,
                         "moe_layer: router.expert_bias needs moefold's topk_router (a user router "
                         "takes no bias)");
@@ -231,14 +238,37 @@ class moe_layer {
     } else if (o.shared_expert.ffn < 0) {
       return make_error(errc::invalid_size, "moe_layer: shared_expert.ffn must be >= 0");
     }
+    auto gating = gating_type::make(o.router.num_experts, o.hidden);
+    if (!gating) return unexpected<error>(gating.error());
     moe_layer l(o, std::move(router), std::move(policy), std::move(*disp), std::move(experts));
+    l.gating_ = *gating;
+    l.gating_ws_.resize(gating_type::workspace_bytes());
     const auto E = static_cast<std::size_t>(o.router.num_experts), H = detail::uz(o.hidden);
     const auto N = detail::uz(o.max_tokens);
     l.own_w_.assign(E * H, T(0));
     l.own_dw_.assign(E * H, grad_type(0));
     l.w_ = l.own_w_;
     l.dw_ = l.own_dw_;
-    if (o.router.expert_bias) l.bias_ = expert_bias_state::zeros(o.router.num_experts);
+    auto lb = load_balancing_type::make(*l.exec_, {.num_experts = o.router.num_experts,
+                                                   .topk = o.router.topk,
+                                                   .score = o.router.score,
+                                                   .max_tokens = o.max_tokens,
+                                                   .batch = o.batch,
+                                                   .aux_coeff = o.aux_loss_coeff,
+                                                   .seq_aux_coeff = o.seq_aux_loss_coeff,
+                                                   .global_aux_coeff = o.global_aux_loss_coeff});
+    if (!lb) return unexpected<error>(lb.error());
+    l.lb_ = std::move(*lb);
+    auto z = z_loss_type::make(o.router.num_experts, o.max_tokens, o.z_loss_coeff);
+    if (!z) return unexpected<error>(z.error());
+    l.z_ = *z;
+    l.loss_ws_.resize(l.lb_.workspace_bytes());
+    if (o.router.expert_bias) {
+      auto b = moefold::expert_bias<exec_t>::make(*l.exec_, o.router.num_experts,
+                                                  o.expert_bias_update_rate);
+      if (!b) return unexpected<error>(b.error());
+      l.bias_.emplace(std::move(*b));
+    }
     if (shared) {
       l.shared_ = std::move(shared);
       l.shared_scratch_.resize(l.shared_->scratch_bytes());
@@ -283,10 +313,9 @@ class moe_layer {
     return o;
   }
   //! A layer with moefold's top-k router on the communicators' mapping (see options_for).
-  [[nodiscard]] static expected<moe_layer> make(const moe_layer_options& o, Policy policy,
-                                                Experts experts,
-                                                const moe_layer_communicators<Comm>& c) requires
-      std::same_as<Router, topk_router<typename Router::value_type>> && routing::router<Router> {
+  [[nodiscard]] static expected<moe_layer> make(
+      const moe_layer_options& o, Policy policy, Experts experts,
+      const moe_layer_communicators<Comm>& c) requires is_topk_router {
     auto full = options_for(o, c);
     if (!full) return unexpected<error>(full.error());
     return make(*full, std::move(policy), std::move(experts));
@@ -376,9 +405,13 @@ class moe_layer {
   [[nodiscard]] shared_expert<T, Comm>* shared() noexcept { return shared_ ? &*shared_ : nullptr; }
   //! The expert bias and this global batch's routed-token counts (empty unless the router options
   //! enable the bias). Load a checkpointed bias into bias.
-  [[nodiscard]] expert_bias_state& expert_bias() noexcept { return bias_; }
+  [[nodiscard]] moefold::expert_bias<exec_t>* expert_bias() noexcept {
+    return bias_ ? &*bias_ : nullptr;
+  }
   //! The running counts of the global load-balancing loss.
-  [[nodiscard]] const global_aux_state& global_aux() const noexcept { return global_; }
+  [[nodiscard]] const load_balancing_losses<R, exec_t>& load_balancing() const noexcept {
+    return lb_;
+  }
   [[nodiscard]] const Dispatcher& dispatcher() const noexcept { return disp_; }
   //! The dispatch handle of the last one-in-flight forward (rows per local expert, bytes).
   [[nodiscard]] const auto& last_dispatch() const noexcept { return own_ctx_.dispatch(); }
@@ -394,11 +427,13 @@ class moe_layer {
   //! The state besides the weights (see moe_layer_state).
   [[nodiscard]] moe_layer_state save_state() const {
     moe_layer_state st;
-    st.expert_bias = bias_.bias;
-    st.expert_bias_counts = bias_.local_tokens_per_expert;
+    if (bias_) (void)bias_->save(*exec_, st.expert_bias, st.expert_bias_counts);  // host_exec
     if (o_.global_aux_loss_coeff > 0) {
-      st.global_aux_counts = global_.tokens_per_expert;
-      st.global_aux_steps = global_.steps;
+      const auto run = lb_.running_counts();
+      st.global_aux_counts.resize(detail::uz(run.width()));
+      (void)exec_->copy(run,
+                        row_view<double, host_space>(st.global_aux_counts.data(), 1, run.width()));
+      st.global_aux_steps = lb_.running_steps();
     }
     return st;
   }
@@ -427,11 +462,9 @@ class moe_layer {
         st.global_aux_steps < 0 || (!global_on && st.global_aux_steps != 0))
       return make_error(errc::invalid_argument,
                         "moe_layer: load_state: values must be finite, counts and steps >= 0");
-    bias_.bias = st.expert_bias;
-    bias_.local_tokens_per_expert = st.expert_bias_counts;
-    bias_.reduce_scratch.assign(want_bias, 0.f);
-    global_.tokens_per_expert = st.global_aux_counts;
-    global_.steps = st.global_aux_steps;
+    if (bias_)
+      if (auto s = bias_->load(*exec_, st.expert_bias, st.expert_bias_counts); !s) return s;
+    return lb_.load_running(*exec_, st.global_aux_counts, st.global_aux_steps);
     return {};
   }
 
@@ -504,13 +537,13 @@ class moe_layer {
     // Experts' path. The scratch buffers are members, zeroed each step: their capacity is reused,
     // so steady-state steps allocate nothing here.
     auto& [dy, dx_rows, dp_rows, dprobs, dx_experts, dx_shared, dout_seeded] = scratch_;
-    auto& [dprobs_r, dlogits, dx_router, rows_e] = router_scratch_;
+    auto& [dprobs_r, dlogits, dx_router] = router_scratch_;
     std::span<const T> dmain = dout;  // the main output's gradient, times its seed
     if (seeds.output != R(1)) {
       dout_seeded.resize(N * H);
-      if (auto st = exec_.copy(rows(dout), rows(std::span<T>(dout_seeded))); !st) return st;
-      if (auto st = exec_.template scale<T>(rows(std::span<T>(dout_seeded)),
-                                            detail::narrow<T>(seeds.output));
+      if (auto st = exec_->copy(rows(dout), rows(std::span<T>(dout_seeded))); !st) return st;
+      if (auto st = exec_->template scale<T>(rows(std::span<T>(dout_seeded)),
+                                             detail::narrow<T>(seeds.output));
           !st)
         return st;
       dmain = dout_seeded;
@@ -539,46 +572,48 @@ class moe_layer {
     dx_router.assign(N * H, R(0));
     // The kept pairs' probability gradients [N, k], widened from Pt to R for the router.
     dprobs_r.resize(N * K);
-    if (auto st = exec_.template convert<R, Pt>(rows(std::span<const Pt>(dprobs), o_.router.topk),
-                                                rows(std::span<R>(dprobs_r), o_.router.topk));
+    if (auto st = exec_->template convert<R, Pt>(rows(std::span<const Pt>(dprobs), o_.router.topk),
+                                                 rows(std::span<R>(dprobs_r), o_.router.topk));
         !st)
       return done(ctx, st);
-    if (auto st = detail::router_backward_with(router_, logits, ctx.routing_,
-                                               std::span<const R>(dprobs_r), std::span<R>(dlogits),
-                                               router_ws_);
+    if (auto st = router_.backward(
+            *exec_, {.logits = rows(logits, E),
+                     .indices = rows(std::span<const int>(ctx.routing_.indices), o_.router.topk),
+                     .dprobs = rows(std::span<const R>(dprobs_r), o_.router.topk),
+                     .dlogits = rows(std::span<R>(dlogits), E)});
         !st)
       return done(ctx, st);
-    rows_e.resize(3 * detail::uz(E));  // the loss gradients' per-token rows
-    const gating_shape gbs{.num_tokens = n, .hidden = o_.hidden, .num_experts = E};
-    // The three load-balancing terms (micro-batch, per sequence, global), each when active.
-    // (dlogits is passed, not captured: clang 14 cannot capture a structured binding.)
-    const std::array<R, 3> term_seeds{seeds.aux, seeds.seq_aux, seeds.global_aux};
-    const auto add_term = [&](std::size_t i, std::vector<R>& dl, std::vector<R>& work) -> status {
-      if (!ctx.aux_active_[i]) return {};
-      return add_aux_loss_gradient<R>(o_.router.score, logits, E, {}, ctx.aux_terms_[i],
-                                      term_seeds[i], dl, work);
-    };
-    if (auto st = add_term(0, dlogits, rows_e); !st) return done(ctx, st);
-    if (auto st = add_term(1, dlogits, rows_e); !st) return done(ctx, st);
-    if (auto st = add_term(2, dlogits, rows_e); !st) return done(ctx, st);
-    if (ctx.z_active_)
-      if (auto st = add_group_z_loss_gradient(g.tp_cp, logits, E, o_.z_loss_coeff, {}, seeds.z,
-                                              std::span<R>(dlogits), std::span<R>(rows_e));
+    // The load-balancing terms (micro-batch, per sequence, global) and the z-loss, each when its
+    // forward ran it, into the same dlogits.
+    {
+      const std::size_t lb_bytes = ctx.lb_.any() || ctx.z_.on ? lb_.saved_bytes() : 0;
+      const std::span<std::byte> saved(ctx.loss_saved_);
+      if (auto st = lb_.backward(*exec_, rows(logits, E), {}, ctx.lb_, saved.first(lb_bytes),
+                                 {seeds.aux, seeds.seq_aux, seeds.global_aux},
+                                 rows(std::span<R>(dlogits), E));
           !st)
         return done(ctx, st);
+      if (auto st = z_.backward(*exec_, rows(logits, E), {}, ctx.z_, saved.subspan(lb_bytes),
+                                seeds.z, rows(std::span<R>(dlogits), E));
+          !st)
+        return done(ctx, st);
+    }
     // The router weight's gradient goes straight into its (caller's) buffer, beta = 1.
-    if (auto st =
-            gating_backward<R, T, T>(gbs, x, std::span<const T>(w_), std::span<const R>(dlogits),
-                                     std::span<R>(dx_router), {}, {});
-        !st)
-      return done(ctx, st);
-    if (auto st = add_gating_weight_grad<R, T, grad_type>(gbs, x, std::span<const R>(dlogits), dw_);
+    if (auto st = gating_.backward(*exec_,
+                                   gating_backward_args<T, R, grad_type, space_t>{
+                                       .x = rows(x),
+                                       .weight = rows(std::span<const T>(w_)),
+                                       .dlogits = rows(std::span<const R>(dlogits), E),
+                                       .dx = rows(std::span<R>(dx_router)),
+                                       .weight_grad = rows(dw_)},
+                                   gating_ws_);
         !st)
       return done(ctx, st);
     // dx = dx_experts + dx_router (+ dx_shared).
-    if (auto st = exec_.copy(rows(std::span<const T>(dx_experts)), rows(dx)); !st)
+    if (auto st = exec_->copy(rows(std::span<const T>(dx_experts)), rows(dx)); !st)
       return done(ctx, st);
-    if (auto st = exec_.template add_converted<T, R>(rows(std::span<const R>(dx_router)), rows(dx));
+    if (auto st =
+            exec_->template add_converted<T, R>(rows(std::span<const R>(dx_router)), rows(dx));
         !st)
       return done(ctx, st);
     if (shared_) {
@@ -586,7 +621,7 @@ class moe_layer {
       if (auto st = shared_->backward(dmain, *g.tp, dx_shared, ctx.shared_saved_, shared_scratch_);
           !st)
         return done(ctx, st);
-      if (auto st = exec_.template add<T>(rows(std::span<const T>(dx_shared)), rows(dx)); !st)
+      if (auto st = exec_->template add<T>(rows(std::span<const T>(dx_shared)), rows(dx)); !st)
         return done(ctx, st);
     }
     return done(ctx, {});
@@ -657,8 +692,8 @@ class moe_layer {
   //! enabled.
   [[nodiscard]] status end_global_batch(Comm& tp_dp_cp) {
     if (o_.router.expert_bias)
-      if (auto st = update_expert_bias(tp_dp_cp, bias_, o_.expert_bias_update_rate); !st) return st;
-    global_.reset();
+      if (auto st = bias_->update(*exec_, tp_dp_cp); !st) return st;
+    return lb_.reset_running(*exec_);
     return {};
   }
 
@@ -739,13 +774,13 @@ class moe_layer {
     if (auto pre = carve({}); !pre) return unexpected<error>(pre.error());
     // The logits go to the layer's scratch first and to the saved part once it is sized.
     const std::span<R> logits = std::span<R>(logits_).first(detail::uz(n) * detail::uz(E));
-    const gating_shape gs{.num_tokens = n, .hidden = o_.hidden, .num_experts = E};
-    if (auto st = gating_forward<R, T, T>(gs, x, std::span<const T>(w_), {}, logits); !st)
-      return unexpected<error>(st.error());
-    if (auto st = detail::route_with(router_, std::span<const R>(logits), ctx.routing_,
-                                     std::span<const float>(bias_.bias), router_ws_);
+    if (auto st = gating_.forward(
+            *exec_,
+            {.x = rows(x), .weight = rows(std::span<const T>(w_)), .logits = rows(logits, E)},
+            gating_ws_);
         !st)
       return unexpected<error>(st.error());
+    if (auto st = route(n, logits, ctx.routing_); !st) return unexpected<error>(st.error());
     // The drop policy marks what each expert keeps in the routing record's mask; the selection
     // stays whole for the router backward.
     const auto pairs = ctx.routing_.indices.size();
@@ -780,16 +815,19 @@ class moe_layer {
       if (auto st = forward_losses(ctx, g, logits, training, stats); !st)
         return unexpected<error>(st.error());
       if (training && o_.router.expert_bias)
-        if (auto st = add_dispatched_counts(counts, bias_.local_tokens_per_expert); !st)
+        if (auto st = bias_->add_counts(*exec_, rows(std::span<const int>(counts.routed), E),
+                                        rows(std::span<const int>(counts.dropped), E),
+                                        rows(std::span<const int>(counts.padded), E));
+            !st)
           return unexpected<error>(st.error());
     } else {
       stats = ctx.stats_;
     }
     stats.dropped = counts;
-    if (auto st = exec_.copy(rows(x), rows(sv->x.first(x.size()))); !st)
+    if (auto st = exec_->copy(rows(x), rows(sv->x.first(x.size()))); !st)
       return unexpected<error>(st.error());
-    if (auto st = exec_.copy(rows(std::span<const R>(logits), E),
-                             rows(sv->logits.first(logits.size()), E));
+    if (auto st = exec_->copy(rows(std::span<const R>(logits), E),
+                              rows(sv->logits.first(logits.size()), E));
         !st)
       return unexpected<error>(st.error());
     const dispatch_workspace dws{
@@ -805,7 +843,7 @@ class moe_layer {
       shared_out_.resize(detail::uz(n) * H);
       if (auto st = shared_->forward(n, x, *g.tp, shared_out_, sv->shared_ex, shared_scratch_); !st)
         return fail(ctx, st);
-      if (auto st = exec_.template add<T>(rows(std::span<const T>(shared_out_)), rows(out)); !st)
+      if (auto st = exec_->template add<T>(rows(std::span<const T>(shared_out_)), rows(out)); !st)
         return fail(ctx, st);
     }
     ctx.n_ = n;
@@ -822,48 +860,63 @@ class moe_layer {
     return stats;
   }
 
-  // The load-balancing losses and the z-loss of a forward, their terms kept in ctx: each on its
-  // own statistics group, all on the same aux scores.
+  // The load-balancing losses and the z-loss of a training forward: what their backward needs
+  // stays in ctx (its own bytes, not the storage: a recompute reuses it), the values go to stats.
   [[nodiscard]] status forward_losses(context_type& ctx, const moe_layer_groups<Comm>& g,
                                       std::span<const R> logits, bool training,
                                       moe_forward_stats& stats) {
     const int E = o_.router.num_experts;
-    ctx.aux_active_ = {};
-    ctx.z_active_ = training && o_.z_loss_coeff > 0;
-    const bool any_aux = training && (o_.aux_loss_coeff > 0 || o_.seq_aux_loss_coeff > 0 ||
-                                      o_.global_aux_loss_coeff > 0);
-    if (any_aux)
-      if (auto st = compute_aux_scores<R>(o_.router.score, o_.router.topk, E, logits, {}, aux_);
+    ctx.lb_ = {};
+    ctx.z_ = {};
+    if (!training || (!lb_.any() && !z_.on())) return {};
+    const std::size_t lb_bytes = lb_.saved_bytes();
+    ctx.loss_saved_.resize(lb_bytes + z_.saved_bytes());  // once per context
+    const std::span<std::byte> lb_saved = std::span<std::byte>(ctx.loss_saved_).first(lb_bytes),
+                               z_saved = std::span<std::byte>(ctx.loss_saved_).subspan(lb_bytes);
+    const row_view<const R, space_t> lv = rows(logits, E);
+    if (lb_.any()) {
+      auto rec = lb_.forward(*exec_, lv, {}, g.tp_cp, g.tp_dp_cp, lb_saved, loss_ws_);
+      if (!rec) return unexpected<error>(rec.error());
+      ctx.lb_ = *rec;
+      std::array<R, load_balancing_terms> v{};  // the host read, for the caller's logging
+      if (auto st = exec_->copy(lb_.losses(lb_saved),
+                                row_view<R, host_space>(v.data(), 1, load_balancing_terms));
           !st)
         return st;
-    if (any_aux && o_.aux_loss_coeff > 0) {
-      if (auto st = load_balancing_loss(g.tp_cp, aux_, o_.aux_loss_coeff, ctx.aux_terms_[0]); !st)
-        return st;
-      ctx.aux_active_[0] = true;
-      stats.aux_loss = static_cast<double>(ctx.aux_terms_[0].loss);
+      stats.aux_loss = static_cast<double>(v[0]);
+      stats.seq_aux_loss = static_cast<double>(v[1]);
+      stats.global_aux_loss = static_cast<double>(v[2]);
     }
-    if (any_aux && o_.seq_aux_loss_coeff > 0) {
-      if (auto st = seq_load_balancing_loss(g.tp_cp, aux_, o_.batch, o_.seq_aux_loss_coeff,
-                                            ctx.aux_terms_[1]);
-          !st)
+    if (z_.on()) {
+      auto rec = z_.forward(*exec_, lv, {}, g.tp_cp.size(), z_saved);
+      if (!rec) return unexpected<error>(rec.error());
+      ctx.z_ = *rec;
+      R v{};
+      if (auto st = exec_->copy(z_.loss(z_saved), row_view<R, host_space>(&v, 1, 1)); !st)
         return st;
-      ctx.aux_active_[1] = true;
-      stats.seq_aux_loss = static_cast<double>(ctx.aux_terms_[1].loss);
-    }
-    if (any_aux && o_.global_aux_loss_coeff > 0) {
-      if (auto st = global_load_balancing_loss(*g.tp_dp_cp, aux_, o_.global_aux_loss_coeff, global_,
-                                               ctx.aux_terms_[2]);
-          !st)
-        return st;
-      ctx.aux_active_[2] = true;
-      stats.global_aux_loss = static_cast<double>(ctx.aux_terms_[2].loss);
-    }
-    if (ctx.z_active_) {
-      auto z = group_z_loss(g.tp_cp, logits, E, o_.z_loss_coeff);
-      if (!z) return unexpected<error>(z.error());
-      stats.z_loss = static_cast<double>(*z);
+      stats.z_loss = static_cast<double>(v);
     }
     return {};
+  }
+
+  // The router's routing of n tokens' logits [n, E] into `out` (indices and probabilities [n, k]):
+  // moefold's router with the expert bias, a user router without. Non-finite logits are refused
+  // first (a NaN would select no expert on every context).
+  [[nodiscard]] status route(int n, std::span<const R> logits, topk_routing<R>& out) {
+    const int E = o_.router.num_experts, k = o_.router.topk;
+    if (auto st = detail::check_finite(logits, "router logits"); !st) return st;
+    out.num_tokens = n;
+    out.num_experts = E;
+    out.topk = k;
+    out.indices.resize(detail::uz(n) * detail::uz(k));
+    out.probs.resize(out.indices.size());
+    row_view<const float, space_t> bias{};
+    if (o_.router.expert_bias)  // make() refuses the option for a user router
+      bias = bias_->bias();
+    return router_.route(*exec_, {.logits = rows(logits, E),
+                                  .expert_bias = bias,
+                                  .indices = rows(std::span<int>(out.indices), k),
+                                  .probs = rows(std::span<R>(out.probs), k)});
   }
 
   // The shared scratch only grows; in-flight handles keep views of it, so a growth is counted
@@ -888,14 +941,17 @@ class moe_layer {
 
   // A buffer of the layer ([N, H] or [E, H]) as a row view in its context's space.
   // (or of another row width: the logits [N, E]).
+  using space_t = typename exec_type::memory_space;
   template <class U>
-  row_view<U, typename exec_type::memory_space> rows(std::span<U> v, int width = 0) const {
+  row_view<U, space_t> rows(std::span<U> v, int width = 0) const {
     if (width == 0) width = o_.hidden;
     return {v.data(), static_cast<int>(v.size() / detail::uz(width)), width};
   }
 
   moe_layer_options o_;
-  exec_type exec_{};
+  // The context the layer runs on (host_exec), at a fixed address: the loss and bias objects'
+  // buffers are freed through it.
+  std::unique_ptr<exec_type> exec_ = std::make_unique<exec_type>();
   Router router_;
   Policy policy_;
   Dispatcher disp_;
@@ -912,14 +968,17 @@ class moe_layer {
   // The one-in-flight form's context and storage.
   context_type own_ctx_{};
   std::vector<std::byte> own_saved_, own_host_;
-  expert_bias_state bias_{};
-  global_aux_state global_{};
+  using load_balancing_type = load_balancing_losses<R, exec_t>;
+  using z_loss_type = router_z_loss<R, exec_t>;
+  load_balancing_type lb_{};
+  z_loss_type z_{};
+  std::optional<moefold::expert_bias<exec_t>> bias_{};
+  std::vector<std::byte> loss_ws_;  // the load-balancing losses' forward workspace
   bool training_ = true;
   // Forward scratch: the logits [N, E] (until the saved part is sized), the experts' rows, the
   // shared output.
   std::vector<R> logits_;
   std::vector<T> y_, shared_out_;
-  aux_scores<R> aux_{};  // forward scratch: the aux losses' scores
   drop_scratch<R> drop_ws_{};
   struct backward_scratch {
     std::vector<T> dy, dx_rows;
@@ -927,9 +986,10 @@ class moe_layer {
     std::vector<T> dx_experts, dx_shared, dout_seeded;
   } scratch_;
   struct router_backward_scratch {  // in R
-    std::vector<R> dprobs_r, dlogits, dx_router, rows_e;
+    std::vector<R> dprobs_r, dlogits, dx_router;
   } router_scratch_;
-  topk_router_scratch<R> router_ws_{};
+  gating_type gating_{};
+  std::vector<std::byte> gating_ws_;  // the gating GEMMs' workspace (host_exec: host memory)
 };
 
 }  // namespace v0_1

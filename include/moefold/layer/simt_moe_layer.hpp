@@ -1,6 +1,6 @@
 //! @file simt_moe_layer.hpp
 //! @brief One MoE layer on an execution context that runs kernels (cpu_exec in CI, under the
-//! sanitizers; cuda_exec on a GPU): the router (simt_router: gating GEMM, fused top-k),
+//! sanitizers; cuda_exec on a GPU): the router (topk_router: gating GEMM, fused top-k),
 //! the load-balancing losses (per micro-batch, per sequence, global) and the z-loss as device
 //! values (kernels/router_aux_loss, kernels/router_z_loss), the expert bias with its counts and
 //! its once-per-global-batch update (kernels/expert_bias), the dispatcher on the context (either of
@@ -74,7 +74,7 @@
 #include "../exec/exec_buffer.hpp"
 #include "../exec/grouped_gemm_launch.hpp"
 #include "../experts/simt_mlp.hpp"
-#include "../routing/simt_router.hpp"
+#include "../routing/topk_router.hpp"
 #include "moe_layer.hpp"
 
 namespace moefold {
@@ -335,12 +335,20 @@ class simt_moe_layer {
                          "; the layer needs num_experts / ep = " +
                          to_decimal(o.ep > 0 ? o.router.num_experts / o.ep : 0) + " of size " +
                          to_decimal(o.hidden)));
-    auto router =
-        simt_router<T, Exec, grad_type>::make(exec, o.router, o.hidden, router_weight, router_grad);
+    auto router = router_type::make(o.router, o.hidden);
     if (!router) return unexpected<error>(router.error());
+    const auto fits = [&](const auto& v) {
+      return v.rows() == o.router.num_experts && v.width() == o.hidden && v.contiguous();
+    };
+    if (!fits(router_weight) || !fits(router_grad))
+      return refuse("the router weight and its gradient must be contiguous [E, H] = [" +
+                        to_decimal(o.router.num_experts) + ", " + to_decimal(o.hidden) + "]",
+                    errc::shape_mismatch);
     auto disp = Dispatcher::make(moe_dispatch_shape(o));
     if (!disp) return unexpected<error>(disp.error());
     simt_moe_layer l(exec, o, std::move(*router), std::move(*disp), std::move(experts));
+    l.router_w_ = router_weight;
+    l.router_g_ = router_grad;
     l.drop_ = rule;
     l.drop_group_ = group;
     l.policy_ = drop;
@@ -499,11 +507,14 @@ class simt_moe_layer {
     const auto xs = hidden_rows(ctx.input_, n);
     if (auto st = x_->copy(x, xs); !st) return unexpected<error>(st.error());
     if (auto st = router_.forward(
+            *x_,
             {.x = xs,
+             .weight = router_w_,
              .expert_bias = o_.router.expert_bias ? bias_.cview() : row_view<const float, space>{},
              .logits = ctx.logits_.view().first(n),
              .indices = ctx.indices_.view().first(n),
-             .probs = ctx.probs_.view().first(n)});
+             .probs = ctx.probs_.view().first(n)},
+            router_workspace());
         !st)
       return unexpected<error>(st.error());
     simt_moe_forward_stats<space> stats;
@@ -602,10 +613,10 @@ class simt_moe_layer {
       return st;
     // Router's path: the Jacobian, the losses' gradients added to dlogits, the gating GEMM.
     const auto dlogits = dlogits_.view().first(n);
-    if (auto st = router_.backward_logits({.logits = ctx.logits_.cview().first(n),
-                                           .indices = ctx.indices_.cview().first(n),
-                                           .dprobs = dprobs_.cview().first(n),
-                                           .dlogits = dlogits});
+    if (auto st = router_.backward(*x_, {.logits = ctx.logits_.cview().first(n),
+                                         .indices = ctx.indices_.cview().first(n),
+                                         .dprobs = dprobs_.cview().first(n),
+                                         .dlogits = dlogits});
         !st)
       return st;
     for (int i = 0; i < 3; ++i)  // micro-batch, per sequence, global: the host's order
@@ -619,7 +630,13 @@ class simt_moe_layer {
         return st;
     const auto dxr = hidden_rows(dx_router_, n);
     if (auto st = router_.backward_gating(
-            {.x = hidden_rows(ctx.input_, n), .dlogits = dlogits_.cview().first(n), .dx = dxr});
+            *x_,
+            gating_backward_args<T, float, grad_type, space>{.x = hidden_rows(ctx.input_, n),
+                                                             .weight = router_w_,
+                                                             .dlogits = dlogits_.cview().first(n),
+                                                             .dx = dxr,
+                                                             .weight_grad = router_g_},
+            router_workspace());
         !st)
       return st;
     if (auto st = x_->template add_converted<T, float>(dxr, dx); !st) return st;
@@ -678,8 +695,8 @@ class simt_moe_layer {
   }
 
  private:
-  simt_moe_layer(Exec& x, const moe_layer_options& o, simt_router<T, Exec, grad_type> r,
-                 Dispatcher d, Experts e)
+  using router_type = topk_router<T, Exec, float>;
+  simt_moe_layer(Exec& x, const moe_layer_options& o, router_type r, Dispatcher d, Experts e)
       : x_(&x), o_(o), router_(std::move(r)), disp_(std::move(d)), experts_(std::move(e)) {}
 
   // Allocates buffers on the context in a list whose calls all run: once one fails, the ones
@@ -714,6 +731,7 @@ class simt_moe_layer {
     buffer_maker make{*x_};
     for (status st :
          {make(dprobs_, N, K), make(dlogits_, N, E), make(dx_router_, N, padded<float>(H)),
+          make(router_ws_, 1, buffer_maker::bytes(router_type::workspace_bytes())),
           make(rows_a_, std::max(M, 1LL), padded<T>(H)),
           make(rows_b_, std::max(M, 1LL), padded<T>(H)), make(prob_rows_, std::max(M, 1LL), 1),
           make(scores_, N, E), make(map_, N, E), make(z_loss_, 1, 1), make(bias_, 1, E),
@@ -865,12 +883,12 @@ class simt_moe_layer {
   status aux_term(context& ctx, int i, Comm& group, int n) {
     const int E = o_.router.num_experts, B = i == 1 ? o_.batch : 1;
     auto& t = terms_[static_cast<std::size_t>(i)];
-    const kernels::aux_column_sums_kernel sums{.scores = scores_.view().data(),
-                                               .map = map_.view().data(),
-                                               .rows = n / B,
-                                               .columns = B * E,
-                                               .sums = t.sums.view().data(),
-                                               .counts = t.counts.view().data()};
+    const kernels::aux_column_sums_kernel<> sums{.scores = scores_.view().data(),
+                                                 .map = map_.view().data(),
+                                                 .rows = n / B,
+                                                 .columns = B * E,
+                                                 .sums = t.sums.view().data(),
+                                                 .counts = t.counts.view().data()};
     if (auto st = launch(*x_, launch_grid{.blocks = capped_blocks<Exec>(B * E, sums.block_threads)},
                          sums);
         !st)
@@ -878,7 +896,7 @@ class simt_moe_layer {
     if (group.size() > 1)
       if (auto st = group.all_reduce(*x_, t.counts.view(), reduce_op::sum); !st) return st;
     if (i == 2) ++steps_;
-    const kernels::switch_loss_kernel loss{
+    const kernels::switch_loss_kernel<> loss{
         .column_sums = t.sums.view().data(),
         .counts = t.counts.view().data(),
         .columns = B * E,
@@ -1233,12 +1251,12 @@ class simt_moe_layer {
         });
         !st)
       return st;
-    const kernels::z_loss_total_kernel total{.lse = ctx.lse_.view().data(),
-                                             .padding = nullptr,
-                                             .num_tokens = n,
-                                             .coeff = ctx.z_coeff_,
-                                             .loss = z_loss_.view().data(),
-                                             .valid = ctx.valid_.view().data()};
+    const kernels::z_loss_total_kernel<> total{.lse = ctx.lse_.view().data(),
+                                               .padding = nullptr,
+                                               .num_tokens = n,
+                                               .coeff = ctx.z_coeff_,
+                                               .loss = z_loss_.view().data(),
+                                               .valid = ctx.valid_.view().data()};
     return launch(*x_, launch_grid{.blocks = 1, .smem_bytes = total.smem_bytes}, total);
   }
   template <class Team>
@@ -1264,7 +1282,13 @@ class simt_moe_layer {
   buffer<float> sh_ones_, sh_dprobs_;                // [tp N, 1]: probabilities 1; dprobs
   buffer<accumulator_t<T>> sh_dpre_;                 // [1, N] d loss / d gate logit
   moe_layer_options o_;
-  simt_router<T, Exec, grad_type> router_;
+  router_type router_;
+  row_view<const T, space> router_w_{};    // [E, H] the caller's
+  row_view<grad_type, space> router_g_{};  // [E, H] the caller's
+  buffer<std::byte> router_ws_;            // the router's GEMM workspace
+  std::span<std::byte> router_workspace() const noexcept {
+    return {router_ws_.view().data(), static_cast<std::size_t>(router_ws_.view().width())};
+  }
   Dispatcher disp_;
   Experts experts_;
   bool training_ = true;

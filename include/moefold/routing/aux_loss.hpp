@@ -13,9 +13,9 @@
 
 #include "../core/error.hpp"
 #include "../core/expected.hpp"
+#include "host_topk_router.hpp"
 #include "score_function.hpp"
 #include "topk.hpp"
-#include "topk_router.hpp"
 
 namespace moefold {
 inline namespace v0_1 {

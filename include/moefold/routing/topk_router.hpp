@@ -1,340 +1,228 @@
 //! @file topk_router.hpp
-//! @brief Megatron-Core's TopKRouter routing step on the host (reference in float or double):
-//! score function, top-k before or after softmax, renormalisation, scaling, group limits and
-//! the expert bias; and its backward from the gradient of the routed probabilities to the logits.
+//! @brief Megatron-Core's TopKRouter on an execution context, one implementation for host_exec,
+//! cpu_exec and cuda_exec: the gating GEMM logits = x W^T through the grouped-GEMM seam
+//! (exec/grouped_gemm.hpp, the backend the Gemms policy names for the router), the fused score
+//! function + top-k + normalisation (kernels/router.hpp: a warp per token up to E = 256,
+//! kernels/router_block.hpp: a block per token up to E = 1,024; a thread per token on host_exec),
+//! and the backward in two steps, so that a layer can add the load-balancing losses' gradients in
+//! between: backward (dprobs -> dlogits, the routing::router concept's) and backward_gating
+//! (dx = dlogits W, dW += dlogits^T x).
+//!
+//! Types: T is the tokens' and the weight's element type (bf16, float, double); R the router's
+//! (Megatron-Core's moe_router_dtype): logits, scores, probabilities and their gradients, fp32 by
+//! default for fp32 and bf16 tokens (accumulator_t<T>), fp64 for fp64. fp64 runs on the CPU
+//! contexts (the finite-difference checks exercise these kernels); a GPU context refuses it at
+//! compile time.
+//!
+//! The context is passed to every call and never kept; so are the weight and the workspace
+//! (workspace_bytes(), in the context's memory: the GEMM's row ranges). Host <-> device traffic
+//! per call: the GEMM's row range (two integers) to the context, nothing back.
+//!
+//! Shapes: x [N, H] (any row stride); weight [E, H] and its gradient [E, H], contiguous; logits,
+//! dlogits [N, E], indices, probs, dprobs [N, k], contiguous; expert_bias [1, E] or empty;
+//! dx [N, H] (any row stride).
 #pragma once
 
-#include <cmath>
-#include <cstdint>
-#include <optional>
+#include <algorithm>
+#include <cstddef>
 #include <span>
 #include <string>
-#include <vector>
+#include <type_traits>
 
-#include "../core/error.hpp"
+#include <moefold/kernels/router.hpp>
+#include <moefold/kernels/router_block.hpp>
+
+#include "../core/dtype.hpp"
 #include "../core/expected.hpp"
-#include "score_function.hpp"
-#include "topk.hpp"
+#include "../core/memory_space.hpp"
+#include "../core/row_view.hpp"
+#include "../core/simt_launch.hpp"
+#include "../exec/exec.hpp"
+#include "../exec/gemm_policy.hpp"
+#include "router_args.hpp"
+#include "router_gating.hpp"
+#include "topk_router_options.hpp"
 
 namespace moefold {
 inline namespace v0_1 {
 
-//! What a top-k router does; the fields follow Megatron-Core's `moe_router_*` settings.
-struct topk_router_options {
-  int num_experts = 0;                             //!< E
-  int topk = 0;                                    //!< k, 1 <= k <= E
-  score_function score = score_function::softmax;  //!< moe_router_score_function
-  bool pre_softmax = false;                        //!< softmax over E before top-k (softmax only)
-  int num_groups = 0;                              //!< expert groups; 0 = no group limit
-  int group_topk = 0;                              //!< groups kept per token (with num_groups)
-  std::optional<double> scaling_factor = std::nullopt;  //!< moe_router_topk_scaling_factor
-  bool expert_bias = false;                             //!< selection uses scores + expert bias
+//! One forward: the tokens and the weight in, the logits and the routing out (space S).
+template <class T, class R, class S>
+struct topk_router_forward {
+  row_view<const T, S> x{};                //!< [N, H]
+  row_view<const T, S> weight{};           //!< [E, H]
+  row_view<const float, S> expert_bias{};  //!< [1, E] with options.expert_bias, else empty
+  row_view<R, S> logits{};                 //!< [N, E]
+  row_view<int, S> indices{};              //!< [N, k]
+  row_view<R, S> probs{};                  //!< [N, k]
 };
 
-//! Checks the options against the rules Megatron-Core's config enforces (and two it leaves to
-//! chance: group limits that cannot supply k experts, group_topk > k).
-[[nodiscard]] inline status validate(const topk_router_options& o) {
-  using detail::to_decimal;
-  if (o.num_experts < 1)
-    return make_error(errc::invalid_size,
-                      "router: num_experts must be >= 1 (got " + to_decimal(o.num_experts) + ")");
-  if (o.topk < 1 || o.topk > o.num_experts)
-    return make_error(errc::invalid_argument,
-                      "router: topk must be in [1, num_experts=" + to_decimal(o.num_experts) +
-                          "] (got " + to_decimal(o.topk) + ")");
-  if (o.score == score_function::softmax && !o.pre_softmax && o.topk == 1)
-    return make_error(errc::invalid_argument,
-                      "router: topk == 1 with softmax needs pre_softmax (a softmax over one "
-                      "selected logit is constant 1 and has no gradient)");
-  if (o.pre_softmax && o.score != score_function::softmax)
-    return make_error(errc::invalid_argument,
-                      "router: pre_softmax applies only to the softmax score function");
-  if (o.expert_bias && o.score == score_function::softmax)
-    return make_error(errc::invalid_argument,
-                      "router: the expert bias needs the sigmoid or sqrt_softplus score function");
-  if (o.scaling_factor && !(std::isfinite(*o.scaling_factor) && *o.scaling_factor > 0))
-    return make_error(errc::invalid_argument,
-                      "router: scaling_factor must be finite and > 0 when given");
-  if (o.num_groups != 0 || o.group_topk != 0) {
-    if (o.num_groups < 1 || o.num_experts % o.num_groups != 0)
-      return make_error(errc::invalid_argument,
-                        "router: num_groups must be >= 1 and divide num_experts (num_experts=" +
-                            to_decimal(o.num_experts) + ", num_groups=" + to_decimal(o.num_groups) +
-                            ")");
-    if (o.group_topk < 1 || o.group_topk > o.num_groups)
-      return make_error(errc::invalid_argument,
-                        "router: group_topk must be in [1, num_groups=" + to_decimal(o.num_groups) +
-                            "] (got " + to_decimal(o.group_topk) + ")");
-    // A group scores with its top-(k / group_topk) experts: k < group_topk would score every
-    // group 0, and the kept groups must hold at least k experts.
-    const int per = o.num_experts / o.num_groups;
-    if (o.topk < o.group_topk || o.topk > o.group_topk * per)
-      return make_error(errc::invalid_argument,
-                        "router: group-limited routing needs group_topk <= topk <= group_topk * "
-                        "experts_per_group (topk=" +
-                            to_decimal(o.topk) + ", group_topk=" + to_decimal(o.group_topk) +
-                            ", experts_per_group=" + to_decimal(per) + ")");
-  }
-  return {};
-}
-
-//! The routing of N tokens: for each token its k experts (sorted by selection score, descending,
-//! ties by lower expert index) and their probabilities. Dense views as Megatron-Core builds them
-//! (`probs_sparse [N,E]`, `routing_map [N,E]`) are available on demand.
-template <class T>
-struct topk_routing {
-  int num_tokens = 0;
-  int num_experts = 0;
-  int topk = 0;
-  std::vector<int> indices{};  // [N, k]
-  std::vector<T> probs{};      // [N, k]
-
-  [[nodiscard]] int expert(int t, int i) const {
-    return indices[static_cast<std::size_t>(t) * static_cast<std::size_t>(topk) +
-                   static_cast<std::size_t>(i)];
-  }
-  [[nodiscard]] T prob(int t, int i) const {
-    return probs[static_cast<std::size_t>(t) * static_cast<std::size_t>(topk) +
-                 static_cast<std::size_t>(i)];
-  }
-  //! probs scattered to [N, E], zero outside the selection.
-  [[nodiscard]] std::vector<T> dense_probs() const {
-    std::vector<T> out(static_cast<std::size_t>(num_tokens) *
-                       static_cast<std::size_t>(num_experts));
-    for (int t = 0; t < num_tokens; ++t)
-      for (int i = 0; i < topk; ++i)
-        out[static_cast<std::size_t>(t) * static_cast<std::size_t>(num_experts) +
-            static_cast<std::size_t>(expert(t, i))] = prob(t, i);
-    return out;
-  }
-  //! The routing map [N, E] (1 where routed).
-  [[nodiscard]] std::vector<std::uint8_t> dense_map() const {
-    std::vector<std::uint8_t> out(static_cast<std::size_t>(num_tokens) *
-                                  static_cast<std::size_t>(num_experts));
-    for (int t = 0; t < num_tokens; ++t)
-      for (int i = 0; i < topk; ++i)
-        out[static_cast<std::size_t>(t) * static_cast<std::size_t>(num_experts) +
-            static_cast<std::size_t>(expert(t, i))] = 1;
-    return out;
-  }
-};
-
-namespace detail {
-template <class T>
-[[nodiscard]] status check_finite(std::span<const T> x, const char* what) {
-  for (std::size_t i = 0; i < x.size(); ++i)
-    if (!std::isfinite(x[i]))
-      return make_error(errc::non_finite_input, std::string(what) + ": element " +
-                                                    to_decimal(static_cast<long long>(i)) +
-                                                    " is NaN or infinite");
-  return {};
-}
-template <class T>
-[[nodiscard]] status check_logits_shape(std::span<const T> logits, int num_tokens,
-                                        int num_experts) {
-  if (num_tokens < 0)
-    return make_error(errc::invalid_size,
-                      "router: num_tokens must be >= 0 (got " + to_decimal(num_tokens) + ")");
-  if (logits.size() != static_cast<std::size_t>(num_tokens) * static_cast<std::size_t>(num_experts))
-    return make_error(errc::shape_mismatch,
-                      "router: logits must hold num_tokens*num_experts = " +
-                          to_decimal(static_cast<long long>(num_tokens) * num_experts) +
-                          " elements (got " + to_decimal(static_cast<long long>(logits.size())) +
-                          ")");
-  return {};
-}
-}  // namespace detail
-
-//! What the router works in during route() and backward(), kept by the caller across calls: the
-//! steady state allocates nothing. Contents are dead between calls.
-template <class T>
-struct topk_router_scratch {
-  std::vector<T> s{}, sel{}, ds{}, g{}, sk{};  // [E] or [k] rows
-  group_topk_scratch<T> topk{};
-};
-
-//! Megatron-Core's top-k routing (`topk_routing_with_score_function`, unfused path) as a value:
-//! make() validates the options once; route() and backward() are const and thread-safe.
-//! All intermediates are computed in T (Megatron-Core computes scores in fp32 even for an fp64
-//! router; moefold's double reference stays in double throughout).
-template <class T>
+template <class T, class Exec, class R = accumulator_t<T>, class Gemms = default_gemms<Exec>>
 class topk_router {
- public:
-  using value_type = T;
+  static_assert(router_dtype_check<R, Exec>::ok);
+  static_assert(execution_context<Exec>,
+                "topk_router: Exec must be an execution context (host_exec, cpu_exec, cuda_exec)");
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, bfloat16> ||
+                    std::is_same_v<T, double>,
+                "topk_router: tokens and weight are bf16, fp32 or fp64");
 
-  [[nodiscard]] static expected<topk_router> make(const topk_router_options& o) {
-    if (auto s = validate(o); !s) return unexpected<error>(s.error());
-    return topk_router(o);
+ public:
+  using space = typename Exec::memory_space;
+  using token_type = T;
+  //! The router element type R (logits, scores, probabilities and their gradients).
+  using value_type = R;
+
+  //! The most experts, selections and groups the kernels take.
+  static constexpr int max_experts = kernels::router_topk_block_kernel::max_experts;
+  static constexpr int max_topk = kernels::router_topk_kernel::max_topk;
+  static constexpr int max_groups = kernels::router_topk_kernel::max_groups;
+
+  //! Checks the options (validate() and the kernels' limits) and the hidden size.
+  [[nodiscard]] static expected<topk_router> make(const topk_router_options& o, int hidden) {
+    using detail::to_decimal;
+    if (auto st = validate(o); !st) return unexpected<error>(st.error());
+    if (o.num_experts > max_experts || o.topk > max_topk || o.num_groups > max_groups)
+      return make_error(
+          errc::invalid_argument,
+          "topk_router: the kernels take E <= " + to_decimal(max_experts) +
+              ", k <= " + to_decimal(max_topk) + " and at most " + to_decimal(max_groups) +
+              " groups (got E = " + to_decimal(o.num_experts) + ", k = " + to_decimal(o.topk) +
+              ", " + to_decimal(o.num_groups) + " groups)");
+    if (hidden < 1) return make_error(errc::invalid_size, "topk_router: hidden must be >= 1");
+    auto g = gating_type::make(o.num_experts, hidden);
+    if (!g) return unexpected<error>(g.error());
+    topk_router r;
+    r.o_ = o;
+    r.hidden_ = hidden;
+    r.gating_ = *g;
+    return r;
   }
 
   [[nodiscard]] const topk_router_options& options() const noexcept { return o_; }
   [[nodiscard]] int num_experts() const noexcept { return o_.num_experts; }
   [[nodiscard]] int topk() const noexcept { return o_.topk; }
+  [[nodiscard]] int hidden() const noexcept { return hidden_; }
 
-  //! logits [N, E] (N = logits.size() / E) -> routing. `expert_bias` [E] is required when the
-  //! options enable it and must be empty otherwise; it changes the selection, never the probs.
-  [[nodiscard]] status route(std::span<const T> logits, topk_routing<T>& out,
-                             std::span<const float> expert_bias = {}) const {
-    topk_router_scratch<T> ws;
-    return route(logits, out, expert_bias, ws);
-  }
-  //! route() with the caller's scratch.
-  [[nodiscard]] status route(std::span<const T> logits, topk_routing<T>& out,
-                             std::span<const float> expert_bias, topk_router_scratch<T>& ws) const {
-    const int E = o_.num_experts, k = o_.topk;
-    if (logits.size() % static_cast<std::size_t>(E) != 0)
-      return make_error(errc::shape_mismatch,
-                        "router: logits size " +
-                            detail::to_decimal(static_cast<long long>(logits.size())) +
-                            " is not a multiple of num_experts=" + detail::to_decimal(E));
-    const int N = static_cast<int>(logits.size() / static_cast<std::size_t>(E));
-    if (auto s = detail::check_finite(logits, "router logits"); !s) return s;
-    if (o_.expert_bias && expert_bias.size() != static_cast<std::size_t>(E))
-      return make_error(errc::shape_mismatch,
-                        "router: expert_bias must have num_experts=" + detail::to_decimal(E) +
-                            " elements (got " +
-                            detail::to_decimal(static_cast<long long>(expert_bias.size())) + ")");
-    if (!o_.expert_bias && !expert_bias.empty())
-      return make_error(errc::invalid_argument,
-                        "router: an expert_bias was given but the options do not enable it");
-    if (auto s = detail::check_finite(expert_bias, "router expert_bias"); !s) return s;
-
-    out.num_tokens = N;
-    out.num_experts = E;
-    out.topk = k;
-    out.indices.assign(static_cast<std::size_t>(N) * static_cast<std::size_t>(k), 0);
-    out.probs.assign(static_cast<std::size_t>(N) * static_cast<std::size_t>(k), T(0));
-    ws.s.resize(static_cast<std::size_t>(E));
-    ws.sel.resize(static_cast<std::size_t>(E));
-    std::vector<T>& s = ws.s;
-    std::vector<T>& sel = ws.sel;
-    for (int t = 0; t < N; ++t) {
-      const auto row = logits.subspan(static_cast<std::size_t>(t) * static_cast<std::size_t>(E),
-                                      static_cast<std::size_t>(E));
-      const std::span<int> idx(out.indices.data() + static_cast<std::size_t>(t) * k,
-                               static_cast<std::size_t>(k));
-      const std::span<T> p(out.probs.data() + static_cast<std::size_t>(t) * k,
-                           static_cast<std::size_t>(k));
-      if (o_.score == score_function::softmax) {
-        if (o_.pre_softmax) {
-          detail::softmax(row, std::span<T>(s));
-          select(std::span<const T>(s), idx, ws.topk);
-          for (int i = 0; i < k; ++i) p[i] = s[static_cast<std::size_t>(idx[i])];
-        } else {
-          select(row, idx, ws.topk);
-          for (int i = 0; i < k; ++i) p[i] = row[static_cast<std::size_t>(idx[i])];
-          detail::softmax(std::span<const T>(p), p);
-        }
-      } else {
-        for (int e = 0; e < E; ++e) {
-          s[e] = detail::elementwise_score(o_.score, row[e]);
-          sel[e] = o_.expert_bias ? s[e] + static_cast<T>(expert_bias[e]) : s[e];
-        }
-        select(std::span<const T>(sel), idx, ws.topk);
-        T sum = 0;
-        for (int i = 0; i < k; ++i) {
-          p[i] = s[static_cast<std::size_t>(idx[i])];
-          sum += p[i];
-        }
-        if (k > 1)
-          for (int i = 0; i < k; ++i) p[i] = p[i] / (sum + norm_eps);
-      }
-      if (o_.scaling_factor)
-        for (int i = 0; i < k; ++i) p[i] *= static_cast<T>(*o_.scaling_factor);
-    }
-    return {};
+  //! Bytes of the context's memory forward() and backward_gating() take as their workspace.
+  [[nodiscard]] static std::size_t workspace_bytes() noexcept {
+    return gating_type::workspace_bytes();
   }
 
-  //! Backward of route(): dprobs [N, k] is the gradient of the loss with respect to r.probs
-  //! (after any drop mask; see drop_result::mask_gradient); writes dlogits [N, E]. Top-k
-  //! indices, group masks and the expert bias carry no gradient.
-  [[nodiscard]] status backward(std::span<const T> logits, const topk_routing<T>& r,
-                                std::span<const T> dprobs, std::span<T> dlogits) const {
-    topk_router_scratch<T> ws;
-    return backward(logits, r, dprobs, dlogits, ws);
+  //! logits = x W^T (router_gating), then the top-k routing (route()).
+  [[nodiscard]] status forward(Exec& exec, const topk_router_forward<T, R, space>& f,
+                               std::span<std::byte> workspace) const {
+    if (auto st =
+            gating_.forward(exec, {.x = f.x, .weight = f.weight, .logits = f.logits}, workspace);
+        !st)
+      return st;
+    return route(
+        exec,
+        {.logits = f.logits, .expert_bias = f.expert_bias, .indices = f.indices, .probs = f.probs});
   }
-  //! backward() with the caller's scratch.
-  [[nodiscard]] status backward(std::span<const T> logits, const topk_routing<T>& r,
-                                std::span<const T> dprobs, std::span<T> dlogits,
-                                topk_router_scratch<T>& ws) const {
-    const int E = o_.num_experts, k = o_.topk, N = r.num_tokens;
-    if (r.num_experts != E || r.topk != k)
-      return make_error(
-          errc::shape_mismatch,
-          "router backward: the routing has num_experts=" + detail::to_decimal(r.num_experts) +
-              ", topk=" + detail::to_decimal(r.topk) + "; the router " + detail::to_decimal(E) +
-              ", " + detail::to_decimal(k));
-    if (auto s = detail::check_logits_shape(logits, N, E); !s) return s;
-    if (dlogits.size() != logits.size() ||
-        dprobs.size() != static_cast<std::size_t>(N) * static_cast<std::size_t>(k) ||
-        r.indices.size() != dprobs.size() || r.probs.size() != dprobs.size())
-      return make_error(errc::shape_mismatch,
-                        "router backward: need dprobs [N*k], dlogits [N*E] and a routing of N "
-                        "tokens (N=" +
-                            detail::to_decimal(N) + ")");
-    const T scale = o_.scaling_factor ? static_cast<T>(*o_.scaling_factor) : T(1);
-    ws.s.resize(static_cast<std::size_t>(E));
-    ws.ds.resize(static_cast<std::size_t>(E));
-    ws.g.resize(static_cast<std::size_t>(k));
-    ws.sk.resize(static_cast<std::size_t>(k));
-    std::vector<T>&s = ws.s, &ds = ws.ds, &g = ws.g, &sk = ws.sk;
-    for (int t = 0; t < N; ++t) {
-      const auto row = logits.subspan(static_cast<std::size_t>(t) * E, static_cast<std::size_t>(E));
-      const auto drow =
-          dlogits.subspan(static_cast<std::size_t>(t) * E, static_cast<std::size_t>(E));
-      std::fill(drow.begin(), drow.end(), T(0));
-      const int* idx = r.indices.data() + static_cast<std::size_t>(t) * k;
-      for (int i = 0; i < k; ++i) g[i] = dprobs[static_cast<std::size_t>(t) * k + i] * scale;
-      if (o_.score == score_function::softmax) {
-        if (o_.pre_softmax) {
-          detail::softmax(row, std::span<T>(s));
-          std::fill(ds.begin(), ds.end(), T(0));
-          for (int i = 0; i < k; ++i) ds[static_cast<std::size_t>(idx[i])] += g[i];
-          detail::softmax_backward(std::span<const T>(s), std::span<const T>(ds), drow);
-        } else {
-          for (int i = 0; i < k; ++i) sk[i] = row[static_cast<std::size_t>(idx[i])];
-          detail::softmax(std::span<const T>(sk), std::span<T>(sk));
-          detail::softmax_backward(std::span<const T>(sk), std::span<const T>(g), std::span<T>(g));
-          for (int i = 0; i < k; ++i) drow[static_cast<std::size_t>(idx[i])] = g[i];
-        }
-      } else {
-        T sum = 0;
-        for (int i = 0; i < k; ++i) {
-          sk[i] = detail::elementwise_score(o_.score, row[static_cast<std::size_t>(idx[i])]);
-          sum += sk[i];
-        }
-        if (k > 1) {
-          // p_i = s_i / D, D = sum s + eps: ds_j = g_j / D - <g, s> / D^2.
-          const T D = sum + norm_eps;
-          T gs = 0;
-          for (int i = 0; i < k; ++i) gs += g[i] * sk[i];
-          for (int i = 0; i < k; ++i) g[i] = g[i] / D - gs / (D * D);
-        }
-        for (int i = 0; i < k; ++i) {
-          const T x = row[static_cast<std::size_t>(idx[i])];
-          drow[static_cast<std::size_t>(idx[i])] =
-              g[i] * detail::elementwise_score_grad(o_.score, x, sk[i]);
-        }
-      }
-    }
-    return {};
+
+  //! The top-k routing of logits [N, E] (the routing::router concept's step).
+  [[nodiscard]] status route(Exec& exec, const router_route_args<R, space>& f) const {
+    const int N = f.logits.rows(), E = o_.num_experts, k = o_.topk;
+    if (auto st = check(f.logits, N, E, "logits"); !st) return st;
+    if (auto st = check(f.indices, N, k, "indices"); !st) return st;
+    if (auto st = check(f.probs, N, k, "probs"); !st) return st;
+    const bool bias = !f.expert_bias.empty();
+    if (bias != o_.expert_bias ||
+        (bias &&
+         (f.expert_bias.rows() != 1 || f.expert_bias.width() != E || !f.expert_bias.contiguous())))
+      return shape_error(o_.expert_bias ? "expert_bias must be [1, E] (options.expert_bias)"
+                                        : "expert_bias must be empty without options.expert_bias");
+    if (N == 0) return {};
+    return E <= kernels::router_topk_kernel::max_experts
+               ? topk<kernels::basic_router_topk_kernel<warp_team, R>>(exec, f, N, warp_tokens)
+               : topk<kernels::basic_router_topk_kernel<block_team, R>>(exec, f, N, 1);
   }
+
+  //! dlogits from the probabilities' gradients (selection, group masks and bias carry none).
+  [[nodiscard]] status backward(Exec& exec, const router_backward_args<R, space>& b) const {
+    const int N = b.logits.rows(), E = o_.num_experts, k = o_.topk;
+    if (auto st = check(b.logits, N, E, "logits"); !st) return st;
+    if (auto st = check(b.indices, N, k, "indices"); !st) return st;
+    if (auto st = check(b.dprobs, N, k, "dprobs"); !st) return st;
+    if (auto st = check(b.dlogits, N, E, "dlogits"); !st) return st;
+    if (N == 0) return {};
+    return E <= kernels::router_backward_kernel::max_experts
+               ? logits_grad<kernels::basic_router_backward_kernel<warp_team, R>>(exec, b, N,
+                                                                                  warp_tokens)
+               : logits_grad<kernels::basic_router_backward_kernel<block_team, R>>(exec, b, N, 1);
+  }
+
+  //! dx = dlogits W, and the weight gradient += dlogits^T x (router_gating's backward).
+  template <class G>
+  [[nodiscard]] status backward_gating(Exec& exec, const gating_backward_args<T, R, G, space>& b,
+                                       std::span<std::byte> workspace) const {
+    return gating_.backward(exec, b, workspace);
+  }
+
+  //! The gating linear this router runs.
+  [[nodiscard]] const auto& gating() const noexcept { return gating_; }
 
  private:
-  explicit topk_router(const topk_router_options& o) : o_(o) {}
+  using warp_team = kernels::detail_router::warp_per_token;
+  using block_team = kernels::detail_router::block_per_token;
+  static constexpr int warp_tokens = kernels::router_topk_kernel::block_threads / 32;
+  using gating_type = router_gating<T, Exec, R, Gemms>;
 
-  // Megatron-Core's renormalisation guard: p / (sum p + 1e-20).
-  static constexpr T norm_eps = T(1e-20);
-
-  void select(std::span<const T> x, std::span<int> idx, group_topk_scratch<T>& ws) const {
-    if (o_.num_groups > 0)
-      group_limited_topk_indices(x, o_.topk, o_.num_groups, o_.group_topk, idx, ws);
-    else
-      topk_indices(x, o_.topk, idx, ws.order);
+  static status shape_error(const std::string& what) {
+    return make_error(errc::shape_mismatch, "topk_router: " + what);
+  }
+  template <class V>
+  static status check(const V& v, int rows, int width, const char* what) {
+    if (v.rows() != rows || v.width() != width || !v.contiguous())
+      return shape_error(std::string(what) + " must be contiguous [" + detail::to_decimal(rows) +
+                         ", " + detail::to_decimal(width) + "]");
+    return {};
   }
 
-  topk_router_options o_;
+  template <class K>
+  status topk(Exec& exec, const router_route_args<R, space>& f, int N, int tokens_per_block) const {
+    const K kernel{.logits = f.logits.data(),
+                   .num_tokens = N,
+                   .num_experts = o_.num_experts,
+                   .topk = o_.topk,
+                   .score = o_.score,
+                   .pre_softmax = o_.pre_softmax,
+                   .num_groups = o_.num_groups,
+                   .group_topk = o_.group_topk,
+                   .expert_bias = f.expert_bias.empty() ? nullptr : f.expert_bias.data(),
+                   .scale = o_.scaling_factor.has_value(),
+                   .scaling_factor = static_cast<R>(o_.scaling_factor.value_or(1.0)),
+                   .indices = f.indices.data(),
+                   .probs = f.probs.data()};
+    return launch(exec, capped_grid<Exec, K>(N, tokens_per_block), kernel);
+  }
+  template <class K>
+  status logits_grad(Exec& exec, const router_backward_args<R, space>& b, int N,
+                     int tokens_per_block) const {
+    const K kernel{.logits = b.logits.data(),
+                   .indices = b.indices.data(),
+                   .dprobs = b.dprobs.data(),
+                   .num_tokens = N,
+                   .num_experts = o_.num_experts,
+                   .topk = o_.topk,
+                   .score = o_.score,
+                   .pre_softmax = o_.pre_softmax,
+                   .scale = o_.scaling_factor.has_value(),
+                   .scaling_factor = static_cast<R>(o_.scaling_factor.value_or(1.0)),
+                   .dlogits = b.dlogits.data()};
+    return launch(exec, capped_grid<Exec, K>(N, tokens_per_block), kernel);
+  }
+
+  topk_router_options o_{};
+  int hidden_ = 0;
+  gating_type gating_{};
 };
+
+//! True for moefold's topk_router (any element types, context and GEMM policy).
+template <class X>
+inline constexpr bool is_topk_router_v = false;
+template <class T, class Exec, class R, class G>
+inline constexpr bool is_topk_router_v<topk_router<T, Exec, R, G>> = true;
 
 }  // namespace v0_1
 }  // namespace moefold

@@ -27,7 +27,7 @@
 #include <moefold/kernels/router_z_loss.hpp>
 #include <moefold/kernels/sequence_order.hpp>
 #include <moefold/kernels/shared_gate.hpp>
-#include <moefold/routing/simt_router.hpp>
+#include <moefold/routing/topk_router.hpp>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -353,27 +353,27 @@ void loss_chain(const Exec& ex, const loss_ptrs& p, int N, int E, int kk,
                      .scores = p.scores,
                      .map = p.map}));
   REQUIRE(launch(ex, launch_grid{.blocks = 2},
-                 k::aux_column_sums_kernel{.scores = p.scores,
-                                           .map = p.map,
-                                           .rows = N,
-                                           .columns = E,
-                                           .sums = p.sums,
-                                           .counts = p.counts}));
+                 k::aux_column_sums_kernel<>{.scores = p.scores,
+                                             .map = p.map,
+                                             .rows = N,
+                                             .columns = E,
+                                             .sums = p.sums,
+                                             .counts = p.counts}));
   REQUIRE(launch(ex, launch_grid{.blocks = 1},
-                 k::switch_loss_kernel{.column_sums = p.sums,
-                                       .counts = p.counts,
-                                       .columns = E,
-                                       .total_tokens = 0.0,
-                                       .per_token = static_cast<double>(kk),
-                                       .topk = kk,
-                                       .num_experts = E,
-                                       .coeff = 0.01,
-                                       .divide_by = 1.0,
-                                       .running = nullptr,
-                                       .steps = 0,
-                                       .used = p.used,
-                                       .loss = p.loss,
-                                       .dscores = p.dscores}));
+                 k::switch_loss_kernel<>{.column_sums = p.sums,
+                                         .counts = p.counts,
+                                         .columns = E,
+                                         .total_tokens = 0.0,
+                                         .per_token = static_cast<double>(kk),
+                                         .topk = kk,
+                                         .num_experts = E,
+                                         .coeff = 0.01,
+                                         .divide_by = 1.0,
+                                         .running = nullptr,
+                                         .steps = 0,
+                                         .used = p.used,
+                                         .loss = p.loss,
+                                         .dscores = p.dscores}));
   REQUIRE(launch(ex, g,
                  AuxBw{.logits = p.logits,
                        .padding = p.padding,
@@ -390,13 +390,13 @@ void loss_chain(const Exec& ex, const loss_ptrs& p, int N, int E, int kk,
                      .num_tokens = N,
                      .num_experts = E,
                      .lse = p.lse}));
-  REQUIRE(launch(ex, launch_grid{.blocks = 1, .smem_bytes = k::z_loss_total_kernel::smem_bytes},
-                 k::z_loss_total_kernel{.lse = p.lse,
-                                        .padding = p.padding,
-                                        .num_tokens = N,
-                                        .coeff = 1e-3f,
-                                        .loss = p.loss + 1,
-                                        .valid = p.valid}));
+  REQUIRE(launch(ex, launch_grid{.blocks = 1, .smem_bytes = k::z_loss_total_kernel<>::smem_bytes},
+                 k::z_loss_total_kernel<>{.lse = p.lse,
+                                          .padding = p.padding,
+                                          .num_tokens = N,
+                                          .coeff = 1e-3f,
+                                          .loss = p.loss + 1,
+                                          .valid = p.valid}));
   REQUIRE(launch(ex, g,
                  ZBw{.logits = p.logits,
                      .padding = p.padding,
@@ -726,15 +726,15 @@ TEST_CASE(
 
 namespace {
 
-// The router on one executor (routing/simt_router.hpp), forward and backward, results on the host.
+// The router on one executor (routing/topk_router.hpp), forward and backward, results on the host.
 struct router_results {
   std::vector<float> logits, probs, dlogits, dx, grad;
   std::vector<int> indices;
 };
 template <class Exec>
-router_results run_simt_router(Exec& ex, const topk_router_options& o, int N, int H,
-                               const std::vector<float>& w, const std::vector<float>& x,
-                               const std::vector<float>& dprobs) {
+router_results run_router(Exec& ex, const topk_router_options& o, int N, int H,
+                          const std::vector<float>& w, const std::vector<float>& x,
+                          const std::vector<float>& dprobs) {
   using S = typename Exec::memory_space;
   const int E = o.num_experts, K = o.topk;
   auto up = [&](const auto& v, int rows, int width) {
@@ -757,22 +757,39 @@ router_results run_simt_router(Exec& ex, const topk_router_options& o, int N, in
        ddl = up(std::vector<float>(static_cast<std::size_t>(N) * E), N, E),
        ddx = up(std::vector<float>(x.size()), N, H);
   auto di = up(std::vector<int>(static_cast<std::size_t>(N) * K), N, K);
-  auto r = simt_router<float, Exec>::make(ex, o, H, dw.cview(), dg.view());
+  // The SIMT GEMM on both (the reference backend: the same bits on the CPU and the GPU).
+  using router_t = topk_router<float, Exec, float, simt_gemms>;
+  auto r = router_t::make(o, H);
   REQUIRE(r);
-  REQUIRE(r->forward(
-      {.x = dx_in.cview(), .logits = dlog.view(), .indices = di.view(), .probs = dpr.view()}));
-  REQUIRE(r->backward_logits({.logits = dlog.cview(),
-                              .indices = di.cview(),
-                              .dprobs = ddp.cview(),
-                              .dlogits = ddl.view()}));
-  REQUIRE(r->backward_gating({.x = dx_in.cview(), .dlogits = ddl.cview(), .dx = ddx.view()}));
+  auto ws = exec_buffer<std::byte, Exec>::make(
+      ex, 1, static_cast<long long>(std::max<std::size_t>(router_t::workspace_bytes(), 1)));
+  REQUIRE(ws);
+  const std::span<std::byte> wsb(ws->view().data(), static_cast<std::size_t>(ws->view().width()));
+  REQUIRE(r->forward(ex,
+                     {.x = dx_in.cview(),
+                      .weight = dw.cview(),
+                      .logits = dlog.view(),
+                      .indices = di.view(),
+                      .probs = dpr.view()},
+                     wsb));
+  REQUIRE(r->backward(ex, {.logits = dlog.cview(),
+                           .indices = di.cview(),
+                           .dprobs = ddp.cview(),
+                           .dlogits = ddl.view()}));
+  REQUIRE(r->backward_gating(ex,
+                             gating_backward_args<float, float, float, S>{.x = dx_in.cview(),
+                                                                          .weight = dw.cview(),
+                                                                          .dlogits = ddl.cview(),
+                                                                          .dx = ddx.view(),
+                                                                          .weight_grad = dg.view()},
+                             wsb));
   return {down(dlog.cview()), down(dpr.cview()), down(ddl.cview()),
           down(ddx.cview()),  down(dg.cview()),  down(di.cview())};
 }
 
 }  // namespace
 
-TEST_CASE("[kernel][small] the router on a context (simt_router): cuda_exec equals cpu_exec") {
+TEST_CASE("[kernel][small] the router on a context (topk_router): cuda_exec equals cpu_exec") {
   std::mt19937 rng(static_cast<unsigned>(test::simt_seed()) + 5);
   std::normal_distribution<float> d(0.0f, 1.0f);
   const int N = 300, H = 72;
@@ -791,8 +808,8 @@ TEST_CASE("[kernel][small] the router on a context (simt_router): cuda_exec equa
     cpu_exec cpu(3);
     auto gpu = cuda_exec::make(nullptr);
     REQUIRE(gpu);
-    const auto a = run_simt_router(cpu, o, N, H, w, x, dp);
-    const auto b = run_simt_router(*gpu, o, N, H, w, x, dp);
+    const auto a = run_router(cpu, o, N, H, w, x, dp);
+    const auto b = run_router(*gpu, o, N, H, w, x, dp);
     CHECK(same_bits(a.logits, b.logits));
     CHECK(a.indices == b.indices);
     CHECK(same_bits(a.probs, b.probs));
