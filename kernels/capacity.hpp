@@ -230,4 +230,47 @@ struct kept_record_kernel {
   }
 };
 
+//! The experts' first rows when the pairs are grouped by expert, from their counts:
+//! offsets[0] = 0, offsets[e + 1] = offsets[e] + counts[e] (E + 1 entries; offsets[E] the listed
+//! pairs). One thread: E is at most a few thousand, a few microseconds on a GPU, no scan scratch.
+struct expert_offsets_kernel {
+  static constexpr int block_threads = 32;
+  static constexpr const char* name = "expert_offsets";
+  const int* counts;  // [E]
+  int num_experts;
+  int* offsets;  // [E + 1]
+
+  template <class Ctx>
+  MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
+    if (c.block() != 0 || c.thread() != 0) return;
+    int at = 0;
+    for (int e = 0; e < num_experts; ++e) {
+      offsets[e] = at;
+      at += counts[e];
+    }
+    offsets[num_experts] = at;
+  }
+};
+
+//! The kept pairs' probabilities in the type they travel in to the experts: probs[p] where the
+//! pair is kept (kept[p] != -1, kept_record_kernel's record), 0 for a dropped pair. Grid-strided.
+template <class P, class Q>
+struct kept_probs_kernel {
+  static constexpr int block_threads = 256;
+  static constexpr const char* name = "kept_probs";
+  const int* kept;  // [N * k]
+  const P* probs;   // [N * k]
+  long long pairs;
+  Q* out;  // [N * k]
+
+  template <class Ctx>
+  MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
+    for (long long p = static_cast<long long>(c.block()) * block_threads + c.thread(); p < pairs;
+         p += static_cast<long long>(c.grid_blocks()) * block_threads)
+      out[p] = kept[p] == -1
+                   ? Q(0)
+                   : moefold::detail::narrow<Q>(static_cast<moefold::accumulator_t<Q>>(probs[p]));
+  }
+};
+
 }  // namespace moefold::kernels

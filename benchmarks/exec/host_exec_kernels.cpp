@@ -42,12 +42,12 @@
 #include <moefold/kernels/router_block.hpp>
 #include <moefold/kernels/router_z_loss.hpp>
 #include <moefold/kernels/scan.hpp>
-#include <moefold/routing/aux_loss.hpp>
-#include <moefold/routing/host_topk_router.hpp>
 #include <numeric>
 #include <random>
 #include <string>
 #include <vector>
+#include "../../tests/support/host_aux_loss.hpp"
+#include "../../tests/support/host_topk_router.hpp"
 
 using namespace moefold;
 namespace k = moefold::kernels;

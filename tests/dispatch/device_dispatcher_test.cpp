@@ -222,9 +222,10 @@ expected<handle_of<D>> forward(D& d, const dispatch_groups<Comm>& g, micro_batch
       {.num_tokens = mb.in.n, .x = mb.in.x, .expert = mb.in.expert, .probs = mb.in.probs}, g, ws);
   if (!h) return h;
   const auto b = h->batch();
-  std::vector<double> y(b.x.size());
+  const auto bx = b.x.flat(), bp = b.probs.flat();
+  std::vector<double> y(bx.size());
   for (std::size_t i = 0; i < y.size(); ++i)
-    y[i] = b.x[i] / 2 + b.probs[i / static_cast<std::size_t>(hidden)];
+    y[i] = bx[i] / 2 + bp[i / static_cast<std::size_t>(hidden)];
   mb.out.assign(static_cast<std::size_t>(mb.in.n) * static_cast<std::size_t>(hidden), 0.0);
   if (auto st = d.combine(*h, y, g, mb.out); !st) return unexpected<error>(st.error());
   return h;
@@ -235,13 +236,13 @@ expected<handle_of<D>> forward(D& d, const dispatch_groups<Comm>& g, micro_batch
 template <class D, class Comm>
 status backward(D& d, const dispatch_groups<Comm>& g, micro_batch& mb, int hidden,
                 const handle_of<D>& h) {
-  const auto b = h.batch();
-  mb.dy.assign(b.x.size(), 0.0);
+  const auto bx = h.batch().x.flat();
+  mb.dy.assign(bx.size(), 0.0);
   if (auto st = d.combine_backward(h, mb.in.dout, g, mb.dy); !st) return st;
-  std::vector<double> dxr(b.x.size()), dpr(b.probs.size(), 0.0);
+  std::vector<double> dxr(bx.size()), dpr(static_cast<std::size_t>(h.num_rows()), 0.0);
   for (std::size_t i = 0; i < dxr.size(); ++i) {
-    dxr[i] = mb.dy[i] * b.x[i];
-    dpr[i / static_cast<std::size_t>(hidden)] += b.x[i];
+    dxr[i] = mb.dy[i] * bx[i];
+    dpr[i / static_cast<std::size_t>(hidden)] += bx[i];
   }
   mb.dx.assign(mb.out.size(), 0.0);
   mb.dprobs.assign(mb.in.probs.size(), 0.0);

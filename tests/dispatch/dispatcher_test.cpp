@@ -202,17 +202,18 @@ struct faulty_experts {
   bool throw_here = false, wrong_shape_here = false;
   int num_local_experts() const { return inner.num_local_experts(); }
   int hidden() const { return inner.hidden(); }
-  status forward(const expert_batch<double>& b, std::span<double> y) {
+  status forward(host_exec& x, const expert_batch<double>& b, row_view<double> y,
+                 std::span<std::byte> ws) {
     if (throw_here) throw std::runtime_error("expert functor failed on this rank");
-    if (wrong_shape_here) return inner.forward(b, y.first(y.size() / 2));  // half the rows
-    return inner.forward(b, y);
+    if (wrong_shape_here) return inner.forward(x, b, y.first(y.rows() / 2), ws);  // half the rows
+    return inner.forward(x, b, y, ws);
   }
-  status backward(const expert_batch<double>& b, std::span<const double> dy, std::span<double> dx,
-                  std::span<double> dp) {
-    return inner.backward(b, dy, dx, dp);
+  status backward(host_exec& x, const expert_batch<double>& b, row_view<const double> dy,
+                  row_view<double> dx, row_view<double> dp, std::span<std::byte> ws) {
+    return inner.backward(x, b, dy, dx, dp, ws);
   }
 };
-static_assert(expert_fn<faulty_experts, double>);
+static_assert(expert_fn<faulty_experts, host_exec, double>);
 
 // Runs dispatch -> experts -> combine on a world of 4 (EP 4), rank 2's functor misbehaving.
 std::vector<status> run_faulty(bool throws, bool wrong_shape, int experts_on_rank_2 = 4) {
@@ -239,7 +240,10 @@ std::vector<status> run_faulty(bool throws, bool wrong_shape, int experts_on_ran
         auto h = disp->dispatch({.num_tokens = 3, .x = x, .expert = expert, .probs = probs}, g, ws);
         if (!h) return unexpected<error>(h.error());
         std::vector<double> y(static_cast<std::size_t>(h->num_rows()) * 2);
-        if (auto s = fx.forward(h->batch(), y); !s) return s;  // a failing rank returns early
+        host_exec hx;
+        std::vector<std::byte> fws(fx.inner.workspace_bytes(h->num_rows()));
+        if (auto s = fx.forward(hx, h->batch(), host_rows(std::span(y), 2), fws); !s)
+          return s;  // a failing rank returns early
         return disp->combine(*h, y, g, out);
       },
       {.timeout = std::chrono::milliseconds(2000)});
@@ -383,26 +387,26 @@ struct identity_experts {
   int L = 1, H = 1, etp = 1;
   int num_local_experts() const { return L; }
   int hidden() const { return H; }
-  status forward(const expert_batch<double>& b, std::span<double> y) const {
-    for (std::size_t r = 0; r < b.probs.size(); ++r)
-      for (std::size_t h = 0; h < static_cast<std::size_t>(H); ++h)
-        y[r * H + h] = b.probs[r] * (b.x[r * H + h] / etp);
+  status forward(host_exec&, const expert_batch<double>& b, row_view<double> y,
+                 std::span<std::byte>) const {
+    for (int r = 0; r < b.rows(); ++r)
+      for (int h = 0; h < H; ++h) y(r, h) = b.probs(r, 0) * (b.x(r, h) / etp);
     return {};
   }
-  status backward(const expert_batch<double>& b, std::span<const double> dy, std::span<double> dx,
-                  std::span<double> dp) const {
-    for (std::size_t r = 0; r < b.probs.size(); ++r) {
+  status backward(host_exec&, const expert_batch<double>& b, row_view<const double> dy,
+                  row_view<double> dx, row_view<double> dp, std::span<std::byte>) const {
+    for (int r = 0; r < b.rows(); ++r) {
       double dot = 0;
-      for (std::size_t h = 0; h < static_cast<std::size_t>(H); ++h) {
-        dx[r * H + h] = b.probs[r] * (dy[r * H + h] / etp);
-        dot += dy[r * H + h] * b.x[r * H + h];
+      for (int h = 0; h < H; ++h) {
+        dx(r, h) = b.probs(r, 0) * (dy(r, h) / etp);
+        dot += dy(r, h) * b.x(r, h);
       }
-      dp[r] = dot / etp;
+      dp(r, 0) = dot / etp;
     }
     return {};
   }
 };
-static_assert(expert_fn<identity_experts, double>);
+static_assert(expert_fn<identity_experts, host_exec, double>);
 
 struct identity_result {
   std::vector<double> out, dx, dprob;
@@ -432,9 +436,12 @@ std::vector<identity_result> run_identity(const problem& p) {
     res.out.resize(x.size());
     res.dx.resize(x.size());
     res.dprob.resize(probs.size());
+    host_exec hx;
+    const auto rows = [&](auto& v, int w) { return host_rows(std::span(v), w); };
     for (const status& s :
-         {fx.forward(h->batch(), y), disp->combine(*h, y, g, res.out),
-          disp->combine_backward(*h, dout, g, dy), fx.backward(h->batch(), dy, dxr, dpr),
+         {fx.forward(hx, h->batch(), rows(y, p.hidden), {}), disp->combine(*h, y, g, res.out),
+          disp->combine_backward(*h, dout, g, dy),
+          fx.backward(hx, h->batch(), rows(dy, p.hidden), rows(dxr, p.hidden), rows(dpr, 1), {}),
           disp->dispatch_backward(*h, dxr, dpr, g, res.dx, res.dprob)})
       if (!s) return s;
     return {};
@@ -1063,12 +1070,12 @@ expected<exact_result> run_exact(const problem& p, thread_communicator& world,
   res.dispatch = summarize(rg.log);
   const auto b = h->batch();
   const auto M = static_cast<std::size_t>(h->num_rows());
-  std::vector<T> y(b.x.begin(), b.x.end()), out(N * H), dy(M * H), dx(N * H);
+  std::vector<T> y(b.x.flat().begin(), b.x.flat().end()), out(N * H), dy(M * H), dx(N * H);
   std::vector<P> dprob(N * K);
   if (auto st = disp->combine(*h, y, g, out); !st) return unexpected<error>(st.error());
   if (auto st = disp->combine_backward(*h, dout, g, dy); !st) return unexpected<error>(st.error());
   rg.log.clear();
-  const std::vector<P> dp_rows(b.probs.begin(), b.probs.end());
+  const std::vector<P> dp_rows(b.probs.flat().begin(), b.probs.flat().end());
   if (auto st = disp->dispatch_backward(*h, dy, dp_rows, g, dx, dprob); !st)
     return unexpected<error>(st.error());
   res.dispatch_backward = summarize(rg.log);
@@ -1080,8 +1087,8 @@ expected<exact_result> run_exact(const problem& p, thread_communicator& world,
   res.out = to_float(out);
   res.dx = to_float(dx);
   res.dprob = to_float(dprob);
-  res.batch_x = to_float(b.x);
-  res.batch_p = to_float(b.probs);
+  res.batch_x = to_float(b.x.flat());
+  res.batch_p = to_float(b.probs.flat());
   return res;
 }
 

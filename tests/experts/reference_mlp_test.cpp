@@ -10,13 +10,15 @@
 #include <vector>
 
 #include "../support/activation_ref.hpp"
+#include "../support/host_batch.hpp"
 #include "../support/mlp_layout.hpp"
 
 using namespace moefold;
 using namespace moefold::test;
 
-static_assert(expert_fn<reference_mlp<double>, double>);
-static_assert(expert_fn<reference_mlp<float>, float>);
+static_assert(expert_fn<reference_mlp<double>, host_exec, double>);
+static_assert(expert_fn<reference_mlp<float>, host_exec, float>);
+static_assert(expert_fn<reference_mlp<bfloat16, float, float>, host_exec, bfloat16, float>);
 
 namespace {
 
@@ -56,7 +58,7 @@ TEST_CASE("the unsharded expert computes fc2(act(fc1 x) * p) as written out") {
     const auto p = random_vec(rng, M);
     const std::vector<int> counts = {M};
     std::vector<double> y(M * H);
-    REQUIRE(m.forward({.hidden = H, .counts = counts, .x = x, .probs = p}, y));
+    REQUIRE(m.forward(host_batch(H, counts, x, p), y));
     for (int r = 0; r < M; ++r)
       for (int o = 0; o < H; ++o) {
         double want = 0;
@@ -101,14 +103,14 @@ TEST_CASE("backward equals fp64 finite differences, for every activation") {
     auto loss = [&](reference_mlp<double>& mm, const std::vector<double>& xx,
                     const std::vector<double>& pp) {
       std::vector<double> y(M * H);
-      REQUIRE(mm.forward({.hidden = H, .counts = counts, .x = xx, .probs = pp}, y));
+      REQUIRE(mm.forward(host_batch(H, counts, xx, pp), y));
       double l = 0;
       for (int i = 0; i < M * H; ++i) l += g[i] * y[i];
       return l;
     };
     std::vector<double> dx(M * H), dp(M);
     m.zero_grad();
-    REQUIRE(m.backward({.hidden = H, .counts = counts, .x = x, .probs = p}, g, dx, dp));
+    REQUIRE(m.backward(host_batch(H, counts, x, p), g, dx, dp));
     const double eps = 1e-6, tol = 1e-6;
     // (relu kinks: inputs at exactly 0 have probability 0 here.)
     for (std::size_t i = 0; i < x.size(); ++i) {
@@ -147,7 +149,7 @@ TEST_CASE("ETP shards: partial outputs and gradients add up to the unsharded exp
     const auto p = random_vec(rng, M);
     const auto dy = random_vec(rng, M * H);
     const std::vector<int> counts = {M};
-    const expert_batch<double> b{.hidden = H, .counts = counts, .x = x, .probs = p};
+    const auto b = host_batch(H, counts, x, p);
     auto whole =
         reference_mlp<double>::make({.hidden = H, .ffn = F, .num_local_experts = 1, .act = act})
             .value();
@@ -198,14 +200,15 @@ TEST_CASE("experts with zero rows: zero weight gradients, no NaN; M = 0 works") 
   const std::vector<int> counts = {0, 1, 0};
   const std::vector<float> x = {1.f, -1.f}, p = {0.5f}, dy = {1.f, 1.f};
   std::vector<float> y(2), dx(2), dp(1);
-  REQUIRE(m.forward({.hidden = 2, .counts = counts, .x = x, .probs = p}, y));
-  REQUIRE(m.backward({.hidden = 2, .counts = counts, .x = x, .probs = p}, dy, dx, dp));
+  REQUIRE(m.forward(host_batch(2, counts, x, p), y));
+  REQUIRE(m.backward(host_batch(2, counts, x, p), dy, dx, dp));
   for (int l : {0, 2}) {
     for (float v : m.fc1_grad(l)) CHECK(v == 0.f);
     for (float v : m.fc2_grad(l)) CHECK(v == 0.f);
   }
   const std::vector<int> none = {0, 0, 0};
-  REQUIRE(m.forward({.hidden = 2, .counts = none}, std::span<float>{}));
+  REQUIRE(m.forward(host_batch(2, none, std::span<const float>{}, std::span<const float>{}),
+                    std::span<float>{}));
 }
 
 TEST_CASE("bad shapes and batches are rejected") {
@@ -220,14 +223,10 @@ TEST_CASE("bad shapes and batches are rejected") {
   const std::vector<int> counts = {1, 1}, wrong_counts = {2};
   const std::vector<double> x(4), p(2);
   std::vector<double> y(4), short_y(3);
-  CHECK(m.forward({.hidden = 2, .counts = wrong_counts, .x = x, .probs = p}, y).error().code ==
-        errc::shape_mismatch);
-  CHECK(m.forward({.hidden = 2, .counts = counts, .x = x, .probs = p}, short_y).error().code ==
-        errc::shape_mismatch);
-  CHECK(m.forward({.hidden = 3, .counts = counts, .x = x, .probs = p}, y).error().code ==
-        errc::shape_mismatch);
+  CHECK(m.forward(host_batch(2, wrong_counts, x, p), y).error().code == errc::shape_mismatch);
+  CHECK(m.forward(host_batch(2, counts, x, p), short_y).error().code == errc::shape_mismatch);
+  CHECK(m.forward(host_batch(3, counts, x, p), y).error().code == errc::shape_mismatch);
   const std::vector<int> negative = {-1, 3};
-  CHECK(m.forward({.hidden = 2, .counts = negative, .x = x, .probs = p}, y).error().code ==
-        errc::invalid_argument);
+  CHECK(m.forward(host_batch(2, negative, x, p), y).error().code == errc::invalid_argument);
   CHECK(m.load_full(0, x, x).error().code == errc::shape_mismatch);
 }

@@ -20,10 +20,10 @@
 #include <moefold/kernels/router_aux_loss.hpp>
 #include <moefold/kernels/router_block.hpp>
 #include <moefold/kernels/router_z_loss.hpp>
-#include <moefold/routing/aux_loss.hpp>
-#include <moefold/routing/host_topk_router.hpp>
 #include <random>
 #include <vector>
+#include "../support/host_aux_loss.hpp"
+#include "../support/host_topk_router.hpp"
 
 #include "../support/simt_test_sizes.hpp"
 

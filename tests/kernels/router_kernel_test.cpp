@@ -21,10 +21,10 @@
 #include <moefold/exec/host_exec.hpp>
 #include <moefold/kernels/router.hpp>
 #include <moefold/kernels/router_block.hpp>
-#include <moefold/routing/host_topk_router.hpp>
 #include <random>
 #include <string>
 #include <vector>
+#include "../support/host_topk_router.hpp"
 
 #include "../support/simt_test_sizes.hpp"
 #include "../support/ulp.hpp"

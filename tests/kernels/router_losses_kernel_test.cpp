@@ -29,13 +29,13 @@
 #include <moefold/kernels/histogram.hpp>
 #include <moefold/kernels/router_aux_loss.hpp>
 #include <moefold/kernels/router_z_loss.hpp>
-#include <moefold/routing/aux_loss.hpp>
-#include <moefold/routing/group_losses.hpp>
 #include <numeric>
 #include <random>
 #include <string>
 #include <vector>
+#include "../support/host_aux_loss.hpp"
 #include "../support/host_expert_bias.hpp"
+#include "../support/host_group_losses.hpp"
 
 #include "../support/simt_test_sizes.hpp"
 #include "../support/ulp.hpp"

@@ -1,5 +1,5 @@
 // The MoE layer on parameters the caller owns (issue: "The MoE layer as trainers use it", part 2):
-// the router weight, the shared expert (MLP and gate) and the routed experts (grouped_mlp) run on
+// the router weight, the shared expert (MLP and gate) and the routed experts (mlp_experts) run on
 // the caller's buffers and accumulate into the caller's gradient buffers. Checked on 8 thread
 // ranks, EP 2 x ETP 2 x EDP 2 over attention TP 2, with a gated shared expert and two losses:
 //   - bitwise equal to the layer that owns its parameters (same weights);
@@ -13,7 +13,7 @@
 #include <moefold/comm/thread_world.hpp>
 #include <moefold/dispatch/all_to_all_dispatcher.hpp>
 #include <moefold/dispatch/drop_policy_local.hpp>
-#include <moefold/experts/grouped_mlp.hpp>
+#include <moefold/experts/mlp_experts.hpp>
 #include <moefold/layer/moe_layer.hpp>
 
 #include <doctest/doctest.h>
@@ -34,7 +34,7 @@ namespace {
 using Comm = thread_communicator;
 using disp_t = all_to_all_dispatcher<double, Comm>;
 using owning_t = moe_layer<double, Comm, dropless, disp_t, reference_mlp<double>>;
-using bound_t = moe_layer<double, Comm, dropless, disp_t, grouped_mlp<double>>;
+using bound_t = moe_layer<double, Comm, dropless, disp_t, mlp_experts<double, host_exec>>;
 
 constexpr int shared_ffn = 8;
 
@@ -137,10 +137,10 @@ status step(Layer& l, moe_layer_communicators<Comm>& c, const step_inputs& in, s
     return unexpected<error>(f.error());
   if (auto b = l.backward(in.dout, 1.0, c.groups(), o.dx); !b) return b;
   if (!reduce) return {};
-  if constexpr (std::same_as<Layer, owning_t>)
+  if constexpr (std::same_as<Layer, owning_t>)  // the caller's list of the experts' gradients
     return l.reduce_gradients(c, {l.experts().grads_fc1(), l.experts().grads_fc2()});
-  else
-    return l.reduce_gradients(c, {l.experts().grads().fc1, l.experts().grads().fc2});
+  else  // the experts' own gradient views (mlp_experts::grads())
+    return l.reduce_gradients(c);
 }
 
 template <class Layer>
@@ -151,8 +151,8 @@ void take_grads(Layer& l, step_out& o) {
     o.fc1_g = v(l.experts().grads_fc1());
     o.fc2_g = v(l.experts().grads_fc2());
   } else {
-    o.fc1_g = v(l.experts().grads().fc1);
-    o.fc2_g = v(l.experts().grads().fc2);
+    o.fc1_g = v(l.experts().grads().fc1.flat());
+    o.fc2_g = v(l.experts().grads().fc2.flat());
   }
   o.s1_g = v(l.shared()->mlp_grad().fc1);
   o.s2_g = v(l.shared()->mlp_grad().fc2);
@@ -167,7 +167,7 @@ expected<bound_t> make_bound(const moe_layer_communicators<Comm>& c, rank_params
                         .num_local_experts = p.experts / fold.ep(),
                         .etp = fold.etp(),
                         .etp_rank = c.etp.rank()};
-  auto experts = grouped_mlp<double>::make(shape, {q.fc1, q.fc2}, {q.fc1_g, q.fc2_g});
+  auto experts = mlp_experts<double, host_exec>::make(shape, {q.fc1, q.fc2}, {q.fc1_g, q.fc2_g});
   if (!experts) return unexpected<error>(experts.error());
   auto l = bound_t::make(base_options(), dropless{}, std::move(*experts), c);
   if (!l) return l;

@@ -9,7 +9,7 @@
 #include <moefold/dispatch/drop_policy_full_sequence.hpp>
 #include <moefold/dispatch/drop_policy_local.hpp>
 #include <moefold/layer/moe_layer.hpp>
-#include <moefold/routing/aux_loss.hpp>
+#include "../support/host_aux_loss.hpp"
 
 #include <doctest/doctest.h>
 

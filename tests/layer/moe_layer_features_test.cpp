@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "../dispatch/dispatch_harness.hpp"
+#include "../support/host_topk_router.hpp"
 #include "../support/mlp_layout.hpp"
 
 using namespace moefold;

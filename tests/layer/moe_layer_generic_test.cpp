@@ -71,7 +71,10 @@ class local_dispatcher {
   class handle_type {
    public:
     [[nodiscard]] expert_batch<T> batch() const {
-      return {.hidden = hidden_, .counts = counts_, .x = x_, .probs = p_};
+      const int m = static_cast<int>(p_.size());
+      return {.counts = counts_,
+              .x = row_view<const T>(x_.data(), m, hidden_),
+              .probs = row_view<const T>(p_.data(), m, 1)};
     }
     [[nodiscard]] int num_rows() const { return static_cast<int>(p_.size()); }
 

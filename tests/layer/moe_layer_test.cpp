@@ -266,13 +266,16 @@ struct recording_experts {
   std::vector<P> seen{};
   [[nodiscard]] int num_local_experts() const { return mlp.num_local_experts(); }
   [[nodiscard]] int hidden() const { return mlp.hidden(); }
-  [[nodiscard]] status forward(const expert_batch<bfloat16, P>& b, std::span<bfloat16> y) {
-    seen.assign(b.probs.begin(), b.probs.end());
-    return mlp.forward(b, y);
+  [[nodiscard]] std::size_t workspace_bytes(int rows) const { return mlp.workspace_bytes(rows); }
+  [[nodiscard]] status forward(host_exec& x, const expert_batch<bfloat16, P>& b,
+                               row_view<bfloat16> y, std::span<std::byte> ws) {
+    seen.assign(b.probs.flat().begin(), b.probs.flat().end());
+    return mlp.forward(x, b, y, ws);
   }
-  [[nodiscard]] status backward(const expert_batch<bfloat16, P>& b, std::span<const bfloat16> dy,
-                                std::span<bfloat16> dx, std::span<P> dprobs) {
-    return mlp.backward(b, dy, dx, dprobs);
+  [[nodiscard]] status backward(host_exec& x, const expert_batch<bfloat16, P>& b,
+                                row_view<const bfloat16> dy, row_view<bfloat16> dx,
+                                row_view<P> dprobs, std::span<std::byte> ws) {
+    return mlp.backward(x, b, dy, dx, dprobs, ws);
   }
 };
 

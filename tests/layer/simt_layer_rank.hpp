@@ -8,7 +8,7 @@
 
 #include <moefold/dispatch/all_to_all_dispatcher.hpp>
 #include <moefold/exec/exec_buffer.hpp>
-#include <moefold/experts/simt_mlp.hpp>
+#include <moefold/experts/mlp_experts.hpp>
 #include <moefold/layer/simt_moe_layer.hpp>
 
 #include <algorithm>
@@ -152,21 +152,23 @@ expected<simt_rank_params<T, Exec>> upload_rank_params(const problem& p,
   return simt_rank_params<T, Exec>{std::move(*d_fc1), std::move(*d_fc2), std::move(*d_w),
                                    std::move(*d_g1),  std::move(*d_g2),  std::move(*d_dw)};
 }
-// The rank's simt_mlp experts (SwiGLU, its ETP shard) over those parameters.
+// The experts simt_moe_layer runs in these tests: mlp_experts on the context with its default
+// GEMM backends (simt_gemm on cpu_exec and cuda_exec), fp32 probabilities.
 template <class T, class Exec>
-expected<simt_mlp<T, Exec, main_grad_t<T>, float>> rank_mlp(const problem& p,
-                                                            const dynamic_folded_mesh& fold, int r,
-                                                            Exec& x,
-                                                            simt_rank_params<T, Exec>& par) {
-  return simt_mlp<T, Exec, main_grad_t<T>, float>::make(x,
-                                                        {.hidden = p.hidden,
-                                                         .ffn = p.ffn,
-                                                         .num_local_experts = p.experts / fold.ep(),
-                                                         .etp = fold.etp(),
-                                                         .etp_rank = fold.moe_coord_of(r).etp,
-                                                         .act = activation::swiglu},
-                                                        {par.fc1.cview(), par.fc2.cview()},
-                                                        {par.g1.view(), par.g2.view()});
+using simt_rank_experts = mlp_experts<T, Exec, default_gemms<Exec>, main_grad_t<T>, float>;
+
+// The rank's experts (SwiGLU, its ETP shard) over those parameters.
+template <class T, class Exec>
+expected<simt_rank_experts<T, Exec>> rank_mlp(const problem& p, const dynamic_folded_mesh& fold,
+                                              int r, Exec&, simt_rank_params<T, Exec>& par) {
+  return simt_rank_experts<T, Exec>::make({.hidden = p.hidden,
+                                           .ffn = p.ffn,
+                                           .num_local_experts = p.experts / fold.ep(),
+                                           .etp = fold.etp(),
+                                           .etp_rank = fold.moe_coord_of(r).etp,
+                                           .act = activation::swiglu},
+                                          {par.fc1.cview(), par.fc2.cview()},
+                                          {par.g1.view(), par.g2.view()});
 }
 
 // One rank's simt_moe_layer: the weights of layer_harness.hpp uploaded to the context, forward,
@@ -176,8 +178,8 @@ template <class T, template <class, class, class, class> class Disp, class Exec,
 expected<layer_result> run_simt_rank(const problem& p, Comm& world, Exec& x,
                                      std::optional<simt_drop_policy> drop, bool keys = false) {
   using G = main_grad_t<T>;
-  using layer_t = simt_moe_layer<T, Exec, Comm, Disp<T, Comm, Exec, float>,
-                                 simt_mlp<T, Exec, main_grad_t<T>, float>>;
+  using layer_t =
+      simt_moe_layer<T, Exec, Comm, Disp<T, Comm, Exec, float>, simt_rank_experts<T, Exec>>;
   const auto copies = [&x] {
     if constexpr (counts_copies<Exec>)
       return x.copies();
@@ -272,7 +274,7 @@ expected<layer_result> run_simt_rank(const problem& p, Comm& world, Exec& x,
   if (!std::equal(kept_host->begin(), kept_host->end(), xs.begin(), xs.end(),
                   [](T a, T b) { return std::memcmp(&a, &b, sizeof(T)) == 0; }))
     return make_error(errc::invalid_argument, "the kept input differs from the forward's");
-  TRY(layer->reduce_gradients(stage, edp, d_dw.view(), {d_g1.view(), d_g2.view()}));
+  TRY(layer->reduce_gradients(stage, edp, d_dw.view()));  // the experts' own gradient views
   TRY_ASSIGN(out, (download<T>(x, d_out->cview())));
   TRY_ASSIGN(dx, (download<T>(x, d_dx->cview())));
   TRY_ASSIGN(dw, (download<G>(x, d_dw.cview())));

@@ -1,5 +1,5 @@
 // The MoE layer on the CPU executor from kernels (simt_moe_layer: topk_router, the router losses
-// as device values, a dispatcher on cpu_exec, simt_mlp experts) over the device-space thread
+// as device values, a dispatcher on cpu_exec, mlp_experts) over the device-space thread
 // world, EP 4 x ETP 2 and other folds, both dispatchers: every rank's output, input gradient,
 // reduced router and expert gradients and losses against the host layer (moe_layer on host_exec
 // with reference_mlp experts holding the same weights: the same routing, values within the two
@@ -9,8 +9,8 @@
 #include <moefold/dispatch/all_to_all_dispatcher.hpp>
 #include <moefold/exec/cpu_exec.hpp>
 #include <moefold/exec/exec_buffer.hpp>
+#include <moefold/experts/mlp_experts.hpp>
 #include <moefold/experts/reference_mlp.hpp>
-#include <moefold/experts/simt_mlp.hpp>
 #include <moefold/layer/simt_moe_layer.hpp>
 
 #include <doctest/doctest.h>
@@ -38,7 +38,7 @@ using space = cpu_device_space;
 
 template <class T, template <class, class, class, class> class Disp>
 using simt_layer_t = simt_moe_layer<T, cpu_exec, dev_comm, Disp<T, dev_comm, cpu_exec, float>,
-                                    simt_mlp<T, cpu_exec, main_grad_t<T>, float>>;
+                                    simt_rank_experts<T, cpu_exec>>;
 
 template <class T, template <class, class, class, class> class Disp>
 std::vector<layer_result> run_simt(const problem& p, std::optional<simt_drop_policy> drop = {},
@@ -618,7 +618,7 @@ TEST_CASE("simt_moe_layer in bf16 (fp32 router and probabilities) against the fp
 TEST_CASE("simt_moe_layer refuses what it does not run and misuse, naming the rule") {
   cpu_exec x(1);
   using layer_t = simt_layer_t<float, all_to_all_dispatcher>;
-  using mlp_t = simt_mlp<float, cpu_exec, float, float>;
+  using mlp_t = simt_rank_experts<float, cpu_exec>;
   const int H = 4, E = 2, F = 2;
   auto fc1 = exec_buffer<float, cpu_exec>::make(x, E * 2 * F, H).value();
   auto fc2 = exec_buffer<float, cpu_exec>::make(x, E * H, F).value();
@@ -627,8 +627,8 @@ TEST_CASE("simt_moe_layer refuses what it does not run and misuse, naming the ru
   auto w = exec_buffer<float, cpu_exec>::make(x, E, H).value();
   auto dw = exec_buffer<float, cpu_exec>::make(x, E, H).value();
   const auto experts = [&] {
-    return mlp_t::make(x, {.hidden = H, .ffn = F, .num_local_experts = E},
-                       {fc1.cview(), fc2.cview()}, {g1.view(), g2.view()})
+    return mlp_t::make({.hidden = H, .ffn = F, .num_local_experts = E}, {fc1.cview(), fc2.cview()},
+                       {g1.view(), g2.view()})
         .value();
   };
   const moe_layer_options ok{.hidden = H, .max_tokens = 3, .router = {.num_experts = E, .topk = 2}};
@@ -660,7 +660,7 @@ TEST_CASE("simt_moe_layer refuses what it does not run and misuse, naming the ru
     o.shared_expert.ffn = -1;
     refused(o, "shared_expert.ffn must be >= 0");
     o.shared_expert.ffn = 4;
-    refused(o, "the shared expert: simt_mlp: weights and gradients must be contiguous");
+    refused(o, "the shared expert: mlp_experts: weights and gradients must be contiguous");
     o.shared_expert.tp_rank = 1;
     refused(o, "tp_rank in [0, tp)");
     o.shared_expert = {.ffn = 2, .gate = true};

@@ -2,9 +2,10 @@
 // against central finite differences in fp64 (docs/dispatch-semantics.md section 7, invariant 13).
 #include <moefold/comm/thread_world.hpp>
 #include <moefold/dispatch/drop_policy_local.hpp>
-#include <moefold/routing/gating.hpp>
-#include <moefold/routing/group_losses.hpp>
-#include <moefold/routing/host_topk_router.hpp>
+#include <moefold/routing/input_jitter.hpp>
+#include "../support/host_gating.hpp"
+#include "../support/host_group_losses.hpp"
+#include "../support/host_topk_router.hpp"
 
 #include <doctest/doctest.h>
 

@@ -3,7 +3,8 @@
 #include <moefold/comm/thread_world.hpp>
 #include <moefold/dispatch/drop_policy_full_sequence.hpp>
 #include <moefold/dispatch/drop_policy_local.hpp>
-#include <moefold/routing/host_topk_router.hpp>
+#include <moefold/exec/host_exec.hpp>
+#include "../support/host_topk_router.hpp"
 
 #include <doctest/doctest.h>
 
@@ -281,7 +282,9 @@ TEST_CASE("bad input: capacity factor, pad beyond the tokens, malformed routings
         errc::invalid_argument);  // odd CP part cannot be split in two chunks
 }
 
-TEST_CASE("the drop-policy concept: the library's policies and a user's") {
+TEST_CASE("a user policy in the host form: the dense form follows its mask") {
+  // (The drop-policy concept on a context, the library's policies and a user's:
+  // tests/dispatch/drop_policy_context_test.cpp.)
   struct keep_first_token_only {  // a user policy: each token keeps only its first expert
     status apply(thread_communicator&, std::span<const std::int64_t>, const routing_view<double>& r,
                  drop_counts& out, drop_scratch<double>&) const {
@@ -290,11 +293,11 @@ TEST_CASE("the drop-policy concept: the library's policies and a user's") {
       return fill_drop_counts(r, std::nullopt, out);
     }
   };
-  static_assert(drop_policy<dropless, double, thread_communicator>);
-  static_assert(drop_policy<sub_sequence, float, thread_communicator>);
-  static_assert(drop_policy<full_sequence, double, thread_communicator>);
-  static_assert(drop_policy<keep_first_token_only, double, thread_communicator>);
-  static_assert(!drop_policy<int, double, thread_communicator>);
+  static_assert(drop_policy<dropless, double, host_exec, thread_communicator>);
+  static_assert(drop_policy<sub_sequence, float, host_exec, thread_communicator>);
+  static_assert(drop_policy<full_sequence, double, host_exec, thread_communicator>);
+  static_assert(!drop_policy<keep_first_token_only, double, host_exec, thread_communicator>);
+  static_assert(!drop_policy<int, double, host_exec, thread_communicator>);
   const auto r = route(10, 2, 331);
   drop_result<double> d;
   const auto st = run_thread_world(

@@ -3,10 +3,11 @@
 // The values themselves are checked against Megatron-Core's own code in megatron_reference_test.
 #include <moefold/exec/cpu_exec.hpp>
 #include <moefold/exec/host_exec.hpp>
-#include <moefold/routing/gating.hpp>
-#include <moefold/routing/host_topk_router.hpp>
+#include <moefold/routing/input_jitter.hpp>
 #include <moefold/routing/router.hpp>
 #include <moefold/routing/topk_router.hpp>
+#include "../support/host_gating.hpp"
+#include "../support/host_topk_router.hpp"
 
 #include <doctest/doctest.h>
 

@@ -11,9 +11,9 @@
 #include <moefold/mesh/groups.hpp>
 #include <moefold/routing/expert_bias.hpp>
 
-#include <moefold/routing/group_losses.hpp>
-#include <moefold/routing/host_topk_router.hpp>
 #include "../support/host_expert_bias.hpp"
+#include "../support/host_group_losses.hpp"
+#include "../support/host_topk_router.hpp"
 
 #include <doctest/doctest.h>
 

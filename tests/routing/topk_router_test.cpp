@@ -13,8 +13,8 @@
 #include <moefold/exec/cpu_exec.hpp>
 #include <moefold/exec/exec_buffer.hpp>
 #include <moefold/exec/host_exec.hpp>
-#include <moefold/routing/host_topk_router.hpp>
 #include <moefold/routing/topk_router.hpp>
+#include "../support/host_topk_router.hpp"
 
 #include <algorithm>
 #include <cmath>

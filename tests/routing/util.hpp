@@ -1,7 +1,7 @@
 // Test helpers for the routing tests: seeded random inputs and every router variant.
 #pragma once
 
-#include <moefold/routing/host_topk_router.hpp>
+#include "../support/host_topk_router.hpp"
 
 #include <cstdint>
 #include <random>

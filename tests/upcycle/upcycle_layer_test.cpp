@@ -1,7 +1,7 @@
 // Upcycling through the MoE layer (docs/upcycling.md; dispatch-semantics.md section 8 and
 // invariant 15): a dense FFN is upcycled rank by rank (upcycle_slices -> the rectangles read from
 // the dense tensors here -> upcycle_experts; upcycle_router), loaded into a moe_layer's
-// caller-owned parameters (grouped_mlp over the rank's buffers, bind_parameters for the router)
+// caller-owned parameters (mlp_experts over the rank's buffers, bind_parameters for the router)
 // and run on the thread world under several folded mappings, pipeline stages included (each
 // stage its own dense FFN). Everything is checked against the dense FFN evaluated here in fp64
 // from the dense weights, never against the library's experts or router:
@@ -17,7 +17,7 @@
 #include <moefold/dispatch/all_gather_dispatcher.hpp>
 #include <moefold/dispatch/all_to_all_dispatcher.hpp>
 #include <moefold/dispatch/drop_policy_local.hpp>
-#include <moefold/experts/grouped_mlp.hpp>
+#include <moefold/experts/mlp_experts.hpp>
 #include <moefold/layer/moe_layer.hpp>
 #include <moefold/mesh/fold.hpp>
 #include <moefold/mesh/groups.hpp>
@@ -132,7 +132,7 @@ std::vector<double> widen_all(const std::vector<T>& v) {
 // and the gradient reduction (experts over EDP, router over the stage).
 template <class T, class Dispatcher>
 std::vector<rank_out> run_upcycled(const upcycle_case& c) {
-  using layer_t = moe_layer<T, Comm, dropless, Dispatcher, grouped_mlp<T>>;
+  using layer_t = moe_layer<T, Comm, dropless, Dispatcher, mlp_experts<T, host_exec>>;
   using G = typename layer_t::grad_type;
   using R = typename layer_t::router_value_type;
   const auto fold = make_folded(c.fold).value();
@@ -195,7 +195,7 @@ std::vector<rank_out> run_upcycled(const upcycle_case& c) {
     if (auto s = upcycle_router(d.shape, o, router32); !s) return s;
     std::vector<T> router(router32.begin(), router32.end());  // exact: fp32 into T >= fp32
     std::vector<G> router_g(router.size(), G(0));
-    auto experts = grouped_mlp<T>::make(*shape, {fc1, fc2}, {g1, g2});
+    auto experts = mlp_experts<T, host_exec>::make(*shape, {fc1, fc2}, {g1, g2});
     if (!experts) return unexpected<error>(experts.error());
     auto layer = layer_t::make(
         {.hidden = H,

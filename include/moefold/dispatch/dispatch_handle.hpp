@@ -57,15 +57,11 @@ class dispatch_handle {
   using prob_type = typename Dispatcher::prob_type;
   using space = typename Dispatcher::space;
 
-  //! The rows this rank's local experts compute, grouped by local expert (host memory).
-  [[nodiscard]] expert_batch<value_type, prob_type> batch() const noexcept requires
-      host_accessible_v<space> {
-    const expert_batch<value_type, prob_type> b{
-        .hidden = hidden_,
-        .counts = per_expert_,
-        .x = {x_.data(), detail::uz(x_.rows()) * detail::uz(hidden_)},
-        .probs = {p_.data(), detail::uz(p_.rows())}};
-    return b;
+  //! The rows this rank's local experts compute, grouped by local expert, in the context's
+  //! memory space: what an expert functor takes (experts/expert_fn.hpp). The row ranges are the
+  //! host counts, or the offsets on the context where the dispatch read none back.
+  [[nodiscard]] expert_batch<value_type, prob_type, space> batch() const noexcept {
+    return {.counts = per_expert_, .x = x_, .probs = p_, .offsets = offsets_};
   }
   //! The batch's rows [M, H] and probabilities [M, 1], in the context's memory space. In a
   //! context's device memory the rows start 16 bytes apart (stride: H padded up); in host memory

@@ -18,8 +18,9 @@
 #include "../core/drop_by.hpp"
 #include "../core/error.hpp"
 #include "../core/expected.hpp"
-#include "../routing/host_topk_router.hpp"
 #include "../routing/routing_view.hpp"
+#include "../routing/topk_routing.hpp"
+#include "expert_capacity.hpp"
 
 namespace moefold {
 inline namespace v0_1 {
@@ -97,37 +98,6 @@ struct drop_scratch {
   std::vector<int> header{};            // [4 * G]
   std::vector<int> rows{}, pairs_of{};  // [G] rows and pairs per rank
 };
-
-//! A drop policy decides which routed pairs each expert keeps. Every policy is called the same
-//! way, with the communicator of the TP x CP group that holds pieces of the sequence and the true
-//! sequence-order key of each local token (both ignored by local policies), the routing record
-//! whose keep mask it writes, the counts it fills, and scratch the caller keeps:
-//!   p.apply(tp_cp, order_keys, routing, counts, scratch) -> status
-//! dropless, sub_sequence (drop_policy_local.hpp) and full_sequence
-//! (drop_policy_full_sequence.hpp) model it; so can a user type (fill_drop_counts helps). The
-//! built-in policies also offer the dense form of drop_result.hpp, for tests.
-template <class P, class T, class C>
-concept drop_policy = requires(const P& p, C& comm, std::span<const std::int64_t> keys,
-                               const routing_view<T>& r, drop_counts& out, drop_scratch<T>& ws) {
-  { p.apply(comm, keys, r, out, ws) } -> std::same_as<status>;
-};
-
-//! C = ceil(num_pairs / E * capacity_factor) (Megatron-Core `get_capacity`, in double as Python
-//! evaluates it), with num_pairs = tokens * k. The factor must be finite and > 0: dropless is its
-//! own policy, not a magic factor.
-[[nodiscard]] inline expected<int> expert_capacity(long long num_pairs, int num_experts,
-                                                   double capacity_factor) {
-  if (!(std::isfinite(capacity_factor) && capacity_factor > 0))
-    return make_error(errc::invalid_argument,
-                      "capacity_factor must be finite and > 0 (use the dropless policy for no "
-                      "capacity)");
-  if (num_experts < 1 || num_pairs < 0)
-    return make_error(errc::invalid_size, "capacity: need num_experts >= 1 and num_pairs >= 0");
-  const double c = std::ceil((static_cast<double>(num_pairs) / num_experts) * capacity_factor);
-  if (c > static_cast<double>(INT_MAX))
-    return make_error(errc::overflow, "capacity does not fit in int");
-  return static_cast<int>(c);
-}
 
 namespace detail {
 

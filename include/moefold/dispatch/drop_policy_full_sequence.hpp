@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "../comm/communicator.hpp"
+#include "capacity_keep.hpp"
+#include "drop_args.hpp"
 #include "drop_policy.hpp"
 #include "drop_result.hpp"
 
@@ -90,6 +92,25 @@ struct full_sequence {
   double capacity_factor = 1.0;
   bool pad_to_capacity = false;
   drop_by by = drop_by::probs;
+
+  //! On an execution context (dispatch/capacity_keep.hpp): the workspace for forwards up to
+  //! `shape` (shape.group: the tp-cp group's ranks), and the decision over the group's tokens,
+  //! collective over tp_cp. The order keys [N, 1] are sequence_order_keys' values: the group's
+  //! keys a permutation of [0, M) (the layer's contract; a key that breaks it is an error naming
+  //! it), or empty on every rank to take the group's rank order.
+  template <class R>
+  [[nodiscard]] std::size_t workspace_bytes(const drop_shape& shape) const {
+    return detail::keep_workspace_bytes<R>(shape, true);
+  }
+  template <class R, class Exec, class Comm>
+  [[nodiscard]] expected<drop_decision> apply(Exec& x, Comm& tp_cp,
+                                              const drop_input<R, typename Exec::memory_space>& in,
+                                              const drop_output<typename Exec::memory_space>& out,
+                                              std::span<std::byte> ws) const {
+    return detail::keep_on_context<true, R>(
+        x, &tp_cp, in, out, ws,
+        detail::keep_rule{.capacity_factor = capacity_factor, .pad = pad_to_capacity, .by = by});
+  }
 
   //! `order_keys` [N]: the true sequence-order key of each local token (sequence_order_keys), or
   //! empty to take the group's rank order (rank 0's tokens first) as the sequence order; all ranks

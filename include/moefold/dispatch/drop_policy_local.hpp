@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <span>
 
+#include "capacity_keep.hpp"
+#include "drop_args.hpp"
 #include "drop_policy.hpp"
 #include "drop_result.hpp"
 
@@ -14,6 +16,20 @@ inline namespace v0_1 {
 
 //! Every routed pair is computed; nothing is dropped or padded.
 struct dropless {
+  //! On an execution context (dispatch/capacity_keep.hpp): the workspace for forwards up to
+  //! `shape`, and the decision over this rank's tokens (tp_cp unused).
+  template <class R>
+  [[nodiscard]] std::size_t workspace_bytes(const drop_shape& shape) const {
+    return detail::keep_workspace_bytes<R>(shape, false);
+  }
+  template <class R, class Exec, class Comm>
+  [[nodiscard]] expected<drop_decision> apply(Exec& x, Comm& /*tp_cp*/,
+                                              const drop_input<R, typename Exec::memory_space>& in,
+                                              const drop_output<typename Exec::memory_space>& out,
+                                              std::span<std::byte> ws) const {
+    return detail::keep_on_context<false, R>(x, static_cast<Comm*>(nullptr), in, out, ws,
+                                             detail::keep_rule{});
+  }
   template <class T>
   [[nodiscard]] status apply(const routing_view<T>& r, drop_counts& out, drop_scratch<T>&) const {
     if (auto s = detail::check_routing(r); !s) return s;
@@ -48,6 +64,22 @@ struct sub_sequence {
   double capacity_factor = 1.0;
   bool pad_to_capacity = false;  //!< every expert gets exactly C rows (static shapes)
   drop_by by = drop_by::probs;
+
+  //! On an execution context (dispatch/capacity_keep.hpp): the workspace for forwards up to
+  //! `shape`, and the decision over this rank's tokens (tp_cp unused).
+  template <class R>
+  [[nodiscard]] std::size_t workspace_bytes(const drop_shape& shape) const {
+    return detail::keep_workspace_bytes<R>(shape, false);
+  }
+  template <class R, class Exec, class Comm>
+  [[nodiscard]] expected<drop_decision> apply(Exec& x, Comm& /*tp_cp*/,
+                                              const drop_input<R, typename Exec::memory_space>& in,
+                                              const drop_output<typename Exec::memory_space>& out,
+                                              std::span<std::byte> ws) const {
+    return detail::keep_on_context<false, R>(
+        x, static_cast<Comm*>(nullptr), in, out, ws,
+        detail::keep_rule{.capacity_factor = capacity_factor, .pad = pad_to_capacity, .by = by});
+  }
 
   template <class T>
   [[nodiscard]] status apply(const routing_view<T>& r, drop_counts& out,

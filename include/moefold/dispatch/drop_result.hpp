@@ -12,8 +12,8 @@
 
 #include "../core/error.hpp"
 #include "../core/expected.hpp"
-#include "../routing/host_topk_router.hpp"
 #include "../routing/routing_view.hpp"
+#include "../routing/topk_routing.hpp"
 #include "drop_policy.hpp"
 
 namespace moefold {

@@ -22,7 +22,8 @@ inline namespace v0_1 {
 //!   workspace_sizes(capacity) -> dispatch_workspace_bytes (saved, scratch, host parts)
 //!   dispatch(host_dispatch_input<T, P>, dispatch_groups, dispatch_workspace) -> expected<handle>:
 //!     the kept pairs (expert -1: dropped) to the rows this rank's experts compute
-//!   handle.batch() -> expert_batch<T, P> (rows grouped by local expert), handle.num_rows() -> M
+//!   handle.batch() -> expert_batch<T, P, S> (rows grouped by local expert, in the memory space
+//!     S of D::exec_type), handle.num_rows() -> M
 //!   combine(handle&, y [M, H], groups, out [N, H]): each token's rows summed back
 //!   combine_backward(handle, dout [N, H], groups, dy [M, H])
 //!   dispatch_backward(handle, dx_rows [M, H], dprob_rows [M] (P), groups, dx [N, H],
@@ -42,7 +43,10 @@ concept token_dispatcher = requires(
   { cd.shape() } -> std::convertible_to<dispatch_shape>;
   { cd.workspace_sizes(capacity) } -> std::same_as<dispatch_workspace_bytes>;
   { d.dispatch(in, g, ws) } -> std::same_as<expected<typename D::handle_type>>;
-  { ch.batch() } -> std::same_as<expert_batch<typename D::value_type, typename D::prob_type>>;
+  {
+    ch.batch()
+    } -> std::same_as<expert_batch<typename D::value_type, typename D::prob_type,
+                                   typename D::exec_type::memory_space>>;
   { ch.num_rows() } -> std::convertible_to<int>;
   { d.combine(h, rows, g, out) } -> std::same_as<status>;
   { d.combine_backward(ch, rows, g, out) } -> std::same_as<status>;

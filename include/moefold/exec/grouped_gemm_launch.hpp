@@ -1,9 +1,10 @@
 //! @file grouped_gemm_launch.hpp
-//! @brief The host side of the SIMT grouped GEMM (kernels/grouped_gemm.hpp) for the objects that
-//! run it on an execution context (simt_mlp, topk_router): the grid from the groups' row ranges
-//! as the host knows them, capped at the context's grid limit (capped_blocks, simt_launch.hpp; the
+//! @brief The host side of the SIMT grouped GEMM (kernels/grouped_gemm.hpp) for simt_gemm, the
+//! seam's backend that runs it on an execution context (exec/simt_gemm.hpp; the experts and the
+//! router reach it through the seam only): the grid from the groups' row ranges as the host knows
+//! them, or from a bound, capped at the context's grid limit (capped_blocks, simt_launch.hpp; the
 //! kernel's tiles stride over the grid), and the launch. One place, so that the tile arithmetic
-//! cannot drift between them.
+//! cannot drift.
 #pragma once
 
 #include <span>

@@ -1,7 +1,7 @@
 //! @file mlp_params.hpp
 //! @brief The layout of an MLP's parameters and the caller-owned views of them: the shape of one
-//! rank's expert shards, the element counts of each tensor, and the weight and gradient views an
-//! expert functor or a shared expert runs on.
+//! rank's expert shards, the element counts of each tensor, and the weight and gradient views
+//! mlp_experts and the shared expert run on (host spans, or row views in a context's memory).
 //!
 //! Layout (row-major, Megatron-Core's TEGroupedMLP per local expert, torch.nn.Linear's
 //! [out_features, in_features]), for L local experts, hidden size H, expert FFN size F, ETP shards:
@@ -20,8 +20,12 @@
 
 #include <cstddef>
 #include <span>
+#include <string>
 
 #include "../core/dtype.hpp"
+#include "../core/expected.hpp"
+#include "../core/memory_space.hpp"
+#include "../core/row_view.hpp"
 #include "../core/size.hpp"
 #include "activation.hpp"
 
@@ -53,6 +57,24 @@ struct mlp_param_sizes {
   return {.fc1 = l * f1 * h, .fc2 = l * h * fs};
 }
 
+//! The shape rules every MLP of moefold checks, in one place, `who` naming the MLP in the
+//! message: sizes >= 1 (L >= 0), ETP divides F, etp_rank in [0, ETP).
+[[nodiscard]] inline status check_mlp_shape(const mlp_shape& s, const char* who) {
+  using detail::to_decimal;
+  if (s.hidden < 1 || s.ffn < 1 || s.num_local_experts < 0 || s.etp < 1)
+    return make_error(errc::invalid_size, std::string(who) +
+                                              ": hidden, ffn and etp must be >= 1 and "
+                                              "num_local_experts >= 0");
+  if (s.ffn % s.etp != 0)
+    return make_error(errc::invalid_argument,
+                      std::string(who) + ": ffn = " + to_decimal(s.ffn) +
+                          " is not divisible by etp = " + to_decimal(s.etp) +
+                          " (each ETP rank holds ffn / etp rows of fc1 and columns of fc2)");
+  if (s.etp_rank < 0 || s.etp_rank >= s.etp)
+    return make_error(errc::rank_out_of_range, std::string(who) + ": etp_rank outside [0, etp)");
+  return {};
+}
+
 //! Views of a caller's weights: fc1 [L, F1, H], fc2 [L, H, F / ETP] (read, never written).
 template <class T>
 struct mlp_weights {
@@ -65,6 +87,20 @@ template <class G>
 struct mlp_grads {
   std::span<G> fc1{};
   std::span<G> fc2{};
+};
+
+//! The weights as row views in memory space S (a context's: what mlp_experts runs on), the L
+//! experts stacked: fc1 [L F1, H], fc2 [L H, F / ETP], contiguous (read, never written).
+template <class T, memory_space S = host_space>
+struct mlp_weight_views {
+  row_view<const T, S> fc1{};
+  row_view<const T, S> fc2{};
+};
+//! Their gradient buffers in S, the same shapes, accumulated into (beta = 1).
+template <class G, memory_space S = host_space>
+struct mlp_grad_views {
+  row_view<G, S> fc1{};
+  row_view<G, S> fc2{};
 };
 
 }  // namespace v0_1

@@ -1,13 +1,18 @@
 //! @file reference_mlp.hpp
-//! @brief moefold's reference experts on the CPU that own their parameters: a thin convenience
-//! over grouped_mlp (the functor over caller-owned views) holding the weights and gradients in
-//! vectors of its own, for tests, examples and small programs. Trainers whose optimizer owns the
-//! parameters use grouped_mlp directly.
+//! @brief moefold's experts on the host that own their parameters: a thin owner over
+//! mlp_experts<T, host_exec> (the experts over caller-owned views) holding the weights and
+//! gradients in vectors of its own, for tests, examples and small programs. Trainers whose
+//! optimizer owns the parameters use mlp_experts directly.
+//!
+//! It is an expert_fn on host_exec (forward and backward with the context and a workspace from
+//! the caller, what a layer calls) and has a host convenience besides: forward and backward over
+//! spans, on a host_exec and a workspace of its own (grown to the largest batch it has seen: a
+//! test oracle's comfort, not the hot path).
 //!
 //! Layouts: experts/mlp_params.hpp (Megatron-Core's TEGroupedMLP per local expert): fc1 of local
 //! expert l is [F1, H] with F1 = (gated ? 2 : 1) * F / ETP (this shard's gate rows, then its up
 //! rows); fc2 is [H, F / ETP]. Gradients have the same layouts, in G (by default T, fp32 for
-//! bf16/fp16 weights), accumulated (+=). P is the probabilities' type (grouped_mlp).
+//! bf16/fp16 weights), accumulated (+=). P is the probabilities' type (mlp_experts).
 #pragma once
 
 #include <cstddef>
@@ -17,10 +22,12 @@
 #include <vector>
 
 #include "../core/expected.hpp"
+#include "../core/row_view.hpp"
 #include "../core/size.hpp"
-#include "activation.hpp"
+#include "../exec/gemm_policy.hpp"
+#include "../exec/host_exec.hpp"
 #include "expert_fn.hpp"
-#include "grouped_mlp.hpp"
+#include "mlp_experts.hpp"
 #include "mlp_params.hpp"
 
 namespace moefold {
@@ -32,18 +39,19 @@ class reference_mlp {
   using value_type = T;
   using grad_type = Grad;
   using prob_type = P;
+  //! The experts it owns the parameters of (the host GEMM: host_exec's default).
+  using experts_type = mlp_experts<T, host_exec, host_gemms, Grad, P>;
 
   //! Zero-initialised shards of the given shape (checked: sizes >= 1, ETP divides F).
   [[nodiscard]] static expected<reference_mlp> make(const mlp_shape& s) {
-    if (auto st = grouped_mlp<T, Grad, P>::check_shape(s, "reference_mlp"); !st)
-      return unexpected<error>(st.error());
+    if (auto st = check_mlp_shape(s, "reference_mlp"); !st) return unexpected<error>(st.error());
     reference_mlp m;
     const mlp_param_sizes n = mlp_sizes(s);
     m.fc1_.assign(n.fc1, T(0));
     m.fc2_.assign(n.fc2, T(0));
     m.g1_.assign(n.fc1, Grad(0));
     m.g2_.assign(n.fc2, Grad(0));
-    auto v = grouped_mlp<T, Grad, P>::make(s, {m.fc1_, m.fc2_}, {m.g1_, m.g2_});
+    auto v = experts_type::make(s, mlp_weights<T>{m.fc1_, m.fc2_}, mlp_grads<Grad>{m.g1_, m.g2_});
     if (!v) return unexpected<error>(v.error());
     m.view_ = std::move(*v);
     return m;
@@ -60,7 +68,8 @@ class reference_mlp {
         fc2_(std::move(o.fc2_)),
         g1_(std::move(o.g1_)),
         g2_(std::move(o.g2_)),
-        view_(std::move(o.view_)) {
+        view_(std::move(o.view_)),
+        ws_(std::move(o.ws_)) {
     rebind();
   }
   reference_mlp& operator=(reference_mlp o) noexcept {
@@ -69,6 +78,7 @@ class reference_mlp {
     g1_ = std::move(o.g1_);
     g2_ = std::move(o.g2_);
     view_ = std::move(o.view_);
+    ws_ = std::move(o.ws_);
     rebind();
     return *this;
   }
@@ -88,8 +98,12 @@ class reference_mlp {
   [[nodiscard]] std::span<T> weights_fc2() noexcept { return fc2_; }
   [[nodiscard]] std::span<Grad> grads_fc1() noexcept { return g1_; }
   [[nodiscard]] std::span<Grad> grads_fc2() noexcept { return g2_; }
-  //! The functor over this object's buffers.
-  [[nodiscard]] grouped_mlp<T, Grad, P>& view() noexcept { return view_; }
+  //! The gradient views (experts_type::grads()), as mlp_experts exposes them.
+  [[nodiscard]] const typename experts_type::grads_type& grads() const noexcept {
+    return view_.grads();
+  }
+  //! The experts over this object's buffers.
+  [[nodiscard]] experts_type& view() noexcept { return view_; }
   void zero_grad() noexcept {
     for (auto& v : g1_) v = Grad(0);
     for (auto& v : g2_) v = Grad(0);
@@ -120,14 +134,41 @@ class reference_mlp {
     return {};
   }
 
-  //! See grouped_mlp::forward.  [M,H] -> [M,H]
-  [[nodiscard]] status forward(const expert_batch<T, P>& b, std::span<T> y) {
-    return view_.forward(b, y);
+  // --- the expert_fn protocol on host_exec (what a layer calls) --------------------------------
+
+  //! See mlp_experts::workspace_bytes.
+  [[nodiscard]] std::size_t workspace_bytes(int rows) const { return view_.workspace_bytes(rows); }
+  //! See mlp_experts::forward.  [M, H] -> [M, H]
+  [[nodiscard]] status forward(host_exec& x, const expert_batch<T, P>& b, row_view<T> y,
+                               std::span<std::byte> workspace) {
+    return view_.forward(x, b, y, workspace);
   }
-  //! See grouped_mlp::backward: dx [M,H], dprobs [M], and += the weight gradients.
+  //! See mlp_experts::backward: dx [M, H], dprobs [M, 1], and += the weight gradients.
+  [[nodiscard]] status backward(host_exec& x, const expert_batch<T, P>& b, row_view<const T> dy,
+                                row_view<T> dx, row_view<P> dprobs,
+                                std::span<std::byte> workspace) {
+    return view_.backward(x, b, dy, dx, dprobs, workspace);
+  }
+
+  // --- the host convenience: spans, its own context and workspace -----------------------------
+
+  //! y [M H] for the batch (a partial sum under ETP).
+  [[nodiscard]] status forward(const expert_batch<T, P>& b, std::span<T> y) {
+    if (auto st = check_span(y.size(), b.rows(), hid(), "y"); !st) return st;
+    host_exec x;
+    return view_.forward(x, b, row_view<T>(y.data(), b.rows(), hid()), workspace(b.rows()));
+  }
+  //! dx [M H] and dprobs [M] from dy [M H], and += the weight gradients.
   [[nodiscard]] status backward(const expert_batch<T, P>& b, std::span<const T> dy, std::span<T> dx,
                                 std::span<P> dprobs) {
-    return view_.backward(b, dy, dx, dprobs);
+    const int M = b.rows();
+    if (auto st = check_span(dy.size(), M, hid(), "dy"); !st) return st;
+    if (auto st = check_span(dx.size(), M, hid(), "dx"); !st) return st;
+    if (auto st = check_span(dprobs.size(), M, 1, "dprobs"); !st) return st;
+    host_exec x;
+    return view_.backward(x, b, row_view<const T>(dy.data(), M, hid()),
+                          row_view<T>(dx.data(), M, hid()), row_view<P>(dprobs.data(), M, 1),
+                          workspace(M));
   }
 
  private:
@@ -138,15 +179,33 @@ class reference_mlp {
   static std::span<U> slice(std::vector<U>& v, int l, int n) noexcept {
     return std::span<U>(v).subspan(detail::uz(l) * detail::uz(n), detail::uz(n));
   }
+  static status check_span(std::size_t size, int rows, int width, const char* what) {
+    if (rows >= 0 && size == detail::uz(rows) * detail::uz(width)) return {};
+    return make_error(errc::shape_mismatch,
+                      std::string("reference_mlp: ") + what + " must hold [M, " +
+                          (width == 1 ? std::string("1") : std::string("H")) +
+                          "] = " + detail::to_decimal(static_cast<long long>(rows) * width) +
+                          " values, M = the batch's rows (got " +
+                          detail::to_decimal(static_cast<long long>(size)) + ")");
+  }
+  // The convenience's workspace for `rows` rows (grown, never shrunk).
+  std::span<std::byte> workspace(int rows) {
+    const std::size_t need = view_.workspace_bytes(rows < 0 ? 0 : rows);
+    if (ws_.size() < need) ws_.resize(need);
+    return ws_;
+  }
   int hid() const noexcept { return shape().hidden; }
   int fs() const noexcept { return shape().etp > 0 ? shape().ffn / shape().etp : 0; }
   int f1() const noexcept { return (is_gated(shape().act) ? 2 : 1) * fs(); }
   // The vectors have the view's sizes (make sized them), so the binding cannot be refused.
-  void rebind() noexcept { (void)view_.bind({fc1_, fc2_}, {g1_, g2_}); }
+  void rebind() noexcept {
+    (void)view_.bind(mlp_weights<T>{fc1_, fc2_}, mlp_grads<Grad>{g1_, g2_});
+  }
 
   std::vector<T> fc1_, fc2_;
   std::vector<Grad> g1_, g2_;
-  grouped_mlp<T, Grad, P> view_{};
+  experts_type view_{};
+  std::vector<std::byte> ws_;  // the host convenience's workspace
 };
 
 }  // namespace v0_1

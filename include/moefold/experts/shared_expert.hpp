@@ -13,6 +13,10 @@
 //! caller's weights and accumulates (beta = 1) into the caller's gradient buffers, and copies
 //! nothing. The MLP's layout is the routed experts' (experts/mlp_params.hpp) for one expert with
 //! the attention TP as its ETP: fc1 [2F/TP, H] (gate rows, then up rows), fc2 [H, F/TP].
+//!
+//! The MLP shard is mlp_experts<T, host_exec> (one expert, the gathered rows with probability 1):
+//! its GEMMs go through the grouped-GEMM seam (gemm_kind::expert and expert_wgrad of host_gemms),
+//! its scratch is part of this object's scratch part (scratch_bytes()).
 #pragma once
 
 #include <cmath>
@@ -25,9 +29,11 @@
 
 #include "../comm/communicator.hpp"
 #include "../core/expected.hpp"
+#include "../core/row_view.hpp"
 #include "../core/size.hpp"
 #include "../core/workspace.hpp"
-#include "grouped_mlp.hpp"
+#include "../exec/host_exec.hpp"
+#include "mlp_experts.hpp"
 #include "mlp_params.hpp"
 #include "reference_mlp.hpp"
 
@@ -99,7 +105,7 @@ class shared_expert {
       return make_error(errc::shape_mismatch,
                         "shared_expert: the gate weight and its gradient must have " +
                             detail::to_decimal(gate_n) + " elements (H with a gate, else 0)");
-    auto v = grouped_mlp<T, Grad>::make(mlp_shape_of(s_), p.mlp, p.mlp_grad);
+    auto v = mlp_type::make(mlp_shape_of(s_), p.mlp, p.mlp_grad);
     if (!v) return unexpected<error>(v.error());
     bound_.emplace(std::move(*v));
     gate_w_ = p.gate;
@@ -119,7 +125,10 @@ class shared_expert {
   [[nodiscard]] std::span<T> gate_weight() noexcept { return gate_w_; }
   [[nodiscard]] std::span<Grad> gate_grad() noexcept { return gate_g_; }
   //! The MLP's gradient buffers, whoever owns them (for the reduction over dp-cp).
-  [[nodiscard]] mlp_grads<Grad> mlp_grad() noexcept { return functor().grads(); }
+  [[nodiscard]] mlp_grads<Grad> mlp_grad() noexcept {
+    const auto& g = functor().grads();
+    return {g.fc1.flat(), g.fc2.flat()};
+  }
 
   //! Bytes a forward keeps for its backward (the gathered input, the ungated output, the gates,
   //! the TP group's token counts): one such part per forward in flight.
@@ -155,7 +164,9 @@ class shared_expert {
     if (auto st = tp.template all_gather_v<T>(x, xg, elements(sv, sc, s_.hidden)); !st) return st;
     auto yp = sc.y_partial.first(G * H);
     int count = gathered;
-    if (auto st = functor().forward(batch(sv, sc, count), yp); !st) return st;
+    host_exec ex;  // the MLP's GEMMs and activations, on the host's memory
+    if (auto st = functor().forward(ex, batch(sv, sc, count), rows_of(yp, s_.hidden), sc.mlp); !st)
+      return st;
     auto y = sv.y.first(detail::uz(n) * H);  // the ungated output, kept for the gate's gradient
     if (auto st = tp.template reduce_scatter_v<T>(std::span<const T>(yp),
                                                   elements(sv, sc, s_.hidden), y, reduce_op::sum);
@@ -213,7 +224,11 @@ class shared_expert {
     auto dxg = sc.dx_gathered.first(G * H);
     auto dprobs = sc.dprobs.first(G);
     int count = gathered;
-    if (auto st = functor().backward(batch(sv, sc, count), dyg, dxg, dprobs); !st) return st;
+    host_exec ex;
+    if (auto st = functor().backward(ex, batch(sv, sc, count), rows_of(dyg, s_.hidden),
+                                     rows_of(dxg, s_.hidden), rows_of(dprobs, 1), sc.mlp);
+        !st)
+      return st;
     if (auto st = tp.template reduce_scatter_v<T>(std::span<const T>(dxg),
                                                   elements(sv, sc, s_.hidden), dx, reduce_op::sum);
         !st)
@@ -257,7 +272,13 @@ class shared_expert {
             .etp_rank = s.tp_rank,
             .act = s.act};
   }
-  grouped_mlp<T, Grad>& functor() noexcept { return bound_ ? *bound_ : own_mlp_.view(); }
+  using mlp_type = mlp_experts<T, host_exec, host_gemms, Grad>;
+  mlp_type& functor() noexcept { return bound_ ? *bound_ : own_mlp_.view(); }
+  // A span of rows of `width` values as a host row view.
+  template <class U>
+  static row_view<U> rows_of(std::span<U> v, int width) noexcept {
+    return row_view<U>(v.data(), static_cast<int>(v.size() / detail::uz(width)), width);
+  }
 
   struct saved_buffers {
     std::span<int> tokens;  // [TP] every TP rank's N
@@ -266,6 +287,7 @@ class shared_expert {
   struct scratch_buffers {
     std::span<int> counts;
     std::span<T> y_partial, gate_dpre, ones, dy_gathered, dx_gathered, dprobs;
+    std::span<std::byte> mlp;  // the MLP shard's workspace, for the TP group's rows
   };
 
   saved_buffers carve_saved(workspace_carver& c) const {
@@ -287,6 +309,7 @@ class shared_expert {
     b.dy_gathered = c.take<T>(P * N * H);
     b.dx_gathered = c.take<T>(P * N * H);
     b.dprobs = c.take<T>(P * N);
+    b.mlp = c.take<std::byte>(mlp_workspace_bytes());
     return b;
   }
   // Both parts carved from the caller's buffers, or the error naming the one too small.
@@ -308,13 +331,20 @@ class shared_expert {
   // The gathered rows as one expert's batch of probability 1 (`count` holds its row count).
   expert_batch<T> batch(const saved_buffers& sv, const scratch_buffers& sc,
                         const int& count) const {
-    const auto G = detail::uz(count), H = detail::uz(s_.hidden);
+    const auto G = detail::uz(count);
     for (auto& v : sc.ones.first(G)) v = T(1);
-    const expert_batch<T> b{.hidden = s_.hidden,
-                            .counts = std::span<const int>(&count, 1),
-                            .x = sv.x_gathered.first(G * H),
-                            .probs = sc.ones.first(G)};
+    const expert_batch<T> b{.counts = std::span<const int>(&count, 1),
+                            .x = row_view<const T>(sv.x_gathered.data(), count, s_.hidden),
+                            .probs = row_view<const T>(sc.ones.data(), count, 1)};
     return b;
+  }
+  // The MLP shard's workspace for the most rows it sees (tp max_tokens), whoever owns its
+  // parameters (the same shape either way).
+  std::size_t mlp_workspace_bytes() const {
+    return own_or_bound_workspace(static_cast<int>(static_cast<long long>(s_.tp) * s_.max_tokens));
+  }
+  std::size_t own_or_bound_workspace(int rows) const {
+    return bound_ ? bound_->workspace_bytes(rows) : own_mlp_.workspace_bytes(rows);
   }
   static std::span<const int> elements(const saved_buffers& sv, const scratch_buffers& sc,
                                        int width) {
@@ -349,8 +379,8 @@ class shared_expert {
   reference_mlp<T, Grad> own_mlp_{};  // the owning form's parameters
   std::vector<T> own_gate_w_;
   std::vector<Grad> own_gate_g_;
-  std::optional<grouped_mlp<T, Grad>> bound_{};  // the caller's MLP parameters after bind()
-  std::span<T> gate_w_{};                        // [H] the own or the caller's
+  std::optional<mlp_type> bound_{};  // the caller's MLP parameters after bind()
+  std::span<T> gate_w_{};            // [H] the own or the caller's
   std::span<Grad> gate_g_{};
   std::span<std::byte> last_ws_{};  // the one-buffer form's last forward
 };

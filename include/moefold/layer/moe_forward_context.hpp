@@ -15,9 +15,9 @@
 #include <vector>
 
 #include "../dispatch/drop_policy.hpp"
-#include "../routing/host_topk_router.hpp"
 #include "../routing/load_balancing_losses.hpp"
 #include "../routing/router_z_loss.hpp"
+#include "../routing/topk_routing.hpp"
 
 namespace moefold {
 inline namespace v0_1 {
@@ -95,6 +95,7 @@ class moe_forward_context {
     kept_experts_ = std::move(o.kept_experts_);
     kept_probs_ = std::move(o.kept_probs_);
     report_ = std::move(o.report_);
+    drop_totals_ = o.drop_totals_;
     stats_ = o.stats_;
     lb_ = o.lb_;
     z_ = o.z_;
@@ -143,7 +144,8 @@ class moe_forward_context {
   std::vector<std::uint8_t> keep_;                     // [N*k] the drop policy's mask of routing_
   std::vector<int> kept_experts_;                      // [N*k] expert or -1
   std::vector<typename Layer::prob_type> kept_probs_;  // [N*k] in the dispatcher's prob_type
-  drop_report report_{};  // what the policy counted (its vectors sized once)
+  drop_report report_{};                    // what the policy counted (its vectors sized once)
+  std::array<long long, 2> drop_totals_{};  // dropped pairs, fully dropped tokens
   moe_forward_stats stats_{};
   load_balancing_record lb_{};            // the load-balancing terms the forward ran
   z_loss_record<router_value_type> z_{};  // the z-loss the forward ran

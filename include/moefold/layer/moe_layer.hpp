@@ -40,20 +40,22 @@
 #include "../core/row_view.hpp"
 #include "../core/size.hpp"
 #include "../core/workspace.hpp"
+#include "../dispatch/capacity_keep.hpp"
 #include "../dispatch/dispatch_args.hpp"
+#include "../dispatch/drop_args.hpp"
 #include "../dispatch/drop_policy.hpp"
 #include "../dispatch/token_dispatcher.hpp"
 #include "../experts/expert_fn.hpp"
 #include "../experts/shared_expert.hpp"
 #include "../mesh/groups.hpp"
 #include "../routing/expert_bias.hpp"
-#include "../routing/host_topk_router.hpp"
 #include "../routing/load_balancing_losses.hpp"
 #include "../routing/router.hpp"
 #include "../routing/router_gating.hpp"
 #include "../routing/router_z_loss.hpp"
 #include "../routing/routing_view.hpp"
 #include "../routing/topk_router.hpp"
+#include "../routing/topk_routing.hpp"
 #include "moe_forward_context.hpp"
 #include "moe_layer_communicators.hpp"
 #include "moe_layer_params.hpp"
@@ -136,15 +138,16 @@ inline constexpr group_kind shared_gate_gradient_group = group_kind::tp_dp_cp;
 //! token_dispatcher of token type T; its probability type Pt (`prob_type`: T, or wider, e.g.
 //! all_to_all_dispatcher<bf16, Comm, host_exec, float>) is the type the kept probabilities are
 //! converted to once (exactly when Pt is R), travel in to the experts, who apply them (Experts
-//! must be an expert_fn of T and Pt), and whose gradients come back in (widened to R for the
+//! must be an expert_fn of T and Pt on the dispatcher's context, e.g. reference_mlp or
+//! mlp_experts), and whose gradients come back in (widened to R for the
 //! router's backward). With Pt = R = fp32 for bf16 tokens the probabilities are never rounded to
 //! 16 bits, as in Megatron-Core with moe_router_dtype='fp32'. The router weight is a T parameter
 //! with a main_grad_t<T> gradient.
 template <class T, communicator Comm, class Policy, class Dispatcher, class Experts,
           class Router = topk_router<T, typename Dispatcher::exec_type>>
-requires expert_fn<Experts, T, typename Dispatcher::prob_type> &&
-    drop_policy<Policy, typename Router::value_type, Comm> && token_dispatcher<Dispatcher, Comm> &&
-    routing::router<Router, typename Dispatcher::exec_type> &&
+requires expert_fn<Experts, typename Dispatcher::exec_type, T, typename Dispatcher::prob_type> &&
+    drop_policy<Policy, typename Router::value_type, typename Dispatcher::exec_type, Comm> &&
+    token_dispatcher<Dispatcher, Comm> && routing::router<Router, typename Dispatcher::exec_type> &&
     std::same_as<typename Dispatcher::value_type, T> &&
     std::floating_point<typename Router::value_type> &&
     communicator_for<Comm, typename Dispatcher::exec_type, T>
@@ -282,8 +285,9 @@ class moe_layer {
     const moe_saved_bytes sb = l.saved_sizes();
     l.own_saved_.resize(sb.saved);
     l.own_host_.resize(sb.host);
-    l.y_.reserve(detail::uz(o.max_recv_rows.value_or(detail::worst_recv_rows(l.disp_.shape()))) *
-                 H);
+    const auto recv = o.max_recv_rows.value_or(detail::worst_recv_rows(l.disp_.shape()));
+    l.y_.reserve(detail::uz(recv) * H);
+    l.grow_experts_ws(static_cast<int>(recv));
     return l;
   }
 
@@ -560,7 +564,11 @@ class moe_layer {
                         "reserve(capacity)");
     if (auto st = disp_.combine_backward(hd, dmain, g.dispatch, dy); !st) return st;
     ctx.filled_ = false;  // from here the backward has begun: the context is consumed
-    if (auto st = experts_.backward(hd.batch(), dy, dx_rows, dp_rows); !st) return done(ctx, st);
+    if (auto st = experts_.backward(*exec_, hd.batch(), rows(std::span<const T>(dy)),
+                                    rows(std::span<T>(dx_rows)), rows(std::span<Pt>(dp_rows), 1),
+                                    experts_ws_);
+        !st)
+      return done(ctx, st);
     if (auto st = disp_.dispatch_backward(hd, dx_rows, dp_rows, g.dispatch, dx_experts, dprobs);
         !st)
       return done(ctx, st);
@@ -681,6 +689,13 @@ class moe_layer {
                                         std::initializer_list<std::span<grad_type>> expert_grads) {
     return reduce_gradients(c.tp_dp_cp, c.edp, expert_grads, &c.dp_cp);
   }
+  //! The same with the experts' own gradient views (`grads()`, as mlp_experts and reference_mlp
+  //! expose them): no list from the caller.
+  [[nodiscard]] status reduce_gradients(moe_layer_communicators<Comm>& c) requires
+      exposes_expert_grads<Experts, grad_type, typename exec_type::memory_space> {
+    const auto& g = experts_.grads();
+    return reduce_gradients(c.tp_dp_cp, c.edp, {g.fc1.flat(), g.fc2.flat()}, &c.dp_cp);
+  }
   //! end_global_batch over the bundle's tp-dp-cp.
   [[nodiscard]] status end_global_batch(moe_layer_communicators<Comm>& c) {
     return end_global_batch(c.tp_dp_cp);
@@ -781,17 +796,44 @@ class moe_layer {
         !st)
       return unexpected<error>(st.error());
     if (auto st = route(n, logits, ctx.routing_); !st) return unexpected<error>(st.error());
-    // The drop policy marks what each expert keeps in the routing record's mask; the selection
-    // stays whole for the router backward.
+    // The drop policy decides on the context what each expert keeps: the keep mask, the kept
+    // record the dispatcher takes, the counts; the selection stays whole for the router backward.
+    const int K = o_.router.topk;
     const auto pairs = ctx.routing_.indices.size();
     ctx.keep_.resize(pairs);
-    const routing_view<R> rv = view_of(ctx.routing_, std::span<std::uint8_t>(ctx.keep_));
-    drop_counts counts = counts_into(ctx.report_, E);
-    if (auto st = policy_.apply(g.tp_cp, in.order_keys, rv, counts, drop_ws_); !st)
-      return unexpected<error>(st.error());
     ctx.kept_experts_.resize(pairs);
     ctx.kept_probs_.resize(pairs);
-    detail::write_kept_pairs(rv, std::span<int>(ctx.kept_experts_), std::span<Pt>(ctx.kept_probs_));
+    drop_counts counts = counts_into(ctx.report_, E);
+    // The workspace for the largest forward over this tp-cp group, sized once.
+    drop_ws_.resize(std::max(
+        drop_ws_.size(),
+        policy_.template workspace_bytes<R>(
+            {.max_tokens = o_.max_tokens, .topk = K, .num_experts = E, .group = g.tp_cp.size()})));
+    const row_view<const std::int64_t, space_t> keys =
+        in.order_keys.empty() ? row_view<const std::int64_t, space_t>{}
+                              : row_view<const std::int64_t, space_t>(in.order_keys.data(), n, 1);
+    auto decided = policy_.apply(
+        *exec_, g.tp_cp,
+        drop_input<R, space_t>{.experts = rows(std::span<const int>(ctx.routing_.indices), K),
+                               .probs = rows(std::span<const R>(ctx.routing_.probs), K),
+                               .order_keys = keys},
+        drop_output<space_t>{.keep = rows(std::span<std::uint8_t>(ctx.keep_), K),
+                             .kept = rows(std::span<int>(ctx.kept_experts_), K),
+                             .routed = rows(counts.routed, E),
+                             .dropped = rows(counts.dropped, E),
+                             .padded = rows(counts.padded, E),
+                             .totals = rows(std::span<long long>(ctx.drop_totals_), 2)},
+        drop_ws_);
+    if (!decided) return unexpected<error>(decided.error());
+    counts.capacity = decided->capacity;
+    counts.pad_rows = decided->pad_rows;
+    counts.dropped_pairs = ctx.drop_totals_[0];  // host_exec: the context's memory is the host's
+    counts.fully_dropped_tokens = static_cast<int>(ctx.drop_totals_[1]);
+    if (auto st = write_kept_probs(*exec_, rows(std::span<const int>(ctx.kept_experts_), K),
+                                   rows(std::span<const R>(ctx.routing_.probs), K),
+                                   rows(std::span<Pt>(ctx.kept_probs_), K));
+        !st)
+      return unexpected<error>(st.error());
     const host_dispatch_input<T, Pt> din{.num_tokens = n,
                                          .x = x,
                                          .expert = ctx.kept_experts_,
@@ -837,7 +879,9 @@ class moe_layer {
     ctx.handle_.emplace(std::move(*h));
     const auto& hd = *ctx.handle_;
     y_.resize(detail::uz(hd.num_rows()) * H);
-    if (auto st = experts_.forward(hd.batch(), y_); !st) return fail(ctx, st);
+    grow_experts_ws(hd.num_rows());  // pad mode may pass the receive bound
+    if (auto st = experts_.forward(*exec_, hd.batch(), rows(std::span<T>(y_)), experts_ws_); !st)
+      return fail(ctx, st);
     if (auto st = disp_.combine(*ctx.handle_, y_, g.dispatch, out); !st) return fail(ctx, st);
     if (shared_) {  // out += shared(x), the sum Megatron-Core forms in combine_postprocess
       shared_out_.resize(detail::uz(n) * H);
@@ -979,7 +1023,14 @@ class moe_layer {
   // shared output.
   std::vector<R> logits_;
   std::vector<T> y_, shared_out_;
-  drop_scratch<R> drop_ws_{};
+  // The experts' workspace (expert_workspace_bytes), sized at make for the receive bound and
+  // grown only when a pad-mode forward passes it; dead after each experts call.
+  std::vector<std::byte> experts_ws_;
+  void grow_experts_ws(int rows) {
+    const std::size_t bytes = expert_workspace_bytes(experts_, rows);
+    if (experts_ws_.size() < bytes) experts_ws_.resize(bytes);
+  }
+  std::vector<std::byte> drop_ws_;  // the drop policy's workspace (host_exec: host memory)
   struct backward_scratch {
     std::vector<T> dy, dx_rows;
     std::vector<Pt> dp_rows, dprobs;  // [M], [N, k]

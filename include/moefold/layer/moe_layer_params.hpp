@@ -1,7 +1,7 @@
 //! @file moe_layer_params.hpp
 //! @brief The parameters of an MoE layer that the caller owns (a distributed optimizer, FSDP, a
 //! checkpoint loader): views of the router weight, the shared expert's weights and their gradient
-//! buffers. The routed experts' parameters live in the expert functor (grouped_mlp is the one over
+//! buffers. The routed experts' parameters live in the expert functor (mlp_experts is the one over
 //! caller-owned views), so they are not repeated here.
 //!
 //! Weights are read, never written, by the layer (the spans are mutable because the owning form's

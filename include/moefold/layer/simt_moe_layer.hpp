@@ -4,7 +4,7 @@
 //! the load-balancing losses (per micro-batch, per sequence, global) and the z-loss as device
 //! values (kernels/router_aux_loss, kernels/router_z_loss), the expert bias with its counts and
 //! its once-per-global-batch update (kernels/expert_bias), the dispatcher on the context (either of
-//! moefold's), the experts on the context (simt_mlp, or any functor of its shape) and the combine,
+//! moefold's), the experts on the context (mlp_experts, or any expert_fn) and the combine,
 //! forward and backward. Every tensor lives in the context's memory; the host sees the
 //! counts the dispatcher needs for its collectives and the experts' row ranges, nothing else (no
 //! loss value is read back: the stats are views the caller reads when it wants them).
@@ -14,7 +14,7 @@
 //! and a global batch's end for the losses with state and the bias). The shared expert
 //! (moe_layer_options::shared_expert, its parameters given to make()) runs as moe_layer's:
 //! Megatron-Core's sequence-parallel MLP over the attention TP group (every TP rank's N equal),
-//! simt_mlp for its shard, the sigmoid gate as kernels (kernels/shared_gate.hpp); its gradients
+//! mlp_experts for its shard, the sigmoid gate as kernels (kernels/shared_gate.hpp); its gradients
 //! are reduced by reduce_shared_gradients. Drop policies: dropless (default) or
 //! sub-sequence dropping (`sub_sequence`: capacity from this rank's tokens, by probability or by
 //! position, pad mode included) and full-sequence dropping (`simt_full_sequence`: the tp-cp
@@ -72,26 +72,14 @@
 #include "../dispatch/exec_workspace.hpp"
 #include "../exec/exec.hpp"
 #include "../exec/exec_buffer.hpp"
-#include "../exec/grouped_gemm_launch.hpp"
-#include "../experts/simt_mlp.hpp"
+#include "../exec/gemm_policy.hpp"
+#include "../experts/expert_fn.hpp"
+#include "../experts/mlp_experts.hpp"
 #include "../routing/topk_router.hpp"
 #include "moe_layer.hpp"
 
 namespace moefold {
 inline namespace v0_1 {
-
-//! Experts on a context: simt_mlp's forward and backward over a device_expert_batch with fp32
-//! probabilities. With EP = ETP = 1 dropless on the All-to-All dispatcher the batch's row ranges
-//! come on the context (`offsets`, counts empty: nothing is read back), which the experts take.
-template <class E, class T, class S>
-concept device_experts = requires(E& e, const device_expert_batch<T, float, S>& b,
-                                  row_view<T, S> rows, row_view<const T, S> crows,
-                                  row_view<float, S> probs) {
-  { e.num_local_experts() } -> std::same_as<int>;
-  { e.hidden() } -> std::same_as<int>;
-  { e.forward(b, rows) } -> std::same_as<status>;
-  { e.backward(b, crows, rows, probs) } -> std::same_as<status>;
-};
 
 //! Full-sequence dropping on a context (drop_policy_full_sequence.hpp's policy and semantics): the
 //! capacity C = ceil(M k / E x capacity factor) and the keep decision over the M tokens of the
@@ -125,8 +113,8 @@ using simt_drop_policy = std::variant<sub_sequence, simt_full_sequence>;
 //! (accumulated into), all contiguous in the context's memory, outliving the layer.
 template <class T, class S, class G = main_grad_t<T>>
 struct simt_shared_expert_params {
-  mlp_device_weights<T, S> mlp{};
-  mlp_device_grads<G, S> grads{};
+  mlp_weight_views<T, S> mlp{};
+  mlp_grad_views<G, S> grads{};
   row_view<const T, S> gate{};
   row_view<G, S> gate_grad{};
 };
@@ -148,8 +136,7 @@ struct simt_moe_forward_stats {
 template <class T, execution_context Exec, class Comm, class Dispatcher, class Experts>
 requires std::same_as<typename Dispatcher::value_type, T> &&
     std::same_as<typename Dispatcher::prob_type, float> &&
-    std::same_as<typename Dispatcher::exec_type, Exec> &&
-    device_experts<Experts, T, typename Exec::memory_space> &&
+    std::same_as<typename Dispatcher::exec_type, Exec> && expert_fn<Experts, Exec, T, float> &&
     communicator_for<Comm, Exec, double> && communicator_for<Comm, Exec, float>
 class simt_moe_layer {
   template <class U>
@@ -366,14 +353,13 @@ class simt_moe_layer {
                                 "contiguous [1, H]"
                               : "a gate weight given to a shared expert without a gate",
                       errc::shape_mismatch);
-      auto mlp = simt_mlp<T, Exec, grad_type, float>::make(exec,
-                                                           {.hidden = o.hidden,
-                                                            .ffn = so.ffn,
-                                                            .num_local_experts = 1,
-                                                            .etp = so.tp,
-                                                            .etp_rank = so.tp_rank,
-                                                            .act = so.act},
-                                                           shared.mlp, shared.grads);
+      auto mlp = shared_mlp::make({.hidden = o.hidden,
+                                   .ffn = so.ffn,
+                                   .num_local_experts = 1,
+                                   .etp = so.tp,
+                                   .etp_rank = so.tp_rank,
+                                   .act = so.act},
+                                  shared.mlp, shared.grads);
       if (!mlp) return refuse("the shared expert: " + mlp.error().message, mlp.error().code);
       l.shared_.emplace(std::move(*mlp));
       l.shared_params_ = shared;
@@ -566,7 +552,8 @@ class simt_moe_layer {
     if (!h) return unexpected<error>(h.error());
     const int M = h->num_rows();
     const auto y = hidden_rows(rows_a_, M);
-    if (auto st = experts_.forward(batch_of(*h), y); !st) return unexpected<error>(st.error());
+    if (auto st = experts_.forward(*x_, h->batch(), y, experts_workspace()); !st)
+      return unexpected<error>(st.error());
     if (auto st = disp_.combine(*x_, *h, y, g.dispatch, out); !st)
       return unexpected<error>(st.error());
     if (shared_)  // out += the shared expert's output, the sum Megatron-Core forms after combine
@@ -606,7 +593,9 @@ class simt_moe_layer {
     const auto dprob_rows = prob_rows_.view().first(M);
     // Experts' path: dout -> dy rows -> dx rows, dprob rows -> dx [N, H], dprobs [N, k].
     if (auto st = disp_.combine_backward(*x_, h, dout, g.dispatch, dy); !st) return st;
-    if (auto st = experts_.backward(batch_of(h), dy, dx_rows, dprob_rows); !st) return st;
+    if (auto st = experts_.backward(*x_, h.batch(), dy, dx_rows, dprob_rows, experts_workspace());
+        !st)
+      return st;
     if (auto st = disp_.dispatch_backward(*x_, h, dx_rows, dprob_rows, g.dispatch, dx,
                                           dprobs_.view().first(n));
         !st)
@@ -652,6 +641,13 @@ class simt_moe_layer {
     for (const auto& b : experts)
       if (auto st = edp.all_reduce(*x_, b, reduce_op::sum); !st) return st;
     return {};
+  }
+  //! The same with the experts' own gradient views (`grads()`, as mlp_experts exposes them).
+  [[nodiscard]] status reduce_gradients(Comm& tp_dp_cp, Comm& edp,
+                                        row_view<grad_type, space> dw) requires
+      exposes_expert_grads<Experts, grad_type, space> {
+    const auto& g = experts_.grads();
+    return reduce_gradients(tp_dp_cp, edp, dw, {g.fc1, g.fc2});
   }
 
   //! With a shared expert: its MLP's gradients summed over dp-cp (each TP shard saw its TP
@@ -781,6 +777,11 @@ class simt_moe_layer {
       // exact).
       if (auto st = x_->template fill<float>(sh_ones_.view(), 1.0f); !st) return st;
     }
+    // The experts' workspace: the receive bound's rows, or the shared MLP's tp N rows.
+    std::size_t ws = expert_workspace_bytes(experts_, static_cast<int>(M));
+    if (shared_)
+      ws = std::max(ws, shared_->workspace_bytes(static_cast<int>(o_.shared_expert.tp * N)));
+    if (auto st = make(experts_ws_, 1, buffer_maker::bytes(ws)); !st) return st;
     return prepare(own_);
   }
 
@@ -837,13 +838,6 @@ class simt_moe_layer {
     c.host_.assign(k.ws.host, std::byte{0});
     c.key_ = k;
     return {};
-  }
-
-  device_expert_batch<T, float, space> batch_of(const handle_type& h) const {
-    return {.counts = h.batch_counts(),
-            .x = h.batch_rows(),
-            .probs = h.batch_probs(),
-            .offsets = h.batch_offsets()};
   }
 
   // Runs f.template operator()<Team>() with the team the router's E takes: a warp per token up
@@ -1125,7 +1119,7 @@ class simt_moe_layer {
                             to_decimal(g.tp->rank()));
     return {};
   }
-  device_expert_batch<T, float, space> shared_batch(const context& ctx, const int& rows) const {
+  expert_batch<T, float, space> shared_batch(const context& ctx, const int& rows) const {
     return {.counts = std::span<const int>(&rows, 1),
             .x = ctx.sh_xg_.cview().first(rows),
             .probs = sh_ones_.cview().first(rows)};
@@ -1146,7 +1140,9 @@ class simt_moe_layer {
     } else if (auto st = x_->copy(x, xg); !st) {
       return st;
     }
-    if (auto st = shared_->forward(shared_batch(ctx, G), tp > 1 ? yp : y); !st) return st;
+    if (auto st = shared_->forward(*x_, shared_batch(ctx, G), tp > 1 ? yp : y, experts_workspace());
+        !st)
+      return st;
     if (tp > 1) {
       const std::vector<int> rows(static_cast<std::size_t>(tp), n);
       if (auto st =
@@ -1204,9 +1200,9 @@ class simt_moe_layer {
     if (tp > 1)
       if (auto st = g.tp->all_gather(*x_, row_view<const T, space>(dy), dyg); !st) return st;
     if (auto st =
-            shared_->backward(shared_batch(ctx, G),
+            shared_->backward(*x_, shared_batch(ctx, G),
                               tp > 1 ? row_view<const T, space>(dyg) : row_view<const T, space>(dy),
-                              dxg, sh_dprobs_.view().first(G));
+                              dxg, sh_dprobs_.view().first(G), experts_workspace());
         !st)
       return st;
     // dx_shared [N, H]: the reduce-scatter of the gathered rows' partials (TP > 1), else them.
@@ -1275,8 +1271,10 @@ class simt_moe_layer {
 
   Exec* x_;
   // The shared expert (with moe_layer_options::shared_expert.ffn > 0): its MLP shard on the
-  // context, the caller's parameters, and its scratch (dead after each call).
-  std::optional<simt_mlp<T, Exec, grad_type, float>> shared_{};
+  // context (the GEMM policy of the context's default), the caller's parameters, and its
+  // scratch (dead after each call).
+  using shared_mlp = mlp_experts<T, Exec, default_gemms<Exec>, grad_type, float>;
+  std::optional<shared_mlp> shared_{};
   simt_shared_expert_params<T, space, grad_type> shared_params_{};
   buffer<T> sh_in_, sh_rows_a_, sh_rows_b_, sh_dy_;  // [N, H], [tp N, H] x 2, [N, H]
   buffer<float> sh_ones_, sh_dprobs_;                // [tp N, 1]: probabilities 1; dprobs
@@ -1333,6 +1331,12 @@ class simt_moe_layer {
   buffer<long long> drop_totals_;          // [1, 2] dropped pairs, fully dropped tokens
   buffer<float> z_loss_;                   // [1, 1]
   buffer<std::byte> scratch_;              // the dispatcher's scratch part
+  // The routed experts' and the shared MLP's workspace (their calls never overlap): the larger
+  // of expert_workspace_bytes for the receive bound and the shared MLP's for tp N rows.
+  buffer<std::byte> experts_ws_;
+  std::span<std::byte> experts_workspace() const noexcept {
+    return {experts_ws_.view().data(), static_cast<std::size_t>(experts_ws_.view().width())};
+  }
   dispatch_workspace_bytes ws_sizes_{};
 };
 

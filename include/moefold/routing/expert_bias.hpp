@@ -41,7 +41,8 @@ class expert_bias {
     expert_bias b;
     b.experts_ = num_experts;
     b.rate_ = rate;
-    for (auto* buf : {&b.bias_, &b.counts_, &b.summed_}) {
+    exec_buffer<float, Exec>* parts[3] = {&b.bias_, &b.counts_, &b.summed_};
+    for (exec_buffer<float, Exec>* buf : parts) {
       auto v = exec_buffer<float, Exec>::make(exec, 1, num_experts);
       if (!v) return unexpected<error>(v.error());
       *buf = std::move(*v);

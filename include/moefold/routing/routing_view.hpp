@@ -12,7 +12,7 @@
 
 #include "../core/config.hpp"
 #include "../core/memory_space.hpp"
-#include "host_topk_router.hpp"
+#include "topk_routing.hpp"
 
 namespace moefold {
 inline namespace v0_1 {

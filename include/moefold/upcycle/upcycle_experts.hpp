@@ -51,7 +51,7 @@ struct upcycle_rank {
 
 //! Where upcycle_experts writes a rank's experts: fc1 [L, F1, H] and fc2 [L, H, F / ETP] in the
 //! TEGroupedMLP layout (mlp_sizes(upcycled_shape(...)) elements each), e.g. the buffers a
-//! trainer then binds with grouped_mlp or moe_layer.
+//! trainer then binds with mlp_experts or moe_layer.
 template <class T>
 struct upcycled_weights {
   std::span<T> fc1{};

@@ -8,8 +8,8 @@
 #include <string>
 
 #include "../core/expected.hpp"
+#include "../core/score_function.hpp"
 #include "../experts/activation.hpp"
-#include "../routing/score_function.hpp"
 
 namespace moefold {
 inline namespace v0_1 {

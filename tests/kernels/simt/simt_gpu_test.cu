@@ -14,7 +14,7 @@
 #include <moefold/exec/cuda/cuda_exec.cuh>
 #include <moefold/exec/cuda/cuda_launch.cuh>
 #include <moefold/exec/exec_buffer.hpp>
-#include <moefold/experts/simt_mlp.hpp>
+#include <moefold/experts/mlp_experts.hpp>
 #include <moefold/kernels/activation.hpp>
 #include <moefold/kernels/capacity.hpp>
 #include <moefold/kernels/expert_bias.hpp>
@@ -654,10 +654,10 @@ struct mlp_results {
   std::vector<float> y, dx, dprobs, g1, g2;
 };
 template <class Exec>
-mlp_results run_simt_mlp(Exec& ex, const mlp_shape& s, const std::vector<int>& counts,
-                         const std::vector<float>& w1, const std::vector<float>& w2,
-                         const std::vector<float>& x, const std::vector<float>& p,
-                         const std::vector<float>& dy) {
+mlp_results run_mlp_experts(Exec& ex, const mlp_shape& s, const std::vector<int>& counts,
+                            const std::vector<float>& w1, const std::vector<float>& w2,
+                            const std::vector<float>& x, const std::vector<float>& p,
+                            const std::vector<float>& dy) {
   using S = typename Exec::memory_space;
   const int M = static_cast<int>(p.size()), H = s.hidden;
   const int fs = s.ffn / s.etp, f1 = (is_gated(s.act) ? 2 : 1) * fs, L = s.num_local_experts;
@@ -678,12 +678,17 @@ mlp_results run_simt_mlp(Exec& ex, const mlp_shape& s, const std::vector<int>& c
   auto dw1 = up(w1, L * f1, H), dw2 = up(w2, L * H, fs), dg1 = up(zeros1, L * f1, H),
        dg2 = up(zeros2, L * H, fs), dx_in = up(x, M, H), dp = up(p, M, 1), ddy = up(dy, M, H),
        dy_out = up(zeros_x, M, H), ddx = up(zeros_x, M, H), ddp = up(zeros_m, M, 1);
-  auto m = simt_mlp<float, Exec>::make(ex, s, {dw1.cview(), dw2.cview()}, {dg1.view(), dg2.view()});
+  // The GEMMs on simt_gemm on both contexts (cuda_exec's and cpu_exec's default policy).
+  auto m = mlp_experts<float, Exec, simt_gemms>::make(s, {dw1.cview(), dw2.cview()},
+                                                      {dg1.view(), dg2.view()});
   REQUIRE(m);
-  const device_expert_batch<float, float, S> b{
-      .counts = counts, .x = dx_in.cview(), .probs = dp.cview()};
-  REQUIRE(m->forward(b, dy_out.view()));
-  REQUIRE(m->backward(b, ddy.cview(), ddx.view(), ddp.view()));
+  auto ws =
+      exec_buffer<std::byte, Exec>::make(ex, 1, static_cast<long long>(m->workspace_bytes(M)));
+  REQUIRE(ws);
+  const std::span<std::byte> w(ws->view().data(), static_cast<std::size_t>(ws->view().width()));
+  const expert_batch<float, float, S> b{.counts = counts, .x = dx_in.cview(), .probs = dp.cview()};
+  REQUIRE(m->forward(ex, b, dy_out.view(), w));
+  REQUIRE(m->backward(ex, b, ddy.cview(), ddx.view(), ddp.view(), w));
   return {down(dy_out.cview()), down(ddx.cview()), down(ddp.cview()), down(dg1.cview()),
           down(dg2.cview())};
 }
@@ -691,7 +696,8 @@ mlp_results run_simt_mlp(Exec& ex, const mlp_shape& s, const std::vector<int>& c
 }  // namespace
 
 TEST_CASE(
-    "[kernel][small] the portable expert (simt_mlp) forward and backward: cuda_exec equals "
+    "[kernel][small] the portable expert (mlp_experts on simt_gemm) forward and backward: "
+    "cuda_exec equals "
     "cpu_exec") {
   std::mt19937 rng(static_cast<unsigned>(test::simt_seed()));
   std::normal_distribution<float> d(0.0f, 1.0f);
@@ -715,8 +721,8 @@ TEST_CASE(
   for (auto& v : p) v = std::fabs(v);
   cpu_exec cpu(1);
   cuda_exec& gpu = gpu_exec();
-  const auto a = run_simt_mlp(cpu, s, counts, w1, w2, x, p, dy);
-  const auto b = run_simt_mlp(gpu, s, counts, w1, w2, x, p, dy);
+  const auto a = run_mlp_experts(cpu, s, counts, w1, w2, x, p, dy);
+  const auto b = run_mlp_experts(gpu, s, counts, w1, w2, x, p, dy);
   CHECK(same_bits(a.y, b.y));
   CHECK(same_bits(a.dx, b.dx));
   CHECK(same_bits(a.dprobs, b.dprobs));

@@ -1,7 +1,8 @@
-//! @file topk.hpp
-//! @brief Top-k with a documented tie rule, plain and group-limited (DeepSeek device/node-limited
-//! routing). Megatron-Core leaves exact ties to torch.topk; moefold breaks them toward the lower
-//! index, always, so that routing is reproducible across backends and parallel mappings.
+//! @file host_topk.hpp
+//! @brief The tests' host reference: Top-k with a documented tie rule, plain and group-limited
+//! (DeepSeek device/node-limited routing). Megatron-Core leaves exact ties to torch.topk; moefold
+//! breaks them toward the lower index, always, so that routing is reproducible across backends and
+//! parallel mappings.
 #pragma once
 
 #include <algorithm>

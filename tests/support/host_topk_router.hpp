@@ -1,9 +1,9 @@
 //! @file host_topk_router.hpp
-//! @brief Megatron-Core's TopKRouter routing step as host loops over std::vector records (float or
-//! double): score function, top-k before or after softmax, renormalisation, scaling, group limits
-//! and the expert bias; and its backward from the gradient of the routed probabilities to the
-//! logits. The host layer's router until it runs topk_router (routing/topk_router.hpp), whose
-//! kernels run on every context; then this leaves the library for the tests' fp64 reference.
+//! @brief The tests' fp64 (and fp32) host reference of Megatron-Core's TopKRouter routing step:
+//! score function, top-k before or after softmax, renormalisation, scaling, group limits and the
+//! expert bias, and its backward from the gradient of the routed probabilities to the logits, as
+//! plain loops over std::vector records in the C library's arithmetic. The library's router is
+//! topk_router (routing/topk_router.hpp); this is what tests compare it with.
 #pragma once
 
 #include <cmath>
@@ -13,81 +13,16 @@
 #include <string>
 #include <vector>
 
-#include "../core/error.hpp"
-#include "../core/expected.hpp"
-#include "score_function.hpp"
-#include "topk.hpp"
-#include "topk_router_options.hpp"
+#include <moefold/core/error.hpp>
+#include <moefold/core/expected.hpp>
+#include <moefold/routing/topk_router_options.hpp>
+#include <moefold/routing/topk_routing.hpp>
+
+#include "host_score_function.hpp"
+#include "host_topk.hpp"
 
 namespace moefold {
 inline namespace v0_1 {
-
-//! The routing of N tokens: for each token its k experts (sorted by selection score, descending,
-//! ties by lower expert index) and their probabilities. Dense views as Megatron-Core builds them
-//! (`probs_sparse [N,E]`, `routing_map [N,E]`) are available on demand.
-template <class T>
-struct topk_routing {
-  int num_tokens = 0;
-  int num_experts = 0;
-  int topk = 0;
-  std::vector<int> indices{};  // [N, k]
-  std::vector<T> probs{};      // [N, k]
-
-  [[nodiscard]] int expert(int t, int i) const {
-    return indices[static_cast<std::size_t>(t) * static_cast<std::size_t>(topk) +
-                   static_cast<std::size_t>(i)];
-  }
-  [[nodiscard]] T prob(int t, int i) const {
-    return probs[static_cast<std::size_t>(t) * static_cast<std::size_t>(topk) +
-                 static_cast<std::size_t>(i)];
-  }
-  //! probs scattered to [N, E], zero outside the selection.
-  [[nodiscard]] std::vector<T> dense_probs() const {
-    std::vector<T> out(static_cast<std::size_t>(num_tokens) *
-                       static_cast<std::size_t>(num_experts));
-    for (int t = 0; t < num_tokens; ++t)
-      for (int i = 0; i < topk; ++i)
-        out[static_cast<std::size_t>(t) * static_cast<std::size_t>(num_experts) +
-            static_cast<std::size_t>(expert(t, i))] = prob(t, i);
-    return out;
-  }
-  //! The routing map [N, E] (1 where routed).
-  [[nodiscard]] std::vector<std::uint8_t> dense_map() const {
-    std::vector<std::uint8_t> out(static_cast<std::size_t>(num_tokens) *
-                                  static_cast<std::size_t>(num_experts));
-    for (int t = 0; t < num_tokens; ++t)
-      for (int i = 0; i < topk; ++i)
-        out[static_cast<std::size_t>(t) * static_cast<std::size_t>(num_experts) +
-            static_cast<std::size_t>(expert(t, i))] = 1;
-    return out;
-  }
-};
-
-namespace detail {
-template <class T>
-[[nodiscard]] status check_finite(std::span<const T> x, const char* what) {
-  for (std::size_t i = 0; i < x.size(); ++i)
-    if (!std::isfinite(x[i]))
-      return make_error(errc::non_finite_input, std::string(what) + ": element " +
-                                                    to_decimal(static_cast<long long>(i)) +
-                                                    " is NaN or infinite");
-  return {};
-}
-template <class T>
-[[nodiscard]] status check_logits_shape(std::span<const T> logits, int num_tokens,
-                                        int num_experts) {
-  if (num_tokens < 0)
-    return make_error(errc::invalid_size,
-                      "router: num_tokens must be >= 0 (got " + to_decimal(num_tokens) + ")");
-  if (logits.size() != static_cast<std::size_t>(num_tokens) * static_cast<std::size_t>(num_experts))
-    return make_error(errc::shape_mismatch,
-                      "router: logits must hold num_tokens*num_experts = " +
-                          to_decimal(static_cast<long long>(num_tokens) * num_experts) +
-                          " elements (got " + to_decimal(static_cast<long long>(logits.size())) +
-                          ")");
-  return {};
-}
-}  // namespace detail
 
 //! What the router works in during route() and backward(), kept by the caller across calls: the
 //! steady state allocates nothing. Contents are dead between calls.

@@ -1,14 +1,14 @@
-//! @file score_function.hpp
-//! @brief The router's score functions (softmax, sigmoid, sqrt-softplus) and their derivatives,
-//! written the way Megatron-Core's PyTorch code evaluates them, so that fp32 results agree to
-//! rounding. The enum naming them is core/score_function.hpp's.
+//! @file host_score_function.hpp
+//! @brief The tests' host reference: The router's score functions (softmax, sigmoid, sqrt-softplus)
+//! and their derivatives, written the way Megatron-Core's PyTorch code evaluates them, so that fp32
+//! results agree to rounding. The enum naming them is core/score_function.hpp's.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <span>
 
-#include "../core/score_function.hpp"
+#include <moefold/core/score_function.hpp>
 
 namespace moefold {
 inline namespace v0_1 {

@@ -1,6 +1,7 @@
-//! @file gating.hpp
-//! @brief The router's gating linear (logits = x W^T + b in the router dtype), its backward, and
-//! the optional input jitter from a seeded, counter-based generator.
+//! @file host_gating.hpp
+//! @brief The tests' host reference of the router's gating linear (logits = x W^T + b in the
+//! router dtype) and its backward, as plain loops; the library's is router_gating
+//! (routing/router_gating.hpp), through the grouped-GEMM seam.
 #pragma once
 
 #include <cmath>
@@ -8,9 +9,8 @@
 #include <span>
 #include <string>
 
-#include "../core/counter_rng.hpp"
-#include "../core/error.hpp"
-#include "../core/expected.hpp"
+#include <moefold/core/error.hpp>
+#include <moefold/core/expected.hpp>
 
 namespace moefold {
 inline namespace v0_1 {
@@ -115,30 +115,6 @@ template <class T, class In, class G>
       for (std::size_t n = 0; n < N; ++n) acc += dlogits[n * E + e] * static_cast<T>(x[n * H + h]);
       dweight[e * H + h] += static_cast<G>(acc);
     }
-  return {};
-}
-
-//! Uniform draw in [0, 1) for element `index` of stream `seed` (53 random bits; detail::mix64 is
-//! counter-based, so element i's draw depends only on (seed, offset + i)).
-[[nodiscard]] constexpr double jitter_uniform(std::uint64_t seed, std::uint64_t index) noexcept {
-  return static_cast<double>(detail::mix64(detail::mix64(seed) ^ index) >> 11) * 0x1.0p-53;
-}
-
-//! Input jitter (Switch Transformer, Megatron-Core `moe_input_jitter_eps`): the router input is
-//! multiplied elementwise by U(1 - eps, 1 + eps); the experts see the un-jittered tokens. Element
-//! i uses draw (seed, offset + i): give each rank and micro-batch its own offset or seed.
-//! x_out may alias x. 0 < eps < 1.
-template <class T>
-[[nodiscard]] status apply_input_jitter(std::span<const T> x, double eps, std::uint64_t seed,
-                                        std::uint64_t offset, std::span<T> x_out) {
-  if (!(eps > 0 && eps < 1))
-    return make_error(errc::invalid_argument, "input jitter: eps must be in (0, 1)");
-  if (x_out.size() != x.size())
-    return make_error(errc::shape_mismatch, "input jitter: output size must equal input size");
-  for (std::size_t i = 0; i < x.size(); ++i) {
-    const double u = jitter_uniform(seed, offset + i);
-    x_out[i] = static_cast<T>(static_cast<double>(x[i]) * ((1.0 - eps) + 2.0 * eps * u));
-  }
   return {};
 }
 

@@ -1,18 +1,18 @@
-//! @file group_losses.hpp
-//! @brief The auxiliary losses and the z-loss of ranks that each hold a piece of the batch:
-//! statistics that Megatron-Core sums across TP x CP (or TP x DP x CP for the global loss) are
-//! summed through a moefold communicator, so the partial losses of the group add up to the
-//! formula on the full batch. Generic over the communicator concept.
+//! @file host_group_losses.hpp
+//! @brief The tests' host reference: The auxiliary losses and the z-loss of ranks that each hold a
+//! piece of the batch: statistics that Megatron-Core sums across TP x CP (or TP x DP x CP for the
+//! global loss) are summed through a moefold communicator, so the partial losses of the group add
+//! up to the formula on the full batch. Generic over the communicator concept.
 #pragma once
 
 #include <cstdint>
 #include <span>
 #include <vector>
 
-#include "../comm/communicator.hpp"
-#include "../core/error.hpp"
-#include "../core/expected.hpp"
-#include "aux_loss.hpp"
+#include <moefold/comm/communicator.hpp>
+#include <moefold/core/error.hpp>
+#include <moefold/core/expected.hpp>
+#include "host_aux_loss.hpp"
 
 namespace moefold {
 inline namespace v0_1 {

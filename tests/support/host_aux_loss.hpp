@@ -1,8 +1,9 @@
-//! @file aux_loss.hpp
-//! @brief The local pieces of the auxiliary losses: the scores and map they use, the Switch/GShard
-//! load-balancing formula on a rank's own tokens given the (already reduced) counts, the z-loss,
-//! and the gradients of each with respect to the logits. The reductions over TP x CP (or
-//! TP x DP x CP) live in group_losses.hpp; everything here needs no communication.
+//! @file host_aux_loss.hpp
+//! @brief The tests' host reference: The local pieces of the auxiliary losses: the scores and map
+//! they use, the Switch/GShard load-balancing formula on a rank's own tokens given the (already
+//! reduced) counts, the z-loss, and the gradients of each with respect to the logits. The
+//! reductions over TP x CP (or TP x DP x CP) live in group_losses.hpp; everything here needs no
+//! communication.
 #pragma once
 
 #include <cmath>
@@ -11,11 +12,11 @@
 #include <string>
 #include <vector>
 
-#include "../core/error.hpp"
-#include "../core/expected.hpp"
+#include <moefold/core/error.hpp>
+#include <moefold/core/expected.hpp>
+#include "host_score_function.hpp"
+#include "host_topk.hpp"
 #include "host_topk_router.hpp"
-#include "score_function.hpp"
-#include "topk.hpp"
 
 namespace moefold {
 inline namespace v0_1 {

@@ -1,9 +1,13 @@
-// grouped_mlp, the expert functor over caller-owned weight and gradient views: the shard layout
-// stated per element (buffers built by hand here from Hugging Face gate_proj/up_proj/down_proj),
-// the backward against fp64 finite differences of a formula written out here, accumulation
-// (beta = 1) into the caller's gradient buffers, bf16 weights with fp32 main_grad, the views (no
-// copy, in-place changes seen), and the errors.
-#include <moefold/experts/grouped_mlp.hpp>
+// mlp_experts on host_exec, over caller-owned weight and gradient views (host spans): the shard
+// layout stated per element (buffers built by hand here from Hugging Face gate_proj/up_proj/
+// down_proj), the backward against fp64 finite differences of a formula written out here,
+// accumulation (beta = 1) into the caller's gradient buffers (the seam's rule: the batch's
+// gradient added once, bit for bit V + the gradient into zeros), bf16 weights with fp32
+// main_grad, the views (no copy, in-place changes seen), and the errors. (What grouped_mlp, the
+// host loops mlp_experts replaced, asserted; the kernels and both contexts against the fp64
+// reference are mlp_experts_test.cpp.)
+#include <moefold/exec/host_exec.hpp>
+#include <moefold/experts/mlp_experts.hpp>
 #include <moefold/experts/reference_mlp.hpp>
 
 #include <doctest/doctest.h>
@@ -20,21 +24,45 @@
 #include <vector>
 
 #include "../support/activation_ref.hpp"
+#include "../support/host_batch.hpp"
 
 using namespace moefold;
 using moefold::test::act_ref;
 using moefold::test::all_acts;
+using moefold::test::host_batch;
 
-static_assert(expert_fn<grouped_mlp<double>, double>);
-static_assert(expert_fn<grouped_mlp<float>, float>);
-static_assert(expert_fn<grouped_mlp<bfloat16>, bfloat16>);
-static_assert(expert_fn<grouped_mlp<bfloat16, float>, bfloat16>);
+template <class T, class G = main_grad_t<T>>
+using experts_t = mlp_experts<T, host_exec, host_gemms, G>;
+
+static_assert(expert_fn<experts_t<double>, host_exec, double>);
+static_assert(expert_fn<experts_t<float>, host_exec, float>);
+static_assert(expert_fn<experts_t<bfloat16>, host_exec, bfloat16>);
+static_assert(expert_fn<experts_t<bfloat16, float>, host_exec, bfloat16>);
 static_assert(std::is_same_v<main_grad_t<bfloat16>, float>);
 static_assert(std::is_same_v<main_grad_t<double>, double>);
-static_assert(std::is_same_v<grouped_mlp<bfloat16>::grad_type, float>);
-static_assert(std::is_same_v<grouped_mlp<double>::grad_type, double>);
+static_assert(std::is_same_v<experts_t<bfloat16>::grad_type, float>);
+static_assert(std::is_same_v<experts_t<double>::grad_type, double>);
 
 namespace {
+
+// The expert_fn calls on a host_exec and a workspace of workspace_bytes(M), over vectors.
+template <class E, class B, class Y>
+status fwd(E& m, const B& b, Y& y) {
+  using T = typename E::value_type;
+  host_exec x;
+  std::vector<std::byte> ws(m.workspace_bytes(b.rows()));
+  return m.forward(x, b, row_view<T>(y.data(), b.rows(), m.hidden()), ws);
+}
+template <class E, class B, class DY, class DX, class DP>
+status bwd(E& m, const B& b, const DY& dy, DX& dx, DP& dp) {
+  using T = typename E::value_type;
+  using P = typename E::prob_type;
+  host_exec x;
+  std::vector<std::byte> ws(m.workspace_bytes(b.rows()));
+  const int M = b.rows(), H = m.hidden();
+  return m.backward(x, b, row_view<const T>(dy.data(), M, H), row_view<T>(dx.data(), M, H),
+                    row_view<P>(dp.data(), M, 1), ws);
+}
 
 constexpr std::size_t uz(int n) { return static_cast<std::size_t>(n); }
 
@@ -214,7 +242,7 @@ TEST_CASE("layout per element: hand-built ETP shards of HF weights sum to the fp
     const auto x = random_vec(rng, uz(M * H));
     const auto p = random_vec(rng, uz(M));
     const auto want = ref_forward(ex, act, H, F, counts, x, p);
-    const expert_batch<double> b{.hidden = H, .counts = counts, .x = x, .probs = p};
+    const auto b = host_batch(H, counts, x, p);
     for (int etp : {1, 2, 4}) {
       CAPTURE(etp);
       std::vector<double> y(uz(M * H), 0.0);
@@ -226,10 +254,10 @@ TEST_CASE("layout per element: hand-built ETP shards of HF weights sum to the fp
         REQUIRE(w.fc1.size() == n.fc1);
         REQUIRE(w.fc2.size() == n.fc2);
         std::vector<double> g1(n.fc1), g2(n.fc2);
-        auto m = grouped_mlp<double, double>::make(s, {w.fc1, w.fc2}, {g1, g2});
+        auto m = experts_t<double, double>::make(s, {w.fc1, w.fc2}, {g1, g2});
         REQUIRE(m);
         std::vector<double> yr(uz(M * H));
-        REQUIRE(m->forward(b, yr));
+        REQUIRE(fwd(*m, b, yr));
         for (std::size_t i = 0; i < y.size(); ++i) y[i] += yr[i];
       }
       CHECK(max_rel(y, want) <= 1e-12);
@@ -249,7 +277,7 @@ TEST_CASE("backward: fp64 finite differences, beta = 1 accumulation, weights nev
     const auto x = random_vec(rng, uz(M * H));
     const auto p = random_vec(rng, uz(M));
     const auto dy = random_vec(rng, uz(M * H));
-    const expert_batch<double> b{.hidden = H, .counts = counts, .x = x, .probs = p};
+    const auto b = host_batch(H, counts, x, p);
     const ref_grads fd = fd_grads(ex, act, H, F, counts, x, p, dy);
     for (int etp : {1, 2, 4}) {
       CAPTURE(etp);
@@ -266,12 +294,12 @@ TEST_CASE("backward: fp64 finite differences, beta = 1 accumulation, weights nev
         const auto v2 = random_vec(rng, w.fc2.size(), 4.0);
         std::vector<double> g1 = v1, g2 = v2;
         std::vector<double> f1(w.fc1.size(), 0.0), f2(w.fc2.size(), 0.0);  // fresh, from 0
-        auto m = grouped_mlp<double>::make(s, {w.fc1, w.fc2}, {g1, g2}).value();
-        auto fresh = grouped_mlp<double>::make(s, {w.fc1, w.fc2}, {f1, f2}).value();
+        auto m = experts_t<double>::make(s, {w.fc1, w.fc2}, {g1, g2}).value();
+        auto fresh = experts_t<double>::make(s, {w.fc1, w.fc2}, {f1, f2}).value();
         std::vector<double> dxr(uz(M * H)), dpr(uz(M));
         std::vector<double> dxf(uz(M * H)), dpf(uz(M));
-        REQUIRE(m.backward(b, dy, dxr, dpr));
-        REQUIRE(fresh.backward(b, dy, dxf, dpf));
+        REQUIRE(bwd(m, b, dy, dxr, dpr));
+        REQUIRE(bwd(fresh, b, dy, dxf, dpf));
         CHECK(bitwise_equal(dxr, dxf));
         CHECK(bitwise_equal(dpr, dpf));
         for (std::size_t i = 0; i < dx.size(); ++i) dx[i] += dxr[i];
@@ -305,12 +333,16 @@ TEST_CASE("backward: fp64 finite differences, beta = 1 accumulation, weights nev
   }
 }
 
-TEST_CASE("backward accumulates beta = 1 bitwise: V + one row's gradient, then the next row's") {
-  // Each row's own gradient c_r (a one-row batch into zeroed buffers) added to V in row order
-  // gives exactly what one backward over all rows accumulates into buffers holding V.
+TEST_CASE_TEMPLATE("backward accumulates beta = 1 bitwise: V + the batch's gradient, rounded once",
+                   Gemms, host_gemms, simt_gemms) {
+  // The seam's rule for weight gradients (exec/grouped_gemm.hpp): each gradient element is the
+  // batch's sum over its expert's rows, added to the buffer once. So one backward into buffers
+  // holding V gives exactly V + c, c the same backward's gradient into zeroed buffers; a second
+  // backward adds c again; an expert without rows leaves V untouched. 150 rows for one expert
+  // cross host_gemm's k blocks of 128.
   std::mt19937 rng(13);
-  const int H = 3, F = 4, L = 2;
-  const std::vector<int> counts = {1, 2};
+  const int H = 3, F = 4, L = 3;
+  const std::vector<int> counts = {1, 0, 150};
   const int M = rows_of(counts);
   for (activation act : {activation::swiglu, activation::gelu}) {
     CAPTURE(to_string(act));
@@ -319,43 +351,35 @@ TEST_CASE("backward accumulates beta = 1 bitwise: V + one row's gradient, then t
     const auto x = random_vec(rng, uz(M * H));
     const auto p = random_vec(rng, uz(M));
     const auto dy = random_vec(rng, uz(M * H));
+    const auto b = host_batch(H, counts, x, p);
     const mlp_shape s{
         .hidden = H, .ffn = F, .num_local_experts = L, .etp = 2, .etp_rank = 1, .act = act};
     const auto w = make_shard<double>(ex, act, H, F, 2, 1);
+    using E = mlp_experts<double, host_exec, Gemms>;
     const auto v1 = random_vec(rng, w.fc1.size(), 4.0);
     const auto v2 = random_vec(rng, w.fc2.size(), 4.0);
-    std::vector<double> g1 = v1, g2 = v2;
-    auto m = grouped_mlp<double>::make(s, {w.fc1, w.fc2}, {g1, g2}).value();
-    std::vector<double> dx(uz(M * H)), dp(uz(M));
-    REQUIRE(m.backward({.hidden = H, .counts = counts, .x = x, .probs = p}, dy, dx, dp));
-    std::vector<double> e1 = v1, e2 = v2;  // expected, summed here row by row
-    int row = 0;
-    for (int l = 0; l < L; ++l)
-      for (int i = 0; i < counts[uz(l)]; ++i, ++row) {
-        std::vector<int> one(uz(L), 0);
-        one[uz(l)] = 1;
-        const std::span<const double> xr(&x[uz(row * H)], uz(H));
-        const std::span<const double> pr(&p[uz(row)], 1);
-        const std::span<const double> dyr(&dy[uz(row * H)], uz(H));
-        std::vector<double> c1(w.fc1.size(), 0.0), c2(w.fc2.size(), 0.0);
-        auto single = grouped_mlp<double>::make(s, {w.fc1, w.fc2}, {c1, c2}).value();
-        std::vector<double> dxr(uz(H)), dpr(1);
-        REQUIRE(single.backward({.hidden = H, .counts = one, .x = xr, .probs = pr}, dyr, dxr, dpr));
-        for (std::size_t k = 0; k < e1.size(); ++k) e1[k] += c1[k];
-        for (std::size_t k = 0; k < e2.size(); ++k) e2[k] += c2[k];
-      }
-    CHECK(bitwise_equal(g1, e1));
-    CHECK(bitwise_equal(g2, e2));
+    std::vector<double> g1 = v1, g2 = v2, c1(w.fc1.size(), 0.0), c2(w.fc2.size(), 0.0);
+    auto m = E::make(s, {w.fc1, w.fc2}, {g1, g2}).value();
+    auto zero = E::make(s, {w.fc1, w.fc2}, {c1, c2}).value();
+    std::vector<double> dx(uz(M * H)), dp(uz(M)), dxc(uz(M * H)), dpc(uz(M));
+    REQUIRE(bwd(m, b, dy, dx, dp));
+    REQUIRE(bwd(zero, b, dy, dxc, dpc));
+    CHECK(bitwise_equal(dx, dxc));  // the data gradients do not depend on the buffers
+    CHECK(bitwise_equal(dp, dpc));
+    auto plus = [](std::vector<double> v, const std::vector<double>& c) {
+      for (std::size_t k = 0; k < v.size(); ++k) v[k] += c[k];
+      return v;
+    };
+    CHECK(bitwise_equal(g1, plus(v1, c1)));
+    CHECK(bitwise_equal(g2, plus(v2, c2)));
+    const std::size_t per1 = w.fc1.size() / uz(L), per2 = w.fc2.size() / uz(L);
+    CHECK(std::equal(g1.begin() + per1, g1.begin() + 2 * per1, v1.begin() + per1));
+    CHECK(std::equal(g2.begin() + per2, g2.begin() + 2 * per2, v2.begin() + per2));
     // A second backward adds the same again (never zeroes).
-    const auto once1 = g1;
-    REQUIRE(m.backward({.hidden = H, .counts = counts, .x = x, .probs = p}, dy, dx, dp));
-    int not_added = 0;
-    for (std::size_t k = 0; k < g1.size(); ++k) {
-      const double d = once1[k] - v1[k];
-      if (d != 0 && std::abs((g1[k] - once1[k]) - d) > 1e-12 * (std::abs(once1[k]) + 1))
-        ++not_added;
-    }
-    CHECK(not_added == 0);
+    const auto once1 = g1, once2 = g2;
+    REQUIRE(bwd(m, b, dy, dx, dp));
+    CHECK(bitwise_equal(g1, plus(once1, c1)));
+    CHECK(bitwise_equal(g2, plus(once2, c2)));
   }
 }
 
@@ -383,7 +407,7 @@ TEST_CASE("bf16 weights and rows, fp32 main_grad: within 1e-2 of fp64 on the sam
     for (double v : x) xb.push_back(from_double<bfloat16>(v));
     for (double v : p) pb.push_back(from_double<bfloat16>(v));
     for (double v : dy) dyb.push_back(from_double<bfloat16>(v));
-    const expert_batch<bfloat16> b{.hidden = H, .counts = counts, .x = xb, .probs = pb};
+    const auto b = host_batch(H, counts, xb, pb);
 
     const auto y_ref = ref_forward(ex, act, H, F, counts, x, p);
     const ref_grads fd = fd_grads(ex, act, H, F, counts, x, p, dy);
@@ -405,11 +429,11 @@ TEST_CASE("bf16 weights and rows, fp32 main_grad: within 1e-2 of fp64 on the sam
         const auto want = make_shard<double>(fd.dw, act, H, F, etp, r);
         const auto want_bad = make_shard<double>(fd_bad.dw, act, H, F, etp, r);
         std::vector<float> g1(w.fc1.size(), 0.f), g2(w.fc2.size(), 0.f);
-        auto m = grouped_mlp<bfloat16>::make(s, {w.fc1, w.fc2}, {g1, g2});
+        auto m = experts_t<bfloat16>::make(s, {w.fc1, w.fc2}, {g1, g2});
         REQUIRE(m);
         std::vector<bfloat16> yr(uz(M * H)), dxr(uz(M * H)), dpr(uz(M));
-        REQUIRE(m->forward(b, yr));
-        REQUIRE(m->backward(b, dyb, dxr, dpr));
+        REQUIRE(fwd(*m, b, yr));
+        REQUIRE(bwd(*m, b, dyb, dxr, dpr));
         for (std::size_t i = 0; i < y.size(); ++i) y[i] += to_double(yr[i]);
         for (std::size_t i = 0; i < dx.size(); ++i) dx[i] += to_double(dxr[i]);
         for (std::size_t i = 0; i < dp.size(); ++i) dp[i] += to_double(dpr[i]);
@@ -431,7 +455,7 @@ TEST_CASE("bf16 weights and rows, fp32 main_grad: within 1e-2 of fp64 on the sam
   }
 }
 
-TEST_CASE("views: grouped_mlp over a caller's vectors equals reference_mlp bitwise, no copy") {
+TEST_CASE("views: mlp_experts over a caller's vectors equals reference_mlp bitwise, no copy") {
   std::mt19937 rng(15);
   const int H = 4, F = 6, L = 2, etp = 2, rank = 1;
   const std::vector<int> counts = {2, 3};
@@ -444,7 +468,7 @@ TEST_CASE("views: grouped_mlp over a caller's vectors equals reference_mlp bitwi
         .hidden = H, .ffn = F, .num_local_experts = L, .etp = etp, .etp_rank = rank, .act = act};
     auto w = make_shard<double>(ex, act, H, F, etp, rank);
     std::vector<double> g1(w.fc1.size(), 0.0), g2(w.fc2.size(), 0.0);
-    auto view = grouped_mlp<double>::make(s, {w.fc1, w.fc2}, {g1, g2}).value();
+    auto view = experts_t<double>::make(s, {w.fc1, w.fc2}, {g1, g2}).value();
     CHECK(view.weights().fc1.data() == w.fc1.data());
     CHECK(view.weights().fc2.data() == w.fc2.data());
     CHECK(view.grads().fc1.data() == g1.data());
@@ -464,12 +488,12 @@ TEST_CASE("views: grouped_mlp over a caller's vectors equals reference_mlp bitwi
     const auto x = random_vec(rng, uz(M * H));
     const auto p = random_vec(rng, uz(M));
     const auto dy = random_vec(rng, uz(M * H));
-    const expert_batch<double> b{.hidden = H, .counts = counts, .x = x, .probs = p};
+    const auto b = host_batch(H, counts, x, p);
     std::vector<double> ya(uz(M * H)), yb(uz(M * H)), dxa(uz(M * H)), dxb(uz(M * H)), dpa(uz(M)),
         dpb(uz(M));
-    REQUIRE(view.forward(b, ya));
+    REQUIRE(fwd(view, b, ya));
     REQUIRE(own.forward(b, yb));
-    REQUIRE(view.backward(b, dy, dxa, dpa));
+    REQUIRE(bwd(view, b, dy, dxa, dpa));
     REQUIRE(own.backward(b, dy, dxb, dpb));
     CHECK(bitwise_equal(ya, yb));
     CHECK(bitwise_equal(dxa, dxb));
@@ -484,11 +508,11 @@ TEST_CASE("views: grouped_mlp over a caller's vectors equals reference_mlp bitwi
     w.fc1[3] += 0.75;
     w.fc2[5] -= 0.5;
     std::vector<double> y2(uz(M * H)), y_fresh(uz(M * H));
-    REQUIRE(view.forward(b, y2));
+    REQUIRE(fwd(view, b, y2));
     const auto w_copy = w;  // a fresh functor over other storage holding the new values
     std::vector<double> h1(w.fc1.size()), h2(w.fc2.size());
-    auto fresh = grouped_mlp<double>::make(s, {w_copy.fc1, w_copy.fc2}, {h1, h2}).value();
-    REQUIRE(fresh.forward(b, y_fresh));
+    auto fresh = experts_t<double>::make(s, {w_copy.fc1, w_copy.fc2}, {h1, h2}).value();
+    REQUIRE(fwd(fresh, b, y_fresh));
     CHECK(bitwise_equal(y2, y_fresh));
     CHECK_FALSE(bitwise_equal(y2, ya));
   }
@@ -504,7 +528,7 @@ TEST_CASE("errors name the rule; a refused bind keeps the old binding") {
   std::vector<double> short1(n.fc1 - 1), long2(n.fc2 + 1);
 
   SUBCASE("wrong-sized views") {
-    auto check_msg = [&](const expected<grouped_mlp<double>>& r) {
+    auto check_msg = [&](const expected<experts_t<double>>& r) {
       REQUIRE_FALSE(r);
       CHECK(r.error().code == errc::shape_mismatch);
       const std::string& msg = r.error().message;
@@ -513,21 +537,21 @@ TEST_CASE("errors name the rule; a refused bind keeps the old binding") {
       CHECK(msg.find("= 48") != std::string::npos);
       CHECK(msg.find("= 24") != std::string::npos);
     };
-    check_msg(grouped_mlp<double>::make(s, {short1, w2}, {g1, g2}));
-    check_msg(grouped_mlp<double>::make(s, {w1, long2}, {g1, g2}));
-    check_msg(grouped_mlp<double>::make(s, {w1, w2}, {short1, g2}));
-    check_msg(grouped_mlp<double>::make(s, {w1, w2}, {g1, long2}));
+    check_msg(experts_t<double>::make(s, {short1, w2}, {g1, g2}));
+    check_msg(experts_t<double>::make(s, {w1, long2}, {g1, g2}));
+    check_msg(experts_t<double>::make(s, {w1, w2}, {short1, g2}));
+    check_msg(experts_t<double>::make(s, {w1, w2}, {g1, long2}));
     // fp32 gradients for bf16 weights are sized the same way.
     std::vector<bfloat16> b1(n.fc1), b2(n.fc2);
     std::vector<float> f1(n.fc1), f2(n.fc2 - 1);
-    auto rb = grouped_mlp<bfloat16>::make(s, {b1, b2}, {f1, f2});
+    auto rb = experts_t<bfloat16>::make(s, {b1, b2}, {f1, f2});
     REQUIRE_FALSE(rb);
     CHECK(rb.error().message.find("fc1") != std::string::npos);
   }
   SUBCASE("ETP must divide F") {
     mlp_shape bad = s;
     bad.etp = 4;
-    auto r = grouped_mlp<double>::make(bad, {w1, w2}, {g1, g2});
+    auto r = experts_t<double>::make(bad, {w1, w2}, {g1, g2});
     REQUIRE_FALSE(r);
     CHECK(r.error().code == errc::invalid_argument);
     CAPTURE(r.error().message);
@@ -537,7 +561,7 @@ TEST_CASE("errors name the rule; a refused bind keeps the old binding") {
     for (int rank : {-1, 2, 3}) {
       mlp_shape bad = s;
       bad.etp_rank = rank;
-      auto r = grouped_mlp<double>::make(bad, {w1, w2}, {g1, g2});
+      auto r = experts_t<double>::make(bad, {w1, w2}, {g1, g2});
       REQUIRE_FALSE(r);
       CHECK(r.error().code == errc::rank_out_of_range);
       CHECK(r.error().message.find("etp_rank") != std::string::npos);
@@ -546,18 +570,18 @@ TEST_CASE("errors name the rule; a refused bind keeps the old binding") {
   SUBCASE("bad sizes") {
     for (mlp_shape bad : {mlp_shape{.hidden = 0, .ffn = 6}, mlp_shape{.hidden = 4, .ffn = 0},
                           mlp_shape{.hidden = 4, .ffn = 6, .etp = 0}}) {
-      auto r = grouped_mlp<double>::make(bad, {}, {});
+      auto r = experts_t<double>::make(bad, mlp_weights<double>{}, mlp_grads<double>{});
       REQUIRE_FALSE(r);
       CHECK(r.error().code == errc::invalid_size);
     }
   }
   SUBCASE("bind: refused keeps the old binding, accepted rebinds") {
-    auto m = grouped_mlp<double>::make(s, {w1, w2}, {g1, g2}).value();
+    auto m = experts_t<double>::make(s, {w1, w2}, {g1, g2}).value();
     const std::vector<int> counts = {1, 1};
     const std::vector<double> x = {1, -2, 0.5, 3, -1, 0.25, 2, -0.5}, p = {0.5, -1.5};
-    const expert_batch<double> b{.hidden = H, .counts = counts, .x = x, .probs = p};
+    const auto b = host_batch(H, counts, x, p);
     std::vector<double> y_old(8), y(8);
-    REQUIRE(m.forward(b, y_old));
+    REQUIRE(fwd(m, b, y_old));
     std::vector<double> o1(n.fc1, -0.125), o2(n.fc2, 0.75), h1(n.fc1), h2(n.fc2);
     for (std::size_t i = 0; i < o1.size(); ++i) o1[i] = 0.01 * double(i) - 0.2;
     auto st = m.bind({o1, o2}, {short1, h2});  // gradients the wrong size
@@ -566,15 +590,15 @@ TEST_CASE("errors name the rule; a refused bind keeps the old binding") {
     CHECK_FALSE(m.bind({o1, long2}, {h1, h2}));
     CHECK(m.weights().fc1.data() == w1.data());
     CHECK(m.grads().fc1.data() == g1.data());
-    REQUIRE(m.forward(b, y));
+    REQUIRE(fwd(m, b, y));
     CHECK(bitwise_equal(y, y_old));
     // Accepted: the functor now computes over the other buffers.
     REQUIRE(m.bind({o1, o2}, {h1, h2}));
     CHECK(m.weights().fc1.data() == o1.data());
-    REQUIRE(m.forward(b, y));
+    REQUIRE(fwd(m, b, y));
     std::vector<double> y_want(8), k1(n.fc1), k2(n.fc2);
-    auto other = grouped_mlp<double>::make(s, {o1, o2}, {k1, k2}).value();
-    REQUIRE(other.forward(b, y_want));
+    auto other = experts_t<double>::make(s, {o1, o2}, {k1, k2}).value();
+    REQUIRE(fwd(other, b, y_want));
     CHECK(bitwise_equal(y, y_want));
     CHECK_FALSE(bitwise_equal(y, y_old));
   }

@@ -1,0 +1,70 @@
+//! @file drop_args.hpp
+//! @brief What a drop policy works on, on an execution context: one forward's routing in (each
+//! token's k experts and probabilities, and for full-sequence dropping the tokens' order keys),
+//! the decision out (the keep mask, the kept record the dispatcher takes, the per-expert counts
+//! and totals), all views in the context's memory space S; and the shape a policy sizes its
+//! workspace for.
+#pragma once
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+
+#include "../core/expected.hpp"
+#include "../core/row_view.hpp"
+
+namespace moefold {
+inline namespace v0_1 {
+
+//! The largest forward a policy's workspace serves.
+struct drop_shape {
+  int max_tokens = 0;   //!< N per rank
+  int topk = 0;         //!< k
+  int num_experts = 0;  //!< E
+  int group = 1;        //!< ranks of the tp-cp group (full-sequence dropping decides over them)
+};
+
+//! One forward's routing (the router's indices and probabilities, every selected pair).
+template <class R, class S>
+struct drop_input {
+  row_view<const int, S> experts{};              //!< [N, k] distinct per token
+  row_view<const R, S> probs{};                  //!< [N, k]
+  row_view<const std::int64_t, S> order_keys{};  //!< [N, 1] (full sequence) or empty
+};
+
+//! The decision, written by the policy.
+template <class S>
+struct drop_output {
+  row_view<std::uint8_t, S> keep{};        //!< [N, k] 1 dispatched, 0 dropped
+  row_view<int, S> kept{};                 //!< [N, k] the expert, or -1 for a dropped pair
+  row_view<int, S> routed{};               //!< [1, E] pairs the router sent to each expert
+  row_view<int, S> dropped{};              //!< [1, E] of those, beyond capacity
+  row_view<int, S> padded{};               //!< [1, E] zero-probability filler rows (pad mode)
+  row_view<long long, S> totals{};         //!< [1, 2] dropped pairs, tokens that lost all k
+  row_view<std::uint8_t, S> filler_map{};  //!< [N, E] 1 where a filler row sits, or empty
+};
+
+//! What the host learns of a decision without reading the context's memory.
+struct drop_decision {
+  std::optional<int> capacity{};  //!< C per expert; unset when unbounded (dropless)
+  std::optional<int> pad_rows{};  //!< pad mode: every expert's rows per rank; else unset
+};
+
+//! A drop policy on an execution context: the workspace it needs for forwards up to a shape (in
+//! the context's memory, dead after the call), and the decision for one forward, collective over
+//! the tp-cp communicator for a policy that decides over the group (a local one ignores it).
+//! dropless, sub_sequence and full_sequence model it; a user policy writes the keep mask and the
+//! rest of drop_output itself.
+template <class P, class R, class Exec, class Comm>
+concept drop_policy = requires(const P& p, Exec& x, Comm& tp_cp,
+                               const drop_input<R, typename Exec::memory_space>& in,
+                               const drop_output<typename Exec::memory_space>& out,
+                               std::span<std::byte> ws, const drop_shape& shape) {
+  { p.template workspace_bytes<R>(shape) } -> std::same_as<std::size_t>;
+  { p.apply(x, tp_cp, in, out, ws) } -> std::same_as<expected<drop_decision>>;
+};
+
+}  // namespace v0_1
+}  // namespace moefold
