@@ -84,6 +84,29 @@ void* operator new(std::size_t n, std::align_val_t a) {
   }
   throw std::bad_alloc();
 }
+// The nothrow forms (host contexts allocate with them: exec/host_exec's aligned bytes) must come
+// from the same allocator the deletes above free into.
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
+  moefold::test::count_new();
+  void* p = std::malloc(n == 0 ? 1 : n);
+  if (p != nullptr) moefold::test::track_new(p, n);
+  return p;
+}
+void* operator new(std::size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
+  moefold::test::count_new();
+  const auto al = static_cast<std::size_t>(a);
+  void* p = std::aligned_alloc(al, (n + al - 1) / al * al);
+  if (p != nullptr) moefold::test::track_new(p, n);
+  return p;
+}
+void operator delete(void* p, const std::nothrow_t&) noexcept {
+  moefold::test::track_delete(p);
+  std::free(p);
+}
+void operator delete(void* p, std::align_val_t, const std::nothrow_t&) noexcept {
+  moefold::test::track_delete(p);
+  std::free(p);
+}
 void operator delete(void* p) noexcept {
   moefold::test::track_delete(p);
   std::free(p);
