@@ -47,6 +47,7 @@
 #include <string>
 #include <vector>
 #include "../../tests/support/host_aux_loss.hpp"
+#include "../../tests/support/host_drop_policy.hpp"
 #include "../../tests/support/host_topk_router.hpp"
 
 using namespace moefold;
@@ -242,10 +243,10 @@ struct host_loops {
         return add_z_loss_gradient<T>(logits, in.E, z_coeff, {}, T(1), std::span<T>(h.dlogits),
                                       std::span<T>(h.scratch));
       case capacity: {
-        // What moe_layer's forward does with the record: the policy, then the kept pairs.
+        // The host loops of the keep rule (the tests' reference), then the kept pairs.
         const routing_view<T> rv = view_of(record, std::span<std::uint8_t>(h.keep));
         const sub_sequence policy{.capacity_factor = capacity_factor};
-        if (auto st = policy.apply(rv, h.counts, h.drop_ws); !st) return st;
+        if (auto st = host_apply(policy, rv, h.counts, h.drop_ws); !st) return st;
         detail::write_kept_pairs(rv, std::span<int>(h.kept_experts), std::span<T>(h.kept_probs));
         return {};
       }

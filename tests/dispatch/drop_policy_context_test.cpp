@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "../support/host_drop_policy.hpp"
 #include "../support/simt_test_sizes.hpp"
 
 using namespace moefold;
@@ -74,7 +75,7 @@ decided host_decision(const P& policy, C& comm, const routing_case& r,
   drop_scratch<float> ws;
   auto counts = counts_into(rep, r.E, d.filler);
   const auto rv = view_of(tr, std::span<std::uint8_t>(d.keep));
-  REQUIRE(policy.apply(comm, keys, rv, counts, ws));
+  REQUIRE(host_apply(policy, comm, keys, rv, counts, ws));
   for (std::size_t p = 0; p < r.experts.size(); ++p)
     d.kept.push_back(d.keep[p] ? r.experts[p] : -1);
   d.routed = rep.routed;

@@ -1,7 +1,7 @@
 // The keep decision as kernels (kernels/capacity.hpp) on the CPU executor against the host's
-// rule (dispatch/drop_policy.hpp, detail::keep_within_capacity) on fresh random routings (seed
-// printed; MOEFOLD_TEST_SEED replays one): keep mask, routed/dropped/padded counts, filler map,
-// dropped pairs and fully dropped rows all equal, outputs poisoned before each launch. Cases:
+// rule (tests/support/host_drop_policy.hpp, detail::keep_within_capacity) on fresh random routings
+// (seed printed; MOEFOLD_TEST_SEED replays one): keep mask, routed/dropped/padded counts, filler
+// map, dropped pairs and fully dropped rows all equal, outputs poisoned before each launch. Cases:
 // drop by probability (with ties: probabilities drawn from a few values) and by position; pad
 // mode; row order and a shuffled true order with a counted slice (the full-sequence form);
 // tokens 1/7/513, E 1/8/64/256, k 1/2/8, capacity factors that keep all, some and almost none;
@@ -13,13 +13,14 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <moefold/dispatch/drop_policy.hpp>
+#include <moefold/dispatch/drop_counts.hpp>
 #include <moefold/exec/cpu_exec.hpp>
 #include <moefold/kernels/capacity.hpp>
 #include <numeric>
 #include <random>
 #include <vector>
 
+#include "../support/host_drop_policy.hpp"
 #include "../support/simt_contexts.hpp"
 #include "../support/simt_test_sizes.hpp"
 

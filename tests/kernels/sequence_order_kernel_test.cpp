@@ -1,5 +1,5 @@
 // Full-sequence dropping's order kernels (kernels/sequence_order.hpp) on the CPU executor against
-// the host policy's own ranking (drop_policy_full_sequence.hpp: sequence_order_keys, then
+// the host reference ranking (sequence_order_keys, then tests/support/host_drop_policy.hpp:
 // detail::rank_by_key, the sort full_sequence::apply runs): the group's keys of tp x cp layouts
 // gathered in several rank orders, and random permutations (seed printed; MOEFOLD_TEST_SEED
 // replays one), outputs poisoned before each launch. Bad keys (outside [0, M), repeated) are
@@ -18,6 +18,7 @@
 #include <random>
 #include <vector>
 
+#include "../support/host_drop_policy.hpp"
 #include "../support/simt_contexts.hpp"
 #include "../support/simt_test_sizes.hpp"
 

@@ -10,6 +10,7 @@
 #include <moefold/dispatch/drop_policy_local.hpp>
 #include <moefold/layer/moe_layer.hpp>
 #include "../support/host_aux_loss.hpp"
+#include "../support/host_drop_policy.hpp"
 
 #include <doctest/doctest.h>
 
@@ -221,7 +222,7 @@ long long check_layer_results(const problem& p, const std::vector<layer_result>&
               {routing.indices.begin() + first * K, routing.indices.begin() + (first + count) * K},
               {routing.probs.begin() + first * K, routing.probs.begin() + (first + count) * K}};
           drop_result<double> d;
-          REQUIRE(sub_sequence{.capacity_factor = 1.0}.apply(part, d));
+          REQUIRE(host_apply(sub_sequence{.capacity_factor = 1.0}, part, d));
           const auto ke = d.kept_experts(part);
           std::copy(ke.begin(), ke.end(), kept.begin() + first * K);
         };

@@ -3,6 +3,7 @@
 #include <moefold/comm/thread_world.hpp>
 #include <moefold/dispatch/drop_policy_local.hpp>
 #include <moefold/routing/input_jitter.hpp>
+#include "../support/host_drop_policy.hpp"
 #include "../support/host_gating.hpp"
 #include "../support/host_group_losses.hpp"
 #include "../support/host_topk_router.hpp"
@@ -97,7 +98,7 @@ TEST_CASE("gradient through the drop mask: dropped pairs get none, survivors are
         topk_routing<double> r;
         drop_result<double> d;
         REQUIRE(router.route(l, r));
-        REQUIRE(policy.apply(r, d));
+        REQUIRE(host_apply(policy, r, d));
         double s = 0;
         for (int i = 0; i < N * E; ++i) s += w[i] * d.final_probs[i];
         return s;
@@ -105,7 +106,7 @@ TEST_CASE("gradient through the drop mask: dropped pairs get none, survivors are
       topk_routing<double> r;
       drop_result<double> d;
       REQUIRE(router.route(logits, r));
-      REQUIRE(policy.apply(r, d));
+      REQUIRE(host_apply(policy, r, d));
       REQUIRE(d.report.dropped_pairs > 0);  // the case must actually drop something
       std::vector<double> dprobs(N * 2), dlogits(N * E);
       REQUIRE(d.mask_gradient(r, w, dprobs));
@@ -193,7 +194,7 @@ TEST_CASE("the whole router step: d(probs . w + aux + z) / d router weight") {
       logits.assign(N * E, 0.0);
       REQUIRE(gating_forward<double, double, double>(g, x, WW, {}, logits));
       REQUIRE(router.route(logits, r));
-      REQUIRE(policy.apply(r, d));
+      REQUIRE(host_apply(policy, r, d));
       aux_scores<double> a;
       REQUIRE(compute_aux_scores<double>(score_function::sigmoid, 2, E, logits, {}, a));
       term = load_balancing_loss(c, a, 0.1).value();

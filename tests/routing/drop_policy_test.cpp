@@ -4,6 +4,7 @@
 #include <moefold/dispatch/drop_policy_full_sequence.hpp>
 #include <moefold/dispatch/drop_policy_local.hpp>
 #include <moefold/exec/host_exec.hpp>
+#include "../support/host_drop_policy.hpp"
 #include "../support/host_topk_router.hpp"
 
 #include <doctest/doctest.h>
@@ -142,8 +143,8 @@ TEST_CASE("sub-sequence dropping follows the keep rules (invariants 5 and 7)") {
           const auto r = route(N, k, 200 + static_cast<std::uint64_t>(k), score_function::sigmoid);
           const int C = expert_capacity(static_cast<long long>(N) * k, E, cf).value();
           drop_result<double> d;
-          REQUIRE(
-              sub_sequence{.capacity_factor = cf, .pad_to_capacity = pad, .by = by}.apply(r, d));
+          REQUIRE(host_apply(sub_sequence{.capacity_factor = cf, .pad_to_capacity = pad, .by = by},
+                             r, d));
           CHECK(d.report.capacity == C);
           check_rules(r, d, C, by, pad);
         }
@@ -158,7 +159,8 @@ TEST_CASE("ties are deterministic: equal probabilities keep the earlier token") 
   }
   for (auto by : {drop_by::probs, drop_by::position}) {
     drop_result<double> d;
-    REQUIRE(sub_sequence{.capacity_factor = 1.0, .by = by}.apply(r, d));  // C = ceil(20/8) = 3
+    REQUIRE(
+        host_apply(sub_sequence{.capacity_factor = 1.0, .by = by}, r, d));  // C = ceil(20/8) = 3
     for (int t = 0; t < 10; ++t) {
       CHECK(d.final_map[t * E + 0] == (t < 3));
       CHECK(d.final_map[t * E + 1] == (t < 3));
@@ -176,9 +178,9 @@ TEST_CASE("a worked example: who is dropped and why (docs/routing.md)") {
                          .indices = {0, 0, 1, 0, 0, 2},
                          .probs = {0.5, 0.9, 0.6, 0.7, 0.4, 0.8}};
   drop_result<double> byp, bypos, pad;
-  REQUIRE(sub_sequence{.capacity_factor = 1.0, .by = drop_by::probs}.apply(r, byp));
-  REQUIRE(sub_sequence{.capacity_factor = 1.0, .by = drop_by::position}.apply(r, bypos));
-  REQUIRE(sub_sequence{.capacity_factor = 1.0, .pad_to_capacity = true}.apply(r, pad));
+  REQUIRE(host_apply(sub_sequence{.capacity_factor = 1.0, .by = drop_by::probs}, r, byp));
+  REQUIRE(host_apply(sub_sequence{.capacity_factor = 1.0, .by = drop_by::position}, r, bypos));
+  REQUIRE(host_apply(sub_sequence{.capacity_factor = 1.0, .pad_to_capacity = true}, r, pad));
   // Expert 0 got tokens 0, 1, 3, 4 (probs .5 .9 .7 .4): probs keeps 1 and 3, position keeps 0, 1.
   CHECK(byp.kept == std::vector<std::uint8_t>{0, 1, 1, 1, 0, 1});
   CHECK(bypos.kept == std::vector<std::uint8_t>{1, 1, 1, 0, 0, 1});
@@ -197,18 +199,18 @@ TEST_CASE("capacity >= tokens: sub- and full-sequence dropping equal dropless") 
   const int N = 12, k = 2;
   const auto r = route(N, k, 301);
   drop_result<double> none, sub, full;
-  REQUIRE(dropless{}.apply(r, none));
+  REQUIRE(host_apply(dropless{}, r, none));
   CHECK(!none.report.capacity);  // dropless: no capacity
   CHECK(none.report.dropped_pairs == 0);
   CHECK(none.final_probs == r.dense_probs());
   CHECK(none.final_map == r.dense_map());
   // cf = E/k makes C = N.
-  REQUIRE(sub_sequence{.capacity_factor = 4.0, .by = drop_by::position}.apply(r, sub));
+  REQUIRE(host_apply(sub_sequence{.capacity_factor = 4.0, .by = drop_by::position}, r, sub));
   CHECK(sub.report.capacity == N);
   CHECK(sub.final_map == none.final_map);
   CHECK(sub.final_probs == none.final_probs);
   const auto st = run_thread_world(1, [&](thread_communicator& c) {
-    return full_sequence{.capacity_factor = 10.0}.apply(c, {}, r, full);
+    return host_apply(full_sequence{.capacity_factor = 10.0}, c, {}, r, full);
   });
   REQUIRE(st[0]);
   CHECK(full.final_map == none.final_map);
@@ -221,10 +223,11 @@ TEST_CASE("full-sequence dropping on one rank equals sub-sequence dropping") {
     for (bool pad : {false, true}) {
       const auto r = route(N, 2, 311);
       drop_result<double> sub, full;
-      REQUIRE(sub_sequence{.capacity_factor = 0.6, .pad_to_capacity = pad, .by = by}.apply(r, sub));
+      REQUIRE(host_apply(sub_sequence{.capacity_factor = 0.6, .pad_to_capacity = pad, .by = by}, r,
+                         sub));
       const auto st = run_thread_world(1, [&](thread_communicator& c) {
-        return full_sequence{.capacity_factor = 0.6, .pad_to_capacity = pad, .by = by}.apply(
-            c, {}, r, full);
+        return host_apply(full_sequence{.capacity_factor = 0.6, .pad_to_capacity = pad, .by = by},
+                          c, {}, r, full);
       });
       REQUIRE(st[0]);
       CHECK(full.final_map == sub.final_map);
@@ -238,42 +241,44 @@ TEST_CASE("full-sequence dropping on one rank equals sub-sequence dropping") {
 TEST_CASE("no tokens: nothing to drop, no error") {
   topk_routing<double> r{.num_tokens = 0, .num_experts = E, .topk = 2, .indices = {}, .probs = {}};
   drop_result<double> d;
-  REQUIRE(sub_sequence{.capacity_factor = 1.0}.apply(r, d));
+  REQUIRE(host_apply(sub_sequence{.capacity_factor = 1.0}, r, d));
   CHECK(d.report.capacity == 0);
   CHECK(d.final_map.empty());
-  REQUIRE(dropless{}.apply(r, d));
+  REQUIRE(host_apply(dropless{}, r, d));
 }
 
 TEST_CASE("bad input: capacity factor, pad beyond the tokens, malformed routings") {
   const auto r = route(8, 2, 321);
   drop_result<double> d;
-  CHECK(sub_sequence{.capacity_factor = 0.0}.apply(r, d).error().code == errc::invalid_argument);
-  CHECK(sub_sequence{.capacity_factor = -1.0}.apply(r, d).error().code == errc::invalid_argument);
+  CHECK(host_apply(sub_sequence{.capacity_factor = 0.0}, r, d).error().code ==
+        errc::invalid_argument);
+  CHECK(host_apply(sub_sequence{.capacity_factor = -1.0}, r, d).error().code ==
+        errc::invalid_argument);
   // Pad with C = ceil(8*2/8 * 5) = 10 > 8 tokens.
-  auto s = sub_sequence{.capacity_factor = 5.0, .pad_to_capacity = true}.apply(r, d);
+  auto s = host_apply(sub_sequence{.capacity_factor = 5.0, .pad_to_capacity = true}, r, d);
   CHECK(s.error().code == errc::invalid_argument);
   CHECK(s.error().message.find("10") != std::string::npos);
   auto bad = r;
   bad.indices[3] = E;
-  CHECK(sub_sequence{}.apply(bad, d).error().code == errc::invalid_argument);
+  CHECK(host_apply(sub_sequence{}, bad, d).error().code == errc::invalid_argument);
   bad = r;
   bad.indices[3] = bad.indices[2];
-  CHECK(dropless{}.apply(bad, d).error().code == errc::invalid_argument);
+  CHECK(host_apply(dropless{}, bad, d).error().code == errc::invalid_argument);
   bad = r;
   bad.probs[5] = NAN;
-  CHECK(sub_sequence{}.apply(bad, d).error().code == errc::non_finite_input);
+  CHECK(host_apply(sub_sequence{}, bad, d).error().code == errc::non_finite_input);
   bad = r;
   bad.probs.pop_back();
-  CHECK(sub_sequence{}.apply(bad, d).error().code == errc::shape_mismatch);
+  CHECK(host_apply(sub_sequence{}, bad, d).error().code == errc::shape_mismatch);
   std::vector<double> dfinal(8 * E), dprobs(3);
-  REQUIRE(sub_sequence{}.apply(r, d));
+  REQUIRE(host_apply(sub_sequence{}, r, d));
   CHECK(d.mask_gradient(r, dfinal, dprobs).error().code == errc::shape_mismatch);
   // full_sequence: keys of the wrong length, duplicate keys.
   const auto st = run_thread_world(1, [&](thread_communicator& c) {
     std::vector<std::int64_t> keys(7, 0);
-    CHECK(full_sequence{}.apply(c, keys, r, d).error().code == errc::shape_mismatch);
+    CHECK(host_apply(full_sequence{}, c, keys, r, d).error().code == errc::shape_mismatch);
     keys.assign(8, 3);
-    CHECK(full_sequence{}.apply(c, keys, r, d).error().code == errc::invalid_argument);
+    CHECK(host_apply(full_sequence{}, c, keys, r, d).error().code == errc::invalid_argument);
   });
   REQUIRE(st[0]);
   CHECK(sequence_order_keys({.tp_rank = 2, .tp = 2, .local_seq = 4}).error().code ==
@@ -349,7 +354,7 @@ TEST_CASE("a worked example over TP = 2: full- vs sub-sequence dropping (docs/ro
       const auto keys = sequence_order_keys({.tp_rank = c.rank(), .tp = 2, .local_seq = 4}).value();
       drop_result<double> d;
       const auto r = local(c.rank());
-      const status s = policy.apply(c, keys, r, d);
+      const status s = host_apply(policy, c, keys, r, d);
       kept[static_cast<std::size_t>(c.rank())] = d.kept;
       return s;
     });

@@ -34,6 +34,8 @@
 #include <string>
 #include <vector>
 
+#include "../support/context_drop.hpp"
+
 using namespace moefold;
 
 namespace {
@@ -160,8 +162,8 @@ struct tally {
 };
 
 // Every case through the production objects on context Exec: router_gating and topk_router
-// (fp32), load_balancing_losses and router_z_loss, expert_bias. The drop decision is the host
-// policy's over the routing read back.
+// (fp32), load_balancing_losses and router_z_loss, expert_bias, and the drop policy deciding on
+// the context over the routing (read back in dense form, tests/support/context_drop.hpp).
 template <class Exec>
 void check_cases(Exec& xc, tally& t) {
   using S = typename Exec::memory_space;
@@ -246,14 +248,17 @@ void check_cases(Exec& xc, tally& t) {
                             .topk = k,
                             .indices = back(xc, didx.cview()),
                             .probs = back(xc, dpr.cview())};
-      drop_result<float> d;
+      drop_result<float> d;  // the production decision on xc
+      detail::no_comm none;
       bool tie_dependent = false;
       std::vector<std::uint8_t> tie_col(E, 0);
       if (cf > 0) {
         const auto pre = mc.at("routing_map_predrop" + sfx);
         const auto mine = r.dense_map();
         for (int i = 0; i < N * E; ++i) CHECK(mine[i] == pre[i]);
-        REQUIRE(sub_sequence{.capacity_factor = cf, .pad_to_capacity = pad, .by = by}.apply(r, d));
+        REQUIRE(context_dense(xc,
+                              sub_sequence{.capacity_factor = cf, .pad_to_capacity = pad, .by = by},
+                              none, {}, r, d));
         if (by == drop_by::position)
           for (int e = 0; e < E; ++e)
             if (d.report.routed[e] > d.report.capacity) {
@@ -261,7 +266,7 @@ void check_cases(Exec& xc, tally& t) {
               tie_dependent = true;
             }
       } else {
-        REQUIRE(dropless{}.apply(r, d));
+        REQUIRE(context_dense(xc, dropless{}, none, {}, r, d));
       }
       // Probabilities and map after dropping.
       const auto& mp = mc.at("probs" + sfx);

@@ -11,6 +11,7 @@
 #include <moefold/mesh/groups.hpp>
 #include <moefold/routing/expert_bias.hpp>
 
+#include "../support/host_drop_policy.hpp"
 #include "../support/host_expert_bias.hpp"
 #include "../support/host_group_losses.hpp"
 #include "../support/host_topk_router.hpp"
@@ -83,8 +84,8 @@ TEST_CASE("full-sequence keep mask is independent of TP x CP and equals the whol
         for (double cf : {0.5, 1.0}) {
           const full_sequence policy{.capacity_factor = cf, .pad_to_capacity = pad, .by = by};
           drop_result<double> ref;  // single rank, rows in true order
-          REQUIRE(sub_sequence{.capacity_factor = cf, .pad_to_capacity = pad, .by = by}.apply(whole,
-                                                                                              ref));
+          REQUIRE(host_apply(sub_sequence{.capacity_factor = cf, .pad_to_capacity = pad, .by = by},
+                             whole, ref));
           REQUIRE(ref.report.dropped_pairs > 0);
           for (const auto sp : splits) {
             CAPTURE(quantized);
@@ -100,7 +101,7 @@ TEST_CASE("full-sequence keep mask is independent of TP x CP and equals the whol
               topk_routing<double> r;
               REQUIRE(router.route(local_logits, r));
               drop_result<double> d;
-              const status s = policy.apply(c, keys, r, d);
+              const status s = host_apply(policy, c, keys, r, d);
               std::lock_guard lk(m);
               REQUIRE(s);
               CHECK(d.report.capacity == ref.report.capacity);
@@ -337,7 +338,7 @@ TEST_CASE("folded groups: TP x CP and TP x DP x CP communicators from a Megatron
     batch[dp] = random_vector<double>(S * B * E, 450 + static_cast<std::uint64_t>(dp));
     topk_routing<double> r;
     REQUIRE(router.route(batch[dp], r));
-    REQUIRE(sub_sequence{.capacity_factor = 0.75, .by = drop_by::position}.apply(r, ref[dp]));
+    REQUIRE(host_apply(sub_sequence{.capacity_factor = 0.75, .by = drop_by::position}, r, ref[dp]));
   }
   std::mutex m;
   run_ok(16, [&](thread_communicator& world) {
@@ -349,7 +350,7 @@ TEST_CASE("folded groups: TP x CP and TP x DP x CP communicators from a Megatron
     topk_routing<double> r;
     REQUIRE(router.route(rows(batch[replica], keys), r));
     drop_result<double> d;
-    REQUIRE(policy.apply(tp_cp, keys, r, d));
+    REQUIRE(host_apply(policy, tp_cp, keys, r, d));
     std::lock_guard lk(m);
     for (std::size_t i = 0; i < keys.size(); ++i)
       for (int e = 0; e < E; ++e)

@@ -1,7 +1,7 @@
 //! @file drop_by.hpp
 //! @brief Which routed tokens an expert keeps when it has more than its capacity: the one enum
-//! the drop policies (dispatch/drop_policy.hpp) and the keep kernels (kernels/capacity.hpp) share,
-//! in core because the kernels sit below dispatch.
+//! the drop policies (dispatch/drop_policy_local.hpp, drop_policy_full_sequence.hpp) and the keep
+//! kernels (kernels/capacity.hpp) share, in core because the kernels sit below dispatch.
 #pragma once
 
 namespace moefold {

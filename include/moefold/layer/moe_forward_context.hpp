@@ -14,7 +14,7 @@
 #include <utility>
 #include <vector>
 
-#include "../dispatch/drop_policy.hpp"
+#include "../dispatch/drop_counts.hpp"
 #include "../routing/load_balancing_losses.hpp"
 #include "../routing/router_z_loss.hpp"
 #include "../routing/topk_routing.hpp"

@@ -43,7 +43,7 @@
 #include "../dispatch/capacity_keep.hpp"
 #include "../dispatch/dispatch_args.hpp"
 #include "../dispatch/drop_args.hpp"
-#include "../dispatch/drop_policy.hpp"
+#include "../dispatch/drop_counts.hpp"
 #include "../dispatch/token_dispatcher.hpp"
 #include "../experts/expert_fn.hpp"
 #include "../experts/shared_expert.hpp"
