@@ -69,7 +69,6 @@
 #include "routing/router_gating.hpp"
 #include "routing/router_launch.hpp"
 #include "routing/router_z_loss.hpp"
-#include "routing/routing_view.hpp"
 #include "routing/topk_router.hpp"
 #include "routing/topk_router_options.hpp"
 #include "routing/topk_routing.hpp"

@@ -28,8 +28,9 @@
 #include <moefold/dispatch/drop_policy_full_sequence.hpp>
 #include <moefold/dispatch/drop_policy_local.hpp>
 #include <moefold/dispatch/expert_capacity.hpp>
-#include <moefold/routing/routing_view.hpp>
 #include <moefold/routing/topk_routing.hpp>
+
+#include "routing_view.hpp"
 
 namespace moefold {
 inline namespace v0_1 {

@@ -53,7 +53,6 @@
 #include "../routing/router.hpp"
 #include "../routing/router_gating.hpp"
 #include "../routing/router_z_loss.hpp"
-#include "../routing/routing_view.hpp"
 #include "../routing/topk_router.hpp"
 #include "../routing/topk_routing.hpp"
 #include "moe_forward_context.hpp"

@@ -1,18 +1,18 @@
 //! @file routing_view.hpp
-//! @brief The routing record that flows from the router through the drop policy to the
-//! dispatcher: N tokens, their k selected experts and probabilities, and the keep mask a drop
-//! policy writes. The selection is never rewritten (the router backward needs every selected
-//! expert); what was dropped is only the mask. Plain pointers and sizes with MOEFOLD_HOST_DEVICE
-//! accessors, in a memory space, so the GPU keep decision can take the same record.
+//! @brief The host reference's routing record (tests only; the library's policies take
+//! drop_input / drop_output views on a context): N tokens, their k selected experts and
+//! probabilities, and the keep mask the host drop reference writes. The selection is never
+//! rewritten (the router backward needs every selected expert); what was dropped is only the
+//! mask.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <span>
 
-#include "../core/config.hpp"
-#include "../core/memory_space.hpp"
-#include "topk_routing.hpp"
+#include <moefold/core/config.hpp>
+#include <moefold/core/memory_space.hpp>
+#include <moefold/routing/topk_routing.hpp>
 
 namespace moefold {
 inline namespace v0_1 {
