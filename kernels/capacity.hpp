@@ -1,7 +1,7 @@
 //! @file capacity.hpp
 //! @brief The keep decision of the capacity policies as kernels: the rule of
-//! dispatch/drop_policy.hpp's detail::keep_within_capacity (docs/dispatch-semantics.md section 3),
-//! bit for bit. Per expert: at most C routed pairs are all kept; beyond, `probs` keeps the C
+//! docs/dispatch-semantics.md section 3 (bit for bit the host reference the tests hold it
+//! against). Per expert: at most C routed pairs are all kept; beyond, `probs` keeps the C
 //! highest probabilities (ties: earlier in sequence order) and `position` the C earliest. Pad mode
 //! fills an expert's column to exactly C with the earliest rows not routed to it. Sub-sequence
 //! dropping runs it over the rank's own rows; full-sequence over the TP x CP group's gathered
@@ -249,6 +249,22 @@ struct expert_offsets_kernel {
       at += counts[e];
     }
     offsets[num_experts] = at;
+  }
+};
+
+//! Lowers sticky fault words to a decision's own (atomic min, so that the first fault stays):
+//! sticky[i] = min(sticky[i], fault[i]) for i < words. One thread.
+struct sticky_fault_kernel {
+  static constexpr int block_threads = 32;
+  static constexpr const char* name = "sticky_fault";
+  const int* fault;  // [words]
+  int words;
+  int* sticky;  // [words]
+
+  template <class Ctx>
+  MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
+    if (c.block() != 0 || c.thread() != 0) return;
+    for (int i = 0; i < words; ++i) c.atomic_min(&sticky[i], fault[i]);
   }
 };
 

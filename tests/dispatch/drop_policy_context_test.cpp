@@ -1,12 +1,13 @@
 // The drop policies on an execution context (dispatch/capacity_keep.hpp: dropless, sub_sequence,
-// full_sequence's context forms) on host_exec and cpu_exec against the host policies
-// (dispatch/drop_policy_local.hpp, drop_policy_full_sequence.hpp, the rule of
-// docs/dispatch-semantics.md section 3) on fresh random routings (seed printed): the keep mask,
+// full_sequence's context forms) on host_exec and cpu_exec against the host reference
+// (tests/support/host_drop_policy.hpp, the rule of docs/dispatch-semantics.md section 3) on
+// fresh random routings (seed printed): the keep mask,
 // the kept record, routed / dropped / padded per expert, the dropped pairs and fully dropped
 // tokens, the capacity and pad rows, pad mode's filler map; full-sequence dropping over tp-cp
 // groups of 2 and 4 thread-world ranks, with sequence_order_keys' keys and in rank order. Bad
 // routings and order keys that break the contract (a permutation of [0, M) over the group) are
-// errors naming the first bad slot or key, on every rank of the group; a user policy (one that
+// errors naming the first bad slot or key, on every rank of the group, and lower the caller's
+// sticky fault words (kept across later decisions); a user policy (one that
 // keeps a given set of pairs) models the concept.
 #include <doctest/doctest.h>
 
@@ -18,6 +19,7 @@
 #include <moefold/exec/cpu_exec.hpp>
 #include <moefold/exec/exec_buffer.hpp>
 #include <moefold/exec/host_exec.hpp>
+#include <moefold/kernels/sequence_order.hpp>
 #include <mutex>
 #include <random>
 #include <string>
@@ -107,7 +109,8 @@ auto back(Exec& x, V v) {
 // The context policy's decision on Exec.
 template <class P, class Exec, class C>
 expected<decided> context_decision(const P& policy, Exec& x, C& comm, const routing_case& r,
-                                   const std::vector<std::int64_t>& keys, int group) {
+                                   const std::vector<std::int64_t>& keys, int group,
+                                   std::vector<int>* faults = nullptr) {
   auto ex = on(x, r.experts, r.N, r.k);
   auto pr = on(x, r.probs, r.N, r.k);
   auto ky = on(x, keys, keys.empty() ? 0 : r.N, keys.empty() ? 0 : 1);
@@ -118,6 +121,8 @@ expected<decided> context_decision(const P& policy, Exec& x, C& comm, const rout
        padded = on(x, std::vector<int>(r.E, 7), 1, r.E);
   auto totals = on(x, std::vector<long long>(2, 7), 1, 2);
   auto filler = on(x, std::vector<std::uint8_t>(static_cast<std::size_t>(r.N) * r.E, 7), r.N, r.E);
+  // The caller's sticky fault words [1, 3], carried across calls through *faults.
+  auto fw = on(x, faults ? *faults : std::vector<int>(3, 0), 1, 3);
   const drop_shape shape{.max_tokens = r.N, .topk = r.k, .num_experts = r.E, .group = group};
   const std::size_t bytes = policy.template workspace_bytes<float>(shape);
   auto ws = exec_buffer<std::byte, Exec>::make(
@@ -136,8 +141,10 @@ expected<decided> context_decision(const P& policy, Exec& x, C& comm, const rout
                                   .dropped = dropped.view(),
                                   .padded = padded.view(),
                                   .totals = totals.view(),
-                                  .filler_map = filler.view()},
+                                  .filler_map = filler.view(),
+                                  .faults = faults ? fw.view() : row_view<int, S>{}},
                    std::span<std::byte>(ws->view().data(), bytes));
+  if (faults) *faults = back(x, fw.cview());
   if (!dec) return unexpected<error>(dec.error());
   decided d;
   d.keep = back(x, keep.cview());
@@ -278,14 +285,26 @@ TEST_CASE("drop policies on a context refuse bad routings and keys, naming the f
   // An expert outside [0, E) at pair 3 (token 1), then one named twice at token 3.
   routing_case bad = r;
   bad.experts[3] = 9;
-  const auto e1 = context_decision(sub_sequence{}, x, g, bad, {}, 1);
+  // The caller's sticky fault words take the first bad pair and keep it across later decisions
+  // (how a GPU context, which reads nothing back, reports it), on both CPU contexts.
+  const int none = kernels::order_fault_none;
+  std::vector<int> faults = {none, none, none};
+  const auto e1 = context_decision(sub_sequence{}, x, g, bad, {}, 1, &faults);
   REQUIRE_FALSE(e1);
   CHECK(e1.error().message.find("routing pair 3 (token 1)") != std::string::npos);
+  CHECK(faults == std::vector<int>{3, none, none});
+  REQUIRE(context_decision(sub_sequence{}, x, g, r, {}, 1, &faults));
+  CHECK(faults == std::vector<int>{3, none, none});
   bad = r;
   bad.experts[7] = bad.experts[6];
-  const auto e2 = context_decision(dropless{}, x, g, bad, {}, 1);
+  cpu_exec cx;
+  std::vector<int> cpu_faults = {none, none, none};
+  const auto e2 = context_decision(dropless{}, cx, g, bad, {}, 1, &cpu_faults);
   REQUIRE_FALSE(e2);
   CHECK(e2.error().message.find("routing pair 7 (token 3)") != std::string::npos);
+  CHECK(cpu_faults == std::vector<int>{7, none, none});
+  REQUIRE(context_decision(dropless{}, cx, g, r, {}, 1, &cpu_faults));
+  CHECK(cpu_faults == std::vector<int>{7, none, none});
   // Keys for a local policy.
   const auto e3 = context_decision(sub_sequence{}, x, g, r, std::vector<std::int64_t>(5, 0), 1);
   REQUIRE_FALSE(e3);
@@ -294,17 +313,26 @@ TEST_CASE("drop policies on a context refuse bad routings and keys, naming the f
   for (int which : {0, 1}) {
     CAPTURE(which);
     std::vector<std::string> msgs(2);
+    std::vector<std::vector<int>> words(2);
     const auto st = run_thread_world(2, [&](thread_communicator& c) -> status {
       host_exec hx;
       std::vector<std::int64_t> keys = {0, 1, 2, 3, 4};
       for (auto& k : keys) k += 5 * c.rank();
       if (c.rank() == 1) keys[2] = which == 0 ? 12 : 3;  // outside [0, 10); key 3 twice, 7 none
-      auto d = context_decision(full_sequence{}, hx, c, r, keys, 2);
+      std::vector<int> f = {none, none, none};
+      auto d = context_decision(full_sequence{}, hx, c, r, keys, 2, &f);
       msgs[static_cast<std::size_t>(c.rank())] = d ? "" : d.error().message;
+      words[static_cast<std::size_t>(c.rank())] = f;
       return {};
     });
     for (const auto& s : st) REQUIRE(s.has_value());
     CHECK(msgs[0] == msgs[1]);
+    // Both ranks' sticky words hold the group's faults: row 7's key outside [0, 10) (so key 7
+    // is held by no row), or the key 3 held twice.
+    const std::vector<int> want =
+        which == 0 ? std::vector<int>{none, 7, 7} : std::vector<int>{none, none, 3};
+    CHECK(words[0] == want);
+    CHECK(words[1] == want);
     CHECK(msgs[0].find(which == 0 ? "the group's row 7 has a key outside it"
                                   : "the key 3 is held by no row or by two") != std::string::npos);
   }

@@ -2,6 +2,7 @@
 // single-rank fp64 reference written here (full SwiGLU MLP and sigmoid gate per token).
 #include <moefold/comm/group_communicator.hpp>
 #include <moefold/comm/thread_world.hpp>
+#include <moefold/exec/host_exec.hpp>
 #include <moefold/experts/shared_expert.hpp>
 #include <moefold/mesh/fold.hpp>
 #include <moefold/mesh/groups.hpp>
@@ -142,8 +143,9 @@ TEST_CASE("the shared expert under TP x DP equals the single-rank reference, gat
           dout.push_back(s.dout(r, t, h));
         }
       std::vector<std::byte> ws(se.workspace_bytes());
-      if (auto e = se.forward(s.tokens, x, tpc, out, ws); !e) return e;
-      if (auto e = se.backward(dout, tpc, dx); !e) return e;
+      host_exec hx;  // the context the shard's GEMMs run on, per call
+      if (auto e = se.forward(hx, s.tokens, x, tpc, out, ws); !e) return e;
+      if (auto e = se.backward(hx, dout, tpc, dx); !e) return e;
       // MLP shards: summed over dp-cp. Gate: summed over the whole stage (tp-dp-cp).
       if (auto e = dpcp.all_reduce<double>(se.mlp().grads_fc1(), reduce_op::sum); !e) return e;
       if (auto e = dpcp.all_reduce<double>(se.mlp().grads_fc2(), reduce_op::sum); !e) return e;
@@ -182,7 +184,8 @@ TEST_CASE("shared expert misuse is rejected") {
                   .value();
     std::vector<double> x(4), out(4);
     std::vector<std::byte> ws(se.workspace_bytes());
-    CHECK(se.forward(2, x, comm, out, ws).error().code == errc::shape_mismatch);  // TP 1 != 2
+    host_exec hx;
+    CHECK(se.forward(hx, 2, x, comm, out, ws).error().code == errc::shape_mismatch);  // TP 1 != 2
     return {};
   });
   CHECK(st[0].has_value());

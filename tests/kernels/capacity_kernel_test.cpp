@@ -5,9 +5,11 @@
 // drop by probability (with ties: probabilities drawn from a few values) and by position; pad
 // mode; row order and a shuffled true order with a counted slice (the full-sequence form);
 // tokens 1/7/513, E 1/8/64/256, k 1/2/8, capacity factors that keep all, some and almost none;
-// all tokens on one expert (empty experts, most pairs dropped). Every case's four launches also
-// run on host_exec (a team of one for drop_totals_kernel's block scans) on the same inputs: the
-// same outcome, bit for bit (integer kernels).
+// all tokens on one expert (empty experts, most pairs dropped). The expert offsets
+// (expert_offsets_kernel) equal the host's prefix sum, and the kept probabilities
+// (kept_probs_kernel, fp32 and bf16) are the probabilities where kept, 0 where dropped. Every
+// case's launches also run on host_exec (a team of one for drop_totals_kernel's block scans) on the
+// same inputs: the same outcome, bit for bit (integer kernels).
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -86,19 +88,25 @@ outcome host_rule(const record& r, int C, drop_by by, bool pad, const std::vecto
   return o;
 }
 
-// The four launches on `on` (cpu_exec: a fresh seed for each).
+// The launches on `on` (cpu_exec: a fresh seed for each).
 outcome kernel_rule(test::simt_on on, const record& r, int C, drop_by by, bool pad,
                     const std::vector<long long>& order, long long first, long long count,
                     std::mt19937_64& rng) {
   const auto run = [&](const launch_grid& g, const auto& kernel) {
     REQUIRE(test::simt_launcher{on, rng()}(g, kernel));
   };
-  // Offsets of the pairs grouped by expert (what the histogram and scan kernels give: ids
-  // outside [0, E) are counted nowhere).
-  std::vector<int> offsets(static_cast<std::size_t>(r.E) + 1, 0);
+  // Offsets of the pairs grouped by expert from their counts (the histogram's: ids outside
+  // [0, E) are counted nowhere), by expert_offsets_kernel, against the host's prefix sum.
+  std::vector<int> counts(static_cast<std::size_t>(r.E), 0);
   for (int e : r.expert)
-    if (e >= 0 && e < r.E) ++offsets[static_cast<std::size_t>(e) + 1];
-  std::partial_sum(offsets.begin(), offsets.end(), offsets.begin());
+    if (e >= 0 && e < r.E) ++counts[static_cast<std::size_t>(e)];
+  std::vector<int> want_offsets(static_cast<std::size_t>(r.E) + 1, 0);
+  std::partial_sum(counts.begin(), counts.end(), want_offsets.begin() + 1);
+  std::vector<int> offsets(static_cast<std::size_t>(r.E) + 1, -6);
+  run(launch_grid{.blocks = 1},
+      k::expert_offsets_kernel{
+          .counts = counts.data(), .num_experts = r.E, .offsets = offsets.data()});
+  REQUIRE(offsets == want_offsets);
   std::vector<long long> by_order(order.size());
   for (std::size_t t = 0; t < order.size(); ++t) by_order[static_cast<std::size_t>(order[t])] = t;
   outcome o;
@@ -151,6 +159,24 @@ outcome kernel_rule(test::simt_on on, const record& r, int C, drop_by by, bool p
                                      .num_experts = r.E,
                                      .dispatched = o.dispatched.data()};
   run(launch_grid{.blocks = 2}, record);
+  // The kept pairs' probabilities as they travel to the experts (fp32 and bf16: the test's
+  // probabilities are multiples of 1/8, exact in both): probs where kept, 0 where dropped.
+  std::vector<float> pf(r.probs.size(), -1.f);
+  std::vector<bfloat16> pb(r.probs.size(), bfloat16(-1.f));
+  const auto pairs = static_cast<long long>(r.probs.size());
+  run(launch_grid{.blocks = 2},
+      k::kept_probs_kernel<float, float>{
+          .kept = o.kept.data(), .probs = r.probs.data(), .pairs = pairs, .out = pf.data()});
+  run(launch_grid{.blocks = 3},
+      k::kept_probs_kernel<float, bfloat16>{
+          .kept = o.kept.data(), .probs = r.probs.data(), .pairs = pairs, .out = pb.data()});
+  for (std::size_t p = 0; p < r.probs.size(); ++p) {
+    const float want = o.kept[p] == -1 ? 0.f : r.probs[p];
+    if (pf[p] != want || static_cast<float>(pb[p]) != want) {
+      CHECK(pf[p] == want);
+      CHECK(static_cast<float>(pb[p]) == want);
+    }
+  }
   return o;
 }
 

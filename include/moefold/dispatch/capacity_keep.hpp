@@ -11,8 +11,9 @@
 //! Rules of the routing (every selected expert in [0, E), none twice for a token) and of the order
 //! keys (the tp-cp group's keys a permutation of [0, M): sequence_order_keys' values, the layer's
 //! contract) are checked by the kernels themselves; on the CPU contexts (host_exec, cpu_exec) a
-//! fault is read back at once and reported, naming the first bad slot or key; a GPU context keeps
-//! it in the output's fault words for the caller's device status, nothing read back.
+//! fault is read back at once and reported, naming the first bad slot or key; on every context it
+//! also lowers the caller's sticky fault words (drop_output::faults), which is how a GPU context,
+//! reading nothing back, reports it through the caller's device status.
 //!
 //! Workspace: keep_workspace_bytes(shape) bytes of the context's memory, dead after the call.
 #pragma once
@@ -141,11 +142,13 @@ template <bool Full, class R, class Exec, class Comm>
         !nk(out.kept) || !e1(out.routed) || !e1(out.dropped) || !e1(out.padded) ||
         out.totals.rows() != 1 || out.totals.width() != 2 ||
         (!out.filler_map.empty() && (out.filler_map.rows() != N || out.filler_map.width() != E ||
-                                     !out.filler_map.contiguous())))
+                                     !out.filler_map.contiguous())) ||
+        (!out.faults.empty() &&
+         (out.faults.rows() != 1 || out.faults.width() != 3 || !out.faults.contiguous())))
       return make_error(errc::shape_mismatch,
                         "drop policy: experts, probs, keep and kept must be contiguous [N, k], "
                         "routed, dropped and padded [1, E], totals [1, 2], filler_map [N, E] or "
-                        "empty");
+                        "empty, faults [1, 3] or empty");
     if (keys && !full)
       return make_error(
           errc::invalid_argument,
@@ -241,6 +244,12 @@ template <bool Full, class R, class Exec, class Comm>
                                                           .topk = k});
         !st)
       return unexpected<error>(st.error());
+  if (!out.faults.empty())
+    if (auto st = launch(x, launch_grid{.blocks = 1},
+                         kernels::sticky_fault_kernel{
+                             .fault = v.fault.data(), .words = 1, .sticky = out.faults.data()});
+        !st)
+      return unexpected<error>(st.error());
   if constexpr (reads_faults_at_once<Exec>) {
     int f[2];
     if (auto st = read_words(x, row_view<const int, S>(v.fault), f); !st)
@@ -261,15 +270,18 @@ template <bool Full, class R, class Exec, class Comm>
         return unexpected<error>(st.error());
       if (auto st = x.template fill<int>(v.key_fault, kernels::order_fault_none); !st)
         return unexpected<error>(st.error());
-      if (auto st = x.template fill<int>(v.key_sticky, kernels::order_fault_none); !st)
-        return unexpected<error>(st.error());
-      const kernels::order_key_args a{.keys = v.keys.data(),
-                                      .rows = M,
-                                      .counts = v.key_counts.data(),
-                                      .fault = v.key_fault.data(),
-                                      .sticky = v.key_sticky.data(),
-                                      .order = v.order.data(),
-                                      .by_order = v.by_order.data()};
+      // The caller's sticky words when it gave them, else the workspace's (dead after the call).
+      if (out.faults.empty())
+        if (auto st = x.template fill<int>(v.key_sticky, kernels::order_fault_none); !st)
+          return unexpected<error>(st.error());
+      const kernels::order_key_args a{
+          .keys = v.keys.data(),
+          .rows = M,
+          .counts = v.key_counts.data(),
+          .fault = v.key_fault.data(),
+          .sticky = out.faults.empty() ? v.key_sticky.data() : out.faults.data() + 1,
+          .order = v.order.data(),
+          .by_order = v.by_order.data()};
       const launch_grid grid{
           .blocks = capped_blocks<Exec>(M, kernels::order_key_count_kernel::block_threads)};
       if (auto st = launch(x, grid, kernels::order_key_count_kernel{a}); !st)

@@ -44,6 +44,14 @@ struct drop_output {
   row_view<int, S> padded{};               //!< [1, E] zero-probability filler rows (pad mode)
   row_view<long long, S> totals{};         //!< [1, 2] dropped pairs, tokens that lost all k
   row_view<std::uint8_t, S> filler_map{};  //!< [N, E] 1 where a filler row sits, or empty
+  //! [1, 3] or empty: sticky fault words every decision lowers (atomic min) and none resets:
+  //! {the first routing pair naming an expert outside [0, E) or one its token already named, the
+  //! first row of the group whose order key is outside [0, M), the first key no row or two rows
+  //! hold}; kernels::order_fault_none (INT_MAX) means none. The caller sets them once and reads
+  //! them when it checks its device status: on a GPU context the policy reads nothing back, so
+  //! these words are where a bad routing or bad keys surface (the CPU contexts also report at
+  //! once). Without them a GPU context's faults are lost with the workspace.
+  row_view<int, S> faults{};
 };
 
 //! What the host learns of a decision without reading the context's memory.

@@ -15,8 +15,9 @@
 //! the attention TP as its ETP: fc1 [2F/TP, H] (gate rows, then up rows), fc2 [H, F/TP].
 //!
 //! The MLP shard is mlp_experts<T, host_exec> (one expert, the gathered rows with probability 1):
-//! its GEMMs go through the grouped-GEMM seam (gemm_kind::expert and expert_wgrad of host_gemms),
-//! its scratch is part of this object's scratch part (scratch_bytes()).
+//! its GEMMs go through the grouped-GEMM seam (gemm_kind::expert and expert_wgrad of host_gemms)
+//! on the context each call passes (the layer's), its scratch is part of this object's scratch
+//! part (scratch_bytes()).
 #pragma once
 
 #include <cmath>
@@ -146,11 +147,13 @@ class shared_expert {
   //! Bytes of the one-buffer form: its saved part, then its scratch part.
   [[nodiscard]] std::size_t workspace_bytes() const { return saved_bytes() + scratch_bytes(); }
 
-  //! out [N, H] = gate * mlp(x) for x [N, H]; `tp` is this rank's attention TP communicator.
+  //! out [N, H] = gate * mlp(x) for x [N, H] on context `ex`; `tp` is this rank's attention TP
+  //! communicator.
   //! `saved` (saved_bytes()) must stay intact until this forward's backward; `scratch`
   //! (scratch_bytes()) is free after the call.
-  [[nodiscard]] status forward(int n, std::span<const T> x, Comm& tp, std::span<T> out,
-                               std::span<std::byte> saved, std::span<std::byte> scratch) {
+  [[nodiscard]] status forward(host_exec& ex, int n, std::span<const T> x, Comm& tp,
+                               std::span<T> out, std::span<std::byte> saved,
+                               std::span<std::byte> scratch) {
     if (auto st = check(n, x.size(), out.size(), tp); !st) return st;
     const auto parts = carve_parts(saved, scratch);
     if (!parts) return unexpected<error>(parts.error());
@@ -164,7 +167,6 @@ class shared_expert {
     if (auto st = tp.template all_gather_v<T>(x, xg, elements(sv, sc, s_.hidden)); !st) return st;
     auto yp = sc.y_partial.first(G * H);
     int count = gathered;
-    host_exec ex;  // the MLP's GEMMs and activations, on the host's memory
     if (auto st = functor().forward(ex, batch(sv, sc, count), rows_of(yp, s_.hidden), sc.mlp); !st)
       return st;
     auto y = sv.y.first(detail::uz(n) * H);  // the ungated output, kept for the gate's gradient
@@ -183,7 +185,7 @@ class shared_expert {
 
   //! dx [N, H] from dout [N, H] of the forward that filled `saved`; adds the MLP weight gradients
   //! (this TP shard's) and the gate's.
-  [[nodiscard]] status backward(std::span<const T> dout, Comm& tp, std::span<T> dx,
+  [[nodiscard]] status backward(host_exec& ex, std::span<const T> dout, Comm& tp, std::span<T> dx,
                                 std::span<std::byte> saved, std::span<std::byte> scratch) {
     const auto parts = carve_parts(saved, scratch);  // saved is only read
     if (!parts) return unexpected<error>(parts.error());
@@ -224,7 +226,6 @@ class shared_expert {
     auto dxg = sc.dx_gathered.first(G * H);
     auto dprobs = sc.dprobs.first(G);
     int count = gathered;
-    host_exec ex;
     if (auto st = functor().backward(ex, batch(sv, sc, count), rows_of(dyg, s_.hidden),
                                      rows_of(dxg, s_.hidden), rows_of(dprobs, 1), sc.mlp);
         !st)
@@ -242,25 +243,25 @@ class shared_expert {
 
   //! The one-buffer form: `workspace` (workspace_bytes()) holds the saved part, then the
   //! scratch; it must stay intact until the backward, which then takes the last forward's.
-  [[nodiscard]] status forward(int n, std::span<const T> x, Comm& tp, std::span<T> out,
-                               std::span<std::byte> workspace) {
+  [[nodiscard]] status forward(host_exec& ex, int n, std::span<const T> x, Comm& tp,
+                               std::span<T> out, std::span<std::byte> workspace) {
     last_ws_ = {};
     const std::size_t sb = saved_bytes();
     if (workspace.size() < workspace_bytes())
       return make_error(errc::workspace_too_small,
                         "shared_expert: workspace smaller than "
                         "workspace_bytes()");
-    if (auto st = forward(n, x, tp, out, workspace.first(sb), workspace.subspan(sb)); !st)
+    if (auto st = forward(ex, n, x, tp, out, workspace.first(sb), workspace.subspan(sb)); !st)
       return st;
     last_ws_ = workspace;
     return {};
   }
   //! dx [N, H] from dout [N, H] of the last one-buffer forward (its workspace must be intact).
-  [[nodiscard]] status backward(std::span<const T> dout, Comm& tp, std::span<T> dx) {
+  [[nodiscard]] status backward(host_exec& ex, std::span<const T> dout, Comm& tp, std::span<T> dx) {
     if (last_ws_.empty())
       return make_error(errc::invalid_argument, "shared_expert: backward before forward");
     const std::size_t sb = saved_bytes();
-    return backward(dout, tp, dx, last_ws_.first(sb), last_ws_.subspan(sb));
+    return backward(ex, dout, tp, dx, last_ws_.first(sb), last_ws_.subspan(sb));
   }
 
  private:

@@ -625,7 +625,8 @@ class moe_layer {
       return done(ctx, st);
     if (shared_) {
       dx_shared.assign(N * H, T(0));
-      if (auto st = shared_->backward(dmain, *g.tp, dx_shared, ctx.shared_saved_, shared_scratch_);
+      if (auto st = shared_->backward(*exec_, dmain, *g.tp, dx_shared, ctx.shared_saved_,
+                                      shared_scratch_);
           !st)
         return done(ctx, st);
       if (auto st = exec_->template add<T>(rows(std::span<const T>(dx_shared)), rows(dx)); !st)
@@ -884,7 +885,9 @@ class moe_layer {
     if (auto st = disp_.combine(*ctx.handle_, y_, g.dispatch, out); !st) return fail(ctx, st);
     if (shared_) {  // out += shared(x), the sum Megatron-Core forms in combine_postprocess
       shared_out_.resize(detail::uz(n) * H);
-      if (auto st = shared_->forward(n, x, *g.tp, shared_out_, sv->shared_ex, shared_scratch_); !st)
+      if (auto st =
+              shared_->forward(*exec_, n, x, *g.tp, shared_out_, sv->shared_ex, shared_scratch_);
+          !st)
         return fail(ctx, st);
       if (auto st = exec_->template add<T>(rows(std::span<const T>(shared_out_)), rows(out)); !st)
         return fail(ctx, st);
