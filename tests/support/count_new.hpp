@@ -1,6 +1,6 @@
 // Counts global operator new across the whole process while `counting` is on, and, while
-// `tracking` is on, keeps a table of the live blocks allocated since (for tests that search the
-// heap for copies of a buffer). Include it in exactly one translation unit of a test program: it
+// `tracking` is on, poisons each new block and keeps a table of the live blocks allocated since
+// (for tests that search the heap for copies of a buffer). Include it in exactly one translation unit of a test program: it
 // replaces the program's operator new and delete (plain and aligned; libstdc++'s array and nothrow
 // forms forward to these) with malloc and free, and GCC's analysis of the inlined standard library
 // then sees free() on memory from operator new and warns, hence the pragma.
@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdlib>
+#include <cstring>
 #include <new>
 
 namespace moefold::test {
@@ -30,8 +31,12 @@ inline std::atomic<bool> tracked_any{false};       // a block was ever tracked (
 inline std::atomic<bool> tracked_overflow{false};  // more live blocks than the table holds
 inline std::array<tracked_block, 1 << 15> tracked{};
 inline std::atomic_flag tracked_lock = ATOMIC_FLAG_INIT;
-inline void track_new(const void* p, std::size_t n) {
+//! Poisons the block first: fresh memory may hold bytes a freed block left (a weight tensor
+//! freed before tracking began), which a search for copies must not count; what is found was
+//! written after the allocation.
+inline void track_new(void* p, std::size_t n) {
   if (!tracking.load(std::memory_order_relaxed)) return;
+  std::memset(p, 0xa5, n);
   while (tracked_lock.test_and_set(std::memory_order_acquire)) {
   }
   tracked_any.store(true, std::memory_order_relaxed);
