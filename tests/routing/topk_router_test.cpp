@@ -7,7 +7,8 @@
 // and bf16 tokens, x with a row stride wider than H, the warp team (E <= 256) and the block team
 // (E 512). In fp64 (R = double, CPU contexts only) the router's gradients through the production
 // kernels against central finite differences of a loss of its probabilities. Bad shapes and
-// options beyond the kernels are refused.
+// options beyond the kernels are refused. The TSan build (MOEFOLD_SIMT_REDUCED) runs the cpu_exec
+// half only: host_exec has one thread, nothing to race.
 #include <doctest/doctest.h>
 #include <moefold/core/dtype.hpp>
 #include <moefold/exec/cpu_exec.hpp>
@@ -327,7 +328,7 @@ TEST_CASE_TEMPLATE(
   // column of W times a scalar (bf16 weights then tie often: those tokens are left out).
   tally count;
   cpu_exec cpu(rng());
-  host_exec host;
+  [[maybe_unused]] host_exec host;
   for (const variant& v : variants())
     for (int N : {1, 33})
       for (int H : {1, 40}) {
@@ -336,7 +337,9 @@ TEST_CASE_TEMPLATE(
         CAPTURE(N);
         CAPTURE(H);
         check_router<T>(cpu, v, N, H, rng, count);
+#ifndef MOEFOLD_SIMT_REDUCED  // the TSan build: host_exec runs on one thread, nothing to race
         check_router<T>(host, v, N, H, rng, count);
+#endif
       }
   MESSAGE("tokens compared " << count.compared << ", near-ties left out " << count.ties);
   CHECK(count.compared >= 3 * count.ties);
@@ -424,7 +427,7 @@ TEST_CASE("topk_router in fp64 on host_exec and cpu_exec: gradients against fini
   MESSAGE("seed " << seed);
   std::mt19937_64 rng(seed + 43);
   cpu_exec cpu(rng());
-  host_exec host;
+  [[maybe_unused]] host_exec host;
   int checked = 0;
   const topk_router_options cases[] = {
       {.num_experts = 8, .topk = 2},
@@ -443,11 +446,13 @@ TEST_CASE("topk_router in fp64 on host_exec and cpu_exec: gradients against fini
     CAPTURE(o.num_experts);
     CAPTURE(o.topk);
     CAPTURE(static_cast<int>(o.score));
+#ifndef MOEFOLD_SIMT_REDUCED  // the TSan build: host_exec runs on one thread, nothing to race
     check_fp64_gradients(host, o, rng, checked);
+#endif
     check_fp64_gradients(cpu, o, rng, checked);
   }
   MESSAGE("coordinates checked " << checked);
-  CHECK(checked >= 100);
+  CHECK(checked >= (test::simt_reduced ? 50 : 100));  // about 72 per context
 }
 
 TEST_CASE("topk_router refuses what its kernels cannot take and views of the wrong shape") {
