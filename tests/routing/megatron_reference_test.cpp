@@ -7,15 +7,17 @@
 // production objects run every case on host_exec and on cpu_exec: router_gating and topk_router,
 // load_balancing_losses and router_z_loss, expert_bias.
 //
-// Skipped, by design: where Megatron-Core's result depends on how torch.topk breaks exact ties.
-// With drop_by = position Megatron-Core takes the top-C of the 0/1 routing-map column, so which
-// of the routed tokens of an over-full column survive is up to torch; moefold's documented rule
-// (the earliest tokens) stands there. For such a column the test checks only what is
-// tie-independent (C survivors, all of them routed tokens) and skips the gradients of that case,
-// which depend on the survivors. In pad mode the zero-probability filler rows are likewise
-// chosen among exact ties (zeros), so for fillers only the count per expert (exactly C) is
-// compared.
+// Not compared, by design: where Megatron-Core's result depends on how torch.topk breaks exact
+// ties. With drop_by = position Megatron-Core takes the top-C of the 0/1 routing-map column, so
+// which of the routed tokens of an over-full column survive is up to torch; moefold's documented
+// rule (the earliest tokens) stands there. For such a column the test checks only what is
+// tie-independent (C survivors, all of them routed tokens); the gradients of that case, which
+// depend on the survivors, are compared through a user drop policy that keeps Megatron-Core's
+// survivors (keep_given_pairs, on both contexts). In pad mode the zero-probability filler rows
+// are likewise chosen among exact ties (zeros), so for fillers only the count per expert (exactly
+// C) is compared.
 #include <moefold/comm/thread_world.hpp>
+#include <moefold/dispatch/drop_args.hpp>
 #include <moefold/dispatch/drop_policy_local.hpp>
 #include <moefold/exec/cpu_exec.hpp>
 #include <moefold/exec/exec_buffer.hpp>
@@ -29,6 +31,7 @@
 
 #include <fstream>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
@@ -157,8 +160,63 @@ struct one_rank {
   }
 };
 
+// A user drop policy, on any context: keeps the pairs it is given (where torch broke a tie in
+// Megatron-Core's drop-by-position, the survivors torch chose), and writes the whole decision
+// itself through the context's copies.
+struct keep_given_pairs {
+  std::vector<std::uint8_t> keep;  // [N * k]
+  std::optional<int> capacity;
+  template <class R>
+  [[nodiscard]] std::size_t workspace_bytes(const drop_shape&) const {
+    return 0;
+  }
+  template <class R, class Exec, class Comm>
+  [[nodiscard]] expected<drop_decision> apply(Exec& x, Comm&,
+                                              const drop_input<R, typename Exec::memory_space>& in,
+                                              const drop_output<typename Exec::memory_space>& out,
+                                              std::span<std::byte>) const {
+    using S = typename Exec::memory_space;
+    const int N = in.experts.rows(), k = in.experts.width(), E = out.routed.width();
+    const auto pairs = static_cast<std::size_t>(N) * static_cast<std::size_t>(k);
+    if (keep.size() != pairs)
+      return make_error(errc::shape_mismatch, "keep_given_pairs: one keep byte per pair");
+    std::vector<int> ids(pairs), kept(pairs), routed(static_cast<std::size_t>(E), 0),
+        dropped(routed.size(), 0), padded(routed.size(), 0);
+    if (pairs > 0)
+      if (auto st = x.copy(in.experts, row_view<int, host_space>(ids.data(), N, k)); !st)
+        return unexpected<error>(st.error());
+    if (auto st = x.synchronize(); !st) return unexpected<error>(st.error());
+    long long totals[2] = {0, 0};
+    for (std::size_t p = 0; p < pairs; ++p) {
+      const auto e = static_cast<std::size_t>(ids[p]);
+      kept[p] = keep[p] ? ids[p] : -1;
+      ++routed[e];
+      if (!keep[p]) ++dropped[e], ++totals[0];
+    }
+    for (int t = 0; t < N; ++t) {
+      bool any = false;
+      for (int i = 0; i < k; ++i) any = any || keep[static_cast<std::size_t>(t * k + i)] != 0;
+      totals[1] += any ? 0 : 1;
+    }
+    const auto put = [&x]<class U>(const U* src, row_view<U, S> dst) -> status {
+      if (dst.rows() == 0 || dst.width() == 0) return {};
+      return x.copy(row_view<const U, host_space>(src, dst.rows(), dst.width()), dst);
+    };
+    const std::vector<std::uint8_t> no_fillers(out.filler_map.empty() ? 0 : pairs / k * E, 0);
+    for (const status& st :
+         {put(keep.data(), out.keep), put(kept.data(), out.kept), put(routed.data(), out.routed),
+          put(dropped.data(), out.dropped), put(padded.data(), out.padded),
+          put(static_cast<const long long*>(totals), out.totals),
+          put(no_fillers.data(), out.filler_map), x.synchronize()})
+      if (!st) return unexpected<error>(st.error());
+    return drop_decision{.capacity = capacity};
+  }
+};
+static_assert(drop_policy<keep_given_pairs, float, host_exec, detail::no_comm>);
+static_assert(drop_policy<keep_given_pairs, float, cpu_exec, detail::no_comm>);
+
 struct tally {
-  int skipped_gradients = 0, tie_columns = 0, tie_columns_agreeing = 0;
+  int survivors_given = 0, tie_columns = 0, tie_columns_agreeing = 0;
 };
 
 // Every case through the production objects on context Exec: router_gating and topk_router
@@ -322,12 +380,26 @@ void check_cases(Exec& xc, tally& t) {
                                                                       : 2]);
       check_close(losses, mc.at("losses" + sfx), "losses");
 
-      // Gradients: d(sum(w * final_probs) + losses) / d x and / d weight.
-      if (tie_dependent) {
-        ++t.skipped_gradients;
-      } else {
+      // Gradients: d(sum(w * final_probs) + losses) / d x and / d weight. Where torch broke a
+      // tie, a user policy keeps the survivors Megatron-Core kept, so the gradients are
+      // compared in every case.
+      {
+        drop_result<float> dg;
+        if (tie_dependent) {
+          keep_given_pairs given{.keep = std::vector<std::uint8_t>(N * k),
+                                 .capacity = d.report.capacity};
+          for (int p = 0; p < N * k; ++p)
+            given.keep[p] = mm[(p / k) * E + r.indices[p]] != 0 ? 1 : 0;
+          REQUIRE(context_dense(xc, given, none, {}, r, dg));
+          for (int i = 0; i < N * E; ++i) {
+            CHECK((dg.final_map[i] != 0) == (mm[i] != 0 && pre[i] != 0));
+            CHECK(dg.final_probs[i] == doctest::Approx(mp[i]).epsilon(1e-6).scale(1.0));
+          }
+          ++t.survivors_given;
+        }
+        const drop_result<float>& dm = tie_dependent ? dg : d;
         std::vector<float> dprobs(N * k);
-        REQUIRE(d.mask_gradient(r, w, dprobs));
+        REQUIRE(dm.mask_gradient(r, w, dprobs));
         auto ddp = on(xc, dprobs, N, k);
         auto ddl = on(xc, std::vector<float>(N * E, 0.f), N, E);
         // The router's dlogits, then the losses' added (seeds 1).
@@ -380,11 +452,11 @@ TEST_CASE("moefold's router agrees with Megatron-Core's on every case, on host_e
   check_cases(host, t);
   cpu_exec cpu(7);
   check_cases(cpu, t);
-  auto& [skipped_gradients, tie_columns, tie_columns_agreeing] = t;
-  MESSAGE("skipped (tie-dependent, drop_by=position): gradients of "
-          << skipped_gradients << " case(s), the choice in " << tie_columns
-          << " over-full column(s), of "
-             "which "
-          << tie_columns_agreeing << " agree anyway");
-  CHECK(skipped_gradients <= 4);  // the two position cases with over-full columns, twice
+  auto& [survivors_given, tie_columns, tie_columns_agreeing] = t;
+  MESSAGE("tie-dependent (drop_by=position): the choice in "
+          << tie_columns << " over-full column(s), of which " << tie_columns_agreeing
+          << " agree anyway; gradients of " << survivors_given
+          << " case(s) with Megatron-Core's survivors (a user drop policy)");
+  // The two position cases with over-full columns, on both contexts: the user policy ran.
+  CHECK(survivors_given == 4);
 }
