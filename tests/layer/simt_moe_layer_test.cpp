@@ -351,8 +351,7 @@ expected<feature_out> run_simt_features_rank(const problem& p, dev_comm& world, 
   TRY_ASSIGN(layer, (simt_layer_t<float, all_to_all_dispatcher>::make(
                         x, o, par->w.cview(), par->dw.view(), std::move(*mlp), drop, sh)));
   auto &d_g1 = par->g1, &d_g2 = par->g2, &d_dw = par->dw;
-  TRY_ASSIGN(d_bias, upload(x, feature_bias(E), 1, E));
-  TRY(x.copy(d_bias->cview(), layer->expert_bias()));
+  TRY(layer->expert_bias()->load(x, feature_bias(E), std::vector<float>(E, 0.f)));
   const moe_layer_groups<dev_comm> g{
       .tp_cp = tp_cp, .dispatch = {ep, etp, tp_ep}, .tp = &tp, .tp_dp_cp = &stage};
   feature_out res;
@@ -420,7 +419,7 @@ expected<feature_out> run_simt_features_rank(const problem& p, dev_comm& world, 
   res.counts_after_eval = *counts_eval;
   layer->set_training(true);
   TRY(layer->end_global_batch(stage));
-  TRY_ASSIGN(bias, (download<float>(x, row_view<const float, space>(layer->expert_bias()))));
+  TRY_ASSIGN(bias, (download<float>(x, layer->expert_bias()->bias())));
   TRY_ASSIGN(counts_up, (download<float>(x, layer->expert_bias_counts())));
   res.bias_after_update = *bias;
   res.counts_after_update = *counts_up;
@@ -485,8 +484,7 @@ expected<flight_out> run_flight_rank(const problem& p, dev_comm& world, cpu_exec
   }
   TRY_ASSIGN(layer,
              (layer_t::make(x, o, par->w.cview(), par->dw.view(), std::move(*mlp), drop, sh)));
-  TRY_ASSIGN(d_bias, upload(x, feature_bias(p.experts), 1, p.experts));
-  TRY(x.copy(d_bias->cview(), layer->expert_bias()));
+  TRY(layer->expert_bias()->load(x, feature_bias(p.experts), std::vector<float>(p.experts, 0.f)));
   const moe_layer_groups<dev_comm> g{
       .tp_cp = tp_cp, .dispatch = {ep, etp, tp_ep}, .tp = &tp, .tp_dp_cp = &stage};
   std::vector<exec_buffer<float, cpu_exec>> xs, douts, outs, dxs;

@@ -2,10 +2,10 @@
 //! @brief One MoE layer on an execution context that runs kernels (cpu_exec in CI, under the
 //! sanitizers; cuda_exec on a GPU): the router (topk_router: gating GEMM, fused top-k),
 //! the load-balancing losses (per micro-batch, per sequence, global) and the z-loss as device
-//! values (kernels/router_aux_loss, kernels/router_z_loss), the expert bias with its counts and
-//! its once-per-global-batch update (kernels/expert_bias), the dispatcher on the context (either of
-//! moefold's), the experts on the context (mlp_experts, or any expert_fn) and the combine,
-//! forward and backward. Every tensor lives in the context's memory; the host sees the
+//! values (load_balancing_losses, router_z_loss), the expert bias with its counts and its
+//! once-per-global-batch update (expert_bias): the objects moe_layer runs; the dispatcher on the
+//! context (either of moefold's), the experts on the context (mlp_experts, or any expert_fn) and
+//! the combine, forward and backward. Every tensor lives in the context's memory; the host sees the
 //! counts the dispatcher needs for its collectives and the experts' row ranges, nothing else (no
 //! loss value is read back: the stats are views the caller reads when it wants them).
 //!
@@ -23,7 +23,7 @@
 //! (kernels/capacity.hpp).
 //!
 //! Forwards in flight: forward(x, groups, out, context) fills a simt_moe_layer::context (its
-//! input, logits, routing, the losses' gradients and the dispatcher's saved and host parts, in
+//! input, logits, routing, the losses' saved bytes and the dispatcher's saved and host parts, in
 //! the context's memory, allocated at its first forward) and backward(context, ...) consumes it,
 //! in any order (pipeline schedules, two forwards before either backward). forward(x, groups,
 //! out) and backward(dout, ...) are the one-in-flight form over a context the layer holds.
@@ -31,7 +31,8 @@
 //! State across micro-batches, in the context's memory: the expert bias [1, E] and this global
 //! batch's routed counts [1, E] (fp32, whole numbers), the global loss's running counts [1, E]
 //! (fp64, summed over tp-dp-cp) with the micro-batches they cover (a host integer, as Megatron's
-//! ga_steps). end_global_batch updates the bias and restarts the running counts.
+//! ga_steps). end_global_batch updates the bias and restarts the running counts. The stats'
+//! loss views are the context's, valid until its next forward.
 //!
 //! Numerics: Megatron-Core's router dtype fp32 (logits, probabilities, losses and their
 //! gradients in fp32 for fp32 and bf16 tokens); probabilities travel to the experts in fp32; the
@@ -56,9 +57,6 @@
 #include <vector>
 
 #include <moefold/kernels/capacity.hpp>
-#include <moefold/kernels/expert_bias.hpp>
-#include <moefold/kernels/router_aux_loss.hpp>
-#include <moefold/kernels/router_z_loss.hpp>
 #include <moefold/kernels/sequence_order.hpp>
 #include <moefold/kernels/shared_gate.hpp>
 
@@ -75,6 +73,9 @@
 #include "../exec/gemm_policy.hpp"
 #include "../experts/expert_fn.hpp"
 #include "../experts/mlp_experts.hpp"
+#include "../routing/expert_bias.hpp"
+#include "../routing/load_balancing_losses.hpp"
+#include "../routing/router_z_loss.hpp"
 #include "../routing/topk_router.hpp"
 #include "moe_layer.hpp"
 
@@ -165,18 +166,15 @@ class simt_moe_layer {
       handle_ = std::move(o.handle_);
       o.handle_.reset();
       n_ = std::exchange(o.n_, 0);
-      aux_on_ = std::exchange(o.aux_on_, {});
-      z_on_ = std::exchange(o.z_on_, false);
-      z_coeff_ = o.z_coeff_;
+      lb_ = std::exchange(o.lb_, {});
+      z_ = std::exchange(o.z_, {});
       key_ = std::exchange(o.key_, {});
       input_ = std::move(o.input_);
       logits_ = std::move(o.logits_);
       probs_ = std::move(o.probs_);
       indices_ = std::move(o.indices_);
       kept_ = std::move(o.kept_);
-      dscores_ = std::move(o.dscores_);
-      lse_ = std::move(o.lse_);
-      valid_ = std::move(o.valid_);
+      loss_saved_ = std::move(o.loss_saved_);
       saved_ = std::move(o.saved_);
       host_ = std::move(o.host_);
       sh_xg_ = std::move(o.sh_xg_);
@@ -226,27 +224,28 @@ class simt_moe_layer {
       long long tokens = 0, hidden = 0, experts = 0, topk = 0, batch = 0;
       bool drop = false;
       long long shared_rows = 0;  // tp max_tokens with a shared expert, else 0
+      long long loss_bytes = 0;   // the losses' saved bytes
       dispatch_workspace_bytes ws{};
       bool operator==(const sizes_key& k) const noexcept {
         return shared_rows == k.shared_rows && tokens == k.tokens && hidden == k.hidden &&
                experts == k.experts && topk == k.topk && batch == k.batch && drop == k.drop &&
-               ws.saved == k.ws.saved && ws.scratch == k.ws.scratch && ws.host == k.ws.host;
+               loss_bytes == k.loss_bytes && ws.saved == k.ws.saved && ws.scratch == k.ws.scratch &&
+               ws.host == k.ws.host;
       }
     };
     std::optional<handle_type> handle_{};
     int n_ = 0;
-    std::array<bool, 3> aux_on_{};  // the forward's load-balancing terms (see aux_term)
-    bool z_on_ = false;
-    float z_coeff_ = 0;
+    load_balancing_record lb_{};    // the load-balancing terms its forward ran
+    z_loss_record<float> z_{};      // the z-loss its forward ran
     sizes_key key_{};               // tokens 0: nothing allocated
     buffer<T> input_;               // [max_tokens, H] the forward's input (rows padded)
     buffer<float> logits_, probs_;  // [N, E], [N, k]
     buffer<int> indices_, kept_;    // [N, k] the selection; the kept record (a drop policy)
-    std::array<buffer<float>, 3> dscores_{};  // [1, C] d loss / d scores of each term
-    buffer<float> lse_;                       // [1, N] the z-loss's log-sum-exp
-    buffer<int> valid_;                       // [1, 1] its token count
-    buffer<std::byte> saved_;                 // the dispatcher's saved part
-    std::vector<std::byte> host_;             // and its host part
+    // The losses' saved bytes (load_balancing_losses', then router_z_loss'): their values and
+    // what their backward needs.
+    buffer<std::byte> loss_saved_;
+    buffer<std::byte> saved_;      // the dispatcher's saved part
+    std::vector<std::byte> host_;  // and its host part
     // The shared expert's (with one): its input gathered over TP [tp N, H], its output before
     // the gate [N, H] and the gates [1, N] (1 without a gate).
     buffer<T> sh_xg_, sh_y_;
@@ -364,6 +363,26 @@ class simt_moe_layer {
       l.shared_.emplace(std::move(*mlp));
       l.shared_params_ = shared;
     }
+    auto lb = load_balancing_losses<float, Exec>::make(
+        exec, {.num_experts = o.router.num_experts,
+               .topk = o.router.topk,
+               .score = o.router.score,
+               .max_tokens = o.max_tokens,
+               .batch = o.batch,
+               .aux_coeff = o.aux_loss_coeff,
+               .seq_aux_coeff = o.seq_aux_loss_coeff,
+               .global_aux_coeff = o.global_aux_loss_coeff});
+    if (!lb) return unexpected<error>(lb.error());
+    l.lb_ = std::move(*lb);
+    auto z = router_z_loss<float, Exec>::make(o.router.num_experts, o.max_tokens, o.z_loss_coeff);
+    if (!z) return unexpected<error>(z.error());
+    l.z_ = *z;
+    if (o.router.expert_bias) {
+      auto b =
+          moefold::expert_bias<Exec>::make(exec, o.router.num_experts, o.expert_bias_update_rate);
+      if (!b) return unexpected<error>(b.error());
+      l.bias_.emplace(std::move(*b));
+    }
     if (auto st = l.allocate(); !st) return unexpected<error>(st.error());
     return l;
   }
@@ -426,20 +445,21 @@ class simt_moe_layer {
   //! The one-in-flight form's.
   [[nodiscard]] status device_status() { return device_status(own_); }
 
-  //! The expert bias [1, E] (with options.router.expert_bias; zeros after make, writable, e.g. to
-  //! load a checkpoint), this global batch's routed counts [1, E] that end_global_batch turns into
-  //! its update, and the global loss's running counts [1, E] (fp64, summed over tp-dp-cp) with the
-  //! micro-batches they cover. Views are empty when the feature is off.
-  [[nodiscard]] row_view<float, space> expert_bias() noexcept {
-    return o_.router.expert_bias ? bias_.view() : row_view<float, space>{};
+  //! The expert bias (with options.router.expert_bias, else null: routing/expert_bias.hpp; zeros
+  //! after make, its load() takes a checkpoint), this global batch's routed counts [1, E] that
+  //! end_global_batch turns into its update, and the global loss's running counts [1, E] (fp64,
+  //! summed over tp-dp-cp) with the micro-batches they cover. Views are empty when the feature is
+  //! off.
+  [[nodiscard]] moefold::expert_bias<Exec>* expert_bias() noexcept {
+    return bias_ ? &*bias_ : nullptr;
   }
   [[nodiscard]] row_view<const float, space> expert_bias_counts() const noexcept {
-    return o_.router.expert_bias ? bias_counts_.cview() : row_view<const float, space>{};
+    return bias_ ? bias_->counts() : row_view<const float, space>{};
   }
   [[nodiscard]] row_view<const double, space> global_aux_counts() const noexcept {
-    return o_.global_aux_loss_coeff > 0 ? running_.cview() : row_view<const double, space>{};
+    return o_.global_aux_loss_coeff > 0 ? lb_.running_counts() : row_view<const double, space>{};
   }
-  [[nodiscard]] int global_aux_steps() const noexcept { return steps_; }
+  [[nodiscard]] int global_aux_steps() const noexcept { return lb_.running_steps(); }
 
   //! Training (default): the forward computes the losses. Evaluation: it does not.
   void set_training(bool training) noexcept { training_ = training; }
@@ -459,9 +479,10 @@ class simt_moe_layer {
     return forward(x, g, out, own_, order_keys);
   }
   //! out [N, H] for x [N, H]; `ctx` keeps what the backward needs until backward(ctx, ...) runs
-  //! (a forward into a ready context replaces the forward it held). The stats' views are the
-  //! layer's, valid until its next forward. `order_keys` [N, 1] (contiguous, or empty): each
-  //! token's key in the true sequence order, for full-sequence dropping only.
+  //! (a forward into a ready context replaces the forward it held). The stats' loss views are
+  //! the context's (until its next forward), the drop totals the layer's (until the next forward).
+  //! `order_keys` [N, 1] (contiguous, or empty): each token's key in the true sequence order, for
+  //! full-sequence dropping only.
   [[nodiscard]] expected<simt_moe_forward_stats<space>> forward(
       row_view<const T, space> x, const moe_layer_groups<Comm>& g, row_view<T, space> out,
       context& ctx, row_view<const std::int64_t, space> order_keys = {}) {
@@ -492,15 +513,15 @@ class simt_moe_layer {
     // The input is kept for the router's weight gradient (the caller may reuse its buffer).
     const auto xs = hidden_rows(ctx.input_, n);
     if (auto st = x_->copy(x, xs); !st) return unexpected<error>(st.error());
-    if (auto st = router_.forward(
-            *x_,
-            {.x = xs,
-             .weight = router_w_,
-             .expert_bias = o_.router.expert_bias ? bias_.cview() : row_view<const float, space>{},
-             .logits = ctx.logits_.view().first(n),
-             .indices = ctx.indices_.view().first(n),
-             .probs = ctx.probs_.view().first(n)},
-            router_workspace());
+    if (auto st =
+            router_.forward(*x_,
+                            {.x = xs,
+                             .weight = router_w_,
+                             .expert_bias = bias_ ? bias_->bias() : row_view<const float, space>{},
+                             .logits = ctx.logits_.view().first(n),
+                             .indices = ctx.indices_.view().first(n),
+                             .probs = ctx.probs_.view().first(n)},
+                            router_workspace());
         !st)
       return unexpected<error>(st.error());
     simt_moe_forward_stats<space> stats;
@@ -512,29 +533,35 @@ class simt_moe_layer {
       stats.drop_totals = drop_totals_.cview();
       if (drop_->pad_to_capacity) pad_rows = *c;
     }
-    ctx.aux_on_ = {training_ && o_.aux_loss_coeff > 0, seq_on, global_on};
-    ctx.z_on_ = training_ && o_.z_loss_coeff > 0;
-    if (ctx.aux_on_[0] || seq_on || global_on)
-      if (auto st = aux_scores(ctx, n); !st) return unexpected<error>(st.error());
-    if (ctx.aux_on_[0]) {
-      if (auto st = aux_term(ctx, 0, g.tp_cp, n); !st) return unexpected<error>(st.error());
-      stats.aux_loss = terms_[0].loss.cview();
-    }
-    if (seq_on) {
-      if (auto st = aux_term(ctx, 1, g.tp_cp, n); !st) return unexpected<error>(st.error());
-      stats.seq_aux_loss = terms_[1].loss.cview();
-    }
-    if (global_on) {
-      if (auto st = aux_term(ctx, 2, *g.tp_dp_cp, n); !st) return unexpected<error>(st.error());
-      stats.global_aux_loss = terms_[2].loss.cview();
-    }
-    // The bias's counts: the rows each expert receives (routed - dropped + padded), once per
-    // training forward.
-    if (training_ && o_.router.expert_bias)
-      if (auto st = add_routed_counts(ctx, n); !st) return unexpected<error>(st.error());
-    if (ctx.z_on_) {
-      if (auto st = z_forward(ctx, g.tp_cp, n); !st) return unexpected<error>(st.error());
-      stats.z_loss = z_loss_.cview();
+    // The losses (load_balancing_losses, router_z_loss: their values and what their backward
+    // needs in the context's saved bytes) and the bias's counts, once per training forward.
+    ctx.lb_ = {};
+    ctx.z_ = {};
+    if (training_) {
+      const auto logits = ctx.logits_.cview().first(n);
+      const auto saved = loss_saved(ctx);
+      if (lb_.any()) {
+        auto rec = lb_.forward(*x_, logits, {}, g.tp_cp, g.tp_dp_cp, saved.first(lb_.saved_bytes()),
+                               loss_workspace());
+        if (!rec) return unexpected<error>(rec.error());
+        ctx.lb_ = *rec;
+        const auto losses = lb_.losses(saved.first(lb_.saved_bytes()));
+        const auto term = [&](int i) {
+          return row_view<const float, space>(losses.data() + i, 1, 1);
+        };
+        if (ctx.lb_.on[0]) stats.aux_loss = term(0);
+        if (ctx.lb_.on[1]) stats.seq_aux_loss = term(1);
+        if (ctx.lb_.on[2]) stats.global_aux_loss = term(2);
+      }
+      if (z_.on()) {
+        auto rec = z_.forward(*x_, logits, {}, g.tp_cp.size(), saved.subspan(lb_.saved_bytes()));
+        if (!rec) return unexpected<error>(rec.error());
+        ctx.z_ = *rec;
+        stats.z_loss = z_.loss(saved.subspan(lb_.saved_bytes()));
+      }
+      // The rows each expert receives (routed - dropped + padded).
+      if (bias_)
+        if (auto st = add_routed_counts(ctx, n); !st) return unexpected<error>(st.error());
     }
     const dispatch_input<T, space, float> din{.num_tokens = n,
                                               .x = xs,
@@ -608,15 +635,18 @@ class simt_moe_layer {
                                          .dlogits = dlogits});
         !st)
       return st;
-    for (int i = 0; i < 3; ++i)  // micro-batch, per sequence, global: the host's order
-      if (ctx.aux_on_[static_cast<std::size_t>(i)])
-        if (auto st =
-                by_team([&]<class Team>() { return aux_backward<Team>(ctx, i, n, loss_seed); });
-            !st)
-          return st;
-    if (ctx.z_on_)
-      if (auto st = by_team([&]<class Team>() { return z_backward<Team>(ctx, n, loss_seed); }); !st)
+    {  // micro-batch, per sequence, global, then the z-loss: moe_layer's order
+      const auto logits = ctx.logits_.cview().first(n);
+      const auto saved = loss_saved(ctx);
+      if (auto st = lb_.backward(*x_, logits, {}, ctx.lb_, saved.first(lb_.saved_bytes()),
+                                 {loss_seed, loss_seed, loss_seed}, dlogits);
+          !st)
         return st;
+      if (auto st = z_.backward(*x_, logits, {}, ctx.z_, saved.subspan(lb_.saved_bytes()),
+                                loss_seed, dlogits);
+          !st)
+        return st;
+    }
     const auto dxr = hidden_rows(dx_router_, n);
     if (auto st = router_.backward_gating(
             *x_,
@@ -672,22 +702,9 @@ class simt_moe_layer {
   //! count) on the counts summed over tp-dp-cp, its counts restart at 0, and so do the global
   //! loss's running counts. Collective over tp-dp-cp when the bias is enabled.
   [[nodiscard]] status end_global_batch(Comm& tp_dp_cp) {
-    const int E = o_.router.num_experts;
-    if (o_.router.expert_bias) {
-      if (auto st = x_->copy(bias_counts_.cview(), bias_summed_.view()); !st) return st;
-      if (tp_dp_cp.size() > 1)
-        if (auto st = tp_dp_cp.all_reduce(*x_, bias_summed_.view(), reduce_op::sum); !st) return st;
-      const kernels::expert_bias_update_kernel k{.summed = bias_summed_.view().data(),
-                                                 .num_experts = E,
-                                                 .rate = o_.expert_bias_update_rate,
-                                                 .bias = bias_.view().data(),
-                                                 .local = bias_counts_.view().data()};
-      if (auto st = launch(*x_, launch_grid{.blocks = 1}, k); !st) return st;
-    }
-    if (o_.global_aux_loss_coeff > 0)
-      if (auto st = x_->template fill<double>(running_.view(), 0.0); !st) return st;
-    steps_ = 0;
-    return {};
+    if (bias_)
+      if (auto st = bias_->update(*x_, tp_dp_cp); !st) return st;
+    return lb_.reset_running(*x_);
   }
 
  private:
@@ -715,8 +732,7 @@ class simt_moe_layer {
   };
 
   status allocate() {
-    const long long N = o_.max_tokens, H = o_.hidden, E = o_.router.num_experts, K = o_.router.topk,
-                    B = o_.batch;
+    const long long N = o_.max_tokens, H = o_.hidden, E = o_.router.num_experts, K = o_.router.topk;
     // The experts' rows: the receive bound (by default every routed pair of the tp-ep group).
     // In pad mode every expert receives C rows from each rank of the group: C E etp in all, which
     // may exceed the routed pairs (capacity factors above 1).
@@ -730,9 +746,8 @@ class simt_moe_layer {
           make(router_ws_, 1, buffer_maker::bytes(router_type::workspace_bytes())),
           make(rows_a_, std::max(M, 1LL), padded<T>(H)),
           make(rows_b_, std::max(M, 1LL), padded<T>(H)), make(prob_rows_, std::max(M, 1LL), 1),
-          make(scores_, N, E), make(map_, N, E), make(z_loss_, 1, 1), make(bias_, 1, E),
-          make(bias_counts_, 1, E), make(bias_summed_, 1, E), make(histogram_, 1, E),
-          make(fault_, 1, 2), make(running_, 1, E)})
+          make(histogram_, 1, E), make(fault_, 1, 2),
+          make(loss_ws_, 1, buffer_maker::bytes(lb_.workspace_bytes()))})
       if (!st) return st;
     // The drop decision's rows: this rank's tokens, or the tp-cp group's (full sequence).
     const long long GN = static_cast<long long>(drop_ranks()) * N;
@@ -749,18 +764,6 @@ class simt_moe_layer {
       if (auto st = x_->template fill<int>(key_sticky_.view(), kernels::order_fault_none); !st)
         return st;
     }
-    for (int i = 0; i < 3; ++i) {
-      // The per-sequence loss's columns are (sequence, expert): B E.
-      const long long cols = i == 1 ? B * E : E;
-      auto& t = terms_[static_cast<std::size_t>(i)];
-      for (status st : {make(t.sums, 1, cols), make(t.counts, 1, cols), make(t.loss, 1, 1)})
-        if (!st) return st;
-    }
-    // The state starts at zero (the context may poison new memory).
-    for (status st : {x_->template fill<float>(bias_.view(), 0.0f),
-                      x_->template fill<float>(bias_counts_.view(), 0.0f),
-                      x_->template fill<double>(running_.view(), 0.0)})
-      if (!st) return st;
     // The workspace of the larger of the two forwards pad mode may run (a capacity of 0 rows
     // is the smallest; max_tokens' the largest): its scratch part here, the saved and host
     // parts in each context.
@@ -809,6 +812,7 @@ class simt_moe_layer {
         .batch = o_.batch,
         .drop = drop_.has_value(),
         .shared_rows = shared_ ? static_cast<long long>(o_.shared_expert.tp) * o_.max_tokens : 0,
+        .loss_bytes = static_cast<long long>(lb_.saved_bytes() + z_.saved_bytes()),
         .ws = ws_sizes_};
   }
   // Allocates a context's buffers unless they have this layer's sizes already (its first
@@ -819,11 +823,11 @@ class simt_moe_layer {
     c = context{};
     const long long N = k.tokens, H = k.hidden, E = k.experts, K = k.topk;
     buffer_maker make{*x_};
-    for (status st : {make(c.input_, N, padded<T>(H)), make(c.logits_, N, E), make(c.probs_, N, K),
-                      make(c.indices_, N, K), make(c.kept_, k.drop ? N : 1, k.drop ? K : 1),
-                      make(c.dscores_[0], 1, E), make(c.dscores_[1], 1, k.batch * E),
-                      make(c.dscores_[2], 1, E), make(c.lse_, 1, N), make(c.valid_, 1, 1),
-                      make(c.saved_, 1, buffer_maker::bytes(k.ws.saved))})
+    for (status st :
+         {make(c.input_, N, padded<T>(H)), make(c.logits_, N, E), make(c.probs_, N, K),
+          make(c.indices_, N, K), make(c.kept_, k.drop ? N : 1, k.drop ? K : 1),
+          make(c.loss_saved_, 1, buffer_maker::bytes(static_cast<std::size_t>(k.loss_bytes))),
+          make(c.saved_, 1, buffer_maker::bytes(k.ws.saved))})
       if (!st) {
         c = context{};
         return st;
@@ -840,104 +844,24 @@ class simt_moe_layer {
     return {};
   }
 
-  // Runs f.template operator()<Team>() with the team the router's E takes: a warp per token up
-  // to E = 256, a block per token above.
-  template <class F>
-  status by_team(F&& f) const {
-    return o_.router.num_experts <= kernels::detail_router::warp_per_token::max_experts
-               ? f.template operator()<kernels::detail_router::warp_per_token>()
-               : f.template operator()<kernels::detail_router::block_per_token>();
-  }
-  template <class Team, class K>
-  status per_token(const K& kernel, int n) const {
-    const int per_block = Team::width == 32 ? K::block_threads / 32 : 1;
-    return launch(*x_, capped_grid<Exec, K>(n, per_block), kernel);
-  }
-
-  // The load-balancing losses' scores and top-k map over all E [N, E], shared by the three.
-  status aux_scores(const context& ctx, int n) {
-    return by_team([&]<class Team>() {
-      const kernels::basic_aux_scores_kernel<Team> k{.logits = ctx.logits_.view().data(),
-                                                     .padding = nullptr,
-                                                     .num_tokens = n,
-                                                     .num_experts = o_.router.num_experts,
-                                                     .topk = o_.router.topk,
-                                                     .score = score_kind(),
-                                                     .scores = scores_.view().data(),
-                                                     .map = map_.view().data()};
-      return per_token<Team>(k, n);
-    });
-  }
-  // One load-balancing term: 0 micro-batch (counts over tp-cp, T = N |tp-cp|), 1 per sequence
-  // (columns (sequence b, expert e) of the scores viewed as [N / B, B E], counts over tp-cp,
-  // T = (N / B) |tp-cp|, the mean over the B sequences), 2 global (counts over tp-dp-cp added to
-  // the running counts, which the loss uses divided by the micro-batches so far; T = N
-  // |tp-dp-cp|). Column sums, the group's all-reduce of the counts, the loss and d loss / d scores.
-  // d loss / d scores goes to the context, for its backward.
-  status aux_term(context& ctx, int i, Comm& group, int n) {
-    const int E = o_.router.num_experts, B = i == 1 ? o_.batch : 1;
-    auto& t = terms_[static_cast<std::size_t>(i)];
-    const kernels::aux_column_sums_kernel<> sums{.scores = scores_.view().data(),
-                                                 .map = map_.view().data(),
-                                                 .rows = n / B,
-                                                 .columns = B * E,
-                                                 .sums = t.sums.view().data(),
-                                                 .counts = t.counts.view().data()};
-    if (auto st = launch(*x_, launch_grid{.blocks = capped_blocks<Exec>(B * E, sums.block_threads)},
-                         sums);
-        !st)
-      return st;
-    if (group.size() > 1)
-      if (auto st = group.all_reduce(*x_, t.counts.view(), reduce_op::sum); !st) return st;
-    if (i == 2) ++steps_;
-    const kernels::switch_loss_kernel<> loss{
-        .column_sums = t.sums.view().data(),
-        .counts = t.counts.view().data(),
-        .columns = B * E,
-        .total_tokens = static_cast<double>(n / B) * group.size(),
-        .per_token = static_cast<double>(o_.router.topk) * B,
-        .topk = o_.router.topk,
-        .num_experts = E,
-        .coeff = i == 0 ? o_.aux_loss_coeff
-                        : (i == 1 ? o_.seq_aux_loss_coeff : o_.global_aux_loss_coeff),
-        .divide_by = static_cast<double>(B),
-        .running = i == 2 ? running_.view().data() : nullptr,
-        .steps = i == 2 ? steps_ : 0,
-        .used = nullptr,
-        .loss = t.loss.view().data(),
-        .dscores = ctx.dscores_[static_cast<std::size_t>(i)].view().data()};
-    return launch(*x_, launch_grid{.blocks = 1}, loss);
-  }
-  template <class Team>
-  status aux_backward(const context& ctx, int i, int n, float seed) {
-    const auto& ds = ctx.dscores_[static_cast<std::size_t>(i)];
-    const kernels::basic_aux_loss_backward_kernel<Team> k{.logits = ctx.logits_.view().data(),
-                                                          .padding = nullptr,
-                                                          .num_tokens = n,
-                                                          .num_experts = o_.router.num_experts,
-                                                          .score = score_kind(),
-                                                          .dscores = ds.view().data(),
-                                                          .columns = ds.view().width(),
-                                                          .seed = seed,
-                                                          .dlogits = dlogits_.view().data()};
-    return per_token<Team>(k, n);
-  }
-  moefold::score_function score_kind() const noexcept { return o_.router.score; }
-
   // The rows each expert receives from this forward added to the bias's counts: with a drop
   // policy the kept and filler rows (kept_record_kernel's dispatched), dropless every routed pair
   // (an exact integer histogram of the record, whose ids the router wrote: its fault word stays
   // {-1, 0}).
   status add_routed_counts(const context& ctx, int n) {
-    const int E = o_.router.num_experts;
     if (!drop_)
       if (auto st =
               x_->expert_histogram(ctx.indices_.cview().first(n), histogram_.view(), fault_.view());
           !st)
         return st;
-    const kernels::expert_counts_accumulate_kernel k{
-        .counts = histogram_.view().data(), .num_experts = E, .local = bias_counts_.view().data()};
-    return launch(*x_, launch_grid{.blocks = capped_blocks<Exec>(E, k.block_threads)}, k);
+    return bias_->add_counts(*x_, histogram_.cview());
+  }
+  // The losses' saved bytes of a context, and their forward's workspace.
+  std::span<std::byte> loss_saved(context& ctx) const noexcept {
+    return {ctx.loss_saved_.view().data(), static_cast<std::size_t>(ctx.key_.loss_bytes)};
+  }
+  std::span<std::byte> loss_workspace() const noexcept {
+    return {loss_ws_.view().data(), static_cast<std::size_t>(loss_ws_.view().width())};
   }
 
   // The largest pad-mode capacity (that of max_tokens), or none without pad mode.
@@ -1231,44 +1155,6 @@ class simt_moe_layer {
     return x_->template add_converted<T, T>(row_view<const T, space>(dxs), dx);
   }
 
-  // The z-loss with the coefficient divided by |tp-cp| (the group's parts sum to its mean).
-  float z_coeff(const Comm& tp_cp) const {
-    return static_cast<float>(o_.z_loss_coeff / tp_cp.size());
-  }
-  status z_forward(context& ctx, Comm& tp_cp, int n) {
-    ctx.z_coeff_ = z_coeff(tp_cp);
-    if (auto st = by_team([&]<class Team>() {
-          const kernels::basic_logsumexp_kernel<Team> k{.logits = ctx.logits_.view().data(),
-                                                        .padding = nullptr,
-                                                        .num_tokens = n,
-                                                        .num_experts = o_.router.num_experts,
-                                                        .lse = ctx.lse_.view().data()};
-          return per_token<Team>(k, n);
-        });
-        !st)
-      return st;
-    const kernels::z_loss_total_kernel<> total{.lse = ctx.lse_.view().data(),
-                                               .padding = nullptr,
-                                               .num_tokens = n,
-                                               .coeff = ctx.z_coeff_,
-                                               .loss = z_loss_.view().data(),
-                                               .valid = ctx.valid_.view().data()};
-    return launch(*x_, launch_grid{.blocks = 1, .smem_bytes = total.smem_bytes}, total);
-  }
-  template <class Team>
-  status z_backward(const context& ctx, int n, float seed) {
-    const kernels::basic_z_loss_backward_kernel<Team> k{.logits = ctx.logits_.view().data(),
-                                                        .padding = nullptr,
-                                                        .lse = ctx.lse_.view().data(),
-                                                        .valid = ctx.valid_.view().data(),
-                                                        .num_tokens = n,
-                                                        .num_experts = o_.router.num_experts,
-                                                        .coeff = ctx.z_coeff_,
-                                                        .seed = seed,
-                                                        .dlogits = dlogits_.view().data()};
-    return per_token<Team>(k, n);
-  }
-
   Exec* x_;
   // The shared expert (with moe_layer_options::shared_expert.ffn > 0): its MLP shard on the
   // context (the GEMM policy of the context's default), the caller's parameters, and its
@@ -1290,23 +1176,19 @@ class simt_moe_layer {
   Dispatcher disp_;
   Experts experts_;
   bool training_ = true;
-  int steps_ = 0;  // micro-batches in the global loss's running counts
   context own_{};  // the one-in-flight form's
   // The scratch of one forward or backward (dead after the call), in the context's memory.
   buffer<float> dprobs_;               // [N, k]
   buffer<float> dlogits_, dx_router_;  // [N, E], [N, H] (rows padded: hidden_rows)
   buffer<T> rows_a_, rows_b_;          // [M, H]: y then dy; dx rows (rows padded)
   buffer<float> prob_rows_;            // [M, 1] dprob rows
-  buffer<float> scores_;               // [N, E] the losses' scores
-  buffer<std::uint8_t> map_;           // [N, E] their top-k map
-  struct aux_buffers {
-    buffer<float> sums, loss;  // [1, C], [1, 1]; C = E, or B E per sequence
-    buffer<double> counts;     // [1, C] summed over the term's group
-  };
-  std::array<aux_buffers, 3> terms_{};              // micro-batch, per sequence, global
-  buffer<double> running_;                          // [1, E] the global loss's running counts
-  buffer<float> bias_, bias_counts_, bias_summed_;  // [1, E] each: the expert bias's state
-  buffer<int> histogram_, fault_;                   // [1, E], [1, 2]
+  // The losses and the expert bias (routing/: the objects every layer runs), the load-balancing
+  // forward's workspace.
+  load_balancing_losses<float, Exec> lb_{};
+  router_z_loss<float, Exec> z_{};
+  std::optional<moefold::expert_bias<Exec>> bias_{};
+  buffer<std::byte> loss_ws_;
+  buffer<int> histogram_, fault_;  // [1, E], [1, 2]
   // Sub-sequence dropping's scratch (allocated with a drop policy only; the kept record is the
   // context's).
   // drop_: the capacity rule (sub-sequence's fields, full-sequence's alike); drop_group_: the
@@ -1329,7 +1211,6 @@ class simt_moe_layer {
   buffer<int> offsets_, scan_scratch_;     // [1, E + 1]; the scan's tiles
   buffer<int> routed_, dropped_, padded_;  // [1, E] each
   buffer<long long> drop_totals_;          // [1, 2] dropped pairs, fully dropped tokens
-  buffer<float> z_loss_;                   // [1, 1]
   buffer<std::byte> scratch_;              // the dispatcher's scratch part
   // The routed experts' and the shared MLP's workspace (their calls never overlap): the larger
   // of expert_workspace_bytes for the receive bound and the shared MLP's for tp N rows.
