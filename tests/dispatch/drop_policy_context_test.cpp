@@ -6,8 +6,9 @@
 // tokens, the capacity and pad rows, pad mode's filler map; full-sequence dropping over tp-cp
 // groups of 2 and 4 thread-world ranks, with sequence_order_keys' keys and in rank order. Bad
 // routings and order keys that break the contract (a permutation of [0, M) over the group) are
-// errors naming the first bad slot or key, on every rank of the group, and lower the caller's
-// sticky fault words (kept across later decisions); a user policy (one that
+// errors naming the first bad slot or key on host_exec, on every rank of the group, and lower the
+// caller's sticky fault words (kept across later decisions) on host_exec and cpu_exec, where
+// they are all the caller learns (device memory: nothing read back); a user policy (one that
 // keeps a given set of pairs) models the concept.
 #include <doctest/doctest.h>
 
@@ -297,13 +298,16 @@ TEST_CASE("drop policies on a context refuse bad routings and keys, naming the f
   CHECK(faults == std::vector<int>{3, none, none});
   bad = r;
   bad.experts[7] = bad.experts[6];
-  cpu_exec cx;
-  std::vector<int> cpu_faults = {none, none, none};
-  const auto e2 = context_decision(dropless{}, cx, g, bad, {}, 1, &cpu_faults);
+  const auto e2 = context_decision(dropless{}, x, g, bad, {}, 1);
   REQUIRE_FALSE(e2);
   CHECK(e2.error().message.find("routing pair 7 (token 3)") != std::string::npos);
+  // On device memory (cpu_exec stands for a GPU context) nothing is read back: the decision
+  // returns, and the sticky words hold the first bad pair for the caller's device status.
+  cpu_exec cx;
+  std::vector<int> cpu_faults = {none, none, none};
+  REQUIRE(context_decision(sub_sequence{}, cx, g, bad, {}, 1, &cpu_faults));
   CHECK(cpu_faults == std::vector<int>{7, none, none});
-  REQUIRE(context_decision(dropless{}, cx, g, r, {}, 1, &cpu_faults));
+  REQUIRE(context_decision(sub_sequence{}, cx, g, r, {}, 1, &cpu_faults));
   CHECK(cpu_faults == std::vector<int>{7, none, none});
   // Keys for a local policy.
   const auto e3 = context_decision(sub_sequence{}, x, g, r, std::vector<std::int64_t>(5, 0), 1);

@@ -10,10 +10,11 @@
 //!
 //! Rules of the routing (every selected expert in [0, E), none twice for a token) and of the order
 //! keys (the tp-cp group's keys a permutation of [0, M): sequence_order_keys' values, the layer's
-//! contract) are checked by the kernels themselves; on the CPU contexts (host_exec, cpu_exec) a
-//! fault is read back at once and reported, naming the first bad slot or key; on every context it
-//! also lowers the caller's sticky fault words (drop_output::faults), which is how a GPU context,
-//! reading nothing back, reports it through the caller's device status.
+//! contract) are checked by the kernels themselves. On host memory (host_exec) a fault is read
+//! back at once and reported, naming the first bad slot or key. A context of device memory
+//! (cuda_exec, and cpu_exec, which stands for it in CI) reads nothing back, as the rest of a
+//! GPU step: on every context the kernels lower the caller's sticky fault words
+//! (drop_output::faults), which its device status reads.
 //!
 //! Workspace: keep_workspace_bytes(shape) bytes of the context's memory, dead after the call.
 #pragma once
@@ -23,7 +24,6 @@
 #include <optional>
 #include <span>
 #include <string>
-#include <type_traits>
 
 #include <moefold/kernels/capacity.hpp>
 #include <moefold/kernels/histogram.hpp>
@@ -112,10 +112,10 @@ template <class R>
   return c.required();
 }
 
-//! A CPU context's fault words read back at once (a GPU context's stay for its device status).
+//! Host memory's fault words are read back at once; device memory's (a GPU context's, and
+//! cpu_exec's, which runs the GPU path in CI) stay for the caller's device status.
 template <class Exec>
-inline constexpr bool reads_faults_at_once =
-    !std::is_same_v<typename Exec::memory_space, device_space>;
+inline constexpr bool reads_faults_at_once = host_accessible_v<typename Exec::memory_space>;
 
 template <class Exec, class S>
 [[nodiscard]] status read_words(Exec& x, row_view<const int, S> v, int (&out)[2]) {
@@ -164,8 +164,8 @@ template <bool Full, class R, class Exec, class Comm>
   workspace_carver c(workspace);
   if constexpr (Full) {
     // Every rank of the group learns every rank's shape and whether its input is good before
-    // the gathers, so that all return the same error instead of mismatching collectives (on a
-    // GPU context the header is not read back: equal shapes are the caller's contract there).
+    // the gathers, so that all return the same error instead of mismatching collectives (on
+    // device memory the header is not read back: equal shapes are the caller's contract there).
     const row_view<int, S> h = carve_header<S>(c);
     if constexpr (reads_faults_at_once<Exec>) {
       if (!c.fits())

@@ -48,9 +48,9 @@ struct drop_output {
   //! {the first routing pair naming an expert outside [0, E) or one its token already named, the
   //! first row of the group whose order key is outside [0, M), the first key no row or two rows
   //! hold}; kernels::order_fault_none (INT_MAX) means none. The caller sets them once and reads
-  //! them when it checks its device status: on a GPU context the policy reads nothing back, so
-  //! these words are where a bad routing or bad keys surface (the CPU contexts also report at
-  //! once). Without them a GPU context's faults are lost with the workspace.
+  //! them when it checks its device status: on device memory (cuda_exec, cpu_exec) the policy
+  //! reads nothing back, so these words are where a bad routing or bad keys surface (host_exec
+  //! also reports at once). Without them a device context's faults are lost with the workspace.
   row_view<int, S> faults{};
 };
 

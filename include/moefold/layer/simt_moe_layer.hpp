@@ -19,8 +19,9 @@
 //! sub-sequence dropping (`sub_sequence`: capacity from this rank's tokens, by probability or by
 //! position, pad mode included) and full-sequence dropping (`simt_full_sequence`: the tp-cp
 //! group's routing gathered on the context, capacity and decision over the group's tokens in true
-//! sequence order from device order keys, kernels/sequence_order.hpp), as kernels
-//! (kernels/capacity.hpp).
+//! sequence order from device order keys), both the policies' decision on the context
+//! (dispatch/capacity_keep.hpp, as moe_layer runs them); a bad routing or bad keys are refused at
+//! once on the CPU contexts and left in sticky fault words device_status() reads on a GPU.
 //!
 //! Forwards in flight: forward(x, groups, out, context) fills a simt_moe_layer::context (its
 //! input, logits, routing, the losses' saved bytes and the dispatcher's saved and host parts, in
@@ -56,7 +57,6 @@
 #include <variant>
 #include <vector>
 
-#include <moefold/kernels/capacity.hpp>
 #include <moefold/kernels/sequence_order.hpp>
 #include <moefold/kernels/shared_gate.hpp>
 
@@ -423,19 +423,24 @@ class simt_moe_layer {
   //! context's error word.
   [[nodiscard]] status device_status(const context& ctx) {
     using detail::to_decimal;
-    if (drop_group_ > 0) {
-      int f[2] = {0, 0};
-      if (auto st = x_->copy(key_sticky_.cview(), row_view<int>(f, 1, 2)); !st) return st;
-      if (f[0] != kernels::order_fault_none || f[1] != kernels::order_fault_none) {
-        if (auto st = x_->template fill<int>(key_sticky_.view(), kernels::order_fault_none); !st)
-          return st;
+    if (drop_) {  // the drop decisions' sticky fault words (drop_output::faults)
+      int f[3] = {0, 0, 0};
+      if (auto st = x_->copy(drop_faults_.cview(), row_view<int>(f, 1, 3)); !st) return st;
+      if (auto st = x_->synchronize(); !st) return st;
+      constexpr int none = kernels::order_fault_none;
+      if (f[0] != none || f[1] != none || f[2] != none) {
+        if (auto st = x_->template fill<int>(drop_faults_.view(), none); !st) return st;
+        if (f[0] != none)
+          return make_error(errc::invalid_argument,
+                            "simt_moe_layer: the drop decision's routing pair " + to_decimal(f[0]) +
+                                " names an expert outside [0, E) or one its token already named");
         return make_error(
             errc::invalid_argument,
             "simt_moe_layer: full-sequence dropping's order keys must be a permutation of [0, M) "
             "over the tp-cp group's M tokens (sequence_order_keys' values): " +
-                (f[0] != kernels::order_fault_none
-                     ? "the group's token " + to_decimal(f[0]) + " has a key outside [0, M)"
-                     : "no token or more than one token has key " + to_decimal(f[1])) +
+                (f[1] != none
+                     ? "the group's token " + to_decimal(f[1]) + " has a key outside [0, M)"
+                     : "no token or more than one token has key " + to_decimal(f[2])) +
                 "; those forwards dropped in the group's rank order");
       }
     }
@@ -749,21 +754,15 @@ class simt_moe_layer {
           make(histogram_, 1, E), make(fault_, 1, 2),
           make(loss_ws_, 1, buffer_maker::bytes(lb_.workspace_bytes()))})
       if (!st) return st;
-    // The drop decision's rows: this rank's tokens, or the tp-cp group's (full sequence).
-    const long long GN = static_cast<long long>(drop_ranks()) * N;
+    // The drop decision's outputs and workspace (the group's gathered record is the latter's).
     if (drop_)
-      for (status st : {make(keep_, GN, K), make(lists_, GN, K), make(offsets_, 1, E + 1),
-                        make(scan_scratch_, 1, scan_scratch(E)), make(routed_, 1, E),
-                        make(dropped_, 1, E), make(padded_, 1, E), make(drop_totals_, 1, 2)})
+      for (status st : {make(keep_, N, K), make(routed_, 1, E), make(dropped_, 1, E),
+                        make(padded_, 1, E), make(drop_totals_, 1, 2), make(drop_faults_, 1, 3),
+                        make(drop_ws_, 1, buffer_maker::bytes(drop_workspace_bytes()))})
         if (!st) return st;
-    if (drop_group_ > 0) {
-      for (status st : {make(group_ids_, GN, K), make(group_probs_, GN, K),
-                        make(group_keys_, GN, 1), make(order_, 1, GN), make(by_order_, 1, GN),
-                        make(key_counts_, 1, GN), make(key_fault_, 1, 2), make(key_sticky_, 1, 2)})
-        if (!st) return st;
-      if (auto st = x_->template fill<int>(key_sticky_.view(), kernels::order_fault_none); !st)
+    if (drop_)  // no fault yet
+      if (auto st = x_->template fill<int>(drop_faults_.view(), kernels::order_fault_none); !st)
         return st;
-    }
     // The workspace of the larger of the two forwards pad mode may run (a capacity of 0 rows
     // is the smallest; max_tokens' the largest): its scratch part here, the saved and host
     // parts in each context.
@@ -849,11 +848,11 @@ class simt_moe_layer {
   // (an exact integer histogram of the record, whose ids the router wrote: its fault word stays
   // {-1, 0}).
   status add_routed_counts(const context& ctx, int n) {
-    if (!drop_)
-      if (auto st =
-              x_->expert_histogram(ctx.indices_.cview().first(n), histogram_.view(), fault_.view());
-          !st)
-        return st;
+    if (drop_) return bias_->add_counts(*x_, routed_.cview(), dropped_.cview(), padded_.cview());
+    if (auto st =
+            x_->expert_histogram(ctx.indices_.cview().first(n), histogram_.view(), fault_.view());
+        !st)
+      return st;
     return bias_->add_counts(*x_, histogram_.cview());
   }
   // The losses' saved bytes of a context, and their forward's workspace.
@@ -870,9 +869,6 @@ class simt_moe_layer {
     auto c = expert_capacity(static_cast<long long>(drop_ranks()) * o_.max_tokens * o_.router.topk,
                              o_.router.num_experts, drop_->capacity_factor);
     return c ? std::optional<int>(*c) : std::nullopt;  // make() checked it
-  }
-  static long long scan_scratch(long long n) {
-    return std::max<long long>(Exec::exclusive_scan_scratch(n), 1);
   }
 
   // The order keys' rules (simt_full_sequence), and full-sequence dropping's group.
@@ -895,136 +891,42 @@ class simt_moe_layer {
     return {};
   }
 
-  // The dropping policies as kernels (drop_policy_local.hpp's sub_sequence over this rank's n
-  // tokens; drop_policy_full_sequence.hpp's full_sequence over the tp-cp group's M = G n tokens,
-  // their record gathered here): C = ceil(M k / E x capacity factor); the routed pairs grouped by
-  // expert (histogram, exclusive scan, lists), each pair's rank among its expert's (in true
-  // sequence order, from the gathered keys), kept below C; this rank's kept record (-1 where
-  // dropped), per-expert counts and totals. Returns C.
+  // The drop decision (dispatch/capacity_keep.hpp, the policies every layer runs): sub-sequence
+  // dropping over this rank's n tokens, full-sequence over the tp-cp group's (their record and
+  // keys gathered by the policy); this rank's keep mask, kept record (-1 where dropped),
+  // per-expert counts and totals, and the sticky fault words device_status reads. Returns C.
   expected<int> drop_pairs(context& ctx, int n, Comm& tp_cp,
                            row_view<const std::int64_t, space> keys) {
-    const int E = o_.router.num_experts, K = o_.router.topk;
-    const bool full = drop_group_ > 0;
-    const int M = drop_ranks() * n;  // make() bounded M k below 2^31
-    auto c = expert_capacity(static_cast<long long>(M) * K, E, drop_->capacity_factor);
-    if (!c) return unexpected<error>(c.error());
-    if (drop_->pad_to_capacity && *c > M)
-      return make_error(errc::invalid_argument,
-                        "simt_moe_layer: pad_to_capacity: capacity " + detail::to_decimal(*c) +
-                            " exceeds the " + detail::to_decimal(M) +
-                            (full ? " tokens of the sequence group" : " tokens") +
-                            ", so no expert can be padded to it (lower capacity_factor to at "
-                            "most num_experts/topk)");
-    row_view<const int, space> ids = ctx.indices_.cview().first(n);
-    const float* probs = ctx.probs_.view().data();
-    const long long* order = nullptr;
-    const long long* by_order = nullptr;
-    long long first = 0;
-    if (full) {
-      first = static_cast<long long>(tp_cp.rank()) * n;
-      const auto gids = group_ids_.view().first(M);
-      const auto gprobs = group_probs_.view().first(M);
-      if (auto st = tp_cp.all_gather(*x_, ids, gids); !st) return unexpected<error>(st.error());
-      if (auto st = tp_cp.all_gather(*x_, ctx.probs_.cview().first(n), gprobs); !st)
-        return unexpected<error>(st.error());
-      ids = gids;
-      probs = gprobs.data();
-      if (!keys.empty()) {
-        if (auto st = order_from_keys(tp_cp, keys, M); !st) return unexpected<error>(st.error());
-        order = order_.view().data();
-        by_order = by_order_.view().data();
-      }
-    }
-    if (auto st = x_->expert_histogram(ids, histogram_.view(), fault_.view()); !st)
-      return unexpected<error>(st.error());
-    int* off = offsets_.view().data();  // [E + 1]: the scan's E offsets, then its total
-    if (auto st = x_->exclusive_scan(histogram_.cview(), row_view<int, space>(off, 1, E),
-                                     row_view<int, space>(off + E, 1, 1), scan_scratch_.view());
-        !st)
-      return unexpected<error>(st.error());
-    const kernels::keep_args<float> a{.expert = ids.data(),
-                                      .probs = probs,
-                                      .order = order,
-                                      .by_order = by_order,
-                                      .offsets = off,
-                                      .scratch = lists_.view().data(),
-                                      .num_tokens = M,
-                                      .topk = K,
-                                      .num_experts = E,
-                                      .capacity = *c,
-                                      .by = drop_->by,
-                                      .pad = drop_->pad_to_capacity,
-                                      .first = first,
-                                      .count = n,
-                                      .keep = keep_.view().data(),
-                                      .routed = routed_.view().data(),
-                                      .dropped = dropped_.view().data(),
-                                      .padded = padded_.view().data(),
-                                      .filler_map = nullptr};
-    const long long pairs = static_cast<long long>(M) * K, own = static_cast<long long>(n) * K;
-    const kernels::expert_lists_kernel<float> lists{a};
-    const kernels::keep_rank_kernel<float> rank{a};
-    const kernels::drop_totals_kernel totals{.keep = a.keep,
-                                             .dropped = a.dropped,
-                                             .topk = K,
-                                             .num_experts = E,
-                                             .first = first,
-                                             .count = n,
-                                             .totals = drop_totals_.view().data()};
-    // This rank's pairs: its own record, its slice of the group's keep bytes.
-    const kernels::kept_record_kernel record{.expert = ctx.indices_.view().data(),
-                                             .keep = a.keep + first * K,
-                                             .pairs = own,
-                                             .kept = ctx.kept_.view().data(),
-                                             .routed = a.routed,
-                                             .dropped = a.dropped,
-                                             .padded = a.padded,
-                                             .num_experts = E,
-                                             .dispatched = histogram_.view().data()};
-    // In order, each after the previous one's success.
-    if (auto st =
-            launch(*x_, launch_grid{.blocks = capped_blocks<Exec>(E, lists.block_threads)}, lists);
-        !st)
-      return unexpected<error>(st.error());
-    if (pairs > 0)
-      if (auto st = launch(
-              *x_, launch_grid{.blocks = capped_blocks<Exec>(pairs, rank.block_threads)}, rank);
-          !st)
-        return unexpected<error>(st.error());
-    if (auto st = launch(*x_, launch_grid{.blocks = 1, .smem_bytes = totals.smem_bytes}, totals);
-        !st)
-      return unexpected<error>(st.error());
-    if (auto st = launch(*x_,
-                         launch_grid{.blocks = capped_blocks<Exec>(std::max<long long>(own, E),
-                                                                   record.block_threads)},
-                         record);
-        !st)
-      return unexpected<error>(st.error());
-    return *c;
+    const drop_input<float, space> in{.experts = ctx.indices_.cview().first(n),
+                                      .probs = ctx.probs_.cview().first(n),
+                                      .order_keys = keys};
+    const drop_output<space> out{.keep = keep_.view().first(n),
+                                 .kept = ctx.kept_.view().first(n),
+                                 .routed = routed_.view(),
+                                 .dropped = dropped_.view(),
+                                 .padded = padded_.view(),
+                                 .totals = drop_totals_.view(),
+                                 .faults = drop_faults_.view()};
+    const std::span<std::byte> ws(drop_ws_.view().data(),
+                                  static_cast<std::size_t>(drop_ws_.view().width()));
+    const sub_sequence& r = *drop_;
+    auto d = drop_group_ > 0 ? full_sequence{.capacity_factor = r.capacity_factor,
+                                             .pad_to_capacity = r.pad_to_capacity,
+                                             .by = r.by}
+                                   .apply(*x_, tp_cp, in, out, ws)
+                             : r.apply(*x_, tp_cp, in, out, ws);
+    if (!d)
+      return unexpected<error>(make_error(d.error().code, "simt_moe_layer: " + d.error().message));
+    return *d->capacity;
   }
-
-  // The group's keys gathered, then the true order and its inverse (kernels/sequence_order.hpp):
-  // keys that are not a permutation of [0, M) leave the group's rank order and a sticky fault
-  // that device_status() reports.
-  status order_from_keys(Comm& tp_cp, row_view<const std::int64_t, space> keys, int M) {
-    const auto gkeys = group_keys_.view().first(M);
-    if (auto st = tp_cp.all_gather(*x_, keys, gkeys); !st) return st;
-    const row_view<int, space> counts(key_counts_.view().data(), 1, M);
-    if (auto st = x_->template fill<int>(counts, 0); !st) return st;
-    if (auto st = x_->template fill<int>(key_fault_.view(), kernels::order_fault_none); !st)
-      return st;
-    const kernels::order_key_args a{.keys = gkeys.data(),
-                                    .rows = M,
-                                    .counts = counts.data(),
-                                    .fault = key_fault_.view().data(),
-                                    .sticky = key_sticky_.view().data(),
-                                    .order = order_.view().data(),
-                                    .by_order = by_order_.view().data()};
-    const launch_grid grid{
-        .blocks = capped_blocks<Exec>(M, kernels::order_key_count_kernel::block_threads)};
-    if (auto st = launch(*x_, grid, kernels::order_key_count_kernel{a}); !st) return st;
-    if (auto st = launch(*x_, grid, kernels::order_key_check_kernel{a}); !st) return st;
-    return launch(*x_, grid, kernels::order_from_keys_kernel{a});
+  // The drop decision's workspace for max_tokens (over the group with full-sequence dropping).
+  std::size_t drop_workspace_bytes() const {
+    const drop_shape shape{.max_tokens = o_.max_tokens,
+                           .topk = o_.router.topk,
+                           .num_experts = o_.router.num_experts,
+                           .group = drop_ranks()};
+    return drop_group_ > 0 ? full_sequence{}.workspace_bytes<float>(shape)
+                           : drop_->workspace_bytes<float>(shape);
   }
 
   // The shared expert's TP communicator: given, of the options' size and rank.
@@ -1189,27 +1091,19 @@ class simt_moe_layer {
   std::optional<moefold::expert_bias<Exec>> bias_{};
   buffer<std::byte> loss_ws_;
   buffer<int> histogram_, fault_;  // [1, E], [1, 2]
-  // Sub-sequence dropping's scratch (allocated with a drop policy only; the kept record is the
-  // context's).
-  // drop_: the capacity rule (sub-sequence's fields, full-sequence's alike); drop_group_: the
-  // tp-cp ranks of full-sequence dropping (0: sub-sequence); policy_: as make() was given it.
+  // The drop decision's buffers (allocated with a drop policy only; the kept record is the
+  // context's). drop_: the capacity rule (sub-sequence's fields, full-sequence's alike);
+  // drop_group_: the tp-cp ranks of full-sequence dropping (0: sub-sequence); policy_: as make()
+  // was given it.
   std::optional<sub_sequence> drop_{};
   int drop_group_ = 0;
   std::optional<simt_drop_policy> policy_{};
   // The ranks whose tokens one keep decision sees: the tp-cp group, or this rank alone.
   int drop_ranks() const { return drop_group_ > 0 ? drop_group_ : 1; }
-  buffer<int> lists_;          // [GN, k] pairs grouped by expert (G: the group, or 1)
-  buffer<std::uint8_t> keep_;  // [GN, k] 1 kept, 0 dropped
-  // Full-sequence dropping: the group's gathered record [GN, k] and keys [GN, 1], the true order
-  // and its inverse [1, GN], the keys' counts [1, GN], fault words [1, 2] (this forward's;
-  // sticky until device_status reads them).
-  buffer<int> group_ids_;
-  buffer<float> group_probs_;
-  buffer<std::int64_t> group_keys_;
-  buffer<long long> order_, by_order_;
-  buffer<int> key_counts_, key_fault_, key_sticky_;
-  buffer<int> offsets_, scan_scratch_;     // [1, E + 1]; the scan's tiles
+  buffer<std::uint8_t> keep_;              // [N, k] 1 kept, 0 dropped
   buffer<int> routed_, dropped_, padded_;  // [1, E] each
+  buffer<int> drop_faults_;                // [1, 3] sticky until device_status reads them
+  buffer<std::byte> drop_ws_;              // the decision's workspace
   buffer<long long> drop_totals_;          // [1, 2] dropped pairs, fully dropped tokens
   buffer<std::byte> scratch_;              // the dispatcher's scratch part
   // The routed experts' and the shared MLP's workspace (their calls never overlap): the larger
