@@ -100,6 +100,19 @@ struct moe_layer_options {
   return shape;
 }
 
+//! The load-balancing losses of a layer of these options (moe_layer and simt_moe_layer).
+[[nodiscard]] inline load_balancing_options moe_load_balancing_options(
+    const moe_layer_options& o) noexcept {
+  return {.num_experts = o.router.num_experts,
+          .topk = o.router.topk,
+          .score = o.router.score,
+          .max_tokens = o.max_tokens,
+          .batch = o.batch,
+          .aux_coeff = o.aux_loss_coeff,
+          .seq_aux_coeff = o.seq_aux_loss_coeff,
+          .global_aux_coeff = o.global_aux_loss_coeff};
+}
+
 //! One forward's input: x [N, H] and, for full-sequence dropping by position, the tokens' true
 //! sequence positions `order_keys` [N] (or empty; see sequence_order_keys).
 template <class T>
@@ -251,14 +264,7 @@ class moe_layer {
     l.own_dw_.assign(E * H, grad_type(0));
     l.w_ = l.own_w_;
     l.dw_ = l.own_dw_;
-    auto lb = load_balancing_type::make(*l.exec_, {.num_experts = o.router.num_experts,
-                                                   .topk = o.router.topk,
-                                                   .score = o.router.score,
-                                                   .max_tokens = o.max_tokens,
-                                                   .batch = o.batch,
-                                                   .aux_coeff = o.aux_loss_coeff,
-                                                   .seq_aux_coeff = o.seq_aux_loss_coeff,
-                                                   .global_aux_coeff = o.global_aux_loss_coeff});
+    auto lb = load_balancing_type::make(*l.exec_, moe_load_balancing_options(o));
     if (!lb) return unexpected<error>(lb.error());
     l.lb_ = std::move(*lb);
     auto z = z_loss_type::make(o.router.num_experts, o.max_tokens, o.z_loss_coeff);

@@ -363,15 +363,7 @@ class simt_moe_layer {
       l.shared_.emplace(std::move(*mlp));
       l.shared_params_ = shared;
     }
-    auto lb = load_balancing_losses<float, Exec>::make(
-        exec, {.num_experts = o.router.num_experts,
-               .topk = o.router.topk,
-               .score = o.router.score,
-               .max_tokens = o.max_tokens,
-               .batch = o.batch,
-               .aux_coeff = o.aux_loss_coeff,
-               .seq_aux_coeff = o.seq_aux_loss_coeff,
-               .global_aux_coeff = o.global_aux_loss_coeff});
+    auto lb = load_balancing_losses<float, Exec>::make(exec, moe_load_balancing_options(o));
     if (!lb) return unexpected<error>(lb.error());
     l.lb_ = std::move(*lb);
     auto z = router_z_loss<float, Exec>::make(o.router.num_experts, o.max_tokens, o.z_loss_coeff);
