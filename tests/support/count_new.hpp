@@ -1,9 +1,10 @@
 // Counts global operator new across the whole process while `counting` is on, and, while
 // `tracking` is on, poisons each new block and keeps a table of the live blocks allocated since
-// (for tests that search the heap for copies of a buffer). Include it in exactly one translation unit of a test program: it
-// replaces the program's operator new and delete (plain and aligned; libstdc++'s array and nothrow
-// forms forward to these) with malloc and free, and GCC's analysis of the inlined standard library
-// then sees free() on memory from operator new and warns, hence the pragma.
+// (for tests that search the heap for copies of a buffer). Include it in exactly one translation
+// unit of a test program: it replaces the program's operator new and delete (plain and aligned;
+// libstdc++'s array and nothrow forms forward to these) with malloc and free, and GCC's analysis of
+// the inlined standard library then sees free() on memory from operator new and warns, hence the
+// pragma.
 #pragma once
 #pragma GCC diagnostic ignored "-Wmismatched-new-delete"
 
