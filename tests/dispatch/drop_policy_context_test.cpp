@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "../support/context_buffers.hpp"
 #include "../support/host_drop_policy.hpp"
 #include "../support/simt_test_sizes.hpp"
 
@@ -91,21 +92,8 @@ decided host_decision(const P& policy, C& comm, const routing_case& r,
   return d;
 }
 
-template <class Exec, class T>
-exec_buffer<T, Exec> on(Exec& x, const std::vector<T>& v, int rows, int width) {
-  auto b = exec_buffer<T, Exec>::make(x, rows, width);
-  REQUIRE(b);
-  if (!v.empty()) REQUIRE(x.copy(row_view<const T, host_space>(v.data(), rows, width), b->view()));
-  return std::move(*b);
-}
-template <class Exec, class V>
-auto back(Exec& x, V v) {
-  using T = std::remove_const_t<typename V::value_type>;
-  std::vector<T> h(static_cast<std::size_t>(v.rows()) * static_cast<std::size_t>(v.width()));
-  if (!h.empty()) REQUIRE(x.copy(v, row_view<T, host_space>(h.data(), v.rows(), v.width())));
-  REQUIRE(x.synchronize());
-  return h;
-}
+using test::back;
+using test::on;
 
 // The context policy's decision on Exec.
 template <class P, class Exec, class C>

@@ -37,6 +37,7 @@
 #include <string>
 #include <vector>
 
+#include "../support/context_buffers.hpp"
 #include "../support/context_drop.hpp"
 
 using namespace moefold;
@@ -130,23 +131,8 @@ TEST_CASE("the reference data is there and covers every variant") {
 
 namespace {
 
-// A buffer on the context holding v ([rows, width]), and a context view back to the host.
-template <class Exec, class T>
-exec_buffer<T, Exec> on(Exec& x, const std::vector<T>& v, int rows, int width) {
-  auto b = exec_buffer<T, Exec>::make(x, rows, width);
-  REQUIRE(b);
-  if (rows * width > 0)
-    REQUIRE(x.copy(row_view<const T, host_space>(v.data(), rows, width), b->view()));
-  return std::move(*b);
-}
-template <class Exec, class V>
-auto back(Exec& x, V v) {
-  using T = std::remove_const_t<typename V::value_type>;
-  std::vector<T> h(static_cast<std::size_t>(v.rows()) * static_cast<std::size_t>(v.width()));
-  if (!h.empty()) REQUIRE(x.copy(v, row_view<T, host_space>(h.data(), v.rows(), v.width())));
-  REQUIRE(x.synchronize());
-  return h;
-}
+using test::back;
+using test::on;
 template <class Exec>
 std::span<std::byte> bytes(exec_buffer<std::byte, Exec>& b) {
   return {b.view().data(), static_cast<std::size_t>(b.view().width())};
