@@ -313,7 +313,7 @@ int train(const options& o, const Policy& policy, const upcycled_start* up) {
       for (int j = 0; j < 2 * o.shared_ffn; ++j)
         for (int h = 0; h < H; ++h)
           w1.push_back(static_cast<T>(3.0 * rnd(300, h * 2 * o.shared_ffn + j, 0) / std::sqrt(H)));
-      if (auto s = se->mlp().load_full(0, w1, w2); !s) return s;
+      if (auto s = se->load_full(w1, w2); !s) return s;
     }
     for (int i = 0; !up && i < o.experts * H; ++i)
       layer->router_weight()[static_cast<std::size_t>(i)] = static_cast<T>(0.1 * rnd(400, i, 0));
@@ -391,9 +391,9 @@ int train(const options& o, const Policy& policy, const upcycled_start* up) {
           {ex.weights_fc1(), ex.grads_fc1()},
           {ex.weights_fc2(), ex.grads_fc2()}};
       if (auto* se = layer->shared()) {
-        params.emplace_back(se->mlp().weights_fc1(), se->mlp().grads_fc1());
-        params.emplace_back(se->mlp().weights_fc2(), se->mlp().grads_fc2());
-        params.emplace_back(se->gate_weight(), se->gate_grad());
+        params.emplace_back(se->own().fc1.flat(), se->params().grads.fc1.flat());
+        params.emplace_back(se->own().fc2.flat(), se->params().grads.fc2.flat());
+        params.emplace_back(se->own().gate.flat(), se->params().gate_grad.flat());
       }
       for (auto [wt, gr] : params)
         for (std::size_t i = 0; i < wt.size(); ++i) {

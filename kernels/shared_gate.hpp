@@ -33,7 +33,7 @@ struct shared_gate_forward_kernel {
   const T* gate;        //!< [H] w_g, or null: no gate
   rows_arg<const T> y;  //!< [N, H] the ungated output (reduce-scattered over TP)
   int num_tokens, hidden;
-  float* gates;     //!< [N] out: the gate of each token, kept for the backward
+  A* gates;         //!< [N] out: the gate of each token, kept for the backward
   rows_arg<T> out;  //!< [N, H] += the gated output
 
   template <class Ctx>
@@ -49,7 +49,7 @@ struct shared_gate_forward_kernel {
           z = simt::add(z, simt::mul(A(widen(x(t, h))), A(widen(gate[h]))));
         g = A(widen(narrow<T>(simt::sigmoid(z))));  // the host keeps the gate as T
       }
-      gates[t] = static_cast<float>(g);
+      gates[t] = g;
       for (int h = 0; h < hidden; ++h) {
         const T shared = narrow<T>(simt::mul(g, A(widen(y(t, h)))));
         out(t, h) = narrow<T>(simt::add(A(widen(out(t, h))), A(widen(shared))));
@@ -69,7 +69,7 @@ struct shared_gate_backward_kernel {
 
   rows_arg<const T> dout;  //!< [N, H]
   rows_arg<const T> y;     //!< [N, H] the forward's ungated output
-  const float* gates;      //!< [N]
+  const A* gates;          //!< [N]
   int num_tokens, hidden;
   bool gated;
   rows_arg<T> dy;  //!< [N, H] out
@@ -81,7 +81,7 @@ struct shared_gate_backward_kernel {
     using moefold::detail::widen;
     for (long long t = static_cast<long long>(c.block()) * block_threads + c.thread();
          t < num_tokens; t += static_cast<long long>(c.grid_blocks()) * block_threads) {
-      const A g = static_cast<A>(gates[t]);
+      const A g = gates[t];
       A dg = A(0);
       for (int h = 0; h < hidden; ++h) {
         const A d = A(widen(dout(t, h)));

@@ -124,32 +124,38 @@ TEST_CASE("the shared expert under TP x DP equals the single-rank reference, gat
       auto tpc = group_communicator(comm, groups, {group_kind::tp}).value();
       auto dpcp = group_communicator(comm, groups, {group_kind::dp_cp}).value();
       const int tp_rank = fold.attention_coord_of(r).tp;
-      auto se = shared_expert<double, thread_communicator>::make({.max_tokens = s.tokens,
-                                                                  .hidden = s.H,
-                                                                  .ffn = s.F,
-                                                                  .tp = tp,
-                                                                  .tp_rank = tp_rank,
-                                                                  .gate = gate})
-                    .value();
-      if (auto e = se.mlp().load_full(0, megatron_fc1_from_columns(s.w1, s.H, 2, s.F),
-                                      megatron_fc2_from_rows(s.w2, s.F, s.H));
+      host_exec hx;  // the context every call runs on
+      auto se =
+          shared_expert<double, host_exec, thread_communicator>::make(hx, {.max_tokens = s.tokens,
+                                                                           .hidden = s.H,
+                                                                           .ffn = s.F,
+                                                                           .tp = tp,
+                                                                           .tp_rank = tp_rank,
+                                                                           .gate = gate})
+              .value();
+      const std::vector<double> wg = gate ? s.wg : std::vector<double>{};
+      if (auto e = se.load_full(megatron_fc1_from_columns(s.w1, s.H, 2, s.F),
+                                megatron_fc2_from_rows(s.w2, s.F, s.H), wg);
           !e)
         return e;
-      for (int h = 0; h < s.H; ++h) se.gate_weight()[h] = s.wg[h];
       std::vector<double> x, dout, out(s.tokens * s.H), dx(s.tokens * s.H);
       for (int t = 0; t < s.tokens; ++t)
         for (int h = 0; h < s.H; ++h) {
           x.push_back(s.x(r, t, h));
           dout.push_back(s.dout(r, t, h));
         }
-      std::vector<std::byte> ws(se.workspace_bytes());
-      host_exec hx;  // the context the shard's GEMMs run on, per call
-      if (auto e = se.forward(hx, s.tokens, x, tpc, out, ws); !e) return e;
-      if (auto e = se.backward(hx, dout, tpc, dx); !e) return e;
+      std::vector<std::byte> saved(se.saved_bytes()), scratch(se.scratch_bytes());
+      const auto rows = [&](std::vector<double>& v) {
+        return row_view<double>(v.data(), s.tokens, s.H);
+      };
+      // out and dx start at 0: the shared expert adds its part.
+      if (auto e = se.forward(hx, rows(x), tpc, rows(out), saved, scratch); !e) return e;
+      if (auto e = se.backward(hx, rows(dout), tpc, rows(dx), saved, scratch); !e) return e;
       // MLP shards: summed over dp-cp. Gate: summed over the whole stage (tp-dp-cp).
-      if (auto e = dpcp.all_reduce<double>(se.mlp().grads_fc1(), reduce_op::sum); !e) return e;
-      if (auto e = dpcp.all_reduce<double>(se.mlp().grads_fc2(), reduce_op::sum); !e) return e;
-      if (auto e = comm.all_reduce<double>(se.gate_grad(), reduce_op::sum); !e) return e;
+      const auto& pg = se.params();
+      if (auto e = dpcp.all_reduce<double>(pg.grads.fc1.flat(), reduce_op::sum); !e) return e;
+      if (auto e = dpcp.all_reduce<double>(pg.grads.fc2.flat(), reduce_op::sum); !e) return e;
+      if (auto e = comm.all_reduce<double>(pg.gate_grad.flat(), reduce_op::sum); !e) return e;
       for (std::size_t i = 0; i < out.size(); ++i) {
         CHECK(out[i] == doctest::Approx(ref_out[r][i]).epsilon(1e-12));
         CHECK(dx[i] == doctest::Approx(ref_dx[r][i]).epsilon(1e-12));
@@ -159,14 +165,14 @@ TEST_CASE("the shared expert under TP x DP equals the single-rank reference, gat
       for (int h = 0; h < s.H; ++h)
         for (int gu = 0; gu < 2; ++gu)
           for (int c = 0; c < fs; ++c)
-            CHECK(se.mlp().fc1_grad(0)[fc1_offset(h, gu * fs + c, s.H)] ==
+            CHECK(pg.grads.fc1.flat()[fc1_offset(h, gu * fs + c, s.H)] ==
                   doctest::Approx(dw1[h * 2 * s.F + gu * s.F + tp_rank * fs + c]).epsilon(1e-12));
       for (int c = 0; c < fs; ++c)
         for (int h = 0; h < s.H; ++h)
-          CHECK(se.mlp().fc2_grad(0)[fc2_offset(c, h, fs)] ==
+          CHECK(pg.grads.fc2.flat()[fc2_offset(c, h, fs)] ==
                 doctest::Approx(dw2[(tp_rank * fs + c) * s.H + h]).epsilon(1e-12));
-      for (int h = 0; h < s.H; ++h)
-        CHECK(se.gate_grad()[h] == doctest::Approx(dwg[h]).epsilon(1e-12));
+      for (int h = 0; h < s.H && gate; ++h)
+        CHECK(pg.gate_grad.flat()[h] == doctest::Approx(dwg[h]).epsilon(1e-12));
       return {};
     });
     for (const auto& e : st) CHECK_MESSAGE(e.has_value(), e.error().message);
@@ -174,18 +180,35 @@ TEST_CASE("the shared expert under TP x DP equals the single-rank reference, gat
 }
 
 TEST_CASE("shared expert misuse is rejected") {
-  CHECK(shared_expert<double, thread_communicator>::make(
-            {.max_tokens = 2, .hidden = 4, .ffn = 6, .tp = 4})
+  using se_t = shared_expert<double, host_exec, thread_communicator>;
+  host_exec hx;
+  CHECK(se_t::make(hx, {.max_tokens = 2, .hidden = 4, .ffn = 6, .tp = 4}).error().code ==
+        errc::invalid_argument);  // F not divisible by TP
+  CHECK(se_t::make(hx, {.max_tokens = 2, .hidden = 4, .ffn = 4, .tp = 2, .tp_rank = 2})
             .error()
-            .code == errc::invalid_argument);  // F not divisible by TP
-  auto st = run_thread_world(1, [](thread_communicator& comm) -> status {
-    auto se = shared_expert<double, thread_communicator>::make(
-                  {.max_tokens = 2, .hidden = 2, .ffn = 2, .tp = 2, .tp_rank = 0})
-                  .value();
-    std::vector<double> x(4), out(4);
-    std::vector<std::byte> ws(se.workspace_bytes());
-    host_exec hx;
-    CHECK(se.forward(hx, 2, x, comm, out, ws).error().code == errc::shape_mismatch);  // TP 1 != 2
+            .code == errc::invalid_argument);  // tp_rank outside [0, tp)
+  auto st = run_thread_world(1, [&](thread_communicator& comm) -> status {
+    auto se =
+        se_t::make(hx, {.max_tokens = 2, .hidden = 2, .ffn = 2, .tp = 2, .tp_rank = 0}).value();
+    std::vector<double> x(4), out(4), dx(4);
+    std::vector<std::byte> saved(se.saved_bytes()), scratch(se.scratch_bytes());
+    const row_view<double> xv(x.data(), 2, 2), ov(out.data(), 2, 2);
+    CHECK(se.forward(hx, xv, comm, ov, saved, scratch).error().code ==
+          errc::shape_mismatch);  // TP 1 != 2
+    // Full weights of the wrong shape, a saved part too small, a bound form's load.
+    CHECK(se.load_full(std::vector<double>(4), std::vector<double>(2), std::vector<double>(2))
+              .error()
+              .code == errc::shape_mismatch);
+    auto one = se_t::make(hx, {.max_tokens = 2, .hidden = 2, .ffn = 2}).value();
+    std::vector<std::byte> small(one.saved_bytes() / 2);
+    CHECK(one.forward(hx, xv, comm, ov, small, scratch).error().code == errc::workspace_too_small);
+    std::vector<double> w1(8), w2(4), g1(8), g2(4);  // fc1 [2F, H], fc2 [H, F]
+    CHECK(
+        one.bind(shared_expert_params<double>{.mlp = {w1, w2}, .mlp_grad = {g1, g2}}).has_value());
+    CHECK(one.bound());
+    CHECK(one.own().fc1.empty());
+    CHECK(one.load_full(std::vector<double>(4), std::vector<double>(2)).error().code ==
+          errc::invalid_argument);
     return {};
   });
   CHECK(st[0].has_value());

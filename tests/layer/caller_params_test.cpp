@@ -82,11 +82,12 @@ void fill_owning(owning_t& l, int r) {
   for (std::size_t i = 0; i < l.router_weight().size(); ++i)
     l.router_weight()[i] = unit(9, static_cast<std::uint64_t>(i), 0);
   auto* se = l.shared();
-  for (std::size_t i = 0; i < se->gate_weight().size(); ++i) se->gate_weight()[i] = unit(10, i, 0);
-  for (std::size_t i = 0; i < se->mlp().weights_fc1().size(); ++i)
-    se->mlp().weights_fc1()[i] = 0.5 * unit(11, static_cast<std::uint64_t>(r), i);
-  for (std::size_t i = 0; i < se->mlp().weights_fc2().size(); ++i)
-    se->mlp().weights_fc2()[i] = 0.5 * unit(12, static_cast<std::uint64_t>(r), i);
+  for (std::size_t i = 0; i < se->own().gate.flat().size(); ++i)
+    se->own().gate.flat()[i] = unit(10, i, 0);
+  for (std::size_t i = 0; i < se->own().fc1.flat().size(); ++i)
+    se->own().fc1.flat()[i] = 0.5 * unit(11, static_cast<std::uint64_t>(r), i);
+  for (std::size_t i = 0; i < se->own().fc2.flat().size(); ++i)
+    se->own().fc2.flat()[i] = 0.5 * unit(12, static_cast<std::uint64_t>(r), i);
 }
 
 rank_params params_of(owning_t& l) {
@@ -100,11 +101,11 @@ rank_params params_of(owning_t& l) {
   q.fc2 = v(l.experts().weights_fc2());
   q.fc1_g = z(q.fc1);
   q.fc2_g = z(q.fc2);
-  q.s1 = v(se->mlp().weights_fc1());
-  q.s2 = v(se->mlp().weights_fc2());
+  q.s1 = v(se->own().fc1.flat());
+  q.s2 = v(se->own().fc2.flat());
   q.s1_g = z(q.s1);
   q.s2_g = z(q.s2);
-  q.gate = v(se->gate_weight());
+  q.gate = v(se->own().gate.flat());
   q.gate_g = z(q.gate);
   return q;
 }
@@ -154,9 +155,9 @@ void take_grads(Layer& l, step_out& o) {
     o.fc1_g = v(l.experts().grads().fc1.flat());
     o.fc2_g = v(l.experts().grads().fc2.flat());
   }
-  o.s1_g = v(l.shared()->mlp_grad().fc1);
-  o.s2_g = v(l.shared()->mlp_grad().fc2);
-  o.gate_g = v(l.shared()->gate_grad());
+  o.s1_g = v(l.shared()->params().grads.fc1.flat());
+  o.s2_g = v(l.shared()->params().grads.fc2.flat());
+  o.gate_g = v(l.shared()->params().gate_grad.flat());
 }
 
 expected<bound_t> make_bound(const moe_layer_communicators<Comm>& c, rank_params& q) {
@@ -217,7 +218,7 @@ TEST_CASE("caller-owned parameters: bitwise the owning layer, beta = 1, read in 
     take_grads(*bound, R.bound);
     // The gradients are the caller's buffers.
     CHECK(bound->router_weight_grad().data() == q.router_g.data());
-    CHECK(bound->shared()->gate_grad().data() == q.gate_g.data());
+    CHECK(bound->shared()->params().gate_grad.flat().data() == q.gate_g.data());
 
     // beta = 1: zero, two backwards of the same input, no reduction in between.
     q.zero_grads();

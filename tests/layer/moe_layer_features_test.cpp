@@ -108,11 +108,11 @@ std::vector<rank_out> run(const problem& p, variant v) {
     if (!layer) return unexpected<error>(layer.error());
     std::copy(wr.begin(), wr.end(), layer->router_weight().begin());
     if (auto* se = layer->shared()) {
-      if (auto s = se->mlp().load_full(0, megatron_fc1_from_columns(ws.w1, p.hidden, 2, shared_ffn),
-                                       megatron_fc2_from_rows(ws.w2, shared_ffn, p.hidden));
+      if (auto s = se->load_full(megatron_fc1_from_columns(ws.w1, p.hidden, 2, shared_ffn),
+                                 megatron_fc2_from_rows(ws.w2, shared_ffn, p.hidden));
           !s)
         return s;
-      std::copy(wg.begin(), wg.end(), se->gate_weight().begin());
+      std::copy(wg.begin(), wg.end(), se->own().gate.flat().begin());
     }
     if (v == variant::expert_bias)
       if (auto s = layer->load_state(
@@ -151,9 +151,12 @@ std::vector<rank_out> run(const problem& p, variant v) {
     res.dw1.assign(layer->experts().grads_fc1().begin(), layer->experts().grads_fc1().end());
     res.dw2.assign(layer->experts().grads_fc2().begin(), layer->experts().grads_fc2().end());
     if (auto* se = layer->shared()) {
-      res.shared_dw1.assign(se->mlp().grads_fc1().begin(), se->mlp().grads_fc1().end());
-      res.shared_dw2.assign(se->mlp().grads_fc2().begin(), se->mlp().grads_fc2().end());
-      res.gate_dw.assign(se->gate_grad().begin(), se->gate_grad().end());
+      res.shared_dw1.assign(se->params().grads.fc1.flat().begin(),
+                            se->params().grads.fc1.flat().end());
+      res.shared_dw2.assign(se->params().grads.fc2.flat().begin(),
+                            se->params().grads.fc2.flat().end());
+      res.gate_dw.assign(se->params().gate_grad.flat().begin(),
+                         se->params().gate_grad.flat().end());
     }
     res.counts_after_train = layer->save_state().expert_bias_counts;
     // Evaluation: micro-batch 0 again; same output, no losses, no counting.

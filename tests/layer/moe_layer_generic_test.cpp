@@ -411,13 +411,13 @@ TEST_CASE("MoE layer communicators: one named bundle from a world and a fold run
       for (std::size_t i = 0; i < layer.router_weight().size(); ++i)
         layer.router_weight()[i] = unit(9, static_cast<std::uint64_t>(i), 0);
       auto* se = layer.shared();
-      for (std::size_t i = 0; i < se->gate_weight().size(); ++i)
-        se->gate_weight()[i] = unit(10, i, 0);
+      for (std::size_t i = 0; i < se->own().gate.flat().size(); ++i)
+        se->own().gate.flat()[i] = unit(10, i, 0);
       std::vector<double> s1, s2;  // [H, 2F] [gate | up], [F, H]; load_full's layout below
       for (int i = 0; i < p.hidden * 2 * 4; ++i) s1.push_back(0.5 * unit(11, 0, i));
       for (int i = 0; i < 4 * p.hidden; ++i) s2.push_back(0.5 * unit(12, 0, i));
-      if (auto s = se->mlp().load_full(0, megatron_fc1_from_columns(s1, p.hidden, 2, 4),
-                                       megatron_fc2_from_rows(s2, 4, p.hidden));
+      if (auto s = se->load_full(megatron_fc1_from_columns(s1, p.hidden, 2, 4),
+                                 megatron_fc2_from_rows(s2, 4, p.hidden));
           !s)
         return unexpected<error>(s.error());
       std::vector<double> x, dout;
@@ -437,8 +437,10 @@ TEST_CASE("MoE layer communicators: one named bundle from a world and a fold run
       ro.router_grad = take(layer.router_weight_grad());
       ro.w1 = take(layer.experts().grads_fc1());
       ro.w2 = take(layer.experts().grads_fc2());
-      ro.w1.insert(ro.w1.end(), se->mlp().grads_fc1().begin(), se->mlp().grads_fc1().end());
-      ro.w2.insert(ro.w2.end(), se->gate_grad().begin(), se->gate_grad().end());
+      ro.w1.insert(ro.w1.end(), se->params().grads.fc1.flat().begin(),
+                   se->params().grads.fc1.flat().end());
+      ro.w2.insert(ro.w2.end(), se->params().gate_grad.flat().begin(),
+                   se->params().gate_grad.flat().end());
       return ro;
     };
     {

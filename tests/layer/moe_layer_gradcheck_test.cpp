@@ -69,10 +69,10 @@ params make_params(const problem& p, int world) {
 }
 
 // The shared expert's TP shard, from q.s1 [H, 2Fs] [gate | up] and q.s2 [Fs, H].
-template <class Mlp>
-status load_shared(Mlp& mlp, const problem& p, const params& q) {
-  return mlp.load_full(0, megatron_fc1_from_columns(q.s1, p.hidden, 2, kShared),
-                       megatron_fc2_from_rows(q.s2, kShared, p.hidden));
+template <class Shared>
+status load_shared(Shared& se, const problem& p, const params& q) {
+  return se.load_full(megatron_fc1_from_columns(q.s1, p.hidden, 2, kShared),
+                      megatron_fc2_from_rows(q.s2, kShared, p.hidden));
 }
 
 struct rank_grads {
@@ -129,8 +129,8 @@ std::vector<rank_grads> run(const problem& p, const params& q, const layer_setup
       if (!layer) return unexpected<error>(layer.error());
       std::copy(q.router.begin(), q.router.end(), layer->router_weight().begin());
       if (auto* se = layer->shared()) {
-        if (auto s = load_shared(se->mlp(), p, q); !s) return s;
-        std::copy(q.sg.begin(), q.sg.end(), se->gate_weight().begin());
+        if (auto s = load_shared(*se, p, q); !s) return s;
+        std::copy(q.sg.begin(), q.sg.end(), se->own().gate.flat().begin());
       }
       const auto& x = q.x[static_cast<std::size_t>(r)];
       const auto& dout = q.dout[static_cast<std::size_t>(r)];
@@ -167,9 +167,9 @@ std::vector<rank_grads> run(const problem& p, const params& q, const layer_setup
       res.w1 = take(layer->experts().grads_fc1());
       res.w2 = take(layer->experts().grads_fc2());
       if (auto* se = layer->shared()) {
-        res.s1 = take(se->mlp().grads_fc1());
-        res.s2 = take(se->mlp().grads_fc2());
-        res.sg = take(se->gate_grad());
+        res.s1 = take(se->params().grads.fc1.flat());
+        res.s2 = take(se->params().grads.fc2.flat());
+        res.sg = take(se->params().gate_grad.flat());
       }
       return {};
     };
@@ -394,8 +394,8 @@ std::vector<std::vector<micro_result>> run_schedule(const problem& p, const para
     if (!layer) return unexpected<error>(layer.error());
     std::copy(q.router.begin(), q.router.end(), layer->router_weight().begin());
     auto* se = layer->shared();
-    if (auto s = load_shared(se->mlp(), p, q); !s) return s;
-    std::copy(q.sg.begin(), q.sg.end(), se->gate_weight().begin());
+    if (auto s = load_shared(*se, p, q); !s) return s;
+    std::copy(q.sg.begin(), q.sg.end(), se->own().gate.flat().begin());
     // Pad mode: the storage and the shared scratch sized for the policy's capacity up front.
     std::optional<int> c;
     if (pad) {
@@ -446,9 +446,9 @@ std::vector<std::vector<micro_result>> run_schedule(const problem& p, const para
       mr.router = take(layer->router_weight_grad());
       mr.w1 = take(layer->experts().grads_fc1());
       mr.w2 = take(layer->experts().grads_fc2());
-      mr.s1 = take(se->mlp().grads_fc1());
-      mr.s2 = take(se->mlp().grads_fc2());
-      mr.sg = take(se->gate_grad());
+      mr.s1 = take(se->params().grads.fc1.flat());
+      mr.s2 = take(se->params().grads.fc2.flat());
+      mr.sg = take(se->params().gate_grad.flat());
     }
     return {};
   });

@@ -240,8 +240,8 @@ std::vector<feature_out> run_host_features(const problem& p, const Policy& polic
          .expert_bias_counts = std::vector<float>(static_cast<std::size_t>(p.experts), 0.0f)}));
     if (auto* se = layer->shared()) {
       const shared_weights sw = make_shared_weights(p);
-      TRY(se->mlp().load_full(0, sw.fc1, sw.fc2));
-      std::copy(sw.gate.begin(), sw.gate.end(), se->gate_weight().begin());
+      TRY(se->load_full(sw.fc1, sw.fc2));
+      std::copy(sw.gate.begin(), sw.gate.end(), se->own().gate.flat().begin());
     }
     const moe_layer_groups<thread_communicator> g{
         .tp_cp = tp_cp, .dispatch = {ep, etp, tp_ep}, .tp = &tp, .tp_dp_cp = &stage};
@@ -264,9 +264,9 @@ std::vector<feature_out> run_host_features(const problem& p, const Policy& polic
     TRY(layer->reduce_gradients(
         stage, edp, {layer->experts().grads_fc1(), layer->experts().grads_fc2()}, &dp_cp));
     if (auto* se = layer->shared()) {
-      res.shared_dw1 = widen(se->mlp().grads_fc1());
-      res.shared_dw2 = widen(se->mlp().grads_fc2());
-      res.gate_dw = widen(se->gate_grad());
+      res.shared_dw1 = widen(se->params().grads.fc1.flat());
+      res.shared_dw2 = widen(se->params().grads.fc2.flat());
+      res.gate_dw = widen(se->params().gate_grad.flat());
     }
     res.dw_router = widen(layer->router_weight_grad());
     res.dw1 = widen(layer->experts().grads_fc1());
@@ -300,7 +300,7 @@ std::vector<feature_out> run_host_features(const problem& p, const Policy& polic
 
 // The shared expert's TP shard (the host expert's loader cuts it) and its gate on the context,
 // with zeroed gradients: `sp` holds fc1, fc2, the gate and their gradients; the result views them.
-expected<simt_shared_expert_params<float, space>> upload_shared(
+expected<shared_expert_views<float, space>> upload_shared(
     const problem& p, const dynamic_folded_mesh& fold, int tp_rank, cpu_exec& x,
     std::vector<exec_buffer<float, cpu_exec>>& sp) {
   const int H = p.hidden, fs = shared_ffn / fold.tp();
@@ -322,10 +322,10 @@ expected<simt_shared_expert_params<float, space>> upload_shared(
     TRY_ASSIGN(b, upload(x, v, rows, width));
     sp.push_back(std::move(*b));
   }
-  return simt_shared_expert_params<float, space>{.mlp = {sp[0].cview(), sp[1].cview()},
-                                                 .grads = {sp[3].view(), sp[4].view()},
-                                                 .gate = sp[2].cview(),
-                                                 .gate_grad = sp[5].view()};
+  return shared_expert_views<float, space>{.mlp = {sp[0].cview(), sp[1].cview()},
+                                           .grads = {sp[3].view(), sp[4].view()},
+                                           .gate = sp[2].cview(),
+                                           .gate_grad = sp[5].view()};
 }
 
 // One rank of simt_moe_layer on cpu_exec, the same sequence.
@@ -343,7 +343,7 @@ expected<feature_out> run_simt_features_rank(const problem& p, dev_comm& world, 
   TRY_ASSIGN(mlp, (rank_mlp(p, fold, r, x, *par)));
   const moe_layer_options o = feature_options(p, fold, r, shared);
   std::vector<exec_buffer<float, cpu_exec>> sp;
-  simt_shared_expert_params<float, space> sh{};
+  shared_expert_views<float, space> sh{};
   if (shared) {
     TRY_ASSIGN(v, upload_shared(p, fold, o.shared_expert.tp_rank, x, sp));
     sh = *v;
@@ -477,7 +477,7 @@ expected<flight_out> run_flight_rank(const problem& p, dev_comm& world, cpu_exec
   TRY_ASSIGN(mlp, (rank_mlp(p, fold, r, x, *par)));
   const moe_layer_options o = feature_options(p, fold, r, shared);
   std::vector<exec_buffer<float, cpu_exec>> sp;
-  simt_shared_expert_params<float, space> sh{};
+  shared_expert_views<float, space> sh{};
   if (shared) {
     TRY_ASSIGN(v, upload_shared(p, fold, o.shared_expert.tp_rank, x, sp));
     sh = *v;
@@ -663,8 +663,8 @@ TEST_CASE("simt_moe_layer refuses what it does not run and misuse, naming the ru
     refused(o, "tp_rank in [0, tp)");
     o.shared_expert = {.ffn = 2, .gate = true};
     refused(o, "gate weight and its gradient must be contiguous [1, H]");
-    const simt_shared_expert_params<float, space> gate_only{.gate = w.cview().first(1),
-                                                            .gate_grad = dw.view().first(1)};
+    const shared_expert_views<float, space> gate_only{.gate = w.cview().first(1),
+                                                      .gate_grad = dw.view().first(1)};
     auto l = layer_t::make(x, ok, w.cview(), dw.view(), experts(), {}, gate_only);
     REQUIRE_FALSE(l.has_value());
     CHECK(l.error().message.find("without a shared expert") != std::string::npos);

@@ -238,21 +238,8 @@ class moe_layer {
         !(std::isfinite(o.expert_bias_update_rate) && o.expert_bias_update_rate >= 0))
       return make_error(errc::invalid_argument,
                         "moe_layer: expert_bias_update_rate must be finite and >= 0");
-    std::optional<shared_expert<T, Comm>> shared;
-    if (o.shared_expert.ffn > 0) {
-      const shared_expert_shape ss{.max_tokens = o.max_tokens,
-                                   .hidden = o.hidden,
-                                   .ffn = o.shared_expert.ffn,
-                                   .tp = o.shared_expert.tp,
-                                   .tp_rank = o.shared_expert.tp_rank,
-                                   .act = o.shared_expert.act,
-                                   .gate = o.shared_expert.gate};
-      auto se = shared_expert<T, Comm>::make(ss);
-      if (!se) return unexpected<error>(se.error());
-      shared.emplace(std::move(*se));
-    } else if (o.shared_expert.ffn < 0) {
+    if (o.shared_expert.ffn < 0)
       return make_error(errc::invalid_size, "moe_layer: shared_expert.ffn must be >= 0");
-    }
     auto gating = gating_type::make(o.router.num_experts, o.hidden);
     if (!gating) return unexpected<error>(gating.error());
     moe_layer l(o, std::move(router), std::move(policy), std::move(*disp), std::move(experts));
@@ -277,10 +264,17 @@ class moe_layer {
       if (!b) return unexpected<error>(b.error());
       l.bias_.emplace(std::move(*b));
     }
-    if (shared) {
-      l.shared_ = std::move(shared);
+    if (o.shared_expert.ffn > 0) {
+      auto se = shared_type::make(*l.exec_, {.max_tokens = o.max_tokens,
+                                             .hidden = o.hidden,
+                                             .ffn = o.shared_expert.ffn,
+                                             .tp = o.shared_expert.tp,
+                                             .tp_rank = o.shared_expert.tp_rank,
+                                             .act = o.shared_expert.act,
+                                             .gate = o.shared_expert.gate});
+      if (!se) return unexpected<error>(se.error());
+      l.shared_.emplace(std::move(*se));
       l.shared_scratch_.resize(l.shared_->scratch_bytes());
-      l.shared_out_.reserve(N * H);
     }
     // Sized once (nothing is allocated per step here; the router and policy reference code
     // allocate their own records): the dispatcher's scratch, the one-in-flight form's storage,
@@ -411,7 +405,9 @@ class moe_layer {
   }
   [[nodiscard]] Experts& experts() noexcept { return experts_; }
   //! The shared expert, or nullptr without one.
-  [[nodiscard]] shared_expert<T, Comm>* shared() noexcept { return shared_ ? &*shared_ : nullptr; }
+  [[nodiscard]] shared_expert<T, exec_type, Comm>* shared() noexcept {
+    return shared_ ? &*shared_ : nullptr;
+  }
   //! The expert bias and this global batch's routed-token counts (empty unless the router options
   //! enable the bias). Load a checkpointed bias into bias.
   [[nodiscard]] moefold::expert_bias<exec_t>* expert_bias() noexcept {
@@ -545,7 +541,7 @@ class moe_layer {
                         "communicator in moe_layer_groups::tp");
     // Experts' path. The scratch buffers are members, zeroed each step: their capacity is reused,
     // so steady-state steps allocate nothing here.
-    auto& [dy, dx_rows, dp_rows, dprobs, dx_experts, dx_shared, dout_seeded] = scratch_;
+    auto& [dy, dx_rows, dp_rows, dprobs, dx_experts, dout_seeded] = scratch_;
     auto& [dprobs_r, dlogits, dx_router] = router_scratch_;
     std::span<const T> dmain = dout;  // the main output's gradient, times its seed
     if (seeds.output != R(1)) {
@@ -629,15 +625,11 @@ class moe_layer {
             exec_->template add_converted<T, R>(rows(std::span<const R>(dx_router)), rows(dx));
         !st)
       return done(ctx, st);
-    if (shared_) {
-      dx_shared.assign(N * H, T(0));
-      if (auto st = shared_->backward(*exec_, dmain, *g.tp, dx_shared, ctx.shared_saved_,
+    if (shared_)  // dx += dx_shared
+      if (auto st = shared_->backward(*exec_, rows(dmain), *g.tp, rows(dx), ctx.shared_saved_,
                                       shared_scratch_);
           !st)
         return done(ctx, st);
-      if (auto st = exec_->template add<T>(rows(std::span<const T>(dx_shared)), rows(dx)); !st)
-        return done(ctx, st);
-    }
     return done(ctx, {});
   }
 
@@ -679,11 +671,13 @@ class moe_layer {
     if (auto st = tp_dp_cp.template all_reduce<grad_type>(dw_, reduce_op::sum); !st) return st;
     if (auto st = all_reduce_each<grad_type>(edp, expert_grads, reduce_op::sum); !st) return st;
     if (shared_) {
-      const mlp_grads<grad_type> sg = shared_->mlp_grad();
-      if (auto st = all_reduce_each<grad_type>(*dp_cp, {sg.fc1, sg.fc2}, reduce_op::sum); !st)
+      const auto& sg = shared_->params();
+      if (auto st = all_reduce_each<grad_type>(*dp_cp, {sg.grads.fc1.flat(), sg.grads.fc2.flat()},
+                                               reduce_op::sum);
+          !st)
         return st;
       if (o_.shared_expert.gate)
-        if (auto st = tp_dp_cp.template all_reduce<grad_type>(shared_->gate_grad(), reduce_op::sum);
+        if (auto st = tp_dp_cp.template all_reduce<grad_type>(sg.gate_grad.flat(), reduce_op::sum);
             !st)
           return st;
     }
@@ -889,15 +883,11 @@ class moe_layer {
     if (auto st = experts_.forward(*exec_, hd.batch(), rows(std::span<T>(y_)), experts_ws_); !st)
       return fail(ctx, st);
     if (auto st = disp_.combine(*ctx.handle_, y_, g.dispatch, out); !st) return fail(ctx, st);
-    if (shared_) {  // out += shared(x), the sum Megatron-Core forms in combine_postprocess
-      shared_out_.resize(detail::uz(n) * H);
+    if (shared_)  // out += shared(x), the sum Megatron-Core forms in combine_postprocess
       if (auto st =
-              shared_->forward(*exec_, n, x, *g.tp, shared_out_, sv->shared_ex, shared_scratch_);
+              shared_->forward(*exec_, rows(x), *g.tp, rows(out), sv->shared_ex, shared_scratch_);
           !st)
         return fail(ctx, st);
-      if (auto st = exec_->template add<T>(rows(std::span<const T>(shared_out_)), rows(out)); !st)
-        return fail(ctx, st);
-    }
     ctx.n_ = n;
     ctx.scratch_epoch_ = scratch_epoch_;
     ctx.x_ = sv->x;
@@ -1008,7 +998,8 @@ class moe_layer {
   Policy policy_;
   Dispatcher disp_;
   Experts experts_;
-  std::optional<shared_expert<T, Comm>> shared_;
+  using shared_type = shared_expert<T, exec_type, Comm>;
+  std::optional<shared_type> shared_;
   // The router weight [E, H] and its gradient: views of the own buffers or of the caller's.
   std::vector<T> own_w_;
   std::vector<grad_type> own_dw_;
@@ -1030,7 +1021,7 @@ class moe_layer {
   // Forward scratch: the logits [N, E] (until the saved part is sized), the experts' rows, the
   // shared output.
   std::vector<R> logits_;
-  std::vector<T> y_, shared_out_;
+  std::vector<T> y_;
   // The experts' workspace (expert_workspace_bytes), sized at make for the receive bound and
   // grown only when a pad-mode forward passes it; dead after each experts call.
   std::vector<std::byte> experts_ws_;
@@ -1042,7 +1033,7 @@ class moe_layer {
   struct backward_scratch {
     std::vector<T> dy, dx_rows;
     std::vector<Pt> dp_rows, dprobs;  // [M], [N, k]
-    std::vector<T> dx_experts, dx_shared, dout_seeded;
+    std::vector<T> dx_experts, dout_seeded;
   } scratch_;
   struct router_backward_scratch {  // in R
     std::vector<R> dprobs_r, dlogits, dx_router;

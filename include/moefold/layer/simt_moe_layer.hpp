@@ -13,15 +13,15 @@
 //! the thread world against moe_layer and the fp64 single-rank reference, and over micro-batches
 //! and a global batch's end for the losses with state and the bias). The shared expert
 //! (moe_layer_options::shared_expert, its parameters given to make()) runs as moe_layer's:
-//! Megatron-Core's sequence-parallel MLP over the attention TP group (every TP rank's N equal),
-//! mlp_experts for its shard, the sigmoid gate as kernels (kernels/shared_gate.hpp); its gradients
-//! are reduced by reduce_shared_gradients. Drop policies: dropless (default) or
-//! sub-sequence dropping (`sub_sequence`: capacity from this rank's tokens, by probability or by
-//! position, pad mode included) and full-sequence dropping (`simt_full_sequence`: the tp-cp
-//! group's routing gathered on the context, capacity and decision over the group's tokens in true
-//! sequence order from device order keys), both the policies' decision on the context
-//! (dispatch/capacity_keep.hpp, as moe_layer runs them); a bad routing or bad keys are refused at
-//! once on the CPU contexts and left in sticky fault words device_status() reads on a GPU.
+//! experts/shared_expert.hpp, Megatron-Core's sequence-parallel MLP over the attention TP group
+//! (every TP rank's N equal); its gradients are reduced by reduce_shared_gradients. Drop policies:
+//! dropless (default) or sub-sequence dropping (`sub_sequence`: capacity from this rank's tokens,
+//! by probability or by position, pad mode included) and full-sequence dropping
+//! (`simt_full_sequence`: the tp-cp group's routing gathered on the context, capacity and decision
+//! over the group's tokens in true sequence order from device order keys), both the policies'
+//! decision on the context (dispatch/capacity_keep.hpp, as moe_layer runs them); a bad routing or
+//! bad keys are refused at once on the CPU contexts and left in sticky fault words device_status()
+//! reads on a GPU.
 //!
 //! Forwards in flight: forward(x, groups, out, context) fills a simt_moe_layer::context (its
 //! input, logits, routing, the losses' saved bytes and the dispatcher's saved and host parts, in
@@ -58,7 +58,6 @@
 #include <vector>
 
 #include <moefold/kernels/sequence_order.hpp>
-#include <moefold/kernels/shared_gate.hpp>
 
 #include "../comm/communicator.hpp"
 #include "../core/dtype.hpp"
@@ -73,6 +72,7 @@
 #include "../exec/gemm_policy.hpp"
 #include "../experts/expert_fn.hpp"
 #include "../experts/mlp_experts.hpp"
+#include "../experts/shared_expert.hpp"
 #include "../routing/expert_bias.hpp"
 #include "../routing/load_balancing_losses.hpp"
 #include "../routing/router_z_loss.hpp"
@@ -106,19 +106,6 @@ using simt_drop_policy = std::variant<sub_sequence, simt_full_sequence>;
   const auto& f = std::get<simt_full_sequence>(d).policy;
   return {.capacity_factor = f.capacity_factor, .pad_to_capacity = f.pad_to_capacity, .by = f.by};
 }
-
-//! The shared expert's parameters on a context (moe_layer_options::shared_expert gives its
-//! shape): this attention-TP rank's shard of the MLP, fc1 [F1 / TP, H] (a gated activation's gate
-//! rows, then its up rows; experts/mlp_params.hpp for one expert with TP as its ETP) and fc2
-//! [H, F / TP], the gate weight [1, H] (empty without a gate) and their gradient buffers
-//! (accumulated into), all contiguous in the context's memory, outliving the layer.
-template <class T, class S, class G = main_grad_t<T>>
-struct simt_shared_expert_params {
-  mlp_weight_views<T, S> mlp{};
-  mlp_grad_views<G, S> grads{};
-  row_view<const T, S> gate{};
-  row_view<G, S> gate_grad{};
-};
 
 //! The loss values of a forward, each a [1, 1] view in the context's memory (empty when the loss
 //! is off or in evaluation): valid until the next forward.
@@ -177,9 +164,7 @@ class simt_moe_layer {
       loss_saved_ = std::move(o.loss_saved_);
       saved_ = std::move(o.saved_);
       host_ = std::move(o.host_);
-      sh_xg_ = std::move(o.sh_xg_);
-      sh_y_ = std::move(o.sh_y_);
-      sh_gates_ = std::move(o.sh_gates_);
+      sh_saved_ = std::move(o.sh_saved_);
       return *this;
     }
     ~context() = default;
@@ -223,11 +208,11 @@ class simt_moe_layer {
     struct sizes_key {
       long long tokens = 0, hidden = 0, experts = 0, topk = 0, batch = 0;
       bool drop = false;
-      long long shared_rows = 0;  // tp max_tokens with a shared expert, else 0
-      long long loss_bytes = 0;   // the losses' saved bytes
+      long long shared_bytes = 0;  // the shared expert's saved bytes (0: none)
+      long long loss_bytes = 0;    // the losses' saved bytes
       dispatch_workspace_bytes ws{};
       bool operator==(const sizes_key& k) const noexcept {
-        return shared_rows == k.shared_rows && tokens == k.tokens && hidden == k.hidden &&
+        return shared_bytes == k.shared_bytes && tokens == k.tokens && hidden == k.hidden &&
                experts == k.experts && topk == k.topk && batch == k.batch && drop == k.drop &&
                loss_bytes == k.loss_bytes && ws.saved == k.ws.saved && ws.scratch == k.ws.scratch &&
                ws.host == k.ws.host;
@@ -246,10 +231,8 @@ class simt_moe_layer {
     buffer<std::byte> loss_saved_;
     buffer<std::byte> saved_;      // the dispatcher's saved part
     std::vector<std::byte> host_;  // and its host part
-    // The shared expert's (with one): its input gathered over TP [tp N, H], its output before
-    // the gate [N, H] and the gates [1, N] (1 without a gate).
-    buffer<T> sh_xg_, sh_y_;
-    buffer<float> sh_gates_;
+    // The shared expert's saved part (with one).
+    buffer<std::byte> sh_saved_;
   };
   using context_type = context;
 
@@ -262,7 +245,7 @@ class simt_moe_layer {
       Exec& exec, const moe_layer_options& o, row_view<const T, space> router_weight,
       row_view<grad_type, space> router_grad, Experts experts,
       std::optional<simt_drop_policy> drop = {},
-      const simt_shared_expert_params<T, space, grad_type>& shared = {}) {
+      const shared_expert_views<T, space, grad_type>& shared = {}) {
     using detail::to_decimal;
     const auto refuse = [](const std::string& what, errc code = errc::not_supported) {
       return unexpected<error>(make_error(code, "simt_moe_layer: " + what));
@@ -340,28 +323,16 @@ class simt_moe_layer {
     l.policy_ = drop;
     if (o.shared_expert.ffn > 0) {
       const auto& so = o.shared_expert;
-      if (so.tp < 1 || so.tp_rank < 0 || so.tp_rank >= so.tp)
-        return refuse("shared_expert.tp must be >= 1 and tp_rank in [0, tp)",
-                      errc::invalid_argument);
-      const auto vec = [&](const auto& v) {
-        return v.rows() == 1 && v.width() == o.hidden && v.contiguous();
-      };
-      if (so.gate ? !(vec(shared.gate) && vec(shared.gate_grad))
-                  : !(shared.gate.empty() && shared.gate_grad.empty()))
-        return refuse(so.gate ? "the shared expert's gate weight and its gradient must be "
-                                "contiguous [1, H]"
-                              : "a gate weight given to a shared expert without a gate",
-                      errc::shape_mismatch);
-      auto mlp = shared_mlp::make({.hidden = o.hidden,
+      auto se = shared_type::make({.max_tokens = o.max_tokens,
+                                   .hidden = o.hidden,
                                    .ffn = so.ffn,
-                                   .num_local_experts = 1,
-                                   .etp = so.tp,
-                                   .etp_rank = so.tp_rank,
-                                   .act = so.act},
-                                  shared.mlp, shared.grads);
-      if (!mlp) return refuse("the shared expert: " + mlp.error().message, mlp.error().code);
-      l.shared_.emplace(std::move(*mlp));
-      l.shared_params_ = shared;
+                                   .tp = so.tp,
+                                   .tp_rank = so.tp_rank,
+                                   .act = so.act,
+                                   .gate = so.gate},
+                                  shared);
+      if (!se) return refuse("the shared expert: " + se.error().message, se.error().code);
+      l.shared_.emplace(std::move(*se));
     }
     auto lb = load_balancing_losses<float, Exec>::make(exec, moe_load_balancing_options(o));
     if (!lb) return unexpected<error>(lb.error());
@@ -581,7 +552,8 @@ class simt_moe_layer {
     if (auto st = disp_.combine(*x_, *h, y, g.dispatch, out); !st)
       return unexpected<error>(st.error());
     if (shared_)  // out += the shared expert's output, the sum Megatron-Core forms after combine
-      if (auto st = shared_forward(ctx, x, g, n, out); !st) return unexpected<error>(st.error());
+      if (auto st = shared_->forward(*x_, x, *g.tp, out, shared_saved(ctx), shared_scratch()); !st)
+        return unexpected<error>(st.error());
     ctx.handle_.emplace(std::move(*h));
     ctx.n_ = n;
     return stats;
@@ -656,7 +628,8 @@ class simt_moe_layer {
         !st)
       return st;
     if (auto st = x_->template add_converted<T, float>(dxr, dx); !st) return st;
-    if (shared_) return shared_backward(ctx, dout, g, n, dx);  // dx += dx_shared, the host's order
+    if (shared_)  // dx += dx_shared, the host's order
+      return shared_->backward(*x_, dout, *g.tp, dx, shared_saved(ctx), shared_scratch());
     return {};
   }
 
@@ -685,13 +658,12 @@ class simt_moe_layer {
       return make_error(errc::invalid_argument,
                         "simt_moe_layer: reduce_shared_gradients of a layer without a shared "
                         "expert");
-    const row_view<grad_type, space> mlp_grads[] = {shared_params_.grads.fc1,
-                                                    shared_params_.grads.fc2};
+    const auto& p = shared_->params();
+    const row_view<grad_type, space> mlp_grads[] = {p.grads.fc1, p.grads.fc2};
     for (const auto& b : mlp_grads)
       if (auto st = dp_cp.all_reduce(*x_, b, reduce_op::sum); !st) return st;
     if (o_.shared_expert.gate)
-      if (auto st = tp_dp_cp.all_reduce(*x_, shared_params_.gate_grad, reduce_op::sum); !st)
-        return st;
+      if (auto st = tp_dp_cp.all_reduce(*x_, p.gate_grad, reduce_op::sum); !st) return st;
     return {};
   }
 
@@ -760,21 +732,11 @@ class simt_moe_layer {
     // parts in each context.
     ws_sizes_ = disp_.workspace_sizes(pad_max);
     if (auto st = make(scratch_, 1, buffer_maker::bytes(ws_sizes_.scratch)); !st) return st;
-    if (shared_) {
-      // The shared expert's scratch: G = tp N gathered rows (collectives: contiguous rows).
-      const long long G = static_cast<long long>(o_.shared_expert.tp) * N;
-      for (status st :
-           {make(sh_in_, N, H), make(sh_rows_a_, G, H), make(sh_rows_b_, G, H), make(sh_dy_, N, H),
-            make(sh_ones_, G, 1), make(sh_dprobs_, G, 1), make(sh_dpre_, 1, N)})
-        if (!st) return st;
-      // Every gathered row's probability is 1 (the MLP applies it after the activation: x 1 is
-      // exact).
-      if (auto st = x_->template fill<float>(sh_ones_.view(), 1.0f); !st) return st;
-    }
-    // The experts' workspace: the receive bound's rows, or the shared MLP's tp N rows.
-    std::size_t ws = expert_workspace_bytes(experts_, static_cast<int>(M));
-    if (shared_)
-      ws = std::max(ws, shared_->workspace_bytes(static_cast<int>(o_.shared_expert.tp * N)));
+    if (shared_)  // the shared expert's scratch (its calls' MLP workspace included)
+      if (auto st = make(sh_scratch_, 1, buffer_maker::bytes(shared_->scratch_bytes())); !st)
+        return st;
+    // The experts' workspace: the receive bound's rows.
+    const std::size_t ws = expert_workspace_bytes(experts_, static_cast<int>(M));
     if (auto st = make(experts_ws_, 1, buffer_maker::bytes(ws)); !st) return st;
     return prepare(own_);
   }
@@ -795,16 +757,15 @@ class simt_moe_layer {
 
   // The sizes a context's buffers take for this layer.
   typename context::sizes_key key() const noexcept {
-    return {
-        .tokens = o_.max_tokens,
-        .hidden = o_.hidden,
-        .experts = o_.router.num_experts,
-        .topk = o_.router.topk,
-        .batch = o_.batch,
-        .drop = drop_.has_value(),
-        .shared_rows = shared_ ? static_cast<long long>(o_.shared_expert.tp) * o_.max_tokens : 0,
-        .loss_bytes = static_cast<long long>(lb_.saved_bytes() + z_.saved_bytes()),
-        .ws = ws_sizes_};
+    return {.tokens = o_.max_tokens,
+            .hidden = o_.hidden,
+            .experts = o_.router.num_experts,
+            .topk = o_.router.topk,
+            .batch = o_.batch,
+            .drop = drop_.has_value(),
+            .shared_bytes = shared_ ? static_cast<long long>(shared_->saved_bytes()) : 0,
+            .loss_bytes = static_cast<long long>(lb_.saved_bytes() + z_.saved_bytes()),
+            .ws = ws_sizes_};
   }
   // Allocates a context's buffers unless they have this layer's sizes already (its first
   // forward, or one filled by a layer of other options). On failure the context holds none.
@@ -823,13 +784,13 @@ class simt_moe_layer {
         c = context{};
         return st;
       }
-    if (k.shared_rows > 0)  // collective buffers: contiguous rows
-      for (status st :
-           {make(c.sh_xg_, k.shared_rows, H), make(c.sh_y_, N, H), make(c.sh_gates_, 1, N)})
-        if (!st) {
-          c = context{};
-          return st;
-        }
+    if (k.shared_bytes > 0)
+      if (auto st =
+              make(c.sh_saved_, 1, buffer_maker::bytes(static_cast<std::size_t>(k.shared_bytes)));
+          !st) {
+        c = context{};
+        return st;
+      }
     c.host_.assign(k.ws.host, std::byte{0});
     c.key_ = k;
     return {};
@@ -937,128 +898,21 @@ class simt_moe_layer {
                             to_decimal(g.tp->rank()));
     return {};
   }
-  expert_batch<T, float, space> shared_batch(const context& ctx, const int& rows) const {
-    return {.counts = std::span<const int>(&rows, 1),
-            .x = ctx.sh_xg_.cview().first(rows),
-            .probs = sh_ones_.cview().first(rows)};
+  // The shared expert's saved part of a context, and its scratch.
+  static std::span<std::byte> shared_saved(context& ctx) noexcept {
+    const auto v = ctx.sh_saved_.view();
+    return {v.data(), static_cast<std::size_t>(v.width())};
   }
-  // The shared expert (experts/shared_expert.hpp's computation, Megatron-Core's sequence
-  // parallel MLP): x [N, H] gathered over TP [tp N, H] (every TP rank has N tokens: sequence
-  // parallel's equal shards; a rank with another N fails the gather), the MLP shard (fc1
-  // column-parallel, fc2 row-parallel: a partial sum), reduce-scattered back to [N, H], then
-  // out += gate * y.
-  status shared_forward(context& ctx, row_view<const T, space> x, const moe_layer_groups<Comm>& g,
-                        int n, row_view<T, space> out) {
-    const int tp = o_.shared_expert.tp, G = tp * n;
-    const auto xin = sh_in_.view().first(n), y = ctx.sh_y_.view().first(n);
-    const auto xg = ctx.sh_xg_.view().first(G), yp = sh_rows_a_.view().first(G);
-    if (tp > 1) {
-      if (auto st = x_->copy(x, xin); !st) return st;
-      if (auto st = g.tp->all_gather(*x_, row_view<const T, space>(xin), xg); !st) return st;
-    } else if (auto st = x_->copy(x, xg); !st) {
-      return st;
-    }
-    if (auto st = shared_->forward(*x_, shared_batch(ctx, G), tp > 1 ? yp : y, experts_workspace());
-        !st)
-      return st;
-    if (tp > 1) {
-      const std::vector<int> rows(static_cast<std::size_t>(tp), n);
-      if (auto st =
-              g.tp->reduce_scatter_v(*x_, row_view<const T, space>(yp), rows, y, reduce_op::sum);
-          !st)
-        return st;
-    }
-    const kernels::shared_gate_forward_kernel<T> k{
-        .x = {x.data(), x.stride()},
-        .gate = o_.shared_expert.gate ? shared_params_.gate.data() : nullptr,
-        .y = {y.data(), y.stride()},
-        .num_tokens = n,
-        .hidden = o_.hidden,
-        .gates = ctx.sh_gates_.view().data(),
-        .out = {out.data(), out.stride()}};
-    if (n == 0) return {};
-    return launch(*x_, launch_grid{.blocks = capped_blocks<Exec>(n, k.block_threads)}, k);
-  }
-  // Its backward, the forward's steps reversed: the gate's (dy = gate dout, the gate weight's
-  // gradient), an all-gather (the reduce-scatter's backward), the MLP shard's backward (its
-  // weight gradients added), a reduce-scatter (the all-gather's backward), the gate's part of
-  // dx; then dx += dx_shared.
-  status shared_backward(const context& ctx, row_view<const T, space> dout,
-                         const moe_layer_groups<Comm>& g, int n, row_view<T, space> dx) {
-    if (n == 0) return {};
-    const int tp = o_.shared_expert.tp, G = tp * n, H = o_.hidden;
-    const bool gated = o_.shared_expert.gate;
-    const auto dy = sh_dy_.view().first(n);
-    const auto xmine = ctx.sh_xg_.cview().subrows(o_.shared_expert.tp_rank * n, n);
-    const kernels::shared_gate_backward_kernel<T> back{.dout = {dout.data(), dout.stride()},
-                                                       .y = {ctx.sh_y_.view().data(), H},
-                                                       .gates = ctx.sh_gates_.view().data(),
-                                                       .num_tokens = n,
-                                                       .hidden = H,
-                                                       .gated = gated,
-                                                       .dy = {dy.data(), dy.stride()},
-                                                       .dpre = sh_dpre_.view().data()};
-    if (auto st =
-            launch(*x_, launch_grid{.blocks = capped_blocks<Exec>(n, back.block_threads)}, back);
-        !st)
-      return st;
-    if (gated) {
-      const kernels::shared_gate_weight_grad_kernel<T, grad_type> wg{
-          .x = {xmine.data(), xmine.stride()},
-          .dpre = sh_dpre_.view().data(),
-          .num_tokens = n,
-          .hidden = H,
-          .grad = shared_params_.gate_grad.data()};
-      if (auto st =
-              launch(*x_, launch_grid{.blocks = capped_blocks<Exec>(H, wg.block_threads)}, wg);
-          !st)
-        return st;
-    }
-    const auto dyg = sh_rows_a_.view().first(G), dxg = sh_rows_b_.view().first(G);
-    if (tp > 1)
-      if (auto st = g.tp->all_gather(*x_, row_view<const T, space>(dy), dyg); !st) return st;
-    if (auto st =
-            shared_->backward(*x_, shared_batch(ctx, G),
-                              tp > 1 ? row_view<const T, space>(dyg) : row_view<const T, space>(dy),
-                              dxg, sh_dprobs_.view().first(G), experts_workspace());
-        !st)
-      return st;
-    // dx_shared [N, H]: the reduce-scatter of the gathered rows' partials (TP > 1), else them.
-    auto dxs = dxg.first(n);
-    if (tp > 1) {
-      dxs = sh_in_.view().first(n);  // the forward's copy of x is dead by now
-      const std::vector<int> rows(static_cast<std::size_t>(tp), n);
-      if (auto st =
-              g.tp->reduce_scatter_v(*x_, row_view<const T, space>(dxg), rows, dxs, reduce_op::sum);
-          !st)
-        return st;
-    }
-    if (gated) {
-      const kernels::shared_gate_dx_kernel<T> k{.dpre = sh_dpre_.view().data(),
-                                                .gate = shared_params_.gate.data(),
-                                                .num_tokens = n,
-                                                .hidden = H,
-                                                .dx = {dxs.data(), dxs.stride()}};
-      if (auto st = launch(*x_,
-                           launch_grid{.blocks = capped_blocks<Exec>(static_cast<long long>(n) * H,
-                                                                     k.block_threads)},
-                           k);
-          !st)
-        return st;
-    }
-    return x_->template add_converted<T, T>(row_view<const T, space>(dxs), dx);
+  std::span<std::byte> shared_scratch() const noexcept {
+    return {sh_scratch_.view().data(), static_cast<std::size_t>(sh_scratch_.view().width())};
   }
 
   Exec* x_;
-  // The shared expert (with moe_layer_options::shared_expert.ffn > 0): its MLP shard on the
-  // context (the GEMM policy of the context's default), the caller's parameters, and its
-  // scratch (dead after each call).
-  using shared_mlp = mlp_experts<T, Exec, default_gemms<Exec>, grad_type, float>;
-  std::optional<shared_mlp> shared_{};
-  simt_shared_expert_params<T, space, grad_type> shared_params_{};
-  buffer<T> sh_in_, sh_rows_a_, sh_rows_b_, sh_dy_;  // [N, H], [tp N, H] x 2, [N, H]
-  buffer<float> sh_ones_, sh_dprobs_;                // [tp N, 1]: probabilities 1; dprobs
-  buffer<accumulator_t<T>> sh_dpre_;                 // [1, N] d loss / d gate logit
+  // The shared expert (with moe_layer_options::shared_expert.ffn > 0) on the caller's
+  // parameters, and its scratch (dead after each call).
+  using shared_type = shared_expert<T, Exec, Comm, grad_type>;
+  std::optional<shared_type> shared_{};
+  buffer<std::byte> sh_scratch_;
   moe_layer_options o_;
   router_type router_;
   row_view<const T, space> router_w_{};    // [E, H] the caller's
