@@ -316,7 +316,8 @@ int train(const options& o, const Policy& policy, const upcycled_start* up) {
       if (auto s = se->load_full(w1, w2); !s) return s;
     }
     for (int i = 0; !up && i < o.experts * H; ++i)
-      layer->router_weight()[static_cast<std::size_t>(i)] = static_cast<T>(0.1 * rnd(400, i, 0));
+      layer->router_weight().flat()[static_cast<std::size_t>(i)] =
+          static_cast<T>(0.1 * rnd(400, i, 0));
     if (up) {  // this rank's file: the router and its local experts' shards
       char name[32];
       std::snprintf(name, sizeof name, "rank-%05d.safetensors", r);
@@ -328,7 +329,8 @@ int train(const options& o, const Policy& policy, const upcycled_start* up) {
       auto f = examples::safetensors::reader::open(up->dir / name);
       if (!f) return unexpected<error>(f.error());
       const std::string pre = "layers." + std::to_string(up->layer) + ".";
-      if (auto s = load_tensor<T>(*f, pre + "router.weight", layer->router_weight()); !s) return s;
+      if (auto s = load_tensor<T>(*f, pre + "router.weight", layer->router_weight().flat()); !s)
+        return s;
       auto& ex = layer->experts();
       const std::size_t n1 = ex.weights_fc1().size() / static_cast<std::size_t>(L),
                         n2 = ex.weights_fc2().size() / static_cast<std::size_t>(L);
@@ -387,7 +389,7 @@ int train(const options& o, const Policy& policy, const upcycled_start* up) {
       if (auto s = layer->reduce_gradients(*comms, {ex.grads_fc1(), ex.grads_fc2()}); !s) return s;
       // SGD; every replica applies the same reduced gradient.
       std::vector<std::pair<std::span<T>, std::span<T>>> params = {
-          {layer->router_weight(), layer->router_weight_grad()},
+          {layer->router_weight().flat(), layer->router_weight_grad().flat()},
           {ex.weights_fc1(), ex.grads_fc1()},
           {ex.weights_fc2(), ex.grads_fc2()}};
       if (auto* se = layer->shared()) {

@@ -79,8 +79,8 @@ struct rank_params {
 // The weights of rank r, taken from an owning layer set up the way the other layer tests set
 // theirs up (so the two forms start from the same values).
 void fill_owning(owning_t& l, int r) {
-  for (std::size_t i = 0; i < l.router_weight().size(); ++i)
-    l.router_weight()[i] = unit(9, static_cast<std::uint64_t>(i), 0);
+  for (std::size_t i = 0; i < l.router_weight().flat().size(); ++i)
+    l.router_weight().flat()[i] = unit(9, static_cast<std::uint64_t>(i), 0);
   auto* se = l.shared();
   for (std::size_t i = 0; i < se->own().gate.flat().size(); ++i)
     se->own().gate.flat()[i] = unit(10, i, 0);
@@ -95,8 +95,8 @@ rank_params params_of(owning_t& l) {
   auto z = [](auto s) { return std::vector<double>(s.size(), 0.0); };
   auto* se = l.shared();
   rank_params q;
-  q.router = v(l.router_weight());
-  q.router_g = z(l.router_weight());
+  q.router = v(l.router_weight().flat());
+  q.router_g = z(l.router_weight().flat());
   q.fc1 = v(l.experts().weights_fc1());
   q.fc2 = v(l.experts().weights_fc2());
   q.fc1_g = z(q.fc1);
@@ -147,7 +147,7 @@ status step(Layer& l, moe_layer_communicators<Comm>& c, const step_inputs& in, s
 template <class Layer>
 void take_grads(Layer& l, step_out& o) {
   auto v = [](auto s) { return std::vector<double>(s.begin(), s.end()); };
-  o.router_g = v(l.router_weight_grad());
+  o.router_g = v(l.router_weight_grad().flat());
   if constexpr (std::same_as<Layer, owning_t>) {
     o.fc1_g = v(l.experts().grads_fc1());
     o.fc2_g = v(l.experts().grads_fc2());
@@ -217,7 +217,7 @@ TEST_CASE("caller-owned parameters: bitwise the owning layer, beta = 1, read in 
     if (auto s = step(*bound, *comms, in, R.bound, true); !s) return s;
     take_grads(*bound, R.bound);
     // The gradients are the caller's buffers.
-    CHECK(bound->router_weight_grad().data() == q.router_g.data());
+    CHECK(bound->router_weight_grad().flat().data() == q.router_g.data());
     CHECK(bound->shared()->params().gate_grad.flat().data() == q.gate_g.data());
 
     // beta = 1: zero, two backwards of the same input, no reduction in between.
@@ -255,7 +255,7 @@ TEST_CASE("caller-owned parameters: bitwise the owning layer, beta = 1, read in 
     bad.router.pop_back();
     const auto e = bound->bind_parameters(bad.views());
     R.refused = e ? "accepted" : e.error().message;
-    R.refused_changed_nothing = bound->router_weight().data() == q.router.data();
+    R.refused_changed_nothing = bound->router_weight().flat().data() == q.router.data();
     return {};
   });
   for (const auto& s : st) REQUIRE_MESSAGE(s.has_value(), s.error().message);
@@ -363,7 +363,7 @@ heap_report copies_in_heap(bool caller_owned) {
       // the caller's buffer would still hold these bytes at the end. (The owning layer's own
       // gradient buffer has moved on by then: the control is the weights.)
       if (s == 0 && caller_owned)
-        std::memcpy(needles[ur * 8 + 6].data(), bound->router_weight_grad().data(),
+        std::memcpy(needles[ur * 8 + 6].data(), bound->router_weight_grad().flat().data(),
                     needles[ur * 8 + 6].size());
     }
     if (auto s = world.barrier(); !s) return s;

@@ -92,7 +92,7 @@ expected<layer_result> run_layer_rank(const problem& p, const Policy& policy, Co
                               .z_loss_coeff = z_coeff},
                              policy, std::move(mlp));
   if (!layer) return unexpected<error>(layer.error());
-  std::transform(wr.begin(), wr.end(), layer->router_weight().begin(),
+  std::transform(wr.begin(), wr.end(), layer->router_weight().flat().begin(),
                  [](double v) { return static_cast<T>(v); });
   std::vector<T> x, dout;
   for (int t = 0; t < p.tokens; ++t) {
@@ -109,7 +109,8 @@ expected<layer_result> run_layer_rank(const problem& p, const Policy& policy, Co
   res.z = stats->z_loss;
   res.dropped = stats->dropped.dropped_pairs;
   res.indices = layer->last_routing().indices;
-  res.kept.assign(layer->last_kept_experts().begin(), layer->last_kept_experts().end());
+  res.kept.assign(layer->last_kept_experts().flat().begin(),
+                  layer->last_kept_experts().flat().end());
   using R = typename layer_t::router_value_type;
   if (auto s = layer->backward(dout, R(1), g, dx); !s) return unexpected<error>(s.error());
   if (auto s = layer->reduce_gradients(
@@ -118,7 +119,7 @@ expected<layer_result> run_layer_rank(const problem& p, const Policy& policy, Co
     return unexpected<error>(s.error());
   res.out = widen(std::span<const T>(out));
   res.dx = widen(std::span<const T>(dx));
-  res.dw_router = widen(layer->router_weight_grad());
+  res.dw_router = widen(layer->router_weight_grad().flat());
   res.dw1 = widen(layer->experts().grads_fc1());
   res.dw2 = widen(layer->experts().grads_fc2());
   return res;

@@ -106,7 +106,7 @@ std::vector<rank_out> run(const problem& p, variant v) {
                   all_to_all_dispatcher<double, thread_communicator>, reference_mlp<double>>;
     auto layer = layer_t::make(o, dropless{}, std::move(mlp));
     if (!layer) return unexpected<error>(layer.error());
-    std::copy(wr.begin(), wr.end(), layer->router_weight().begin());
+    std::copy(wr.begin(), wr.end(), layer->router_weight().flat().begin());
     if (auto* se = layer->shared()) {
       if (auto s = se->load_full(megatron_fc1_from_columns(ws.w1, p.hidden, 2, shared_ffn),
                                  megatron_fc2_from_rows(ws.w2, shared_ffn, p.hidden));
@@ -147,7 +147,8 @@ std::vector<rank_out> run(const problem& p, variant v) {
             stage, edp, {layer->experts().grads_fc1(), layer->experts().grads_fc2()}, &dp_cp);
         !s)
       return s;
-    res.dw_router.assign(layer->router_weight_grad().begin(), layer->router_weight_grad().end());
+    res.dw_router.assign(layer->router_weight_grad().flat().begin(),
+                         layer->router_weight_grad().flat().end());
     res.dw1.assign(layer->experts().grads_fc1().begin(), layer->experts().grads_fc1().end());
     res.dw2.assign(layer->experts().grads_fc2().begin(), layer->experts().grads_fc2().end());
     if (auto* se = layer->shared()) {
@@ -528,8 +529,8 @@ TEST_CASE("MoE layer: the expert bias counts the pairs that survive the drop pol
         sub_sequence{.capacity_factor = 0.5},
         reference_mlp<double>::make({.hidden = H, .ffn = 2, .num_local_experts = E}).value());
     if (!layer) return unexpected<error>(layer.error());
-    for (std::size_t i = 0; i < layer->router_weight().size(); ++i)
-      layer->router_weight()[i] = unit(20, i, 0);
+    for (std::size_t i = 0; i < layer->router_weight().flat().size(); ++i)
+      layer->router_weight().flat()[i] = unit(20, i, 0);
     std::vector<double> x, out(static_cast<std::size_t>(N * H));
     for (int i = 0; i < N * H; ++i) x.push_back(unit(21, i, 0));
     const moe_layer_groups<thread_communicator> g{.tp_cp = self, .dispatch = {self, self, self}};
@@ -537,7 +538,7 @@ TEST_CASE("MoE layer: the expert bias counts the pairs that survive the drop pol
     if (!stats) return unexpected<error>(stats.error());
     CHECK(stats->dropped.dropped_pairs > 0);  // the capacity bound
     std::vector<float> kept(E, 0.f), routed(E, 0.f);
-    const auto ke = layer->last_kept_experts();
+    const auto ke = layer->last_kept_experts().flat();
     for (int e : ke)
       if (e >= 0) kept[static_cast<std::size_t>(e)] += 1.f;
     for (int e : layer->last_routing().indices) routed[static_cast<std::size_t>(e)] += 1.f;
@@ -575,8 +576,8 @@ TEST_CASE("MoE layer state: save, load into a fresh layer, and the run continues
               o, sub_sequence{.capacity_factor = 1.0},
               reference_mlp<double>::make({.hidden = H, .ffn = 2, .num_local_experts = E}).value())
               .value();
-      for (std::size_t i = 0; i < l.router_weight().size(); ++i)
-        l.router_weight()[i] = unit(30, i, 0);
+      for (std::size_t i = 0; i < l.router_weight().flat().size(); ++i)
+        l.router_weight().flat()[i] = unit(30, i, 0);
       // Values by position in the reference's shard layout ([E, H, 2F], [E, F, H] with F = 2),
       // converted to the library's (support/mlp_layout.hpp).
       auto w1 = l.experts().weights_fc1(), w2 = l.experts().weights_fc2();
@@ -607,8 +608,8 @@ TEST_CASE("MoE layer state: save, load into a fresh layer, and the run continues
       if (!f) return unexpected<error>(f.error());
       s.global_aux = f->global_aux_loss;
       if (auto b = l.backward(x, 1.0, g, s.dx); !b) return unexpected<error>(b.error());
-      s.dw.assign(l.router_weight_grad().begin(), l.router_weight_grad().end());
-      std::fill(l.router_weight_grad().begin(), l.router_weight_grad().end(), 0.0);
+      s.dw.assign(l.router_weight_grad().flat().begin(), l.router_weight_grad().flat().end());
+      std::fill(l.router_weight_grad().flat().begin(), l.router_weight_grad().flat().end(), 0.0);
       return s;
     };
     layer_t a = make();

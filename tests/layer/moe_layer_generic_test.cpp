@@ -100,15 +100,22 @@ class local_dispatcher {
     return {c.required(), 0, 0};
   }
 
-  [[nodiscard]] expected<handle_type> dispatch(const host_dispatch_input<T>& in,
+  [[nodiscard]] expected<handle_type> dispatch(host_exec&,
+                                               const dispatch_input<T, host_space, T>& v,
                                                const dispatch_groups<Comm>&,
                                                const dispatch_workspace& ws) {
-    const int N = in.num_tokens, K = s_.topk, H = s_.hidden, E = s_.num_experts;
-    if (in.capacity) return make_error(errc::invalid_argument, "local_dispatcher: no pad mode");
+    const int N = v.num_tokens, K = s_.topk, H = s_.hidden, E = s_.num_experts;
+    if (v.capacity) return make_error(errc::invalid_argument, "local_dispatcher: no pad mode");
     const auto pairs = static_cast<std::size_t>(N) * static_cast<std::size_t>(K);
-    if (N < 0 || N > s_.max_tokens || in.x.size() != static_cast<std::size_t>(N) * H ||
-        in.expert.size() != pairs || in.probs.size() != pairs)
+    if (N < 0 || N > s_.max_tokens || v.x.rows() != N || v.x.width() != H || !v.x.contiguous() ||
+        v.expert.rows() != N || v.expert.width() != K || !v.expert.contiguous() ||
+        v.probs.rows() != N || v.probs.width() != K || !v.probs.contiguous())
       return make_error(errc::shape_mismatch, "local_dispatcher: x [N, H], expert/probs [N, k]");
+    const struct {
+      std::span<const T> x;
+      std::span<const int> expert;
+      std::span<const T> probs;
+    } in{v.x.flat(), v.expert.flat(), v.probs.flat()};
     for (int e : in.expert)
       if (e < -1 || e >= E)
         return make_error(errc::invalid_argument, "local_dispatcher: expert outside [-1, E)");
@@ -147,14 +154,18 @@ class local_dispatcher {
     hd.p_ = b.p.first(static_cast<std::size_t>(m));
     return hd;
   }
-  [[nodiscard]] status combine(handle_type& h, std::span<const T> y, const dispatch_groups<Comm>&,
-                               std::span<T> out) const {
+  [[nodiscard]] status combine(host_exec&, handle_type& h, row_view<const T> yv,
+                               const dispatch_groups<Comm>&, row_view<T> outv) const {
+    const auto y = yv.flat();
+    const auto out = outv.flat();
     if (auto st = check(h, y.size(), out.size()); !st) return st;
     sum_rows(h, y, out);
     return {};
   }
-  [[nodiscard]] status combine_backward(const handle_type& h, std::span<const T> dout,
-                                        const dispatch_groups<Comm>&, std::span<T> dy) const {
+  [[nodiscard]] status combine_backward(host_exec&, const handle_type& h, row_view<const T> doutv,
+                                        const dispatch_groups<Comm>&, row_view<T> dyv) const {
+    const auto dout = doutv.flat();
+    const auto dy = dyv.flat();
     if (auto st = check(h, dy.size(), dout.size()); !st) return st;
     const auto H = static_cast<std::size_t>(h.hidden_);
     for (std::size_t r = 0; r < h.token_of_.size(); ++r)
@@ -162,10 +173,15 @@ class local_dispatcher {
         dy[r * H + c] = dout[static_cast<std::size_t>(h.token_of_[r]) * H + c];
     return {};
   }
-  [[nodiscard]] status dispatch_backward(const handle_type& h, std::span<const T> dx_rows,
-                                         std::span<const T> dprob_rows,
-                                         const dispatch_groups<Comm>&, std::span<T> dx,
-                                         std::span<T> dprobs) const {
+  [[nodiscard]] status dispatch_backward(host_exec&, const handle_type& h,
+                                         row_view<const T> dx_rows_v,
+                                         row_view<const T> dprob_rows_v,
+                                         const dispatch_groups<Comm>&, row_view<T> dx_v,
+                                         row_view<T> dprobs_v) const {
+    const auto dx_rows = dx_rows_v.flat();
+    const auto dprob_rows = dprob_rows_v.flat();
+    const auto dx = dx_v.flat();
+    const auto dprobs = dprobs_v.flat();
     if (auto st = check(h, dx_rows.size(), dx.size()); !st) return st;
     if (dprob_rows.size() != h.p_.size() || dprobs.size() != h.row_of_.size())
       return make_error(errc::shape_mismatch, "local_dispatcher: dprob rows [M], dprobs [N, k]");
@@ -227,8 +243,8 @@ expected<run_out> run_rank(const problem& p, thread_communicator& world, const M
   const data w = make_weights(p);
   auto layer = make_layer(rank_experts<double>(p, fold, r, w.w1, w.w2).value());
   if (!layer) return unexpected<error>(layer.error());
-  for (std::size_t i = 0; i < layer->router_weight().size(); ++i)
-    layer->router_weight()[i] = unit(9, static_cast<std::uint64_t>(i), 0);
+  for (std::size_t i = 0; i < layer->router_weight().flat().size(); ++i)
+    layer->router_weight().flat()[i] = unit(9, static_cast<std::uint64_t>(i), 0);
   std::vector<double> x, dout;
   for (int t = 0; t < p.tokens; ++t) {
     const auto d = make_token(p, r, t);
@@ -242,7 +258,7 @@ expected<run_out> run_rank(const problem& p, thread_communicator& world, const M
   if (auto f = layer->forward(p.tokens, x, {}, g, res.out); !f) return unexpected<error>(f.error());
   if (auto b = layer->backward(dout, 1.0, g, res.dx); !b) return unexpected<error>(b.error());
   auto take = [](std::span<double> v) { return std::vector<double>(v.begin(), v.end()); };
-  res.router_grad = take(layer->router_weight_grad());
+  res.router_grad = take(layer->router_weight_grad().flat());
   res.w1 = take(layer->experts().grads_fc1());
   res.w2 = take(layer->experts().grads_fc2());
   return res;
@@ -408,8 +424,8 @@ TEST_CASE("MoE layer communicators: one named bundle from a world and a fold run
     auto& out = res[static_cast<std::size_t>(r)];
     auto run = [&](layer_t& layer, const moe_layer_groups<thread_communicator>& g,
                    auto&& reduce) -> expected<run_out> {
-      for (std::size_t i = 0; i < layer.router_weight().size(); ++i)
-        layer.router_weight()[i] = unit(9, static_cast<std::uint64_t>(i), 0);
+      for (std::size_t i = 0; i < layer.router_weight().flat().size(); ++i)
+        layer.router_weight().flat()[i] = unit(9, static_cast<std::uint64_t>(i), 0);
       auto* se = layer.shared();
       for (std::size_t i = 0; i < se->own().gate.flat().size(); ++i)
         se->own().gate.flat()[i] = unit(10, i, 0);
@@ -434,7 +450,7 @@ TEST_CASE("MoE layer communicators: one named bundle from a world and a fold run
       if (auto b = layer.backward(dout, 1.0, g, ro.dx); !b) return unexpected<error>(b.error());
       if (auto s = reduce(); !s) return unexpected<error>(s.error());
       auto take = [](std::span<double> v) { return std::vector<double>(v.begin(), v.end()); };
-      ro.router_grad = take(layer.router_weight_grad());
+      ro.router_grad = take(layer.router_weight_grad().flat());
       ro.w1 = take(layer.experts().grads_fc1());
       ro.w2 = take(layer.experts().grads_fc2());
       ro.w1.insert(ro.w1.end(), se->params().grads.fc1.flat().begin(),

@@ -127,7 +127,7 @@ std::vector<rank_grads> run(const problem& p, const params& q, const layer_setup
                     all_to_all_dispatcher<double, thread_communicator>, reference_mlp<double>>;
       auto layer = layer_t::make(o, policy, std::move(mlp));
       if (!layer) return unexpected<error>(layer.error());
-      std::copy(q.router.begin(), q.router.end(), layer->router_weight().begin());
+      std::copy(q.router.begin(), q.router.end(), layer->router_weight().flat().begin());
       if (auto* se = layer->shared()) {
         if (auto s = load_shared(*se, p, q); !s) return s;
         std::copy(q.sg.begin(), q.sg.end(), se->own().gate.flat().begin());
@@ -153,7 +153,8 @@ std::vector<rank_grads> run(const problem& p, const params& q, const layer_setup
         auto stats = layer->forward(p.tokens, x, {}, g, res.out);
         if (!stats) return unexpected<error>(stats.error());
         res.report = stats->dropped.to_report();
-        res.kept.assign(layer->last_kept_experts().begin(), layer->last_kept_experts().end());
+        res.kept.assign(layer->last_kept_experts().flat().begin(),
+                        layer->last_kept_experts().flat().end());
         res.loss = stats->aux_loss + stats->seq_aux_loss + stats->global_aux_loss + stats->z_loss;
         for (std::size_t i = 0; i < x.size(); ++i) res.loss += dout[i] * res.out[i];
         if (auto s = layer->backward(dout, 1.0, g, res.dx); !s) return s;
@@ -163,7 +164,7 @@ std::vector<rank_grads> run(const problem& p, const params& q, const layer_setup
           !s)
         return s;
       auto take = [](std::span<double> v) { return std::vector<double>(v.begin(), v.end()); };
-      res.router = take(layer->router_weight_grad());
+      res.router = take(layer->router_weight_grad().flat());
       res.w1 = take(layer->experts().grads_fc1());
       res.w2 = take(layer->experts().grads_fc2());
       if (auto* se = layer->shared()) {
@@ -392,7 +393,7 @@ std::vector<std::vector<micro_result>> run_schedule(const problem& p, const para
     auto layer = layer_t::make(o, sub_sequence{.capacity_factor = capacity, .pad_to_capacity = pad},
                                rank_experts<double>(p, fold, r, q.w1, q.w2).value());
     if (!layer) return unexpected<error>(layer.error());
-    std::copy(q.router.begin(), q.router.end(), layer->router_weight().begin());
+    std::copy(q.router.begin(), q.router.end(), layer->router_weight().flat().begin());
     auto* se = layer->shared();
     if (auto s = load_shared(*se, p, q); !s) return s;
     std::copy(q.sg.begin(), q.sg.end(), se->own().gate.flat().begin());
@@ -400,7 +401,7 @@ std::vector<std::vector<micro_result>> run_schedule(const problem& p, const para
     std::optional<int> c;
     if (pad) {
       c = expert_capacity(static_cast<long long>(p.tokens) * p.topk, p.experts, capacity).value();
-      layer->reserve(*c);
+      if (auto s = layer->reserve(*c); !s) return s;
     }
     const auto sb = layer->saved_sizes(c);
     const auto M = static_cast<std::size_t>(micro);
@@ -443,7 +444,7 @@ std::vector<std::vector<micro_result>> run_schedule(const problem& p, const para
       }
       mr.dx.resize(x[m].size());
       if (auto s = layer->backward(ctx[m], dout[m], {}, g, mr.dx); !s) return s;
-      mr.router = take(layer->router_weight_grad());
+      mr.router = take(layer->router_weight_grad().flat());
       mr.w1 = take(layer->experts().grads_fc1());
       mr.w2 = take(layer->experts().grads_fc2());
       mr.s1 = take(se->params().grads.fc1.flat());
@@ -547,7 +548,7 @@ TEST_CASE("MoE layer forward contexts: misuse is refused with the rule broken, o
                                sub_sequence{.capacity_factor = 2.0},
                                rank_experts<double>(p, fold, r, q.w1, q.w2).value());
     if (!layer) return unexpected<error>(layer.error());
-    std::copy(q.router.begin(), q.router.end(), layer->router_weight().begin());
+    std::copy(q.router.begin(), q.router.end(), layer->router_weight().flat().begin());
     const moe_layer_groups<thread_communicator> g{.tp_cp = tp_cp, .dispatch = {ep, etp, tp_ep}};
     const auto sb = layer->saved_sizes();
     std::vector<std::byte> s1(sb.saved), h1(sb.host), s2(sb.saved), h2(sb.host);

@@ -311,7 +311,7 @@ probs_trace trace_probs() {
     if (!layer) return unexpected<error>(layer.error());
     const auto wr = router_weight(p);
     for (std::size_t i = 0; i < wr.size(); ++i)
-      layer->router_weight()[i] = bfloat16(static_cast<float>(wr[i]));
+      layer->router_weight().flat()[i] = bfloat16(static_cast<float>(wr[i]));
     std::vector<bfloat16> x;
     for (int t = 0; t < p.tokens; ++t)
       for (double v : make_token(p, r, t).x) x.push_back(bfloat16(static_cast<float>(v)));

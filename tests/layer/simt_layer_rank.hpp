@@ -288,4 +288,43 @@ expected<layer_result> run_simt_rank(const problem& p, Comm& world, Exec& x,
   return res;
 }
 
+// The host layer, the same problem (moe_layer on host_exec, reference_mlp experts, the policy;
+// `keys`: full-sequence dropping in true sequence order).
+template <class T, template <class, class, class, class> class Disp, class Policy = dropless>
+std::vector<layer_result> run_host(const problem& p, const Policy& policy = {}, bool keys = false) {
+  using D = Disp<T, thread_communicator, host_exec, float>;
+  const int W = p.fold.world;
+  const auto fold = make_folded(p.fold).value();
+  std::vector<layer_result> res(static_cast<std::size_t>(W));
+  const auto st = run_thread_world(W, [&](thread_communicator& world) -> status {
+    const auto k = keys ? sequence_keys(p, fold, world.rank()) : std::vector<std::int64_t>{};
+    auto r = run_layer_rank<T, Policy, D>(p, policy, world, k);
+    if (!r) return unexpected<error>(r.error());
+    res[static_cast<std::size_t>(world.rank())] = std::move(*r);
+    return {};
+  });
+  for (const auto& s : st) REQUIRE_MESSAGE(s.has_value(), s.error().message);
+  return res;
+}
+
+// Each rank of the two layers: the same routing, values within `tol` normwise.
+inline void check_same_layer(const std::vector<layer_result>& dev,
+                             const std::vector<layer_result>& host, double tol) {
+  REQUIRE(dev.size() == host.size());
+  for (std::size_t r = 0; r < dev.size(); ++r) {
+    CAPTURE(r);
+    const layer_result &a = dev[r], &b = host[r];
+    CHECK(a.indices == b.indices);
+    CHECK(a.kept == b.kept);
+    CHECK(a.dropped == b.dropped);
+    CHECK(rel_err(a.out, b.out) <= tol);
+    CHECK(rel_err(a.dx, b.dx) <= tol);
+    CHECK(rel_err(a.dw_router, b.dw_router) <= tol);
+    CHECK(rel_err(a.dw1, b.dw1) <= tol);
+    CHECK(rel_err(a.dw2, b.dw2) <= tol);
+    CHECK(a.aux == doctest::Approx(b.aux).epsilon(tol));
+    CHECK(a.z == doctest::Approx(b.z).epsilon(tol));
+  }
+}
+
 }  // namespace moefold::test

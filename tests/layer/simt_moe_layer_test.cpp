@@ -57,45 +57,6 @@ std::vector<layer_result> run_simt(const problem& p, std::optional<simt_drop_pol
   return res;
 }
 
-// The host layer, the same problem (moe_layer on host_exec, reference_mlp experts, the policy;
-// `keys`: full-sequence dropping in true sequence order).
-template <class T, template <class, class, class, class> class Disp, class Policy = dropless>
-std::vector<layer_result> run_host(const problem& p, const Policy& policy = {}, bool keys = false) {
-  using D = Disp<T, thread_communicator, host_exec, float>;
-  const int W = p.fold.world;
-  const auto fold = make_folded(p.fold).value();
-  std::vector<layer_result> res(static_cast<std::size_t>(W));
-  const auto st = run_thread_world(W, [&](thread_communicator& world) -> status {
-    const auto k = keys ? sequence_keys(p, fold, world.rank()) : std::vector<std::int64_t>{};
-    auto r = run_layer_rank<T, Policy, D>(p, policy, world, k);
-    if (!r) return unexpected<error>(r.error());
-    res[static_cast<std::size_t>(world.rank())] = std::move(*r);
-    return {};
-  });
-  for (const auto& s : st) REQUIRE_MESSAGE(s.has_value(), s.error().message);
-  return res;
-}
-
-// Each rank of the two layers: the same routing, values within `tol` normwise.
-void check_same_layer(const std::vector<layer_result>& dev, const std::vector<layer_result>& host,
-                      double tol) {
-  REQUIRE(dev.size() == host.size());
-  for (std::size_t r = 0; r < dev.size(); ++r) {
-    CAPTURE(r);
-    const layer_result &a = dev[r], &b = host[r];
-    CHECK(a.indices == b.indices);
-    CHECK(a.kept == b.kept);
-    CHECK(a.dropped == b.dropped);
-    CHECK(rel_err(a.out, b.out) <= tol);
-    CHECK(rel_err(a.dx, b.dx) <= tol);
-    CHECK(rel_err(a.dw_router, b.dw_router) <= tol);
-    CHECK(rel_err(a.dw1, b.dw1) <= tol);
-    CHECK(rel_err(a.dw2, b.dw2) <= tol);
-    CHECK(a.aux == doctest::Approx(b.aux).epsilon(tol));
-    CHECK(a.z == doctest::Approx(b.z).epsilon(tol));
-  }
-}
-
 #if !defined(MOEFOLD_SIMT_REDUCED)
 const fold_config simt_layer_folds[] = {
     {.world = 8, .tp = 2, .ep = 4, .etp = 2},  // EP 4 x ETP 2
@@ -233,7 +194,7 @@ std::vector<feature_out> run_host_features(const problem& p, const Policy& polic
          edp = get(group_kind::edp), tp = get(group_kind::tp), dp_cp = get(group_kind::dp_cp);
     TRY_ASSIGN(mlp, (rank_experts<float, float>(p, fold, r, w.w1, w.w2)));
     TRY_ASSIGN(layer, layer_t::make(feature_options(p, fold, r, shared), policy, std::move(*mlp)));
-    std::transform(wr.begin(), wr.end(), layer->router_weight().begin(),
+    std::transform(wr.begin(), wr.end(), layer->router_weight().flat().begin(),
                    [](double v) { return static_cast<float>(v); });
     TRY(layer->load_state(
         {.expert_bias = feature_bias(p.experts),
@@ -268,7 +229,7 @@ std::vector<feature_out> run_host_features(const problem& p, const Policy& polic
       res.shared_dw2 = widen(se->params().grads.fc2.flat());
       res.gate_dw = widen(se->params().gate_grad.flat());
     }
-    res.dw_router = widen(layer->router_weight_grad());
+    res.dw_router = widen(layer->router_weight_grad().flat());
     res.dw1 = widen(layer->experts().grads_fc1());
     res.dw2 = widen(layer->experts().grads_fc2());
     const moe_layer_state trained = layer->save_state();

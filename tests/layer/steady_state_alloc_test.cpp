@@ -62,8 +62,8 @@ run_result count_layer_steps(const problem& p, const moe_layer_options& base, Po
     using layer_t = moe_layer<float, thread_communicator, Policy, Dispatcher, reference_mlp<float>>;
     auto layer = layer_t::make(o, policy, std::move(*mlp));
     if (!layer) return unexpected<error>(layer.error());
-    for (std::size_t i = 0; i < layer->router_weight().size(); ++i)
-      layer->router_weight()[i] = 0.3f * static_cast<float>(unit(9, static_cast<int>(i), 0));
+    for (std::size_t i = 0; i < layer->router_weight().flat().size(); ++i)
+      layer->router_weight().flat()[i] = 0.3f * static_cast<float>(unit(9, static_cast<int>(i), 0));
     const moe_layer_groups<thread_communicator> g{
         .tp_cp = tp_cp, .dispatch = {ep, etp, tp_ep}, .tp = &tp, .tp_dp_cp = &stage};
     std::vector<float> x, dout;

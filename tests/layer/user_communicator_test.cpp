@@ -281,8 +281,8 @@ expected<rank_run> layer_step(const problem& p, const dynamic_folded_mesh& fold,
                              full_sequence{.capacity_factor = 1.0},
                              rank_experts<double>(p, fold, r, w.w1, w.w2).value(), c);
   if (!layer) return unexpected<error>(layer.error());
-  for (std::size_t i = 0; i < layer->router_weight().size(); ++i)
-    layer->router_weight()[i] = unit(9, static_cast<std::uint64_t>(i), 0);
+  for (std::size_t i = 0; i < layer->router_weight().flat().size(); ++i)
+    layer->router_weight().flat()[i] = unit(9, static_cast<std::uint64_t>(i), 0);
   std::vector<double> x, dout;
   for (int t = 0; t < p.tokens; ++t) {
     const auto d = make_token(p, r, t);
@@ -302,7 +302,7 @@ expected<rank_run> layer_step(const problem& p, const dynamic_folded_mesh& fold,
       !s)
     return unexpected<error>(s.error());
   auto take = [](std::span<double> v) { return std::vector<double>(v.begin(), v.end()); };
-  res.router_grad = take(layer->router_weight_grad());
+  res.router_grad = take(layer->router_weight_grad().flat());
   res.w1 = take(layer->experts().grads_fc1());
   res.w2 = take(layer->experts().grads_fc2());
   return res;

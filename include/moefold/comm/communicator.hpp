@@ -167,5 +167,15 @@ template <class T, communicator C>
   return {};
 }
 
+//! The same over row views on an execution context (communicator_for Exec and T).
+template <class T, class C, class Exec>
+[[nodiscard]] status all_reduce_each(
+    C& c, Exec& x, std::initializer_list<row_view<T, typename Exec::memory_space>> buffers,
+    reduce_op op) {
+  for (const auto& b : buffers)
+    if (auto st = c.all_reduce(x, b, op); !st) return st;
+  return {};
+}
+
 }  // namespace v0_1
 }  // namespace moefold

@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <initializer_list>
 #include <memory>
 #include <type_traits>
 #include <utility>
@@ -158,6 +159,14 @@ class [[nodiscard]] expected<void, E> {
 
 //! The result of an operation that produces no value.
 using status = expected<void, error>;
+
+//! The first failure among statuses already computed (each step ran), or success: for a short
+//! list of independent steps, such as allocations, whose first error is the one to report.
+[[nodiscard]] inline status first_error(std::initializer_list<status> steps) {
+  for (const status& st : steps)
+    if (!st) return st;
+  return {};
+}
 
 }  // namespace v0_1
 }  // namespace moefold

@@ -14,7 +14,10 @@
 #include <utility>
 #include <vector>
 
+#include "../core/memory_space.hpp"
+#include "../core/row_view.hpp"
 #include "../dispatch/drop_counts.hpp"
+#include "../exec/exec_buffer.hpp"
 #include "../routing/load_balancing_losses.hpp"
 #include "../routing/router_z_loss.hpp"
 #include "../routing/topk_routing.hpp"
@@ -58,28 +61,29 @@ struct moe_loss_seeds {
   T z = T(1);           //!< z-loss
 };
 
-//! One forward of `Layer` in flight. Made empty by the caller, filled by Layer::forward (which
-//! reuses its records' capacity: a context kept per micro-batch slot allocates nothing in steady
-//! state), consumed by Layer::backward. It refers to the storage its forward was given.
+//! One forward of `Layer` in flight. Made empty by the caller, filled by Layer::forward (its
+//! first forward allocates the routing record's buffers in the layer's context memory, for
+//! max_tokens; a context kept per micro-batch slot allocates nothing afterwards), consumed by
+//! Layer::backward. It refers to the storage its forward was given.
 template <class Layer>
 class moe_forward_context {
  public:
   using value_type = typename Layer::value_type;                // tokens
   using router_value_type = typename Layer::router_value_type;  // logits, probabilities, losses
+  using prob_type = typename Layer::prob_type;                  // the probabilities dispatched
   using handle_type = typename Layer::dispatcher_type::handle_type;
+  using exec_type = typename Layer::exec_type;
+  using space = typename exec_type::memory_space;
 
   // Move-only: a copy would let one forward be backwarded twice (its gradients counted twice).
   // A moved-from context holds no forward.
   moe_forward_context() = default;
   moe_forward_context(const moe_forward_context&) = delete;
   moe_forward_context& operator=(const moe_forward_context&) = delete;
-  moe_forward_context(moe_forward_context&& o) noexcept(
-      std::is_nothrow_move_constructible_v<topk_routing<router_value_type>>)
-      : moe_forward_context() {
+  moe_forward_context(moe_forward_context&& o) noexcept : moe_forward_context() {
     *this = std::move(o);
   }
-  moe_forward_context& operator=(moe_forward_context&& o) noexcept(
-      std::is_nothrow_move_assignable_v<topk_routing<router_value_type>>) {
+  moe_forward_context& operator=(moe_forward_context&& o) noexcept {
     if (this == &o) return *this;
     filled_ = std::exchange(o.filled_, false);
     training_ = o.training_;
@@ -90,16 +94,19 @@ class moe_forward_context {
     shared_saved_ = std::exchange(o.shared_saved_, {});
     handle_ = std::move(o.handle_);
     o.handle_.reset();
-    routing_ = std::move(o.routing_);
+    key_ = std::exchange(o.key_, {});
+    indices_ = std::move(o.indices_);
+    kept_ = std::move(o.kept_);
+    counts_ = std::move(o.counts_);
+    probs_ = std::move(o.probs_);
     keep_ = std::move(o.keep_);
-    kept_experts_ = std::move(o.kept_experts_);
     kept_probs_ = std::move(o.kept_probs_);
+    totals_ = std::move(o.totals_);
+    loss_saved_ = std::move(o.loss_saved_);
     report_ = std::move(o.report_);
-    drop_totals_ = o.drop_totals_;
     stats_ = o.stats_;
     lb_ = o.lb_;
     z_ = o.z_;
-    loss_saved_ = std::move(o.loss_saved_);
     return *this;
   }
   ~moe_forward_context() = default;
@@ -113,11 +120,32 @@ class moe_forward_context {
   [[nodiscard]] int num_tokens() const noexcept { return n_; }
   //! The losses and drop counts its forward reported.
   [[nodiscard]] const moe_forward_stats& stats() const noexcept { return stats_; }
-  //! The routing (every selected expert), its keep mask [N*k] and the record the dispatcher
-  //! took: expert [N*k], -1 for a dropped pair.
-  [[nodiscard]] const topk_routing<router_value_type>& routing() const noexcept { return routing_; }
-  [[nodiscard]] std::span<const std::uint8_t> keep() const noexcept { return keep_; }
-  [[nodiscard]] std::span<const int> kept_experts() const noexcept { return kept_experts_; }
+  //! Its forward's routing [N, k] (every selected expert and its probability), the drop policy's
+  //! keep mask of it and the record the dispatcher took (the expert, -1 for a dropped pair), in
+  //! the layer's context memory.
+  [[nodiscard]] row_view<const int, space> indices() const noexcept {
+    return indices_.cview().first(n_);
+  }
+  [[nodiscard]] row_view<const router_value_type, space> probs() const noexcept {
+    return probs_.cview().first(n_);
+  }
+  [[nodiscard]] row_view<const std::uint8_t, space> keep() const noexcept {
+    return keep_.cview().first(n_);
+  }
+  [[nodiscard]] row_view<const int, space> kept_experts() const noexcept {
+    return kept_.cview().first(n_);
+  }
+  //! The routing as host vectors (host memory contexts).
+  [[nodiscard]] topk_routing<router_value_type> routing() const requires host_accessible_v<space> {
+    const auto i = indices().flat(), p = probs().flat();
+    topk_routing<router_value_type> r;
+    r.num_tokens = n_;
+    r.num_experts = key_.experts;
+    r.topk = key_.topk;
+    r.indices.assign(i.begin(), i.end());
+    r.probs.assign(p.begin(), p.end());
+    return r;
+  }
   //! Its dispatch handle (rows per local expert, byte accounting); only while ready().
   [[nodiscard]] const handle_type& dispatch() const noexcept { return *handle_; }
   //! Forgets the views of the saved storage (the caller may free or reuse it); the losses' terms
@@ -131,27 +159,38 @@ class moe_forward_context {
 
  private:
   friend Layer;
+  template <class U>
+  using buffer = exec_buffer<U, exec_type>;
+
+  // The sizes its buffers were allocated for: a context filled by a layer of other options is
+  // reallocated, never overrun.
+  struct sizes_key {
+    int tokens = 0, topk = 0, experts = 0;
+    std::size_t loss_bytes = 0;
+    bool operator==(const sizes_key&) const = default;
+  };
 
   bool filled_ = false;   // a forward ran and its backward has not
   bool training_ = true;  // the mode of that forward
   int n_ = 0;
-  std::uint64_t scratch_epoch_ = 0;        // the layer's scratch growths at its forward
-  std::span<value_type> x_{};              // saved: [N, H] input
-  std::span<router_value_type> logits_{};  // saved: [N, E] logits
-  std::span<std::byte> shared_saved_{};    // saved: the shared expert's part
+  std::uint64_t scratch_epoch_ = 0;              // the layer's scratch growths at its forward
+  row_view<value_type, space> x_{};              // saved: [N, H] input
+  row_view<router_value_type, space> logits_{};  // saved: [N, E] logits
+  std::span<std::byte> shared_saved_{};          // saved: the shared expert's part
   std::optional<handle_type> handle_{};
-  topk_routing<router_value_type> routing_{};
-  std::vector<std::uint8_t> keep_;                     // [N*k] the drop policy's mask of routing_
-  std::vector<int> kept_experts_;                      // [N*k] expert or -1
-  std::vector<typename Layer::prob_type> kept_probs_;  // [N*k] in the dispatcher's prob_type
-  drop_report report_{};                    // what the policy counted (its vectors sized once)
-  std::array<long long, 2> drop_totals_{};  // dropped pairs, fully dropped tokens
+  sizes_key key_{};                  // tokens 0: nothing allocated
+  buffer<int> indices_, kept_;       // [max_tokens, k]
+  buffer<int> counts_;               // [3, E] routed, dropped, padded
+  buffer<router_value_type> probs_;  // [max_tokens, k]
+  buffer<std::uint8_t> keep_;        // [max_tokens, k]
+  buffer<prob_type> kept_probs_;     // [max_tokens, k]
+  buffer<long long> totals_;         // [1, 2] dropped pairs, fully dropped
+  // What the losses keep for the backward (their saved bytes): kept across a recompute.
+  buffer<std::byte> loss_saved_;
+  drop_report report_{};  // the host copy of the counts the stats show (vectors sized once)
   moe_forward_stats stats_{};
   load_balancing_record lb_{};            // the load-balancing terms the forward ran
   z_loss_record<router_value_type> z_{};  // the z-loss the forward ran
-  // What the losses keep for the backward (their saved bytes; the layer's context memory): kept
-  // across a recompute, sized at the context's first training forward.
-  std::vector<std::byte> loss_saved_;
 };
 
 }  // namespace v0_1

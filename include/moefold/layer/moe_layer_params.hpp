@@ -12,6 +12,8 @@
 
 #include <span>
 
+#include "../core/memory_space.hpp"
+#include "../core/row_view.hpp"
 #include "../experts/mlp_params.hpp"
 #include "../experts/shared_expert.hpp"
 
@@ -32,6 +34,15 @@ struct moe_layer_params {
   std::span<T> router_weight{};         //!< [E, H], logits = x W^T (Megatron's router.weight)
   std::span<G> router_grad{};           //!< [E, H]
   shared_expert_params<T, G> shared{};  //!< see shared_expert_params
+};
+
+//! The same parameters as views in a context's memory space S (bind_parameters on any context):
+//! the router weight [E, H] and its gradient, contiguous; the shared expert's (empty without one).
+template <class T, memory_space S, class G = main_grad_t<T>>
+struct moe_layer_param_views {
+  row_view<T, S> router_weight{};         //!< [E, H]
+  row_view<G, S> router_grad{};           //!< [E, H]
+  shared_expert_views<T, S, G> shared{};  //!< see shared_expert_views
 };
 
 }  // namespace v0_1

@@ -12,6 +12,8 @@
 
 #include "../core/error.hpp"
 #include "../core/expected.hpp"
+#include "../core/memory_space.hpp"
+#include "../core/row_view.hpp"
 
 namespace moefold {
 inline namespace v0_1 {
@@ -65,6 +67,16 @@ template <class T>
       return make_error(errc::non_finite_input, std::string(what) + ": element " +
                                                     to_decimal(static_cast<long long>(i)) +
                                                     " is NaN or infinite");
+  return {};
+}
+//! check_finite over rows where the host reads the context's memory (host memory); on device
+//! memory nothing is read back (the router's kernels meet non-finite logits there).
+template <class T, memory_space S>
+[[nodiscard]] status check_finite_rows(row_view<const T, S> v, const char* what) {
+  if constexpr (host_accessible_v<S>) {
+    for (int r = 0; r < v.rows(); ++r)
+      if (auto st = check_finite(std::span<const T>(v.row(r)), what); !st) return st;
+  }
   return {};
 }
 template <class T>

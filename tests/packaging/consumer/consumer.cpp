@@ -69,7 +69,7 @@ std::vector<double> run_layer(int world_size, std::string& failure) {
                                dropless{}, std::move(*mlp));
     if (!layer) return unexpected<error>(layer.error());
     for (int i = 0; i < E * H; ++i)
-      layer->router_weight()[static_cast<std::size_t>(i)] = weight(2, 0, i);
+      layer->router_weight().flat()[static_cast<std::size_t>(i)] = weight(2, 0, i);
     const moe_layer_groups<thread_communicator> g{.tp_cp = *tp_cp, .dispatch = {*ep, *etp, *tp_ep}};
     std::vector<double> x(static_cast<std::size_t>(per_rank * H)), y(x.size());
     for (int t = 0; t < per_rank; ++t)
