@@ -191,3 +191,20 @@ TEST_CASE(
   MESSAGE("pairs dropped over all runs and ranks: ", dropped);
   CHECK(dropped > 0);  // pairs were dropped: the drop path was exercised
 }
+
+TEST_CASE("moe_layer on cpu_exec in bf16 (fp32 router and probabilities): the fp64 reference") {
+  // bf16 tokens, experts and router weight; the router's logits, probabilities and losses in
+  // fp32 (the default router type) and the probabilities dispatched in fp32.
+  problem p = problem_of(folds[0], 8);
+  p.ffn = 4;
+  p.bf16_values = true;
+  for (const int hidden : {16, 12}) {  // rows of 32 bytes, and of 24
+    CAPTURE(hidden);
+    p.hidden = hidden;
+    const auto cpu = run_cpu<bfloat16, all_to_all_dispatcher>(p, dropless{});
+    layer_check judge;
+    CHECK(check_layer_results<bfloat16>(p, cpu, drop_mode::none, &judge) == 0);
+    MESSAGE("bf16 layer on cpu_exec, worst normwise error against fp64: ", judge.worst);
+    CHECK(judge.worst > 0);
+  }
+}
