@@ -20,6 +20,7 @@
 #include <moefold/dispatch/all_to_all_dispatcher.hpp>
 #include <moefold/dispatch/drop_policy_full_sequence.hpp>
 #include <moefold/dispatch/drop_policy_local.hpp>
+#include <moefold/dispatch/drop_policy_variant.hpp>
 #include <moefold/experts/reference_mlp.hpp>
 #include <moefold/layer/moe_layer.hpp>
 #include <moefold/moefold.hpp>
@@ -472,13 +473,12 @@ int main(int argc, char** argv) {
     up = std::move(*u);
   }
   const upcycled_start* start = up ? &*up : nullptr;
-  auto run = [&]<class T>(T) {
-    if (o.drop == "dropless") return train<T>(o, dropless{}, start);
-    if (o.drop == "sub_sequence")
-      return train<T>(o, sub_sequence{.capacity_factor = o.capacity, .pad_to_capacity = o.pad},
-                      start);
-    return train<T>(o, full_sequence{.capacity_factor = o.capacity, .pad_to_capacity = o.pad},
-                    start);
-  };
+  // One layer type per element type serves the three policies: the flag picks at run time.
+  drop_policy_variant policy = dropless{};
+  if (o.drop == "sub_sequence")
+    policy = sub_sequence{.capacity_factor = o.capacity, .pad_to_capacity = o.pad};
+  else if (o.drop == "full_sequence")
+    policy = full_sequence{.capacity_factor = o.capacity, .pad_to_capacity = o.pad};
+  auto run = [&]<class T>(T) { return train<T>(o, policy, start); };
   return o.dtype == "fp64" ? run(double{}) : run(float{});
 }

@@ -29,6 +29,7 @@
 #include "dispatch/drop_counts.hpp"
 #include "dispatch/drop_policy_full_sequence.hpp"
 #include "dispatch/drop_policy_local.hpp"
+#include "dispatch/drop_policy_variant.hpp"
 #include "dispatch/expert_batch.hpp"
 #include "dispatch/pad_mode.hpp"
 #include "dispatch/permute.hpp"

@@ -9,7 +9,8 @@
 // errors naming the first bad slot or key on host_exec, on every rank of the group, and lower the
 // caller's sticky fault words (kept across later decisions) on host_exec and cpu_exec, where
 // they are all the caller learns (device memory: nothing read back); a user policy (one that
-// keeps a given set of pairs) models the concept.
+// keeps a given set of pairs) models the concept; drop_policy_variant holding each of the three
+// decides as the policy it holds.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -17,6 +18,7 @@
 #include <moefold/comm/thread_world.hpp>
 #include <moefold/dispatch/drop_policy_full_sequence.hpp>
 #include <moefold/dispatch/drop_policy_local.hpp>
+#include <moefold/dispatch/drop_policy_variant.hpp>
 #include <moefold/exec/cpu_exec.hpp>
 #include <moefold/exec/exec_buffer.hpp>
 #include <moefold/exec/host_exec.hpp>
@@ -212,7 +214,8 @@ TEST_CASE("drop policies on host_exec and cpu_exec equal the host policies (loca
 }
 
 TEST_CASE(
-    "full-sequence dropping on host_exec and cpu_exec equals the host policy over the group") {
+    "full-sequence dropping on host_exec and cpu_exec equals the host policy over the group, and "
+    "drop_policy_variant decides as the policy it holds") {
   std::mt19937_64 seed_rng(test::simt_seed() + 52);
   MESSAGE("seed " << test::simt_seed());
   for (int G : {2, 4})
@@ -230,18 +233,38 @@ TEST_CASE(
           if (!with_keys) return std::vector<std::int64_t>{};
           return sequence_order_keys({.tp_rank = r, .tp = G, .local_seq = 3, .batch = 2}).value();
         };
-        std::vector<decided> want(static_cast<std::size_t>(G)), got_h(want.size()),
-            got_d(want.size());
+        // The variant holding each policy, on the same routings: full_sequence (collective),
+        // then sub_sequence and dropless (local) against their host references.
+        const sub_sequence sub{
+            .capacity_factor = 1.0, .pad_to_capacity = pad, .by = drop_by::probs};
+        const drop_policy_variant vp[] = {p, sub, dropless{}};
+        const std::vector<std::int64_t> no_keys;
+        using per_rank = std::vector<decided>;
+        per_rank want(static_cast<std::size_t>(G)), got_h(want.size()), got_d(want.size());
+        std::vector<per_rank> want_v(3, per_rank(want.size())), got_hv = want_v, got_dv = want_v;
         std::mutex m;
         const auto sh = run_thread_world(G, [&](thread_communicator& c) -> status {
           const int r = c.rank();
-          auto d = host_decision(p, c, rc[static_cast<std::size_t>(r)], keys_of(r));
+          const auto& rr = rc[static_cast<std::size_t>(r)];
+          auto d = host_decision(p, c, rr, keys_of(r));
           host_exec x;
-          auto h = context_decision(p, x, c, rc[static_cast<std::size_t>(r)], keys_of(r), G);
+          auto h = context_decision(p, x, c, rr, keys_of(r), G);
           if (!h) return unexpected<error>(h.error());
+          std::vector<decided> wv = {d, host_decision(sub, c, rr, {}),
+                                     host_decision(dropless{}, c, rr, {})},
+                               hv;
+          for (std::size_t i = 0; i < 3; ++i) {  // keys are for full-sequence dropping only
+            auto hvi = context_decision(vp[i], x, c, rr, i == 0 ? keys_of(r) : no_keys, G);
+            if (!hvi) return unexpected<error>(hvi.error());
+            hv.push_back(*hvi);
+          }
           std::lock_guard lk(m);
           want[static_cast<std::size_t>(r)] = d;
           got_h[static_cast<std::size_t>(r)] = *h;
+          for (std::size_t i = 0; i < 3; ++i) {
+            want_v[i][static_cast<std::size_t>(r)] = wv[i];
+            got_hv[i][static_cast<std::size_t>(r)] = hv[i];
+          }
           return {};
         });
         const auto sd = run_thread_world(G, [&](thread_communicator& c) -> status {
@@ -250,8 +273,16 @@ TEST_CASE(
           cpu_exec x(static_cast<std::uint64_t>(r) + 1);
           auto h = context_decision(p, x, dw, rc[static_cast<std::size_t>(r)], keys_of(r), G);
           if (!h) return unexpected<error>(h.error());
+          std::vector<decided> dv;
+          for (std::size_t i = 0; i < 3; ++i) {
+            auto dvi = context_decision(vp[i], x, dw, rc[static_cast<std::size_t>(r)],
+                                        i == 0 ? keys_of(r) : no_keys, G);
+            if (!dvi) return unexpected<error>(dvi.error());
+            dv.push_back(*dvi);
+          }
           std::lock_guard lk(m);
           got_d[static_cast<std::size_t>(r)] = *h;
+          for (std::size_t i = 0; i < 3; ++i) got_dv[i][static_cast<std::size_t>(r)] = dv[i];
           return {};
         });
         for (int r = 0; r < G; ++r) {
@@ -262,6 +293,13 @@ TEST_CASE(
                           sd[static_cast<std::size_t>(r)].error().message);
           check_same(got_h[static_cast<std::size_t>(r)], want[static_cast<std::size_t>(r)]);
           check_same(got_d[static_cast<std::size_t>(r)], want[static_cast<std::size_t>(r)]);
+          for (std::size_t i = 0; i < 3; ++i) {
+            CAPTURE(i);
+            check_same(got_hv[i][static_cast<std::size_t>(r)],
+                       want_v[i][static_cast<std::size_t>(r)]);
+            check_same(got_dv[i][static_cast<std::size_t>(r)],
+                       want_v[i][static_cast<std::size_t>(r)]);
+          }
         }
       }
 }

@@ -8,6 +8,7 @@
 
 #include <moefold/dispatch/drop_policy_full_sequence.hpp>
 #include <moefold/dispatch/drop_policy_local.hpp>
+#include <moefold/dispatch/drop_policy_variant.hpp>
 #include <moefold/layer/moe_layer.hpp>
 #include "../support/host_aux_loss.hpp"
 #include "../support/host_drop_policy.hpp"
@@ -81,7 +82,11 @@ expected<layer_result> run_layer_rank(const problem& p, const Policy& policy, Co
        edp = get(group_kind::edp);
   using P = typename Dispatcher::prob_type;  // T, or fp32 probabilities with bf16 tokens
   auto mlp = rank_experts<T, P>(p, fold, r, w.w1, w.w2).value();
-  using layer_t = moe_layer<T, Comm, Policy, Dispatcher, reference_mlp<T, main_grad_t<T>, P>>;
+  // moefold's three policies run through drop_policy_variant (one layer type for the three, as
+  // a trainer choosing by flag has it: a third of the instantiations); a user policy as itself.
+  using layer_policy = std::conditional_t<std::is_constructible_v<drop_policy_variant, Policy>,
+                                          drop_policy_variant, Policy>;
+  using layer_t = moe_layer<T, Comm, layer_policy, Dispatcher, reference_mlp<T, main_grad_t<T>, P>>;
   auto layer = layer_t::make({.hidden = p.hidden,
                               .max_tokens = p.tokens,
                               .max_recv_rows = p.max_recv_rows,
@@ -90,7 +95,7 @@ expected<layer_result> run_layer_rank(const problem& p, const Policy& policy, Co
                               .router = {.num_experts = p.experts, .topk = p.topk},
                               .aux_loss_coeff = aux_coeff,
                               .z_loss_coeff = z_coeff},
-                             policy, std::move(mlp));
+                             layer_policy(policy), std::move(mlp));
   if (!layer) return unexpected<error>(layer.error());
   std::transform(wr.begin(), wr.end(), layer->router_weight().flat().begin(),
                  [](double v) { return static_cast<T>(v); });
