@@ -107,6 +107,7 @@ class moe_forward_context {
     stats_ = o.stats_;
     lb_ = o.lb_;
     z_ = o.z_;
+    loss_host_ = o.loss_host_;
     return *this;
   }
   ~moe_forward_context() = default;
@@ -191,6 +192,9 @@ class moe_forward_context {
   moe_forward_stats stats_{};
   load_balancing_record lb_{};            // the load-balancing terms the forward ran
   z_loss_record<router_value_type> z_{};  // the z-loss the forward ran
+  // The host read of the losses' values (aux, per-sequence aux, global aux, z), landed by the
+  // forward's one wait.
+  std::array<router_value_type, 4> loss_host_{};
 };
 
 }  // namespace v0_1

@@ -1074,6 +1074,12 @@ class moe_layer {
         !st)
       return unexpected<error>(st.error());
     if (auto st = route(n, logits, ctx); !st) return unexpected<error>(st.error());
+    // The losses, once per training forward (a training forward adds to the global aux loss's
+    // running counts; a recompute reuses the forward's terms). Their values come to the host
+    // with the drop counts below: one wait per forward.
+    if (!recompute)
+      if (auto st = forward_losses(ctx, g, logits, training); !st)
+        return unexpected<error>(st.error());
     // The drop policy decides on the context what each expert keeps: the keep mask, the kept
     // record the dispatcher takes, the counts; the selection stays whole for the router backward.
     const auto counts_v = ctx.counts_.view();
@@ -1135,13 +1141,12 @@ class moe_layer {
     auto sv = carve(need);
     if (!sv) return unexpected<error>(sv.error());
     if (auto st = grow_scratch(need.scratch); !st) return unexpected<error>(st.error());
-    // The losses (a training forward adds to the global aux loss's running counts) and the
-    // expert bias's counts of what was dispatched (the post-drop map), once per training forward;
-    // a recompute reuses the forward's terms.
+    // The losses' values (read with the counts) and the expert bias's counts of what was
+    // dispatched (the post-drop map), once per training forward; a recompute reuses the
+    // forward's.
     moe_forward_stats stats;
     if (!recompute) {
-      if (auto st = forward_losses(ctx, g, logits, training, stats); !st)
-        return unexpected<error>(st.error());
+      loss_values(ctx, stats);
       if (training && o_.router.expert_bias)
         if (auto st = bias_->add_counts(*exec_, row_view<const int, space>(counts_v.subrows(0, 1)),
                                         row_view<const int, space>(counts_v.subrows(1, 1)),
@@ -1187,10 +1192,10 @@ class moe_layer {
   }
 
   // The load-balancing losses and the z-loss of a training forward: what their backward needs
-  // stays in ctx (its own bytes, not the storage: a recompute reuses it), the values go to stats.
+  // stays in ctx (its own bytes, not the storage: a recompute reuses it); their values are
+  // copied to ctx's host read, which the forward's wait for the drop counts lands.
   [[nodiscard]] status forward_losses(context_type& ctx, const moe_layer_groups<Comm>& g,
-                                      row_view<R, space> logits, bool training,
-                                      moe_forward_stats& stats) {
+                                      row_view<R, space> logits, bool training) {
     ctx.lb_ = {};
     ctx.z_ = {};
     if (!training || (!lb_.any() && !z_.on())) return {};
@@ -1198,31 +1203,36 @@ class moe_layer {
     const std::span<std::byte> saved = loss_saved(ctx);
     const std::span<std::byte> lb_saved = saved.first(lb_bytes), z_saved = saved.subspan(lb_bytes);
     const row_view<const R, space> lv = logits;
+    static_assert(load_balancing_terms + 1 == std::tuple_size_v<decltype(ctx.loss_host_)>);
     if (lb_.any()) {
       auto rec = lb_.forward(*exec_, lv, {}, g.tp_cp, g.tp_dp_cp, lb_saved, bytes_of(loss_ws_));
       if (!rec) return unexpected<error>(rec.error());
       ctx.lb_ = *rec;
-      std::array<R, load_balancing_terms> v{};  // the host read, for the caller's logging
-      if (auto st = exec_->copy(lb_.losses(lb_saved),
-                                row_view<R, host_space>(v.data(), 1, load_balancing_terms));
+      if (auto st =
+              exec_->copy(lb_.losses(lb_saved),
+                          row_view<R, host_space>(ctx.loss_host_.data(), 1, load_balancing_terms));
           !st)
         return st;
-      if (auto st = exec_->synchronize(); !st) return st;
-      stats.aux_loss = static_cast<double>(v[0]);
-      stats.seq_aux_loss = static_cast<double>(v[1]);
-      stats.global_aux_loss = static_cast<double>(v[2]);
     }
     if (z_.on()) {
       auto rec = z_.forward(*exec_, lv, {}, g.tp_cp.size(), z_saved);
       if (!rec) return unexpected<error>(rec.error());
       ctx.z_ = *rec;
-      R v{};
-      if (auto st = exec_->copy(z_.loss(z_saved), row_view<R, host_space>(&v, 1, 1)); !st)
+      if (auto st = exec_->copy(z_.loss(z_saved), row_view<R, host_space>(
+                                                      &ctx.loss_host_[load_balancing_terms], 1, 1));
+          !st)
         return st;
-      if (auto st = exec_->synchronize(); !st) return st;
-      stats.z_loss = static_cast<double>(v);
     }
     return {};
+  }
+  // The losses' values for the caller's logging, from the host read (after the forward's wait).
+  static void loss_values(const context_type& ctx, moe_forward_stats& stats) {
+    if (ctx.lb_.any()) {
+      stats.aux_loss = static_cast<double>(ctx.loss_host_[0]);
+      stats.seq_aux_loss = static_cast<double>(ctx.loss_host_[1]);
+      stats.global_aux_loss = static_cast<double>(ctx.loss_host_[2]);
+    }
+    if (ctx.z_.on) stats.z_loss = static_cast<double>(ctx.loss_host_[load_balancing_terms]);
   }
 
   // The router's routing of n tokens' logits [n, E] into the context's record (indices and
