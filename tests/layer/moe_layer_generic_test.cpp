@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "../dispatch/dispatch_harness.hpp"
-#include "../support/mlp_layout.hpp"
+#include "fixed_router.hpp"
 
 using namespace moefold;
 using namespace moefold::test;
@@ -32,32 +32,8 @@ static_assert(!token_dispatcher<reference_mlp<float>, thread_communicator>);
 
 namespace {
 
-// Token t of every rank goes to experts t % E, (t + 1) % E, ... with probabilities 0.7 and the
-// rest shared equally; the logits are ignored, so their gradient is 0.
-struct fixed_router {
-  using value_type = double;
-  int experts = 0, k = 0;
-  [[nodiscard]] int num_experts() const { return experts; }
-  [[nodiscard]] int topk() const { return k; }
-  [[nodiscard]] status route(host_exec&, const router_route_args<double, host_space>& f) const {
-    const int n = f.logits.rows();
-    if (!f.expert_bias.empty())
-      return make_error(errc::invalid_argument, "fixed_router: takes no expert bias");
-    for (int t = 0; t < n; ++t)
-      for (int j = 0; j < k; ++j) {
-        f.indices.data()[t * k + j] = (t + j) % experts;
-        f.probs.data()[t * k + j] = j == 0 ? 0.7 : 0.3 / (k - 1);
-      }
-    return {};
-  }
-  [[nodiscard]] status backward(host_exec&,
-                                const router_backward_args<double, host_space>& b) const {
-    std::fill(b.dlogits.data(),
-              b.dlogits.data() + static_cast<std::size_t>(b.dlogits.rows()) * experts, 0.0);
-    return {};
-  }
-};
-static_assert(routing::router<fixed_router, host_exec>);
+// The user router of fixed_router.hpp (a kernel body: on host_exec a loop).
+static_assert(routing::router<fixed_router<double>, host_exec>);
 
 // A dispatcher for a single rank (EP = ETP = 1): the kept pairs, sorted by expert (token order
 // within one), become the rows; a token's rows are summed back in slot order.
@@ -284,47 +260,26 @@ TEST_CASE("MoE layer with a user router: fixed experts against the fp64 referenc
   p.tokens = 6;
   using layer_t = moe_layer<double, thread_communicator, dropless,
                             all_to_all_dispatcher<double, thread_communicator>,
-                            reference_mlp<double>, fixed_router>;
+                            reference_mlp<double>, fixed_router<double>>;
   const moe_layer_options o{.hidden = p.hidden,
                             .max_tokens = p.tokens,
                             .ep = 2,
                             .router = {.num_experts = p.experts, .topk = p.topk}};
-  const fixed_router router{.experts = p.experts, .k = p.topk};
+  const fixed_router<double> router{.experts = p.experts, .k = p.topk};
   const auto res = run_world<layer_t>(p, [&](reference_mlp<double> mlp) {
     return layer_t::make(o, dropless{}, std::move(mlp), router);
   });
   // The reference, fed the router's assignment.
-  const data w = make_weights(p);
-  reference_grads g;
-  const int L = p.experts / 2, H = p.hidden, F = p.ffn;
+  const fixed_reference ref = fixed_assignment_reference(p, 2);
   for (int r = 0; r < 2; ++r) {
     CAPTURE(r);
-    std::vector<double> out, dx;
-    for (int t = 0; t < p.tokens; ++t) {
-      token_data d = make_token(p, r, t);
-      d.expert = {t % p.experts, (t + 1) % p.experts};
-      d.prob = {0.7, 0.3};
-      std::vector<double> o1, dx1, dp;
-      reference_token(w, d, o1, dx1, dp, g);
-      out.insert(out.end(), o1.begin(), o1.end());
-      dx.insert(dx.end(), dx1.begin(), dx1.end());
-    }
-    const auto& got = res[static_cast<std::size_t>(r)];
-    CHECK(rel_err(got.out, out) <= 1e-12);
-    CHECK(rel_err(got.dx, dx) <= 1e-12);  // no router part: the assignment ignores the logits
+    const auto i = static_cast<std::size_t>(r);
+    const auto& got = res[i];
+    CHECK(rel_err(got.out, ref.out[i]) <= 1e-12);
+    CHECK(rel_err(got.dx, ref.dx[i]) <= 1e-12);  // no router part: the logits are ignored
     CHECK(got.router_grad == std::vector<double>(got.router_grad.size(), 0.0));
-  }
-  for (int r = 0; r < 2; ++r) {        // each rank's experts saw both ranks' tokens (EDP = 1)
-    std::vector<double> want1, want2;  // in the library's layout (support/mlp_layout.hpp)
-    for (int l = 0; l < L; ++l) {
-      auto d1 = g.dw1[r * L + l], d2 = g.dw2[r * L + l];
-      d1.resize(static_cast<std::size_t>(H * 2 * F), 0.0);
-      d2.resize(static_cast<std::size_t>(F * H), 0.0);
-      append_fc1_shard<double>(d1, H, 2, F, 1, 0, want1);
-      append_fc2_shard<double>(d2, F, H, 1, 0, want2);
-    }
-    CHECK(rel_err(res[static_cast<std::size_t>(r)].w1, want1) <= 1e-12);
-    CHECK(rel_err(res[static_cast<std::size_t>(r)].w2, want2) <= 1e-12);
+    CHECK(rel_err(got.w1, ref.dw1[i]) <= 1e-12);  // each rank's experts saw both ranks' tokens
+    CHECK(rel_err(got.w2, ref.dw2[i]) <= 1e-12);
   }
 }
 
@@ -361,23 +316,26 @@ TEST_CASE("MoE layer with a user router: the rules it must keep are errors at ma
   problem p{.fold = {.world = 1}, .experts = 4, .topk = 2};
   using layer_t = moe_layer<double, thread_communicator, dropless,
                             all_to_all_dispatcher<double, thread_communicator>,
-                            reference_mlp<double>, fixed_router>;
+                            reference_mlp<double>, fixed_router<double>>;
   const fold_config f{.world = 1};
   const auto fold = make_folded(f).value();
   const data w = make_weights(p);
   moe_layer_options o{
       .hidden = p.hidden, .max_tokens = 4, .router = {.num_experts = p.experts, .topk = p.topk}};
   auto experts = [&] { return rank_experts<double>(p, fold, 0, w.w1, w.w2).value(); };
-  const auto wrong_k = layer_t::make(o, dropless{}, experts(), fixed_router{.experts = 4, .k = 3});
+  const auto wrong_k =
+      layer_t::make(o, dropless{}, experts(), fixed_router<double>{.experts = 4, .k = 3});
   REQUIRE(!wrong_k);
   CHECK(wrong_k.error().code == errc::shape_mismatch);
   CHECK(wrong_k.error().message.find("selects 3 of 4") != std::string::npos);
   o.router.expert_bias = true;
-  const auto bias = layer_t::make(o, dropless{}, experts(), fixed_router{.experts = 4, .k = 2});
+  const auto bias =
+      layer_t::make(o, dropless{}, experts(), fixed_router<double>{.experts = 4, .k = 2});
   REQUIRE(!bias);
   CHECK(bias.error().message.find("expert_bias needs moefold's topk_router") != std::string::npos);
   o.router.expert_bias = false;
-  CHECK(layer_t::make(o, dropless{}, experts(), fixed_router{.experts = 4, .k = 2}).has_value());
+  CHECK(layer_t::make(o, dropless{}, experts(), fixed_router<double>{.experts = 4, .k = 2})
+            .has_value());
 }
 
 TEST_CASE("MoE layer communicators: one named bundle from a world and a fold runs the layer") {

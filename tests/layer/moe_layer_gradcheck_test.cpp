@@ -5,6 +5,8 @@
 //    against the gradients the layer's backward and reduce_gradients produce, for the input, the
 //    router weight, the routed experts' weights (ETP shards, EDP replicas), the shared expert's
 //    weights (TP shards) and its gate, on folds with TP, CP, EP, ETP and EDP;
+//    and the same check of the layer on cpu_exec (the GPU code path in CI: the kernels in fp64,
+//    mlp_experts and the shared expert on the caller's parameters in device memory);
 //  - invariant 14: two runs are bitwise identical;
 //  - forwards in flight: F1 F2 B2 B1, a 1F1B schedule of 4 micro-batches and activation
 //    recomputation equal the sequential F B F B ... bitwise, with each backward's gradients taken
@@ -15,6 +17,9 @@
 //    routed = kept + dropped on every rank.
 #include <moefold/comm/thread_world.hpp>
 #include <moefold/dispatch/drop_policy_local.hpp>
+#include <moefold/dispatch/drop_policy_variant.hpp>
+#include <moefold/exec/cpu_exec.hpp>
+#include <moefold/experts/mlp_experts.hpp>
 #include <moefold/layer/moe_layer.hpp>
 
 #include <doctest/doctest.h>
@@ -25,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "../dispatch/device_round_trip.hpp"
 #include "../dispatch/dispatch_harness.hpp"
 #include "../support/mlp_layout.hpp"
 
@@ -88,9 +94,16 @@ struct layer_setup {
   double capacity = 0;  // 0: dropless; else sub-sequence with this factor
   // Set: the caller's context form with these per-loss seeds, and L weighted by them.
   std::optional<moe_loss_seeds<double>> seeds{};
+  bool cpu_exec = false;  // the layer on cpu_exec (no seeds) instead of host_exec
 };
 
+std::vector<rank_grads> run_cpu_exec(const problem& p, const params& q, const layer_setup& ls);
+moe_layer_options options_for(const problem& p, const layer_setup& ls,
+                              const dynamic_folded_mesh& fold, const megatron_groups& groups,
+                              int r);
+
 std::vector<rank_grads> run(const problem& p, const params& q, const layer_setup& ls) {
+  if (ls.cpu_exec) return run_cpu_exec(p, q, ls);
   const auto fold = make_folded(p.fold).value();
   const megatron_groups groups(fold);
   std::vector<rank_grads> results(static_cast<std::size_t>(fold.world_size()));
@@ -101,23 +114,7 @@ std::vector<rank_grads> run(const problem& p, const params& q, const layer_setup
     auto tp_cp = get(group_kind::tp_cp), stage = get(group_kind::tp_dp_cp),
          edp = get(group_kind::edp), tp = get(group_kind::tp), dp_cp = get(group_kind::dp_cp);
     auto mlp = rank_experts<double>(p, fold, r, q.w1, q.w2).value();
-    moe_layer_options o{.hidden = p.hidden,
-                        .max_tokens = p.tokens,
-                        .ep = fold.ep(),
-                        .etp = fold.etp(),
-                        .router = {.num_experts = p.experts, .topk = p.topk},
-                        .batch = kBatch};
-    if (ls.losses) {
-      o.aux_loss_coeff = 0.05;
-      o.z_loss_coeff = 0.01;
-      o.seq_aux_loss_coeff = 0.04;
-      o.global_aux_loss_coeff = 0.03;
-    }
-    if (ls.shared)
-      o.shared_expert = {.ffn = kShared,
-                         .gate = true,
-                         .tp = fold.tp(),
-                         .tp_rank = groups(group_kind::tp).find(r).position};
+    const moe_layer_options o = options_for(p, ls, fold, groups, r);
     const moe_layer_groups<thread_communicator> g{
         .tp_cp = tp_cp, .dispatch = {ep, etp, tp_ep}, .tp = &tp, .tp_dp_cp = &stage};
     auto& res = results[static_cast<std::size_t>(r)];
@@ -176,6 +173,128 @@ std::vector<rank_grads> run(const problem& p, const params& q, const layer_setup
     };
     if (ls.capacity > 0) return body(sub_sequence{.capacity_factor = ls.capacity});
     return body(dropless{});
+  });
+  for (const auto& s : st) REQUIRE_MESSAGE(s.has_value(), s.error().message);
+  return results;
+}
+
+// The layer's options for a rank of the fold (run's, with the shared expert's TP position).
+moe_layer_options options_for(const problem& p, const layer_setup& ls,
+                              const dynamic_folded_mesh& fold, const megatron_groups& groups,
+                              int r) {
+  moe_layer_options o{.hidden = p.hidden,
+                      .max_tokens = p.tokens,
+                      .ep = fold.ep(),
+                      .etp = fold.etp(),
+                      .router = {.num_experts = p.experts, .topk = p.topk},
+                      .batch = kBatch};
+  if (ls.losses) {
+    o.aux_loss_coeff = 0.05;
+    o.z_loss_coeff = 0.01;
+    o.seq_aux_loss_coeff = 0.04;
+    o.global_aux_loss_coeff = 0.03;
+  }
+  if (ls.shared)
+    o.shared_expert = {.ffn = kShared,
+                       .gate = true,
+                       .tp = fold.tp(),
+                       .tp_rank = groups(group_kind::tp).find(r).position};
+  return o;
+}
+
+// run() on cpu_exec over the device-space thread world: the parameters in the library's layout
+// (from the host reference MLP's loader) uploaded as the caller's, the layer bound to them,
+// forward, backward, gradients reduced over the bundle's groups, everything read back.
+std::vector<rank_grads> run_cpu_exec(const problem& p, const params& q, const layer_setup& ls) {
+  using dev_comm = thread_device_communicator;
+  using experts_t = mlp_experts<double, cpu_exec>;
+  using layer_t = moe_layer<double, dev_comm, drop_policy_variant,
+                            all_to_all_dispatcher<double, dev_comm, cpu_exec, double>, experts_t>;
+  REQUIRE_FALSE(ls.seeds.has_value());
+  const auto fold = make_folded(p.fold).value();
+  const megatron_groups groups(fold);
+  const int H = p.hidden;
+  std::vector<rank_grads> results(static_cast<std::size_t>(fold.world_size()));
+  const auto st = run_thread_world(fold.world_size(), [&](thread_communicator& tw) -> status {
+    auto world = std::move(tw).in_space<cpu_device_space>();
+    const int r = world.rank();
+    cpu_exec x(static_cast<std::uint64_t>(3 + r));
+    TRY_ASSIGN(comms, make_layer_communicators(world, groups));
+    const moe_layer_options o = options_for(p, ls, fold, groups, r);
+    // Host copies in the library's layout, uploaded with zeroed gradients: [rows, width] each.
+    auto routed = rank_experts<double>(p, fold, r, q.w1, q.w2).value();
+    const int L = p.experts / fold.ep(), fs = p.ffn / fold.etp(), ss = kShared / fold.tp();
+    std::vector<double> s1, s2;
+    if (ls.shared) {
+      TRY_ASSIGN(sh, (reference_mlp<double>::make({.hidden = H,
+                                                   .ffn = kShared,
+                                                   .num_local_experts = 1,
+                                                   .etp = fold.tp(),
+                                                   .etp_rank = o.shared_expert.tp_rank})));
+      TRY(sh->load_full(0, megatron_fc1_from_columns(q.s1, H, 2, kShared),
+                        megatron_fc2_from_rows(q.s2, kShared, H)));
+      s1.assign(sh->weights_fc1().begin(), sh->weights_fc1().end());
+      s2.assign(sh->weights_fc2().begin(), sh->weights_fc2().end());
+    }
+    const auto vec = [](std::span<const double> v) {
+      return std::vector<double>(v.begin(), v.end());
+    };
+    const std::vector<double> w1 = vec(routed.weights_fc1()), w2 = vec(routed.weights_fc2());
+    const std::vector<double> sg = ls.shared ? q.sg : std::vector<double>{};
+    // fc1, fc2, router, shared fc1, shared fc2, gate; then their gradients.
+    const std::vector<const std::vector<double>*> host = {&w1, &w2, &q.router, &s1, &s2, &sg};
+    const int dims[6][2] = {{L * 2 * fs, H}, {L * H, fs}, {p.experts, H},
+                            {2 * ss, H},     {H, ss},     {1, H}};
+    std::vector<exec_buffer<double, cpu_exec>> b;
+    for (int i = 0; i < 12; ++i) {
+      const auto& v = *host[static_cast<std::size_t>(i % 6)];
+      const int rows = v.empty() ? 0 : dims[i % 6][0], width = v.empty() ? 0 : dims[i % 6][1];
+      TRY_ASSIGN(u, upload(x, i < 6 ? v : std::vector<double>(v.size(), 0.0), rows, width));
+      b.push_back(std::move(*u));
+    }
+    TRY_ASSIGN(experts, experts_t::make({.hidden = H,
+                                         .ffn = p.ffn,
+                                         .num_local_experts = L,
+                                         .etp = fold.etp(),
+                                         .etp_rank = fold.moe_coord_of(r).etp,
+                                         .act = activation::swiglu},
+                                        {b[0].cview(), b[1].cview()}, {b[6].view(), b[7].view()}));
+    drop_policy_variant policy = dropless{};
+    if (ls.capacity > 0) policy = sub_sequence{.capacity_factor = ls.capacity};
+    TRY_ASSIGN(layer, layer_t::make(x, o, policy, std::move(*experts)));
+    moe_layer_param_views<double, cpu_device_space> pv{.router_weight = b[2].view(),
+                                                       .router_grad = b[8].view()};
+    if (ls.shared)
+      pv.shared = {.mlp = {b[3].cview(), b[4].cview()},
+                   .grads = {b[9].view(), b[10].view()},
+                   .gate = b[5].cview(),
+                   .gate_grad = b[11].view()};
+    TRY(layer->bind_parameters(pv));
+    const auto& xs = q.x[static_cast<std::size_t>(r)];
+    const auto& dout = q.dout[static_cast<std::size_t>(r)];
+    TRY_ASSIGN(d_x, upload(x, xs, p.tokens, H));
+    TRY_ASSIGN(d_dout, upload(x, dout, p.tokens, H));
+    TRY_ASSIGN(d_out, (exec_buffer<double, cpu_exec>::make(x, p.tokens, H)));
+    TRY_ASSIGN(d_dx, (exec_buffer<double, cpu_exec>::make(x, p.tokens, H)));
+    const auto g = comms->groups();
+    TRY_ASSIGN(stats, layer->forward(d_x->cview(), {}, g, d_out->view()));
+    TRY(layer->backward(d_dout->cview(), 1.0, g, d_dx->view()));
+    TRY(layer->reduce_gradients(*comms));
+    auto& res = results[static_cast<std::size_t>(r)];
+    res.report = stats->dropped.to_report();
+    TRY_ASSIGN(out, (download<double>(x, d_out->cview())));
+    TRY_ASSIGN(dx, (download<double>(x, d_dx->cview())));
+    res.out = *out;
+    res.dx = *dx;
+    res.loss = stats->aux_loss + stats->seq_aux_loss + stats->global_aux_loss + stats->z_loss;
+    for (std::size_t i = 0; i < xs.size(); ++i) res.loss += dout[i] * res.out[i];
+    std::vector<double>* into[6] = {&res.w1, &res.w2, &res.router, &res.s1, &res.s2, &res.sg};
+    for (int i = 0; i < 6; ++i) {
+      if (b[static_cast<std::size_t>(6 + i)].cview().rows() == 0) continue;
+      TRY_ASSIGN(v, (download<double>(x, b[static_cast<std::size_t>(6 + i)].cview())));
+      *into[i] = std::move(*v);
+    }
+    return {};
   });
   for (const auto& s : st) REQUIRE_MESSAGE(s.has_value(), s.error().message);
   return results;
@@ -287,6 +406,17 @@ TEST_CASE("MoE layer gradients equal central finite differences of the whole pip
     p.ffn = 2 * fold.etp();
     gradcheck(p);
   }
+}
+
+TEST_CASE("MoE layer on cpu_exec: gradients equal central finite differences (fp64)") {
+  // The GPU code path in CI (the kernels on fibers over device memory, the device-space thread
+  // world) in fp64: the router, losses and expert bias kernels, mlp_experts through simt_gemm,
+  // the shared expert with its gate, on the caller's parameters; TP, EP and ETP, every loss.
+  const fold_config f{.world = 4, .tp = 2, .ep = 2, .etp = 2};
+  const auto fold = make_folded(f).value();
+  problem p{.fold = f, .experts = 2 * fold.ep(), .topk = 2, .hidden = 3, .tokens = 4};
+  p.ffn = 2 * fold.etp();
+  gradcheck(p, {.cpu_exec = true}, 4);
 }
 
 TEST_CASE(

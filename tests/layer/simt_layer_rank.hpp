@@ -171,13 +171,98 @@ expected<simt_rank_experts<T, Exec>> rank_mlp(const problem& p, const dynamic_fo
                                           {par.g1.view(), par.g2.view()});
 }
 
+// What a rank of either layer starts from: its groups (split from the world), its parameters and
+// experts on the context (the weights of layer_harness.hpp), its tokens on the host and uploaded,
+// the output buffers, and (`keys`) its tokens' true sequence keys for full-sequence dropping.
+template <class T, class Exec, class Comm>
+struct layer_rank_setup {
+  using space = typename Exec::memory_space;
+  dynamic_folded_mesh fold;
+  Comm ep, etp, tp_ep, tp_cp, stage, edp;
+  simt_rank_params<T, Exec> par;
+  std::optional<simt_rank_experts<T, Exec>> mlp;        // moved into the layer
+  std::vector<T> xs, douts;                             // [N, H] on the host
+  exec_buffer<T, Exec> x, dout, out, dx;                // [N, H]
+  std::optional<exec_buffer<std::int64_t, Exec>> keys;  // [N, 1]; none: the group's rank order
+
+  [[nodiscard]] row_view<const std::int64_t, space> key_view() const {
+    return keys ? keys->cview() : row_view<const std::int64_t, space>{};
+  }
+  [[nodiscard]] moe_layer_groups<Comm> groups() { return {tp_cp, {ep, etp, tp_ep}}; }
+};
+
+template <class T, class Exec, class Comm>
+expected<layer_rank_setup<T, Exec, Comm>> make_layer_rank_setup(const problem& p, Comm& world,
+                                                                Exec& x, bool keys) {
+  const auto fold = make_folded(p.fold).value();
+  const megatron_groups groups(fold);
+  const int r = world.rank(), H = p.hidden;
+  auto get = [&](group_kind k) { return group_communicator(world, groups, {k}); };
+  TRY_ASSIGN(ep, get(group_kind::ep));
+  TRY_ASSIGN(etp, get(group_kind::etp));
+  TRY_ASSIGN(tp_ep, get(group_kind::tp_ep));
+  TRY_ASSIGN(tp_cp, get(group_kind::tp_cp));
+  TRY_ASSIGN(stage, get(group_kind::tp_dp_cp));
+  TRY_ASSIGN(edp, get(group_kind::edp));
+  TRY_ASSIGN(par, (upload_rank_params<T>(p, fold, r, x)));
+  TRY_ASSIGN(mlp, (rank_mlp(p, fold, r, x, *par)));
+  std::vector<T> xs, douts;
+  for (int t = 0; t < p.tokens; ++t) {
+    const auto d = make_token(p, r, t);
+    for (double v : d.x) xs.push_back(static_cast<T>(v));
+    for (double v : d.dout) douts.push_back(static_cast<T>(v));
+  }
+  TRY_ASSIGN(d_x, upload(x, xs, p.tokens, H));
+  std::optional<exec_buffer<std::int64_t, Exec>> d_keys;
+  if (keys) {
+    TRY_ASSIGN(k, upload(x, sequence_keys(p, fold, r), p.tokens, 1));
+    d_keys = std::move(*k);
+  }
+  TRY_ASSIGN(d_dout, upload(x, douts, p.tokens, H));
+  TRY_ASSIGN(d_out, (exec_buffer<T, Exec>::make(x, p.tokens, H)));
+  TRY_ASSIGN(d_dx, (exec_buffer<T, Exec>::make(x, p.tokens, H)));
+  return layer_rank_setup<T, Exec, Comm>{.fold = fold,
+                                         .ep = std::move(*ep),
+                                         .etp = std::move(*etp),
+                                         .tp_ep = std::move(*tp_ep),
+                                         .tp_cp = std::move(*tp_cp),
+                                         .stage = std::move(*stage),
+                                         .edp = std::move(*edp),
+                                         .par = std::move(*par),
+                                         .mlp = std::move(*mlp),
+                                         .xs = std::move(xs),
+                                         .douts = std::move(douts),
+                                         .x = std::move(*d_x),
+                                         .dout = std::move(*d_dout),
+                                         .out = std::move(*d_out),
+                                         .dx = std::move(*d_dx),
+                                         .keys = std::move(d_keys)};
+}
+
+// The layer's output and input gradient, the router's and the experts' (reduced) gradients read
+// back from the context, widened.
+template <class T, class Exec, class Comm>
+status read_back(Exec& x, const layer_rank_setup<T, Exec, Comm>& in, layer_result& res) {
+  using G = main_grad_t<T>;
+  TRY_ASSIGN(out, (download<T>(x, in.out.cview())));
+  TRY_ASSIGN(dx, (download<T>(x, in.dx.cview())));
+  TRY_ASSIGN(dw, (download<G>(x, in.par.dw.cview())));
+  TRY_ASSIGN(g1, (download<G>(x, in.par.g1.cview())));
+  TRY_ASSIGN(g2, (download<G>(x, in.par.g2.cview())));
+  res.out = widen_all(*out);
+  res.dx = widen_all(*dx);
+  res.dw_router = widen_all(*dw);
+  res.dw1 = widen_all(*g1);
+  res.dw2 = widen_all(*g2);
+  return {};
+}
+
 // One rank's simt_moe_layer: the weights of layer_harness.hpp uploaded to the context, forward,
 // backward (seed 1), gradients reduced; everything read back and widened. `keys`: full-sequence
 // dropping in true sequence order (sequence_keys), not the group's rank order.
 template <class T, template <class, class, class, class> class Disp, class Exec, class Comm>
 expected<layer_result> run_simt_rank(const problem& p, Comm& world, Exec& x,
                                      std::optional<simt_drop_policy> drop, bool keys = false) {
-  using G = main_grad_t<T>;
   using layer_t =
       simt_moe_layer<T, Exec, Comm, Disp<T, Comm, Exec, float>, simt_rank_experts<T, Exec>>;
   const auto copies = [&x] {
@@ -186,38 +271,15 @@ expected<layer_result> run_simt_rank(const problem& p, Comm& world, Exec& x,
     else
       return copy_counts{};
   };
-  const auto fold = make_folded(p.fold).value();
-  const megatron_groups groups(fold);
-  const int r = world.rank(), H = p.hidden;
-  auto get = [&](group_kind k) { return group_communicator(world, groups, {k}).value(); };
-  auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep);
-  auto tp_cp = get(group_kind::tp_cp), stage = get(group_kind::tp_dp_cp),
-       edp = get(group_kind::edp);
-  TRY_ASSIGN(par, (upload_rank_params<T>(p, fold, r, x)));
-  TRY_ASSIGN(mlp, (rank_mlp(p, fold, r, x, *par)));
-  TRY_ASSIGN(layer, (layer_t::make(x, options_of(p, fold), par->w.cview(), par->dw.view(),
-                                   std::move(*mlp), drop)));
-  auto &d_g1 = par->g1, &d_g2 = par->g2, &d_dw = par->dw;
-  std::vector<T> xs, douts;
-  for (int t = 0; t < p.tokens; ++t) {
-    const auto d = make_token(p, r, t);
-    for (double v : d.x) xs.push_back(static_cast<T>(v));
-    for (double v : d.dout) douts.push_back(static_cast<T>(v));
-  }
-  TRY_ASSIGN(d_x, upload(x, xs, p.tokens, H));
-  std::optional<exec_buffer<std::int64_t, Exec>> d_keys;  // none: the group's rank order
-  if (keys) {
-    TRY_ASSIGN(k, upload(x, sequence_keys(p, fold, r), p.tokens, 1));
-    d_keys = std::move(*k);
-  }
-  const auto key_view =
-      d_keys ? d_keys->cview() : row_view<const std::int64_t, typename Exec::memory_space>{};
-  TRY_ASSIGN(d_dout, upload(x, douts, p.tokens, H));
-  TRY_ASSIGN(d_out, (exec_buffer<T, Exec>::make(x, p.tokens, H)));
-  TRY_ASSIGN(d_dx, (exec_buffer<T, Exec>::make(x, p.tokens, H)));
-  const moe_layer_groups<Comm> g{tp_cp, {ep, etp, tp_ep}};
+  TRY_ASSIGN(in, (make_layer_rank_setup<T>(p, world, x, keys)));
+  const auto& fold = in->fold;
+  const auto& xs = in->xs;
+  const int H = p.hidden;
+  TRY_ASSIGN(layer, (layer_t::make(x, options_of(p, fold), in->par.w.cview(), in->par.dw.view(),
+                                   std::move(*in->mlp), drop)));
+  const moe_layer_groups<Comm> g = in->groups();
   const copy_counts before = copies();
-  TRY_ASSIGN(stats, layer->forward(d_x->cview(), g, d_out->view(), key_view));
+  TRY_ASSIGN(stats, layer->forward(in->x.cview(), g, in->out.view(), in->key_view()));
   const copy_counts after_forward = copies();
   // Dropless with EP = ETP = 1 on a context that runs kernels (either dispatcher): the batch is
   // the N k rows and its row ranges stay on the context (no count comes back).
@@ -248,7 +310,7 @@ expected<layer_result> run_simt_rank(const problem& p, Comm& world, Exec& x,
     return make_error(errc::invalid_argument, "the dropless layer reports a drop");
   }
   const copy_counts before_backward = copies();
-  TRY(layer->backward(d_dout->cview(), 1.0f, g, d_dx->view()));
+  TRY(layer->backward(in->dout.cview(), 1.0f, g, in->dx.view()));
   // The host waits: one copy of the counts per dropless forward (the collectives need them),
   // none in pad mode, none in the backward; none at all in the unsharded case above.
   const long long forward_waits = after_forward.to_host - before.to_host,
@@ -274,17 +336,9 @@ expected<layer_result> run_simt_rank(const problem& p, Comm& world, Exec& x,
   if (!std::equal(kept_host->begin(), kept_host->end(), xs.begin(), xs.end(),
                   [](T a, T b) { return std::memcmp(&a, &b, sizeof(T)) == 0; }))
     return make_error(errc::invalid_argument, "the kept input differs from the forward's");
-  TRY(layer->reduce_gradients(stage, edp, d_dw.view()));  // the experts' own gradient views
-  TRY_ASSIGN(out, (download<T>(x, d_out->cview())));
-  TRY_ASSIGN(dx, (download<T>(x, d_dx->cview())));
-  TRY_ASSIGN(dw, (download<G>(x, d_dw.cview())));
-  TRY_ASSIGN(g1, (download<G>(x, d_g1.cview())));
-  TRY_ASSIGN(g2, (download<G>(x, d_g2.cview())));
-  res.out = widen_all(*out);
-  res.dx = widen_all(*dx);
-  res.dw_router = widen_all(*dw);
-  res.dw1 = widen_all(*g1);
-  res.dw2 = widen_all(*g2);
+  TRY(layer->reduce_gradients(in->stage, in->edp,
+                              in->par.dw.view()));  // the experts' own gradient views
+  TRY(read_back(x, *in, res));
   return res;
 }
 

@@ -30,8 +30,8 @@
 #include <vector>
 
 #include "../dispatch/device_round_trip.hpp"
-#include "../support/mlp_layout.hpp"
 #include "../support/stream_order_exec.hpp"
+#include "fixed_router.hpp"
 #include "layer_harness.hpp"
 #include "simt_layer_rank.hpp"
 
@@ -43,6 +43,24 @@ namespace {
 using dev_comm = thread_device_communicator;
 using space = cpu_device_space;
 
+// Every rank of a thread world of W ranks in the device memory space, each on a cpu_exec of seed
+// `seed` + its rank: rank(world, exec) -> expected<Out>; a rank's error fails the test with its
+// message.
+template <class Out, class Rank>
+std::vector<Out> on_cpu_world(int W, std::uint64_t seed, const Rank& rank) {
+  std::vector<Out> res(static_cast<std::size_t>(W));
+  const auto st = run_thread_world(W, [&](thread_communicator& world) -> status {
+    auto dw = std::move(world).in_space<space>();
+    cpu_exec x(seed + static_cast<std::uint64_t>(dw.rank()));
+    auto r = rank(dw, x);
+    if (!r) return unexpected<error>(r.error());
+    res[static_cast<std::size_t>(dw.rank())] = std::move(*r);
+    return {};
+  });
+  for (const auto& s : st) REQUIRE_MESSAGE(s.has_value(), s.error().message);
+  return res;
+}
+
 template <class T, template <class, class, class, class> class Disp>
 using simt_layer_t = simt_moe_layer<T, cpu_exec, dev_comm, Disp<T, dev_comm, cpu_exec, float>,
                                     simt_rank_experts<T, cpu_exec>>;
@@ -50,18 +68,9 @@ using simt_layer_t = simt_moe_layer<T, cpu_exec, dev_comm, Disp<T, dev_comm, cpu
 template <class T, template <class, class, class, class> class Disp>
 std::vector<layer_result> run_simt(const problem& p, std::optional<simt_drop_policy> drop = {},
                                    bool keys = false) {
-  const int W = p.fold.world;
-  std::vector<layer_result> res(static_cast<std::size_t>(W));
-  const auto st = run_thread_world(W, [&](thread_communicator& world) -> status {
-    auto dw = std::move(world).in_space<space>();
-    cpu_exec x(static_cast<std::uint64_t>(7 + dw.rank()));
-    auto r = run_simt_rank<T, Disp>(p, dw, x, drop, keys);
-    if (!r) return unexpected<error>(r.error());
-    res[static_cast<std::size_t>(dw.rank())] = std::move(*r);
-    return {};
+  return on_cpu_world<layer_result>(p.fold.world, 7, [&](dev_comm& world, cpu_exec& x) {
+    return run_simt_rank<T, Disp>(p, world, x, drop, keys);
   });
-  for (const auto& s : st) REQUIRE_MESSAGE(s.has_value(), s.error().message);
-  return res;
 }
 
 #if !defined(MOEFOLD_SIMT_REDUCED)
@@ -405,18 +414,9 @@ expected<feature_out> run_simt_features_rank(const problem& p, dev_comm& world, 
 
 std::vector<feature_out> run_simt_features(const problem& p, std::optional<sub_sequence> drop,
                                            bool shared = false) {
-  const int W = p.fold.world;
-  std::vector<feature_out> res(static_cast<std::size_t>(W));
-  const auto st = run_thread_world(W, [&](thread_communicator& world) -> status {
-    auto dw = std::move(world).in_space<space>();
-    cpu_exec x(static_cast<std::uint64_t>(11 + dw.rank()));
-    auto r = run_simt_features_rank(p, dw, x, drop, shared);
-    if (!r) return unexpected<error>(r.error());
-    res[static_cast<std::size_t>(dw.rank())] = std::move(*r);
-    return {};
+  return on_cpu_world<feature_out>(p.fold.world, 11, [&](dev_comm& world, cpu_exec& x) {
+    return run_simt_features_rank(p, world, x, drop, shared);
   });
-  for (const auto& s : st) REQUIRE_MESSAGE(s.has_value(), s.error().message);
-  return res;
 }
 
 // Forwards in flight: two micro-batches through one rank's layer with every loss and the expert
@@ -530,18 +530,9 @@ expected<flight_out> run_flight_rank(const problem& p, dev_comm& world, cpu_exec
 }
 std::vector<flight_out> run_flight(const problem& p, std::optional<sub_sequence> drop, bool shared,
                                    bool in_flight) {
-  const int W = p.fold.world;
-  std::vector<flight_out> res(static_cast<std::size_t>(W));
-  const auto st = run_thread_world(W, [&](thread_communicator& world) -> status {
-    auto dw = std::move(world).in_space<space>();
-    cpu_exec x(static_cast<std::uint64_t>(5 + dw.rank()));
-    auto r = run_flight_rank(p, dw, x, drop, shared, in_flight);
-    if (!r) return unexpected<error>(r.error());
-    res[static_cast<std::size_t>(dw.rank())] = std::move(*r);
-    return {};
+  return on_cpu_world<flight_out>(p.fold.world, 5, [&](dev_comm& world, cpu_exec& x) {
+    return run_flight_rank(p, world, x, drop, shared, in_flight);
   });
-  for (const auto& s : st) REQUIRE_MESSAGE(s.has_value(), s.error().message);
-  return res;
 }
 }  // namespace
 
@@ -1156,36 +1147,12 @@ expected<layer_result> run_cpu_rank(const problem& p, const drop_policy_variant&
                                     dev_comm& world, cpu_exec& x, bool keys) {
   using layer_t = moe_layer<T, dev_comm, drop_policy_variant, Disp<T, dev_comm, cpu_exec, float>,
                             simt_rank_experts<T, cpu_exec>>;
-  using G = main_grad_t<T>;
-  const auto fold = make_folded(p.fold).value();
-  const megatron_groups groups(fold);
-  const int r = world.rank(), H = p.hidden;
-  auto get = [&](group_kind k) { return group_communicator(world, groups, {k}).value(); };
-  auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep);
-  auto tp_cp = get(group_kind::tp_cp), stage = get(group_kind::tp_dp_cp),
-       edp = get(group_kind::edp);
-  TRY_ASSIGN(par, (upload_rank_params<T>(p, fold, r, x)));
-  TRY_ASSIGN(mlp, (rank_mlp(p, fold, r, x, *par)));
-  TRY_ASSIGN(layer, (layer_t::make(x, options_of(p, fold), policy, std::move(*mlp))));
-  TRY(layer->bind_parameters({.router_weight = par->w.view(), .router_grad = par->dw.view()}));
-  std::vector<T> xs, douts;
-  for (int t = 0; t < p.tokens; ++t) {
-    const auto d = make_token(p, r, t);
-    for (double v : d.x) xs.push_back(static_cast<T>(v));
-    for (double v : d.dout) douts.push_back(static_cast<T>(v));
-  }
-  TRY_ASSIGN(d_x, upload(x, xs, p.tokens, H));
-  TRY_ASSIGN(d_dout, upload(x, douts, p.tokens, H));
-  std::optional<exec_buffer<std::int64_t, cpu_exec>> d_keys;  // none: the group's rank order
-  if (keys) {
-    TRY_ASSIGN(k, upload(x, sequence_keys(p, fold, r), p.tokens, 1));
-    d_keys = std::move(*k);
-  }
-  const auto key_view = d_keys ? d_keys->cview() : row_view<const std::int64_t, space>{};
-  TRY_ASSIGN(d_out, (exec_buffer<T, cpu_exec>::make(x, p.tokens, H)));
-  TRY_ASSIGN(d_dx, (exec_buffer<T, cpu_exec>::make(x, p.tokens, H)));
-  const moe_layer_groups<dev_comm> g{tp_cp, {ep, etp, tp_ep}};
-  TRY_ASSIGN(stats, layer->forward(d_x->cview(), key_view, g, d_out->view()));
+  TRY_ASSIGN(in, (make_layer_rank_setup<T>(p, world, x, keys)));
+  TRY_ASSIGN(layer, (layer_t::make(x, options_of(p, in->fold), policy, std::move(*in->mlp))));
+  TRY(layer->bind_parameters(
+      {.router_weight = in->par.w.view(), .router_grad = in->par.dw.view()}));
+  const moe_layer_groups<dev_comm> g = in->groups();
+  TRY_ASSIGN(stats, layer->forward(in->x.cview(), in->key_view(), g, in->out.view()));
   TRY(layer->device_status());  // the keys were good, the record whole
   layer_result res;
   res.aux = stats->aux_loss;
@@ -1204,36 +1171,18 @@ expected<layer_result> run_cpu_rank(const problem& p, const drop_policy_variant&
           stats->dropped.routed[i] - stats->dropped.dropped[i] + stats->dropped.padded[i];
     }
   }
-  TRY(layer->backward(d_dout->cview(), 1.0f, g, d_dx->view()));
-  TRY(layer->reduce_gradients(stage, edp, {par->g1.view(), par->g2.view()}));
-  TRY_ASSIGN(out, (download<T>(x, d_out->cview())));
-  TRY_ASSIGN(dx, (download<T>(x, d_dx->cview())));
-  TRY_ASSIGN(dw, (download<G>(x, par->dw.cview())));
-  TRY_ASSIGN(g1, (download<G>(x, par->g1.cview())));
-  TRY_ASSIGN(g2, (download<G>(x, par->g2.cview())));
-  res.out = widen_all(*out);
-  res.dx = widen_all(*dx);
-  res.dw_router = widen_all(*dw);
-  res.dw1 = widen_all(*g1);
-  res.dw2 = widen_all(*g2);
+  TRY(layer->backward(in->dout.cview(), 1.0f, g, in->dx.view()));
+  TRY(layer->reduce_gradients(in->stage, in->edp, {in->par.g1.view(), in->par.g2.view()}));
+  TRY(read_back(x, *in, res));
   return res;
 }
 
 template <class T, template <class, class, class, class> class Disp>
 std::vector<layer_result> run_cpu(const problem& p, const drop_policy_variant& policy,
                                   bool keys = false) {
-  const int W = p.fold.world;
-  std::vector<layer_result> res(static_cast<std::size_t>(W));
-  const auto st = run_thread_world(W, [&](thread_communicator& world) -> status {
-    auto dw = std::move(world).in_space<space>();
-    cpu_exec x(static_cast<std::uint64_t>(11 + dw.rank()));
-    auto r = run_cpu_rank<T, Disp>(p, policy, dw, x, keys);
-    if (!r) return unexpected<error>(r.error());
-    res[static_cast<std::size_t>(dw.rank())] = std::move(*r);
-    return {};
+  return on_cpu_world<layer_result>(p.fold.world, 11, [&](dev_comm& world, cpu_exec& x) {
+    return run_cpu_rank<T, Disp>(p, policy, world, x, keys);
   });
-  for (const auto& s : st) REQUIRE_MESSAGE(s.has_value(), s.error().message);
-  return res;
 }
 
 const fold_config cpu_exec_folds[] = {
@@ -1252,54 +1201,8 @@ problem problem_of(const fold_config& f, int experts) {
   return p;
 }
 
-// A user router on any context: token t goes to experts t % E, (t + 1) % E, ... with
-// probabilities 0.7 and the rest shared equally, whatever the logits (so the router weight gets
-// no gradient). The assignment is a kernel body launched on the context, the backward a fill.
-struct fixed_assignment_kernel {
-  static constexpr int block_threads = 64;
-  static constexpr const char* name = "fixed_assignment";
-  int* indices;  // [N, k] rows idx_stride apart
-  float* probs;  // [N, k] rows prob_stride apart
-  long long idx_stride, prob_stride;
-  int n, k, experts;
-  template <class Ctx>
-  MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
-    const long long step = static_cast<long long>(c.grid_blocks()) * Ctx::block_threads;
-    for (long long i = static_cast<long long>(c.block()) * Ctx::block_threads + c.thread();
-         i < static_cast<long long>(n) * k; i += step) {
-      const long long t = i / k, j = i % k;
-      indices[t * idx_stride + j] = static_cast<int>((t + j) % experts);
-      probs[t * prob_stride + j] = j == 0 ? 0.7f : 0.3f / static_cast<float>(k - 1);
-    }
-  }
-};
-struct fixed_router {
-  using value_type = float;
-  int experts = 0, k = 0;
-  [[nodiscard]] int num_experts() const { return experts; }
-  [[nodiscard]] int topk() const { return k; }
-  template <class Exec>
-  [[nodiscard]] status route(Exec& x,
-                             const router_route_args<float, typename Exec::memory_space>& f) const {
-    if (!f.expert_bias.empty())
-      return make_error(errc::invalid_argument, "fixed_router: takes no expert bias");
-    return launch(x, launch_grid{.blocks = 2},
-                  fixed_assignment_kernel{.indices = f.indices.data(),
-                                          .probs = f.probs.data(),
-                                          .idx_stride = f.indices.stride(),
-                                          .prob_stride = f.probs.stride(),
-                                          .n = f.indices.rows(),
-                                          .k = k,
-                                          .experts = experts});
-  }
-  template <class Exec>
-  [[nodiscard]] status backward(
-      Exec& x, const router_backward_args<float, typename Exec::memory_space>& b) const {
-    return x.fill(b.dlogits, 0.0f);
-  }
-};
-static_assert(routing::router<fixed_router, cpu_exec>);
-static_assert(routing::router<fixed_router, host_exec>);
+// The user router of fixed_router.hpp, a kernel body, here on cpu_exec.
+static_assert(routing::router<fixed_router<float>, cpu_exec>);
 
 // User experts on the context: mlp_experts, recording the probability of every row they are
 // given (read back from the context's memory).
@@ -1324,51 +1227,28 @@ struct recording_experts {
 static_assert(expert_fn<recording_experts, cpu_exec, float, float>);
 
 struct user_run {
-  std::vector<double> out, dx, dw_router, dw1, dw2;
-  std::vector<float> seen;
+  layer_result res;
+  std::vector<float> seen;  // the probabilities the experts were given
 };
 
 // One rank of the layer with the user router and experts: forward, backward, read back.
 expected<user_run> run_user_rank(const problem& p, dev_comm& world, cpu_exec& x) {
   using layer_t = moe_layer<float, dev_comm, drop_policy_variant,
                             all_to_all_dispatcher<float, dev_comm, cpu_exec, float>,
-                            recording_experts, fixed_router>;
-  const auto fold = make_folded(p.fold).value();
-  const megatron_groups groups(fold);
-  const int r = world.rank(), H = p.hidden;
-  TRY_ASSIGN(comms, make_layer_communicators(world, groups));
-  TRY_ASSIGN(par, (upload_rank_params<float>(p, fold, r, x)));
-  TRY_ASSIGN(mlp, (rank_mlp(p, fold, r, x, *par)));
-  auto o = options_of(p, fold);
+                            recording_experts, fixed_router<float>>;
+  TRY_ASSIGN(in, (make_layer_rank_setup<float>(p, world, x, false)));
+  auto o = options_of(p, in->fold);
   o.aux_loss_coeff = o.z_loss_coeff = 0;  // no loss reaches the logits: dx has no router part
-  TRY_ASSIGN(layer, (layer_t::make(x, o, dropless{}, recording_experts{std::move(*mlp)},
-                                   fixed_router{.experts = p.experts, .k = p.topk})));
-  TRY(layer->bind_parameters({.router_weight = par->w.view(), .router_grad = par->dw.view()}));
-  std::vector<float> xs, douts;
-  for (int t = 0; t < p.tokens; ++t) {
-    const auto d = make_token(p, r, t);
-    for (double v : d.x) xs.push_back(static_cast<float>(v));
-    for (double v : d.dout) douts.push_back(static_cast<float>(v));
-  }
-  TRY_ASSIGN(d_x, upload(x, xs, p.tokens, H));
-  TRY_ASSIGN(d_dout, upload(x, douts, p.tokens, H));
-  TRY_ASSIGN(d_out, (exec_buffer<float, cpu_exec>::make(x, p.tokens, H)));
-  TRY_ASSIGN(d_dx, (exec_buffer<float, cpu_exec>::make(x, p.tokens, H)));
-  const auto g = comms->groups();
-  TRY(layer->forward(d_x->cview(), {}, g, d_out->view()));
-  TRY(layer->backward(d_dout->cview(), 1.0f, g, d_dx->view()));
+  TRY_ASSIGN(layer, (layer_t::make(x, o, dropless{}, recording_experts{std::move(*in->mlp)},
+                                   fixed_router<float>{.experts = p.experts, .k = p.topk})));
+  TRY(layer->bind_parameters(
+      {.router_weight = in->par.w.view(), .router_grad = in->par.dw.view()}));
+  const moe_layer_groups<dev_comm> g = in->groups();
+  TRY(layer->forward(in->x.cview(), {}, g, in->out.view()));
+  TRY(layer->backward(in->dout.cview(), 1.0f, g, in->dx.view()));
   user_run res;
   res.seen = layer->experts().seen;
-  TRY_ASSIGN(out, (download<float>(x, d_out->cview())));
-  TRY_ASSIGN(dx, (download<float>(x, d_dx->cview())));
-  TRY_ASSIGN(dw, (download<float>(x, par->dw.cview())));
-  TRY_ASSIGN(g1, (download<float>(x, par->g1.cview())));
-  TRY_ASSIGN(g2, (download<float>(x, par->g2.cview())));
-  res.out = widen_all(*out);
-  res.dx = widen_all(*dx);
-  res.dw_router = widen_all(*dw);
-  res.dw1 = widen_all(*g1);
-  res.dw2 = widen_all(*g2);
+  TRY(read_back(x, *in, res.res));
   return res;
 }
 
@@ -1452,50 +1332,22 @@ TEST_CASE(
   problem p{.fold = {.world = 2, .ep = 2, .etp = 1}, .experts = 4, .topk = 2};
   p.hidden = 12;
   p.tokens = 6;
-  std::vector<user_run> res(2);
-  const auto st = run_thread_world(2, [&](thread_communicator& world) -> status {
-    auto dw = std::move(world).in_space<space>();
-    cpu_exec x(static_cast<std::uint64_t>(21 + dw.rank()));
-    TRY_ASSIGN(r, run_user_rank(p, dw, x));
-    res[static_cast<std::size_t>(dw.rank())] = std::move(*r);
-    return {};
-  });
-  for (const auto& s : st) REQUIRE_MESSAGE(s.has_value(), s.error().message);
-  const data w = make_weights(p);
-  reference_grads g;
-  const int L = p.experts / 2, H = p.hidden, F = p.ffn;
+  const auto res = on_cpu_world<user_run>(
+      2, 21, [&](dev_comm& world, cpu_exec& x) { return run_user_rank(p, world, x); });
+  const fixed_reference ref = fixed_assignment_reference(p, 2);
   std::vector<float> seen, given;
   for (int r = 0; r < 2; ++r) {
     CAPTURE(r);
-    std::vector<double> out, dx;
-    for (int t = 0; t < p.tokens; ++t) {
-      token_data d = make_token(p, r, t);
-      d.expert = {t % p.experts, (t + 1) % p.experts};
-      d.prob = {0.7, 0.3};
-      std::vector<double> o1, dx1, dp;
-      reference_token(w, d, o1, dx1, dp, g);
-      out.insert(out.end(), o1.begin(), o1.end());
-      dx.insert(dx.end(), dx1.begin(), dx1.end());
-      given.insert(given.end(), {0.7f, 0.3f});
-    }
-    const auto& got = res[static_cast<std::size_t>(r)];
-    CHECK(rel_err(got.out, out) <= 1e-5);
-    CHECK(rel_err(got.out, out) > 0);    // fp32 is not exact: the comparison is not vacuous
-    CHECK(rel_err(got.dx, dx) <= 1e-5);  // no router part: the assignment ignores the logits
+    const auto i = static_cast<std::size_t>(r);
+    const layer_result& got = res[i].res;
+    CHECK(rel_err(got.out, ref.out[i]) <= 1e-5);
+    CHECK(rel_err(got.out, ref.out[i]) > 0);    // fp32 is not exact: the comparison is not vacuous
+    CHECK(rel_err(got.dx, ref.dx[i]) <= 1e-5);  // no router part: the logits are ignored
     CHECK(got.dw_router == std::vector<double>(got.dw_router.size(), 0.0));
-    seen.insert(seen.end(), got.seen.begin(), got.seen.end());
-  }
-  for (int r = 0; r < 2; ++r) {        // each rank's experts saw both ranks' tokens (EDP = 1)
-    std::vector<double> want1, want2;  // in the library's layout (support/mlp_layout.hpp)
-    for (int l = 0; l < L; ++l) {
-      auto d1 = g.dw1[r * L + l], d2 = g.dw2[r * L + l];
-      d1.resize(static_cast<std::size_t>(H * 2 * F), 0.0);
-      d2.resize(static_cast<std::size_t>(F * H), 0.0);
-      append_fc1_shard<double>(d1, H, 2, F, 1, 0, want1);
-      append_fc2_shard<double>(d2, F, H, 1, 0, want2);
-    }
-    CHECK(rel_err(res[static_cast<std::size_t>(r)].dw1, want1) <= 1e-5);
-    CHECK(rel_err(res[static_cast<std::size_t>(r)].dw2, want2) <= 1e-5);
+    CHECK(rel_err(got.dw1, ref.dw1[i]) <= 1e-5);  // each rank's experts saw both ranks' tokens
+    CHECK(rel_err(got.dw2, ref.dw2[i]) <= 1e-5);
+    seen.insert(seen.end(), res[i].seen.begin(), res[i].seen.end());
+    for (int t = 0; t < p.tokens; ++t) given.insert(given.end(), {0.7f, 0.3f});
   }
   // The user experts were given the user router's probabilities, every pair's, bit for bit.
   std::sort(seen.begin(), seen.end());
