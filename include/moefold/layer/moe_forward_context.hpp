@@ -108,6 +108,7 @@ class moe_forward_context {
     lb_ = o.lb_;
     z_ = o.z_;
     loss_host_ = o.loss_host_;
+    totals_host_ = o.totals_host_;
     return *this;
   }
   ~moe_forward_context() = default;
@@ -195,6 +196,7 @@ class moe_forward_context {
   // The host read of the losses' values (aux, per-sequence aux, global aux, z), landed by the
   // forward's one wait.
   std::array<router_value_type, 4> loss_host_{};
+  std::array<long long, 2> totals_host_{};  // the same for the drop totals
 };
 
 }  // namespace v0_1

@@ -1074,12 +1074,6 @@ class moe_layer {
         !st)
       return unexpected<error>(st.error());
     if (auto st = route(n, logits, ctx); !st) return unexpected<error>(st.error());
-    // The losses, once per training forward (a training forward adds to the global aux loss's
-    // running counts; a recompute reuses the forward's terms). Their values come to the host
-    // with the drop counts below: one wait per forward.
-    if (!recompute)
-      if (auto st = forward_losses(ctx, g, logits, training); !st)
-        return unexpected<error>(st.error());
     // The drop policy decides on the context what each expert keeps: the keep mask, the kept
     // record the dispatcher takes, the counts; the selection stays whole for the router backward.
     const auto counts_v = ctx.counts_.view();
@@ -1106,23 +1100,21 @@ class moe_layer {
                                                                             : faults_.view()},
                       bytes_of(drop_ws_));
     if (!decided) return unexpected<error>(decided.error());
-    // The host copy of the counts for the caller's logging (the stats' drop_counts views).
+    // The host copy of the counts for the caller's logging (the stats' drop_counts views), into
+    // the context's host read: copied now, landed by the forward's one wait below.
     drop_counts counts = counts_into(ctx.report_, E);
-    long long totals[2] = {0, 0};
-    if (auto st = first_error({exec_->copy(row_view<const int, space>(counts_v.subrows(0, 1)),
-                                           row_view<int>(counts.routed.data(), 1, E)),
-                               exec_->copy(row_view<const int, space>(counts_v.subrows(1, 1)),
-                                           row_view<int>(counts.dropped.data(), 1, E)),
-                               exec_->copy(row_view<const int, space>(counts_v.subrows(2, 1)),
-                                           row_view<int>(counts.padded.data(), 1, E)),
-                               exec_->copy(ctx.totals_.cview(), row_view<long long>(totals, 1, 2)),
-                               exec_->synchronize()});
+    if (auto st = first_error(
+            {exec_->copy(row_view<const int, space>(counts_v.subrows(0, 1)),
+                         row_view<int>(counts.routed.data(), 1, E)),
+             exec_->copy(row_view<const int, space>(counts_v.subrows(1, 1)),
+                         row_view<int>(counts.dropped.data(), 1, E)),
+             exec_->copy(row_view<const int, space>(counts_v.subrows(2, 1)),
+                         row_view<int>(counts.padded.data(), 1, E)),
+             exec_->copy(ctx.totals_.cview(), row_view<long long>(ctx.totals_host_.data(), 1, 2))});
         !st)
       return unexpected<error>(st.error());
     counts.capacity = decided->capacity;
     counts.pad_rows = decided->pad_rows;
-    counts.dropped_pairs = totals[0];
-    counts.fully_dropped_tokens = static_cast<int>(totals[1]);
     const auto kept = row_view<const int, space>(ctx.kept_.view().first(n));
     if (auto st = write_kept_probs(*exec_, kept, ctx.probs_.cview().first(n),
                                    ctx.kept_probs_.view().first(n));
@@ -1141,12 +1133,14 @@ class moe_layer {
     auto sv = carve(need);
     if (!sv) return unexpected<error>(sv.error());
     if (auto st = grow_scratch(need.scratch); !st) return unexpected<error>(st.error());
-    // The losses' values (read with the counts) and the expert bias's counts of what was
-    // dispatched (the post-drop map), once per training forward; a recompute reuses the
-    // forward's.
+    // The losses (a training forward adds to the global aux loss's running counts; nothing
+    // before this point changes the layer's state, so a refused forward can be retried) and the
+    // expert bias's counts of what was dispatched (the post-drop map), once per training
+    // forward; a recompute reuses the forward's.
     moe_forward_stats stats;
     if (!recompute) {
-      loss_values(ctx, stats);
+      if (auto st = forward_losses(ctx, g, logits, training); !st)
+        return unexpected<error>(st.error());
       if (training && o_.router.expert_bias)
         if (auto st = bias_->add_counts(*exec_, row_view<const int, space>(counts_v.subrows(0, 1)),
                                         row_view<const int, space>(counts_v.subrows(1, 1)),
@@ -1156,6 +1150,11 @@ class moe_layer {
     } else {
       stats = ctx.stats_;
     }
+    // The forward's one wait: the drop counts and the losses' values land on the host.
+    if (auto st = exec_->synchronize(); !st) return unexpected<error>(st.error());
+    counts.dropped_pairs = ctx.totals_host_[0];
+    counts.fully_dropped_tokens = static_cast<int>(ctx.totals_host_[1]);
+    if (!recompute) loss_values(ctx, stats);
     stats.dropped = counts;
     if (auto st = exec_->copy(x, sv->x.first(n)); !st) return unexpected<error>(st.error());
     if (auto st = exec_->copy(row_view<const R, space>(logits), sv->logits.first(n)); !st)
@@ -1193,7 +1192,7 @@ class moe_layer {
 
   // The load-balancing losses and the z-loss of a training forward: what their backward needs
   // stays in ctx (its own bytes, not the storage: a recompute reuses it); their values are
-  // copied to ctx's host read, which the forward's wait for the drop counts lands.
+  // copied to ctx's host read, which the forward's one wait lands.
   [[nodiscard]] status forward_losses(context_type& ctx, const moe_layer_groups<Comm>& g,
                                       row_view<R, space> logits, bool training) {
     ctx.lb_ = {};
