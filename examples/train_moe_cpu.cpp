@@ -290,8 +290,9 @@ int train(const options& o, const Policy& policy, const upcycled_start* up) {
       w2.assign(static_cast<std::size_t>(o.ffn * H), T(0));
       if (auto s = mlp->load_full(l, w1, w2); !s) return s;
     }
-    using layer_t = moe_layer<T, thread_communicator, Policy,
+    using layer_t = moe_layer<T, host_exec, thread_communicator, Policy,
                               all_to_all_dispatcher<T, thread_communicator>, reference_mlp<T>>;
+    host_exec hx;  // the context every call of the layer runs on
     // EP, ETP, TP and this rank's TP position come from the communicators.
     moe_layer_options lo{
         .hidden = H,
@@ -306,7 +307,7 @@ int train(const options& o, const Policy& policy, const upcycled_start* up) {
       lo.router.expert_bias = true;
     }
     if (o.shared_ffn > 0) lo.shared_expert = {.ffn = o.shared_ffn, .gate = o.shared_gate};
-    auto layer = layer_t::make(lo, policy, std::move(*mlp), *comms);
+    auto layer = layer_t::make(hx, lo, *comms, policy, std::move(*mlp));
     if (!layer) return unexpected<error>(layer.error());
     if (auto* se = layer->shared()) {  // random fc1, zero fc2 and gate (from the full weights)
       // fc1 [2F, H] rows [gate; up]; entry (j, h) drawn at h * 2F + j.
@@ -344,7 +345,6 @@ int train(const options& o, const Policy& policy, const upcycled_start* up) {
           return s;
       }
     }
-    const moe_layer_groups<thread_communicator> g = comms->groups();
     std::vector<T> x(static_cast<std::size_t>(per_rank * H)), out(x.size()), dout(x.size()),
         dx(x.size());
     std::vector<double> y(static_cast<std::size_t>(H)), xd(static_cast<std::size_t>(H));
@@ -357,8 +357,11 @@ int train(const options& o, const Policy& policy, const upcycled_start* up) {
         teach.target(xd.data(), &target[static_cast<std::size_t>(t * H)]);
         for (int h = 0; h < H; ++h) x[static_cast<std::size_t>(t * H + h)] = static_cast<T>(xd[h]);
       }
-      auto stats = layer->forward(per_rank, x, {}, g, out);
+      auto stats = layer->forward(hx, per_rank, x, {}, out);
       if (!stats) return unexpected<error>(stats.error());
+      // The losses and drop counts as host values, for the log (on host_exec a plain read).
+      auto values = read_forward_stats(hx, *stats);
+      if (!values) return unexpected<error>(values.error());
       if (up && step == 0) {  // the upcycled layer against the dense FFN on the same tokens
         std::vector<double> worst = {0, 0}, yd(static_cast<std::size_t>(H));
         for (int t = 0; t < per_rank; ++t) {
@@ -385,9 +388,9 @@ int train(const options& o, const Policy& policy, const upcycled_start* up) {
         sq += d * d;
         dout[i] = static_cast<T>(2.0 * d / static_cast<double>(o.tokens));
       }
-      if (auto s = layer->backward(dout, T(1) / static_cast<T>(fold->dp()), g, dx); !s) return s;
+      if (auto s = layer->backward(hx, dout, T(1) / static_cast<T>(fold->dp()), dx); !s) return s;
       auto& ex = layer->experts();
-      if (auto s = layer->reduce_gradients(*comms, {ex.grads_fc1(), ex.grads_fc2()}); !s) return s;
+      if (auto s = layer->reduce_gradients(hx, {ex.grads_fc1(), ex.grads_fc2()}); !s) return s;
       // SGD; every replica applies the same reduced gradient.
       std::vector<std::pair<std::span<T>, std::span<T>>> params = {
           {layer->router_weight().flat(), layer->router_weight_grad().flat()},
@@ -404,16 +407,16 @@ int train(const options& o, const Policy& policy, const upcycled_start* up) {
           gr[i] = T(0);
         }
       // One micro-batch per global batch here: update the expert bias, restart the global counts.
-      if (auto s = layer->end_global_batch(*comms); !s) return s;
+      if (auto s = layer->end_global_batch(hx); !s) return s;
       // Step statistics, summed over the world (one pipeline stage).
       // The micro-batch and per-sequence partials sum to each tp-cp group's loss (reported as the
       // mean over DP); the global partials sum over the whole stage to its one loss.
       std::vector<double> sums = {
-          sq, stats->aux_loss + stats->seq_aux_loss + stats->global_aux_loss * fold->dp(),
-          static_cast<double>(stats->dropped.dropped_pairs)};
+          sq, values->aux_loss + values->seq_aux_loss + values->global_aux_loss * fold->dp(),
+          static_cast<double>(values->dropped.dropped_pairs)};
       for (int e = 0; e < o.experts; ++e)
-        sums.push_back(static_cast<double>(stats->dropped.routed[static_cast<std::size_t>(e)] -
-                                           stats->dropped.dropped[static_cast<std::size_t>(e)]));
+        sums.push_back(static_cast<double>(values->dropped.routed[static_cast<std::size_t>(e)] -
+                                           values->dropped.dropped[static_cast<std::size_t>(e)]));
       if (auto s = world.all_reduce<double>(sums, reduce_op::sum); !s) return s;
       if (r == 0) {
         std::lock_guard lk(m);

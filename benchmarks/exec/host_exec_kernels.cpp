@@ -271,7 +271,7 @@ struct host_loops {
 
 // ---------------------------------------------------------------------------------------------
 // The kernels on a context, one group per call: the launches and grids topk_router,
-// simt_moe_layer and simt_memory_ops use.
+// the drop decision and simt_memory_ops use.
 
 kernel_state make_kernel_state(const inputs& in) {
   const auto NE = static_cast<std::size_t>(in.N) * in.E, NK = static_cast<std::size_t>(in.N) * in.K,
@@ -319,7 +319,7 @@ struct kernel_groups {
   const inputs& in;
   kernel_state& s;
 
-  // Runs f.template operator()<Team>() with the team the router's E takes (simt_moe_layer's
+  // Runs f.template operator()<Team>() with the team the router's E takes (topk_router's
   // by_team): a warp per token up to E = 256, a block per token above.
   template <class F>
   status by_team(F&& f) const {
@@ -456,7 +456,8 @@ struct kernel_groups {
                                                     .dlogits = s.dlogits.data()});
         });
       case capacity: {
-        // simt_moe_layer::drop_pairs after its histogram and scan: C, then four launches.
+        // The drop decision (capacity_keep.hpp) after its histogram and scan: C, then four
+        // launches.
         auto c = expert_capacity(static_cast<long long>(N) * K, E, capacity_factor);
         if (!c) return unexpected<error>(c.error());
         const k::keep_args<float> a{.expert = in.route_ids.data(),

@@ -13,5 +13,5 @@ using C = thread_communicator;
 #else
 using C = thread_device_communicator;
 #endif
-using L = moe_layer<float, C, dropless, D, reference_mlp<float>>;
+using L = moe_layer<float, host_exec, C, dropless, D, reference_mlp<float>>;
 int main() { return sizeof(L) > 0 ? 0 : 1; }

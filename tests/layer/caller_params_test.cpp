@@ -33,8 +33,9 @@ namespace {
 
 using Comm = thread_communicator;
 using disp_t = all_to_all_dispatcher<double, Comm>;
-using owning_t = moe_layer<double, Comm, dropless, disp_t, reference_mlp<double>>;
-using bound_t = moe_layer<double, Comm, dropless, disp_t, mlp_experts<double, host_exec>>;
+using owning_t = moe_layer<double, host_exec, Comm, dropless, disp_t, reference_mlp<double>>;
+using bound_t =
+    moe_layer<double, host_exec, Comm, dropless, disp_t, mlp_experts<double, host_exec>>;
 
 constexpr int shared_ffn = 8;
 
@@ -129,19 +130,19 @@ step_inputs inputs_of(int r) {
   return in;
 }
 
+// One step on the layer's communicators (the bundle given to make), on the context `x`.
 template <class Layer>
-status step(Layer& l, moe_layer_communicators<Comm>& c, const step_inputs& in, step_out& o,
-            bool reduce) {
+status step(Layer& l, host_exec& x, const step_inputs& in, step_out& o, bool reduce) {
   o.out.assign(in.x.size(), 0.0);
   o.dx.assign(in.x.size(), 0.0);
-  if (auto f = l.forward(the_problem().tokens, in.x, {}, c.groups(), o.out); !f)
+  if (auto f = l.forward(x, the_problem().tokens, in.x, {}, o.out); !f)
     return unexpected<error>(f.error());
-  if (auto b = l.backward(in.dout, 1.0, c.groups(), o.dx); !b) return b;
+  if (auto b = l.backward(x, in.dout, 1.0, o.dx); !b) return b;
   if (!reduce) return {};
   if constexpr (std::same_as<Layer, owning_t>)  // the caller's list of the experts' gradients
-    return l.reduce_gradients(c, {l.experts().grads_fc1(), l.experts().grads_fc2()});
+    return l.reduce_gradients(x, {l.experts().grads_fc1(), l.experts().grads_fc2()});
   else  // the experts' own gradient views (mlp_experts::grads())
-    return l.reduce_gradients(c);
+    return l.reduce_gradients(x);
 }
 
 template <class Layer>
@@ -160,7 +161,8 @@ void take_grads(Layer& l, step_out& o) {
   o.gate_g = v(l.shared()->params().gate_grad.flat());
 }
 
-expected<bound_t> make_bound(const moe_layer_communicators<Comm>& c, rank_params& q) {
+// The layer holds `c` by reference: it must outlive the layer.
+expected<bound_t> make_bound(host_exec& x, moe_layer_communicators<Comm>& c, rank_params& q) {
   const problem& p = the_problem();
   const auto fold = make_folded(p.fold).value();
   const mlp_shape shape{.hidden = p.hidden,
@@ -170,7 +172,7 @@ expected<bound_t> make_bound(const moe_layer_communicators<Comm>& c, rank_params
                         .etp_rank = c.etp.rank()};
   auto experts = mlp_experts<double, host_exec>::make(shape, {q.fc1, q.fc2}, {q.fc1_g, q.fc2_g});
   if (!experts) return unexpected<error>(experts.error());
-  auto l = bound_t::make(base_options(), dropless{}, std::move(*experts), c);
+  auto l = bound_t::make(x, base_options(), c, dropless{}, std::move(*experts));
   if (!l) return l;
   if (auto s = l->bind_parameters(q.views()); !s) return unexpected<error>(s.error());
   return l;
@@ -201,20 +203,21 @@ TEST_CASE("caller-owned parameters: bitwise the owning layer, beta = 1, read in 
   const auto st = run_thread_world(8, [&](Comm& world) -> status {
     const int r = world.rank();
     auto& R = res[static_cast<std::size_t>(r)];
+    host_exec ex;
     auto comms = make_layer_communicators(world, groups);
     if (!comms) return unexpected<error>(comms.error());
     const step_inputs in = inputs_of(r);
-    auto own = owning_t::make(base_options(), dropless{},
-                              rank_experts<double>(p, fold, r, w.w1, w.w2).value(), *comms);
+    auto own = owning_t::make(ex, base_options(), *comms, dropless{},
+                              rank_experts<double>(p, fold, r, w.w1, w.w2).value());
     if (!own) return unexpected<error>(own.error());
     fill_owning(*own, r);
     rank_params q = params_of(*own);
-    if (auto s = step(*own, *comms, in, R.owning, true); !s) return s;
+    if (auto s = step(*own, ex, in, R.owning, true); !s) return s;
     take_grads(*own, R.owning);
 
-    auto bound = make_bound(*comms, q);
+    auto bound = make_bound(ex, *comms, q);
     if (!bound) return unexpected<error>(bound.error());
-    if (auto s = step(*bound, *comms, in, R.bound, true); !s) return s;
+    if (auto s = step(*bound, ex, in, R.bound, true); !s) return s;
     take_grads(*bound, R.bound);
     // The gradients are the caller's buffers.
     CHECK(bound->router_weight_grad().flat().data() == q.router_g.data());
@@ -223,9 +226,9 @@ TEST_CASE("caller-owned parameters: bitwise the owning layer, beta = 1, read in 
     // beta = 1: zero, two backwards of the same input, no reduction in between.
     q.zero_grads();
     step_out one;
-    if (auto s = step(*bound, *comms, in, one, false); !s) return s;
+    if (auto s = step(*bound, ex, in, one, false); !s) return s;
     take_grads(*bound, one);
-    if (auto s = step(*bound, *comms, in, R.twice, false); !s) return s;
+    if (auto s = step(*bound, ex, in, R.twice, false); !s) return s;
     take_grads(*bound, R.twice);
     for (auto m : {&step_out::router_g, &step_out::fc1_g, &step_out::fc2_g, &step_out::s1_g,
                    &step_out::s2_g, &step_out::gate_g}) {
@@ -241,13 +244,13 @@ TEST_CASE("caller-owned parameters: bitwise the owning layer, beta = 1, read in 
     for (auto& v : q.s2) v *= 0.75;
     for (auto& v : q.gate) v -= 0.1;
     q.zero_grads();
-    if (auto s = step(*bound, *comms, in, R.changed_bound, false); !s) return s;
+    if (auto s = step(*bound, ex, in, R.changed_bound, false); !s) return s;
     take_grads(*bound, R.changed_bound);
     rank_params fresh = q;  // a copy of the changed weights, bound to a new layer
     fresh.zero_grads();
-    auto other = make_bound(*comms, fresh);
+    auto other = make_bound(ex, *comms, fresh);
     if (!other) return unexpected<error>(other.error());
-    if (auto s = step(*other, *comms, in, R.changed_fresh, false); !s) return s;
+    if (auto s = step(*other, ex, in, R.changed_fresh, false); !s) return s;
     take_grads(*other, R.changed_fresh);
 
     // A binding of the wrong size is refused and changes nothing.
@@ -314,11 +317,12 @@ heap_report copies_in_heap(bool caller_owned) {
   const auto st = run_thread_world(8, [&](Comm& world) -> status {
     const int r = world.rank();
     const auto ur = static_cast<std::size_t>(r);
+    host_exec ex;  // stateless: it holds no memory of its own
     auto comms = make_layer_communicators(world, groups);
     if (!comms) return unexpected<error>(comms.error());
     {  // the weights, from an owning layer that is gone before tracking starts
-      auto own = owning_t::make(base_options(), dropless{},
-                                rank_experts<double>(p, fold, r, w.w1, w.w2).value(), *comms);
+      auto own = owning_t::make(ex, base_options(), *comms, dropless{},
+                                rank_experts<double>(p, fold, r, w.w1, w.w2).value());
       if (!own) return unexpected<error>(own.error());
       fill_owning(*own, r);
       params[ur] = params_of(*own);
@@ -338,12 +342,12 @@ heap_report copies_in_heap(bool caller_owned) {
     std::optional<owning_t> owning;
     std::optional<bound_t> bound;
     if (caller_owned) {
-      auto l = make_bound(*comms, q);
+      auto l = make_bound(ex, *comms, q);
       if (!l) return unexpected<error>(l.error());
       bound.emplace(std::move(*l));
     } else {
-      auto l = owning_t::make(base_options(), dropless{},
-                              rank_experts<double>(p, fold, r, w.w1, w.w2).value(), *comms);
+      auto l = owning_t::make(ex, base_options(), *comms, dropless{},
+                              rank_experts<double>(p, fold, r, w.w1, w.w2).value());
       if (!l) return unexpected<error>(l.error());
       owning.emplace(std::move(*l));
       fill_owning(*owning, r);
@@ -355,7 +359,7 @@ heap_report copies_in_heap(bool caller_owned) {
         counting.store(true);
       }
       if (auto b = world.barrier(); !b) return b;
-      const auto run = [&](auto& l) { return step(l, *comms, inputs[ur], o, s > 0); };
+      const auto run = [&](auto& l) { return step(l, ex, inputs[ur], o, s > 0); };
       // (step 0 is not reduced, so its gradient is this rank's own)
       if (auto e = caller_owned ? run(*bound) : run(*owning); !e) return e;
       // The first step's router gradient before any reduction. Every step adds the same (same

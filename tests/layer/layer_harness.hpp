@@ -76,18 +76,19 @@ expected<layer_result> run_layer_rank(const problem& p, const Policy& policy, Co
   const data w = make_weights(p);
   const auto wr = router_weight(p);
   const int r = world.rank();
-  auto get = [&](group_kind k) { return group_communicator(world, groups, {k}).value(); };
-  auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep);
-  auto tp_cp = get(group_kind::tp_cp), stage = get(group_kind::tp_dp_cp),
-       edp = get(group_kind::edp);
+  auto comms = make_layer_communicators(world, groups);
+  if (!comms) return unexpected<error>(comms.error());
   using P = typename Dispatcher::prob_type;  // T, or fp32 probabilities with bf16 tokens
   auto mlp = rank_experts<T, P>(p, fold, r, w.w1, w.w2).value();
   // moefold's three policies run through drop_policy_variant (one layer type for the three, as
   // a trainer choosing by flag has it: a third of the instantiations); a user policy as itself.
   using layer_policy = std::conditional_t<std::is_constructible_v<drop_policy_variant, Policy>,
                                           drop_policy_variant, Policy>;
-  using layer_t = moe_layer<T, Comm, layer_policy, Dispatcher, reference_mlp<T, main_grad_t<T>, P>>;
-  auto layer = layer_t::make({.hidden = p.hidden,
+  using layer_t =
+      moe_layer<T, host_exec, Comm, layer_policy, Dispatcher, reference_mlp<T, main_grad_t<T>, P>>;
+  host_exec hx;
+  auto layer = layer_t::make(hx,
+                             {.hidden = p.hidden,
                               .max_tokens = p.tokens,
                               .max_recv_rows = p.max_recv_rows,
                               .ep = fold.ep(),
@@ -95,7 +96,7 @@ expected<layer_result> run_layer_rank(const problem& p, const Policy& policy, Co
                               .router = {.num_experts = p.experts, .topk = p.topk},
                               .aux_loss_coeff = aux_coeff,
                               .z_loss_coeff = z_coeff},
-                             layer_policy(policy), std::move(mlp));
+                             *comms, layer_policy(policy), std::move(mlp));
   if (!layer) return unexpected<error>(layer.error());
   std::transform(wr.begin(), wr.end(), layer->router_weight().flat().begin(),
                  [](double v) { return static_cast<T>(v); });
@@ -105,21 +106,22 @@ expected<layer_result> run_layer_rank(const problem& p, const Policy& policy, Co
     for (double v : d.x) x.push_back(static_cast<T>(v));
     for (double v : d.dout) dout.push_back(static_cast<T>(v));
   }
-  const moe_layer_groups<Comm> g{tp_cp, {ep, etp, tp_ep}};
   layer_result res;
   std::vector<T> out(x.size()), dx(x.size());
-  auto stats = layer->forward(p.tokens, x, order_keys, g, out);
+  auto stats = layer->forward(hx, p.tokens, x, order_keys, out);
   if (!stats) return unexpected<error>(stats.error());
-  res.aux = stats->aux_loss;
-  res.z = stats->z_loss;
-  res.dropped = stats->dropped.dropped_pairs;
+  auto values = read_forward_stats(hx, *stats);
+  if (!values) return unexpected<error>(values.error());
+  res.aux = values->aux_loss;
+  res.z = values->z_loss;
+  res.dropped = values->dropped.dropped_pairs;
   res.indices = layer->last_routing().indices;
   res.kept.assign(layer->last_kept_experts().flat().begin(),
                   layer->last_kept_experts().flat().end());
   using R = typename layer_t::router_value_type;
-  if (auto s = layer->backward(dout, R(1), g, dx); !s) return unexpected<error>(s.error());
-  if (auto s = layer->reduce_gradients(
-          stage, edp, {layer->experts().grads_fc1(), layer->experts().grads_fc2()});
+  if (auto s = layer->backward(hx, dout, R(1), dx); !s) return unexpected<error>(s.error());
+  if (auto s =
+          layer->reduce_gradients(hx, {layer->experts().grads_fc1(), layer->experts().grads_fc2()});
       !s)
     return unexpected<error>(s.error());
   res.out = widen(std::span<const T>(out));

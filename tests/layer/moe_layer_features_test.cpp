@@ -56,7 +56,7 @@ struct rank_out {
   double global_after_reset = 0;
   std::vector<double> dw_router, dw1, dw2, shared_dw1, shared_dw2, gate_dw;
   std::vector<double> eval_out;
-  moe_forward_stats eval_stats;
+  moe_forward_values eval_stats;
   int global_steps_before_eval = 0, global_steps_after_eval = 0;
   std::vector<float> counts_after_train, counts_after_eval, bias_after_update, counts_after_update;
 };
@@ -82,10 +82,11 @@ std::vector<rank_out> run(const problem& p, variant v) {
   std::vector<rank_out> results(static_cast<std::size_t>(fold.world_size()));
   const auto st = run_thread_world(fold.world_size(), [&](thread_communicator& world) -> status {
     const int r = world.rank();
-    auto get = [&](group_kind k) { return group_communicator(world, groups, {k}).value(); };
-    auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep);
-    auto tp_cp = get(group_kind::tp_cp), stage = get(group_kind::tp_dp_cp),
-         edp = get(group_kind::edp), tp = get(group_kind::tp), dp_cp = get(group_kind::dp_cp);
+    host_exec ex;
+    // Every group the layer uses (tp for the shared expert, tp-dp-cp for the global loss, the
+    // gradients' groups), held by the layer by reference: it outlives the layer.
+    auto comms = make_layer_communicators(world, groups);
+    if (!comms) return unexpected<error>(comms.error());
     auto mlp = rank_experts<double>(p, fold, r, w.w1, w.w2).value();
     moe_layer_options o{.hidden = p.hidden,
                         .max_tokens = p.tokens,
@@ -102,9 +103,9 @@ std::vector<rank_out> run(const problem& p, variant v) {
                          .tp_rank = groups(group_kind::tp).find(r).position};
     }
     using layer_t =
-        moe_layer<double, thread_communicator, dropless,
+        moe_layer<double, host_exec, thread_communicator, dropless,
                   all_to_all_dispatcher<double, thread_communicator>, reference_mlp<double>>;
-    auto layer = layer_t::make(o, dropless{}, std::move(mlp));
+    auto layer = layer_t::make(ex, o, *comms, dropless{}, std::move(mlp));
     if (!layer) return unexpected<error>(layer.error());
     std::copy(wr.begin(), wr.end(), layer->router_weight().flat().begin());
     if (auto* se = layer->shared()) {
@@ -115,13 +116,11 @@ std::vector<rank_out> run(const problem& p, variant v) {
       std::copy(wg.begin(), wg.end(), se->own().gate.flat().begin());
     }
     if (v == variant::expert_bias)
-      if (auto s = layer->load_state(
-              {.expert_bias = bias_values(p.experts),
-               .expert_bias_counts = std::vector<float>(static_cast<std::size_t>(p.experts), 0.f)});
+      if (auto s = layer->load_state(ex, {.expert_bias = bias_values(p.experts),
+                                          .expert_bias_counts = std::vector<float>(
+                                              static_cast<std::size_t>(p.experts), 0.f)});
           !s)
         return s;
-    const moe_layer_groups<thread_communicator> g{
-        .tp_cp = tp_cp, .dispatch = {ep, etp, tp_ep}, .tp = &tp, .tp_dp_cp = &stage};
     auto& res = results[static_cast<std::size_t>(r)];
     auto inputs = [&](int m, std::vector<double>& x, std::vector<double>& dout) {
       x.clear();
@@ -137,14 +136,18 @@ std::vector<rank_out> run(const problem& p, variant v) {
       inputs(m, x, dout);
       res.out[m].resize(x.size());
       res.dx[m].resize(x.size());
-      auto stats = layer->forward(p.tokens, x, {}, g, res.out[m]);
+      auto stats = layer->forward(ex, p.tokens, x, {}, res.out[m]);
       if (!stats) return unexpected<error>(stats.error());
-      res.seq_aux[m] = stats->seq_aux_loss;
-      res.global_aux[m] = stats->global_aux_loss;
-      if (auto s = layer->backward(dout, 1.0, g, res.dx[m]); !s) return s;
+      // The losses are views of the context's values until its next forward: read them now.
+      auto values = read_forward_stats(ex, *stats);
+      if (!values) return unexpected<error>(values.error());
+      res.seq_aux[m] = values->seq_aux_loss;
+      res.global_aux[m] = values->global_aux_loss;
+      if (auto s = layer->backward(ex, dout, 1.0, res.dx[m]); !s) return s;
     }
+    // The bundle's groups: router over tp-dp-cp, experts over edp, shared MLP over dp-cp.
     if (auto s = layer->reduce_gradients(
-            stage, edp, {layer->experts().grads_fc1(), layer->experts().grads_fc2()}, &dp_cp);
+            ex, {layer->experts().grads_fc1(), layer->experts().grads_fc2()});
         !s)
       return s;
     res.dw_router.assign(layer->router_weight_grad().flat().begin(),
@@ -159,28 +162,39 @@ std::vector<rank_out> run(const problem& p, variant v) {
       res.gate_dw.assign(se->params().gate_grad.flat().begin(),
                          se->params().gate_grad.flat().end());
     }
-    res.counts_after_train = layer->save_state().expert_bias_counts;
+    const auto state = [&]() -> expected<moe_layer_state> { return layer->save_state(ex); };
+    auto after_train = state();
+    if (!after_train) return unexpected<error>(after_train.error());
+    res.counts_after_train = after_train->expert_bias_counts;
     // Evaluation: micro-batch 0 again; same output, no losses, no counting.
-    res.global_steps_before_eval = layer->save_state().global_aux_steps;
+    res.global_steps_before_eval = after_train->global_aux_steps;
     layer->set_training(false);
     inputs(0, x, dout);
     res.eval_out.resize(x.size());
-    auto ev = layer->forward(p.tokens, x, {}, g, res.eval_out);
+    auto ev = layer->forward(ex, p.tokens, x, {}, res.eval_out);
     if (!ev) return unexpected<error>(ev.error());
-    res.eval_stats = *ev;
-    res.global_steps_after_eval = layer->save_state().global_aux_steps;
-    res.counts_after_eval = layer->save_state().expert_bias_counts;
+    auto ev_values = read_forward_stats(ex, *ev);
+    if (!ev_values) return unexpected<error>(ev_values.error());
+    res.eval_stats = *ev_values;
+    auto after_eval = state();
+    if (!after_eval) return unexpected<error>(after_eval.error());
+    res.global_steps_after_eval = after_eval->global_aux_steps;
+    res.counts_after_eval = after_eval->expert_bias_counts;
     layer->set_training(true);
     // End of the global batch: bias update, running counts restart.
-    if (auto s = layer->end_global_batch(stage); !s) return s;
-    res.bias_after_update = layer->save_state().expert_bias;
-    res.counts_after_update = layer->save_state().expert_bias_counts;
+    if (auto s = layer->end_global_batch(ex); !s) return s;
+    auto after_update = state();
+    if (!after_update) return unexpected<error>(after_update.error());
+    res.bias_after_update = after_update->expert_bias;
+    res.counts_after_update = after_update->expert_bias_counts;
     if (v == variant::losses_and_shared) {
       inputs(1, x, dout);
       std::vector<double> out(x.size());
-      auto again = layer->forward(p.tokens, x, {}, g, out);
+      auto again = layer->forward(ex, p.tokens, x, {}, out);
       if (!again) return unexpected<error>(again.error());
-      res.global_after_reset = again->global_aux_loss;
+      auto again_values = read_forward_stats(ex, *again);
+      if (!again_values) return unexpected<error>(again_values.error());
+      res.global_after_reset = again_values->global_aux_loss;
     }
     return {};
   });
@@ -476,74 +490,109 @@ TEST_CASE("MoE layer: the expert bias steers selection, counts post-drop tokens,
 
 TEST_CASE("MoE layer: missing communicators and bad options are named") {
   using layer_t =
-      moe_layer<double, thread_communicator, dropless,
+      moe_layer<double, host_exec, thread_communicator, dropless,
                 all_to_all_dispatcher<double, thread_communicator>, reference_mlp<double>>;
   auto mlp = [] {
     return reference_mlp<double>::make({.hidden = 2, .ffn = 2, .num_local_experts = 2}).value();
   };
   const topk_router_options ro{.num_experts = 2, .topk = 1, .pre_softmax = true};
-  const auto bad = layer_t::make(
-      {.hidden = 2, .max_tokens = 2, .router = ro, .seq_aux_loss_coeff = -1}, dropless{}, mlp());
-  REQUIRE_FALSE(bad);
-  CHECK_MESSAGE(bad.error().message.find("finite and >= 0") != std::string::npos,
-                bad.error().message);
-  CHECK(layer_t::make({.hidden = 2, .max_tokens = 2, .router = ro, .batch = 0}, dropless{}, mlp())
-            .error()
-            .code == errc::invalid_argument);
+  // make() takes the communicators now, so the refusals are made on the world's rank; their
+  // statuses are judged on the test's thread (a REQUIRE there stops the test case).
+  const auto status_of = [](const expected<layer_t>& l) -> status {
+    if (l) return {};
+    return unexpected<error>(l.error());
+  };
+  status bad, bad_batch, bad_tp;
   const auto st = run_thread_world(1, [&](thread_communicator& world) -> status {
-    auto self = world.split(0, 0).value();
-    const moe_layer_groups<thread_communicator> g{.tp_cp = self, .dispatch = {self, self, self}};
+    host_exec ex;
+    // A one-rank world: every group of the bundle is this rank alone.
+    auto comms =
+        make_layer_communicators(world, megatron_groups(make_folded({.world = 1}).value()));
+    if (!comms) return unexpected<error>(comms.error());
+    bad = status_of(
+        layer_t::make(ex, {.hidden = 2, .max_tokens = 2, .router = ro, .seq_aux_loss_coeff = -1},
+                      *comms, dropless{}, mlp()));
+    bad_batch = status_of(layer_t::make(
+        ex, {.hidden = 2, .max_tokens = 2, .router = ro, .batch = 0}, *comms, dropless{}, mlp()));
+    // No layer call takes a group any more: every one comes from the bundle, so none can be
+    // missing at a forward. What can still be wrong is a bundle that disagrees with the options
+    // (a TP group other than the one the shared expert is sharded over): make() names it.
+    bad_tp = status_of(layer_t::make(
+        ex, {.hidden = 2, .max_tokens = 1, .router = ro, .shared_expert = {.ffn = 2, .tp = 2}},
+        *comms, dropless{}, mlp()));
     const std::vector<double> x = {1, 2};
     std::vector<double> out(2);
+    // The shared expert takes the bundle's TP group, the global loss its tp-dp-cp group.
     auto shared =
-        layer_t::make({.hidden = 2, .max_tokens = 1, .router = ro, .shared_expert = {.ffn = 2}},
-                      dropless{}, mlp())
+        layer_t::make(ex, {.hidden = 2, .max_tokens = 1, .router = ro, .shared_expert = {.ffn = 2}},
+                      *comms, dropless{}, mlp())
             .value();
-    CHECK(shared.forward(1, x, {}, g, out).error().message.find("moe_layer_groups::tp") !=
-          std::string::npos);
+    CHECK(&shared.communicators() == &*comms);
+    CHECK(shared.forward(ex, 1, x, {}, out).has_value());
     auto global =
-        layer_t::make({.hidden = 2, .max_tokens = 1, .router = ro, .global_aux_loss_coeff = 0.1},
-                      dropless{}, mlp())
+        layer_t::make(ex,
+                      {.hidden = 2, .max_tokens = 1, .router = ro, .global_aux_loss_coeff = 0.1},
+                      *comms, dropless{}, mlp())
             .value();
-    CHECK(global.forward(1, x, {}, g, out).error().message.find("moe_layer_groups::tp_dp_cp") !=
-          std::string::npos);
-    global.set_training(false);  // evaluation computes no aux loss, so needs no stage group
-    CHECK(global.forward(1, x, {}, g, out).has_value());
+    const auto trained = global.forward(ex, 1, x, {}, out);
+    CHECK(trained.has_value());
+    if (trained) {  // the loss ran over the stage group (one token: coeff * E * P(selected) > 0)
+      const auto values = read_forward_stats(ex, *trained);
+      CHECK(values.has_value());
+      if (values) CHECK(values->global_aux_loss > 0.0);
+    }
+    global.set_training(false);  // evaluation computes no aux loss
+    CHECK(global.forward(ex, 1, x, {}, out).has_value());
     return {};
   });
   for (const auto& s : st) CHECK_MESSAGE(s.has_value(), s.error().message);
+  REQUIRE_FALSE(bad);
+  CHECK_MESSAGE(bad.error().message.find("finite and >= 0") != std::string::npos,
+                bad.error().message);
+  REQUIRE_FALSE(bad_batch);
+  CHECK(bad_batch.error().code == errc::invalid_argument);
+  REQUIRE_FALSE(bad_tp);
+  CHECK_MESSAGE(bad_tp.error().message.find("shared_expert.tp") != std::string::npos,
+                bad_tp.error().message);
 }
 
 TEST_CASE("MoE layer: the expert bias counts the pairs that survive the drop policy") {
   using layer_t =
-      moe_layer<double, thread_communicator, sub_sequence,
+      moe_layer<double, host_exec, thread_communicator, sub_sequence,
                 all_to_all_dispatcher<double, thread_communicator>, reference_mlp<double>>;
   const int E = 4, H = 3, N = 8, K = 2;
   const auto st = run_thread_world(1, [&](thread_communicator& world) -> status {
-    auto self = world.split(0, 0).value();
+    host_exec ex;
+    auto comms =
+        make_layer_communicators(world, megatron_groups(make_folded({.world = 1}).value()));
+    if (!comms) return unexpected<error>(comms.error());
     auto layer = layer_t::make(
+        ex,
         {.hidden = H,
          .max_tokens = N,
          .router =
              {.num_experts = E, .topk = K, .score = score_function::sigmoid, .expert_bias = true}},
-        sub_sequence{.capacity_factor = 0.5},
+        *comms, sub_sequence{.capacity_factor = 0.5},
         reference_mlp<double>::make({.hidden = H, .ffn = 2, .num_local_experts = E}).value());
     if (!layer) return unexpected<error>(layer.error());
     for (std::size_t i = 0; i < layer->router_weight().flat().size(); ++i)
       layer->router_weight().flat()[i] = unit(20, i, 0);
     std::vector<double> x, out(static_cast<std::size_t>(N * H));
     for (int i = 0; i < N * H; ++i) x.push_back(unit(21, i, 0));
-    const moe_layer_groups<thread_communicator> g{.tp_cp = self, .dispatch = {self, self, self}};
-    auto stats = layer->forward(N, x, {}, g, out);
+    auto stats = layer->forward(ex, N, x, {}, out);
     if (!stats) return unexpected<error>(stats.error());
-    CHECK(stats->dropped.dropped_pairs > 0);  // the capacity bound
+    auto values = read_forward_stats(ex, *stats);
+    if (!values) return unexpected<error>(values.error());
+    CHECK(values->dropped.dropped_pairs > 0);  // the capacity bound
     std::vector<float> kept(E, 0.f), routed(E, 0.f);
     const auto ke = layer->last_kept_experts().flat();
     for (int e : ke)
       if (e >= 0) kept[static_cast<std::size_t>(e)] += 1.f;
     for (int e : layer->last_routing().indices) routed[static_cast<std::size_t>(e)] += 1.f;
-    CHECK(layer->save_state().expert_bias_counts == kept);
-    CHECK(layer->save_state().expert_bias_counts != routed);
+    auto state = layer->save_state(ex);
+    if (!state) return unexpected<error>(state.error());
+    CHECK(state->expert_bias_counts == kept);
+    CHECK(state->expert_bias_counts != routed);
     return {};
   });
   for (const auto& s : st) CHECK_MESSAGE(s.has_value(), s.error().message);
@@ -555,7 +604,7 @@ TEST_CASE("MoE layer state: save, load into a fresh layer, and the run continues
   // next micro-batch and the next bias update exactly as the original; one that does not,
   // differs.
   using layer_t =
-      moe_layer<double, thread_communicator, sub_sequence,
+      moe_layer<double, host_exec, thread_communicator, sub_sequence,
                 all_to_all_dispatcher<double, thread_communicator>, reference_mlp<double>>;
   const int E = 4, H = 3, N = 8, K = 2;
   const moe_layer_options o{.hidden = H,
@@ -567,13 +616,15 @@ TEST_CASE("MoE layer state: save, load into a fresh layer, and the run continues
                             .global_aux_loss_coeff = 0.05,
                             .expert_bias_update_rate = 0.05f};
   const auto st = run_thread_world(1, [&](thread_communicator& world) -> status {
-    auto self = world.split(0, 0).value();
-    const moe_layer_groups<thread_communicator> g{
-        .tp_cp = self, .dispatch = {self, self, self}, .tp_dp_cp = &self};
+    host_exec ex;
+    // One bundle for the three layers (each holds it by reference; it outlives them).
+    auto comms =
+        make_layer_communicators(world, megatron_groups(make_folded({.world = 1}).value()));
+    if (!comms) return unexpected<error>(comms.error());
     auto make = [&] {
       auto l =
           layer_t::make(
-              o, sub_sequence{.capacity_factor = 1.0},
+              ex, o, *comms, sub_sequence{.capacity_factor = 1.0},
               reference_mlp<double>::make({.hidden = H, .ffn = 2, .num_local_experts = E}).value())
               .value();
       for (std::size_t i = 0; i < l.router_weight().flat().size(); ++i)
@@ -604,10 +655,12 @@ TEST_CASE("MoE layer state: save, load into a fresh layer, and the run continues
       const auto x = micro(m);
       step_out s{
           .out = std::vector<double>(x.size()), .dx = std::vector<double>(x.size()), .dw = {}};
-      auto f = l.forward(N, x, {}, g, s.out);
+      auto f = l.forward(ex, N, x, {}, s.out);
       if (!f) return unexpected<error>(f.error());
-      s.global_aux = f->global_aux_loss;
-      if (auto b = l.backward(x, 1.0, g, s.dx); !b) return unexpected<error>(b.error());
+      auto values = read_forward_stats(ex, *f);
+      if (!values) return unexpected<error>(values.error());
+      s.global_aux = values->global_aux_loss;
+      if (auto b = l.backward(ex, x, 1.0, s.dx); !b) return unexpected<error>(b.error());
       s.dw.assign(l.router_weight_grad().flat().begin(), l.router_weight_grad().flat().end());
       std::fill(l.router_weight_grad().flat().begin(), l.router_weight_grad().flat().end(), 0.0);
       return s;
@@ -615,38 +668,41 @@ TEST_CASE("MoE layer state: save, load into a fresh layer, and the run continues
     layer_t a = make();
     for (int m : {0, 1})
       if (auto s = step(a, m); !s) return unexpected<error>(s.error());
-    if (auto s = a.end_global_batch(self); !s) return s;
+    if (auto s = a.end_global_batch(ex); !s) return s;
     if (auto s = step(a, 2); !s) return unexpected<error>(s.error());
-    const moe_layer_state saved = a.save_state();
+    // save_state copies through the context and may fail: a failure throws here, which the
+    // world reports as this rank's error.
+    const auto state_of = [&](const layer_t& l) { return l.save_state(ex).value(); };
+    const moe_layer_state saved = state_of(a);
     CHECK(saved.expert_bias != std::vector<float>(E, 0.f));  // the update happened
     CHECK(saved.global_aux_steps == 1);
     CHECK(saved.expert_bias_counts != std::vector<float>(E, 0.f));
     layer_t b = make(), c = make();
-    if (auto s = b.load_state(saved); !s) return s;
-    CHECK(b.save_state() == saved);
+    if (auto s = b.load_state(ex, saved); !s) return s;
+    CHECK(state_of(b) == saved);
     const auto sa = step(a, 3), sb = step(b, 3), sc = step(c, 3);
     if (!sa || !sb || !sc) return make_error(errc::invalid_argument, "test: a step failed");
     CHECK(*sa == *sb);
     CHECK(!(*sa == *sc));  // without the state the step differs
     for (layer_t* l : {&a, &b})
-      if (auto s = l->end_global_batch(self); !s) return s;
-    CHECK(a.save_state() == b.save_state());
+      if (auto s = l->end_global_batch(ex); !s) return s;
+    CHECK(state_of(a) == state_of(b));
     // Refused states change nothing.
-    const moe_layer_state before = b.save_state();
+    const moe_layer_state before = state_of(b);
     moe_layer_state bad = before;
     bad.expert_bias.pop_back();
-    CHECK(b.load_state(bad).error().message.find("expert bias and its counts") !=
+    CHECK(b.load_state(ex, bad).error().message.find("expert bias and its counts") !=
           std::string::npos);
     bad = before;
     bad.global_aux_counts = {1.0};
-    CHECK(b.load_state(bad).error().code == errc::shape_mismatch);
+    CHECK(b.load_state(ex, bad).error().code == errc::shape_mismatch);
     bad = before;
     bad.expert_bias[0] = std::nanf("");
-    CHECK(b.load_state(bad).error().message.find("finite") != std::string::npos);
+    CHECK(b.load_state(ex, bad).error().message.find("finite") != std::string::npos);
     bad = before;
     bad.global_aux_steps = -1;
-    CHECK(b.load_state(bad).error().code == errc::invalid_argument);
-    CHECK(b.save_state() == before);
+    CHECK(b.load_state(ex, bad).error().code == errc::invalid_argument);
+    CHECK(state_of(b) == before);
     return {};
   });
   for (const auto& s : st) CHECK_MESSAGE(s.has_value(), s.error().message);

@@ -130,40 +130,37 @@ class local_dispatcher {
     hd.p_ = b.p.first(static_cast<std::size_t>(m));
     return hd;
   }
-  [[nodiscard]] status combine(host_exec&, handle_type& h, row_view<const T> yv,
-                               const dispatch_groups<Comm>&, row_view<T> outv) const {
-    const auto y = yv.flat();
-    const auto out = outv.flat();
-    if (auto st = check(h, y.size(), out.size()); !st) return st;
+  // The rows [M, H] and the tokens [N, H] are read and written row by row through their stride:
+  // the layer's rows start 16 bytes apart (H padded up), and the concept asks nothing more of a
+  // view than its shape.
+  [[nodiscard]] status combine(host_exec&, handle_type& h, row_view<const T> y,
+                               const dispatch_groups<Comm>&, row_view<T> out) const {
+    if (auto st = check(h, y, out); !st) return st;
     sum_rows(h, y, out);
     return {};
   }
-  [[nodiscard]] status combine_backward(host_exec&, const handle_type& h, row_view<const T> doutv,
-                                        const dispatch_groups<Comm>&, row_view<T> dyv) const {
-    const auto dout = doutv.flat();
-    const auto dy = dyv.flat();
-    if (auto st = check(h, dy.size(), dout.size()); !st) return st;
-    const auto H = static_cast<std::size_t>(h.hidden_);
-    for (std::size_t r = 0; r < h.token_of_.size(); ++r)
-      for (std::size_t c = 0; c < H; ++c)
-        dy[r * H + c] = dout[static_cast<std::size_t>(h.token_of_[r]) * H + c];
+  [[nodiscard]] status combine_backward(host_exec&, const handle_type& h, row_view<const T> dout,
+                                        const dispatch_groups<Comm>&, row_view<T> dy) const {
+    if (auto st = check(h, dy, dout); !st) return st;
+    for (int r = 0; r < dy.rows(); ++r)
+      for (int c = 0; c < h.hidden_; ++c)
+        dy(r, c) = dout(h.token_of_[static_cast<std::size_t>(r)], c);
     return {};
   }
   [[nodiscard]] status dispatch_backward(host_exec&, const handle_type& h,
-                                         row_view<const T> dx_rows_v,
-                                         row_view<const T> dprob_rows_v,
-                                         const dispatch_groups<Comm>&, row_view<T> dx_v,
-                                         row_view<T> dprobs_v) const {
-    const auto dx_rows = dx_rows_v.flat();
-    const auto dprob_rows = dprob_rows_v.flat();
-    const auto dx = dx_v.flat();
-    const auto dprobs = dprobs_v.flat();
-    if (auto st = check(h, dx_rows.size(), dx.size()); !st) return st;
-    if (dprob_rows.size() != h.p_.size() || dprobs.size() != h.row_of_.size())
+                                         row_view<const T> dx_rows, row_view<const T> dprob_rows,
+                                         const dispatch_groups<Comm>&, row_view<T> dx,
+                                         row_view<T> dprobs) const {
+    if (auto st = check(h, dx_rows, dx); !st) return st;
+    if (dprob_rows.rows() != h.num_rows() || dprob_rows.width() != 1 ||
+        dprobs.rows() != h.tokens_ || dprobs.width() != h.k_)
       return make_error(errc::shape_mismatch, "local_dispatcher: dprob rows [M], dprobs [N, k]");
     sum_rows(h, dx_rows, dx);
-    for (std::size_t i = 0; i < h.row_of_.size(); ++i)
-      dprobs[i] = h.row_of_[i] < 0 ? T(0) : dprob_rows[static_cast<std::size_t>(h.row_of_[i])];
+    for (int t = 0; t < h.tokens_; ++t)
+      for (int j = 0; j < h.k_; ++j) {
+        const int r = h.row_of_[static_cast<std::size_t>(t * h.k_ + j)];
+        dprobs(t, j) = r < 0 ? T(0) : dprob_rows(r, 0);
+      }
     return {};
   }
 
@@ -177,26 +174,25 @@ class local_dispatcher {
     return {c.take<int>(static_cast<std::size_t>(s_.num_experts)), c.take<int>(P), c.take<int>(P),
             c.take<T>(P * static_cast<std::size_t>(s_.hidden)), c.take<T>(P)};
   }
-  [[nodiscard]] status check(const handle_type& h, std::size_t rows_size,
-                             std::size_t tokens_size) const {
+  [[nodiscard]] status check(const handle_type& h, row_view<const T> rows,
+                             row_view<const T> tokens) const {
     if (h.owner_ != this)
       return make_error(errc::invalid_argument, "local_dispatcher: a handle of another dispatcher");
-    const auto H = static_cast<std::size_t>(h.hidden_);
-    if (rows_size != h.p_.size() * H || tokens_size != static_cast<std::size_t>(h.tokens_) * H)
+    if (rows.rows() != h.num_rows() || rows.width() != h.hidden_ || tokens.rows() != h.tokens_ ||
+        tokens.width() != h.hidden_)
       return make_error(errc::shape_mismatch, "local_dispatcher: rows [M, H], tokens [N, H]");
     return {};
   }
   // out[t] = the sum of token t's rows, in slot order.
-  static void sum_rows(const handle_type& h, std::span<const T> rows, std::span<T> out) {
-    const auto H = static_cast<std::size_t>(h.hidden_), K = static_cast<std::size_t>(h.k_);
-    std::fill(out.begin(), out.end(), T(0));
-    for (std::size_t t = 0; t < static_cast<std::size_t>(h.tokens_); ++t)
-      for (std::size_t j = 0; j < K; ++j) {
-        const int r = h.row_of_[t * K + j];
+  static void sum_rows(const handle_type& h, row_view<const T> rows, row_view<T> out) {
+    for (int t = 0; t < h.tokens_; ++t) {
+      for (int c = 0; c < h.hidden_; ++c) out(t, c) = T(0);
+      for (int j = 0; j < h.k_; ++j) {
+        const int r = h.row_of_[static_cast<std::size_t>(t * h.k_ + j)];
         if (r < 0) continue;
-        for (std::size_t c = 0; c < H; ++c)
-          out[t * H + c] += rows[static_cast<std::size_t>(r) * H + c];
+        for (int c = 0; c < h.hidden_; ++c) out(t, c) += rows(r, c);
       }
+    }
   }
 
   dispatch_shape s_{};
@@ -207,17 +203,21 @@ struct run_out {
   std::vector<double> out, dx, router_grad, w1, w2;
 };
 
-// One rank's forward and backward with the given layer type (router made by `make_router`).
+using layer_comms = moe_layer_communicators<thread_communicator>;
+
+// One rank's forward and backward with the layer `make_layer(exec, communicators, experts)`
+// makes.
 template <class Layer, class Make>
 expected<run_out> run_rank(const problem& p, thread_communicator& world, const Make& make_layer) {
   const auto fold = make_folded(p.fold).value();
   const megatron_groups groups(fold);
   const int r = world.rank();
-  auto get = [&](group_kind k) { return group_communicator(world, groups, {k}).value(); };
-  auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep),
-       tp_cp = get(group_kind::tp_cp);
+  host_exec hx;
+  // The layer holds the bundle by reference: it lives (unmoved) until the layer is gone.
+  auto comms = make_layer_communicators(world, groups);
+  if (!comms) return unexpected<error>(comms.error());
   const data w = make_weights(p);
-  auto layer = make_layer(rank_experts<double>(p, fold, r, w.w1, w.w2).value());
+  auto layer = make_layer(hx, *comms, rank_experts<double>(p, fold, r, w.w1, w.w2).value());
   if (!layer) return unexpected<error>(layer.error());
   for (std::size_t i = 0; i < layer->router_weight().flat().size(); ++i)
     layer->router_weight().flat()[i] = unit(9, static_cast<std::uint64_t>(i), 0);
@@ -227,12 +227,12 @@ expected<run_out> run_rank(const problem& p, thread_communicator& world, const M
     x.insert(x.end(), d.x.begin(), d.x.end());
     dout.insert(dout.end(), d.dout.begin(), d.dout.end());
   }
-  const moe_layer_groups<thread_communicator> g{.tp_cp = tp_cp, .dispatch = {ep, etp, tp_ep}};
   run_out res;
   res.out.resize(x.size());
   res.dx.resize(x.size());
-  if (auto f = layer->forward(p.tokens, x, {}, g, res.out); !f) return unexpected<error>(f.error());
-  if (auto b = layer->backward(dout, 1.0, g, res.dx); !b) return unexpected<error>(b.error());
+  if (auto f = layer->forward(hx, p.tokens, x, {}, res.out); !f)
+    return unexpected<error>(f.error());
+  if (auto b = layer->backward(hx, dout, 1.0, res.dx); !b) return unexpected<error>(b.error());
   auto take = [](std::span<double> v) { return std::vector<double>(v.begin(), v.end()); };
   res.router_grad = take(layer->router_weight_grad().flat());
   res.w1 = take(layer->experts().grads_fc1());
@@ -258,7 +258,7 @@ std::vector<run_out> run_world(const problem& p, const Make& make_layer) {
 TEST_CASE("MoE layer with a user router: fixed experts against the fp64 reference") {
   problem p{.fold = {.world = 2, .ep = 2, .etp = 1}, .experts = 4, .topk = 2};
   p.tokens = 6;
-  using layer_t = moe_layer<double, thread_communicator, dropless,
+  using layer_t = moe_layer<double, host_exec, thread_communicator, dropless,
                             all_to_all_dispatcher<double, thread_communicator>,
                             reference_mlp<double>, fixed_router<double>>;
   const moe_layer_options o{.hidden = p.hidden,
@@ -266,9 +266,10 @@ TEST_CASE("MoE layer with a user router: fixed experts against the fp64 referenc
                             .ep = 2,
                             .router = {.num_experts = p.experts, .topk = p.topk}};
   const fixed_router<double> router{.experts = p.experts, .k = p.topk};
-  const auto res = run_world<layer_t>(p, [&](reference_mlp<double> mlp) {
-    return layer_t::make(o, dropless{}, std::move(mlp), router);
-  });
+  const auto res =
+      run_world<layer_t>(p, [&](host_exec& hx, layer_comms& comms, reference_mlp<double> mlp) {
+        return layer_t::make(hx, o, comms, dropless{}, std::move(mlp), router);
+      });
   // The reference, fed the router's assignment.
   const fixed_reference ref = fixed_assignment_reference(p, 2);
   for (int r = 0; r < 2; ++r) {
@@ -294,15 +295,19 @@ TEST_CASE("MoE layer with a user dispatcher equals the built-in one") {
   for (double cap : {0.0, 0.5}) {
     CAPTURE(cap);
     const sub_sequence policy{.capacity_factor = cap > 0 ? cap : 100.0};
-    using user_t = moe_layer<double, thread_communicator, sub_sequence,
+    using user_t = moe_layer<double, host_exec, thread_communicator, sub_sequence,
                              local_dispatcher<double, thread_communicator>, reference_mlp<double>>;
     using builtin_t =
-        moe_layer<double, thread_communicator, sub_sequence,
+        moe_layer<double, host_exec, thread_communicator, sub_sequence,
                   all_to_all_dispatcher<double, thread_communicator>, reference_mlp<double>>;
-    const auto a = run_world<user_t>(
-        p, [&](reference_mlp<double> mlp) { return user_t::make(o, policy, std::move(mlp)); });
-    const auto b = run_world<builtin_t>(
-        p, [&](reference_mlp<double> mlp) { return builtin_t::make(o, policy, std::move(mlp)); });
+    const auto a =
+        run_world<user_t>(p, [&](host_exec& hx, layer_comms& comms, reference_mlp<double> mlp) {
+          return user_t::make(hx, o, comms, policy, std::move(mlp));
+        });
+    const auto b =
+        run_world<builtin_t>(p, [&](host_exec& hx, layer_comms& comms, reference_mlp<double> mlp) {
+          return builtin_t::make(hx, o, comms, policy, std::move(mlp));
+        });
     CHECK(rel_err(a[0].out, b[0].out) <= 1e-13);
     CHECK(rel_err(a[0].dx, b[0].dx) <= 1e-13);
     CHECK(rel_err(a[0].router_grad, b[0].router_grad) <= 1e-13);
@@ -314,34 +319,50 @@ TEST_CASE("MoE layer with a user dispatcher equals the built-in one") {
 
 TEST_CASE("MoE layer with a user router: the rules it must keep are errors at make()") {
   problem p{.fold = {.world = 1}, .experts = 4, .topk = 2};
-  using layer_t = moe_layer<double, thread_communicator, dropless,
+  using layer_t = moe_layer<double, host_exec, thread_communicator, dropless,
                             all_to_all_dispatcher<double, thread_communicator>,
                             reference_mlp<double>, fixed_router<double>>;
   const fold_config f{.world = 1};
   const auto fold = make_folded(f).value();
+  const megatron_groups groups(fold);
   const data w = make_weights(p);
   moe_layer_options o{
       .hidden = p.hidden, .max_tokens = 4, .router = {.num_experts = p.experts, .topk = p.topk}};
   auto experts = [&] { return rank_experts<double>(p, fold, 0, w.w1, w.w2).value(); };
-  const auto wrong_k =
-      layer_t::make(o, dropless{}, experts(), fixed_router<double>{.experts = 4, .k = 3});
+  // make() takes the communicators, which a world of one rank gives; each make's outcome (a
+  // made layer is dropped with its communicators) is checked on the test's thread.
+  status wrong_k, bias, fine;
+  const auto st = run_thread_world(1, [&](thread_communicator& world) -> status {
+    host_exec hx;
+    auto comms = make_layer_communicators(world, groups);
+    if (!comms) return unexpected<error>(comms.error());
+    const auto outcome = [&](const fixed_router<double>& router) -> status {
+      auto l = layer_t::make(hx, o, *comms, dropless{}, experts(), router);
+      if (!l) return unexpected<error>(l.error());
+      return {};
+    };
+    wrong_k = outcome(fixed_router<double>{.experts = 4, .k = 3});
+    o.router.expert_bias = true;
+    bias = outcome(fixed_router<double>{.experts = 4, .k = 2});
+    o.router.expert_bias = false;
+    fine = outcome(fixed_router<double>{.experts = 4, .k = 2});
+    return {};
+  });
+  for (const auto& s : st) REQUIRE_MESSAGE(s.has_value(), s.error().message);
   REQUIRE(!wrong_k);
   CHECK(wrong_k.error().code == errc::shape_mismatch);
   CHECK(wrong_k.error().message.find("selects 3 of 4") != std::string::npos);
-  o.router.expert_bias = true;
-  const auto bias =
-      layer_t::make(o, dropless{}, experts(), fixed_router<double>{.experts = 4, .k = 2});
   REQUIRE(!bias);
   CHECK(bias.error().message.find("expert_bias needs moefold's topk_router") != std::string::npos);
-  o.router.expert_bias = false;
-  CHECK(layer_t::make(o, dropless{}, experts(), fixed_router<double>{.experts = 4, .k = 2})
-            .has_value());
+  CHECK(fine.has_value());
 }
 
 TEST_CASE("MoE layer communicators: one named bundle from a world and a fold runs the layer") {
   // EP 2 x ETP 2 x EDP 2 over TP 2 on 8 ranks with a shared expert: the bundle's groups have the
   // sizes and rank orders of megatron_groups, and the layer made from it (EP, ETP, TP and the TP
-  // position taken from it) equals the one made with them spelled out, reduced positionally.
+  // position taken from it) equals the one made with them spelled out in its options over a
+  // bundle filled by hand, one group_communicator per member (the layer takes its groups only
+  // from a bundle now, so the positional communicators the reduction once took are these).
   problem p{.fold = {.world = 8, .tp = 2, .ep = 2, .etp = 2}, .experts = 4, .topk = 2};
   p.ffn = 4;
   p.tokens = 4;
@@ -349,7 +370,7 @@ TEST_CASE("MoE layer communicators: one named bundle from a world and a fold run
   const megatron_groups groups(fold);
   const data w = make_weights(p);
   using layer_t =
-      moe_layer<double, thread_communicator, dropless,
+      moe_layer<double, host_exec, thread_communicator, dropless,
                 all_to_all_dispatcher<double, thread_communicator>, reference_mlp<double>>;
   struct both {
     run_out bundle, spelled;
@@ -358,6 +379,8 @@ TEST_CASE("MoE layer communicators: one named bundle from a world and a fold run
   std::vector<both> res(8);
   const auto st = run_thread_world(8, [&](thread_communicator& world) -> status {
     const int r = world.rank();
+    host_exec hx;
+    // Each layer holds its bundle by reference: both bundles outlive the layers, unmoved.
     auto comms = make_layer_communicators(world, groups);
     if (!comms) return unexpected<error>(comms.error());
     const std::pair<thread_communicator*, group_kind> named[] = {
@@ -380,8 +403,7 @@ TEST_CASE("MoE layer communicators: one named bundle from a world and a fold run
                                  .aux_loss_coeff = 0.01,
                                  .shared_expert = {.ffn = 4, .gate = true}};
     auto& out = res[static_cast<std::size_t>(r)];
-    auto run = [&](layer_t& layer, const moe_layer_groups<thread_communicator>& g,
-                   auto&& reduce) -> expected<run_out> {
+    auto run = [&](layer_t& layer, auto&& reduce) -> expected<run_out> {
       for (std::size_t i = 0; i < layer.router_weight().flat().size(); ++i)
         layer.router_weight().flat()[i] = unit(9, static_cast<std::uint64_t>(i), 0);
       auto* se = layer.shared();
@@ -403,9 +425,9 @@ TEST_CASE("MoE layer communicators: one named bundle from a world and a fold run
       run_out ro;
       ro.out.resize(x.size());
       ro.dx.resize(x.size());
-      if (auto f = layer.forward(p.tokens, x, {}, g, ro.out); !f)
+      if (auto f = layer.forward(hx, p.tokens, x, {}, ro.out); !f)
         return unexpected<error>(f.error());
-      if (auto b = layer.backward(dout, 1.0, g, ro.dx); !b) return unexpected<error>(b.error());
+      if (auto b = layer.backward(hx, dout, 1.0, ro.dx); !b) return unexpected<error>(b.error());
       if (auto s = reduce(); !s) return unexpected<error>(s.error());
       auto take = [](std::span<double> v) { return std::vector<double>(v.begin(), v.end()); };
       ro.router_grad = take(layer.router_weight_grad().flat());
@@ -418,12 +440,12 @@ TEST_CASE("MoE layer communicators: one named bundle from a world and a fold run
       return ro;
     };
     {
-      auto layer = layer_t::make(base, dropless{},
-                                 rank_experts<double>(p, fold, r, w.w1, w.w2).value(), *comms);
+      auto layer = layer_t::make(hx, base, *comms, dropless{},
+                                 rank_experts<double>(p, fold, r, w.w1, w.w2).value());
       if (!layer) return unexpected<error>(layer.error());
-      auto ro = run(*layer, comms->groups(), [&] {
+      auto ro = run(*layer, [&] {
         return layer->reduce_gradients(
-            *comms, {layer->experts().grads_fc1(), layer->experts().grads_fc2()});
+            hx, {layer->experts().grads_fc1(), layer->experts().grads_fc2()});
       });
       if (!ro) return unexpected<error>(ro.error());
       out.bundle = std::move(*ro);
@@ -434,18 +456,21 @@ TEST_CASE("MoE layer communicators: one named bundle from a world and a fold run
       o.etp = fold.etp();
       o.shared_expert.tp = fold.tp();
       o.shared_expert.tp_rank = groups(group_kind::tp).find(r).position;
-      auto layer =
-          layer_t::make(o, dropless{}, rank_experts<double>(p, fold, r, w.w1, w.w2).value());
+      auto get = [&](group_kind k) { return group_communicator(world, groups, {k}).value(); };
+      moe_layer_communicators<thread_communicator> by_hand{.tp = get(group_kind::tp),
+                                                           .tp_cp = get(group_kind::tp_cp),
+                                                           .tp_dp_cp = get(group_kind::tp_dp_cp),
+                                                           .dp_cp = get(group_kind::dp_cp),
+                                                           .ep = get(group_kind::ep),
+                                                           .etp = get(group_kind::etp),
+                                                           .tp_ep = get(group_kind::tp_ep),
+                                                           .edp = get(group_kind::edp)};
+      auto layer = layer_t::make(hx, o, by_hand, dropless{},
+                                 rank_experts<double>(p, fold, r, w.w1, w.w2).value());
       if (!layer) return unexpected<error>(layer.error());
-      const moe_layer_groups<thread_communicator> g{
-          .tp_cp = comms->tp_cp,
-          .dispatch = {comms->ep, comms->etp, comms->tp_ep},
-          .tp = &comms->tp,
-          .tp_dp_cp = &comms->tp_dp_cp};
-      auto ro = run(*layer, g, [&] {
-        return layer->reduce_gradients(comms->tp_dp_cp, comms->edp,
-                                       {layer->experts().grads_fc1(), layer->experts().grads_fc2()},
-                                       &comms->dp_cp);
+      auto ro = run(*layer, [&] {
+        return layer->reduce_gradients(
+            hx, {layer->experts().grads_fc1(), layer->experts().grads_fc2()});
       });
       if (!ro) return unexpected<error>(ro.error());
       out.spelled = std::move(*ro);

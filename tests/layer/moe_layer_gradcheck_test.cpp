@@ -109,20 +109,17 @@ std::vector<rank_grads> run(const problem& p, const params& q, const layer_setup
   std::vector<rank_grads> results(static_cast<std::size_t>(fold.world_size()));
   const auto st = run_thread_world(fold.world_size(), [&](thread_communicator& world) -> status {
     const int r = world.rank();
-    auto get = [&](group_kind k) { return group_communicator(world, groups, {k}).value(); };
-    auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep);
-    auto tp_cp = get(group_kind::tp_cp), stage = get(group_kind::tp_dp_cp),
-         edp = get(group_kind::edp), tp = get(group_kind::tp), dp_cp = get(group_kind::dp_cp);
+    host_exec hx;
+    // The layer holds the bundle by reference: it lives (unmoved) until the lambda returns.
+    TRY_ASSIGN(comms, make_layer_communicators(world, groups));
     auto mlp = rank_experts<double>(p, fold, r, q.w1, q.w2).value();
     const moe_layer_options o = options_for(p, ls, fold, groups, r);
-    const moe_layer_groups<thread_communicator> g{
-        .tp_cp = tp_cp, .dispatch = {ep, etp, tp_ep}, .tp = &tp, .tp_dp_cp = &stage};
     auto& res = results[static_cast<std::size_t>(r)];
     auto body = [&](auto policy) -> status {
       using layer_t =
-          moe_layer<double, thread_communicator, decltype(policy),
+          moe_layer<double, host_exec, thread_communicator, decltype(policy),
                     all_to_all_dispatcher<double, thread_communicator>, reference_mlp<double>>;
-      auto layer = layer_t::make(o, policy, std::move(mlp));
+      auto layer = layer_t::make(hx, o, *comms, policy, std::move(mlp));
       if (!layer) return unexpected<error>(layer.error());
       std::copy(q.router.begin(), q.router.end(), layer->router_weight().flat().begin());
       if (auto* se = layer->shared()) {
@@ -139,25 +136,30 @@ std::vector<rank_grads> run(const problem& p, const params& q, const layer_setup
         const auto sb = layer->saved_sizes();
         std::vector<std::byte> saved(sb.saved), host(sb.host);
         auto stats =
-            layer->forward({.num_tokens = p.tokens, .x = x}, g, res.out, ctx, {saved, host});
+            layer->forward(hx, {.num_tokens = p.tokens, .x = x}, res.out, ctx, {saved, host});
         if (!stats) return unexpected<error>(stats.error());
-        res.report = stats->dropped.to_report();
-        res.loss = sd.aux * stats->aux_loss + sd.seq_aux * stats->seq_aux_loss +
-                   sd.global_aux * stats->global_aux_loss + sd.z * stats->z_loss;
+        // The stats are views of the context's values: read before its backward.
+        TRY_ASSIGN(v, read_forward_stats(hx, *stats));
+        res.report = v->dropped;
+        res.loss = sd.aux * v->aux_loss + sd.seq_aux * v->seq_aux_loss +
+                   sd.global_aux * v->global_aux_loss + sd.z * v->z_loss;
         for (std::size_t i = 0; i < x.size(); ++i) res.loss += sd.output * dout[i] * res.out[i];
-        if (auto s = layer->backward(ctx, dout, sd, g, res.dx); !s) return s;
+        if (auto s = layer->backward(hx, ctx, dout, sd, res.dx); !s) return s;
       } else {
-        auto stats = layer->forward(p.tokens, x, {}, g, res.out);
+        auto stats = layer->forward(hx, p.tokens, x, {}, res.out);
         if (!stats) return unexpected<error>(stats.error());
-        res.report = stats->dropped.to_report();
+        TRY_ASSIGN(v, read_forward_stats(hx, *stats));
+        res.report = v->dropped;
         res.kept.assign(layer->last_kept_experts().flat().begin(),
                         layer->last_kept_experts().flat().end());
-        res.loss = stats->aux_loss + stats->seq_aux_loss + stats->global_aux_loss + stats->z_loss;
+        res.loss = v->aux_loss + v->seq_aux_loss + v->global_aux_loss + v->z_loss;
         for (std::size_t i = 0; i < x.size(); ++i) res.loss += dout[i] * res.out[i];
-        if (auto s = layer->backward(dout, 1.0, g, res.dx); !s) return s;
+        if (auto s = layer->backward(hx, dout, 1.0, res.dx); !s) return s;
       }
+      // Router over tp-dp-cp, experts over edp, the shared expert over dp-cp (its gate over
+      // tp-dp-cp): the bundle's groups.
       if (auto s = layer->reduce_gradients(
-              stage, edp, {layer->experts().grads_fc1(), layer->experts().grads_fc2()}, &dp_cp);
+              hx, {layer->experts().grads_fc1(), layer->experts().grads_fc2()});
           !s)
         return s;
       auto take = [](std::span<double> v) { return std::vector<double>(v.begin(), v.end()); };
@@ -208,7 +210,7 @@ moe_layer_options options_for(const problem& p, const layer_setup& ls,
 std::vector<rank_grads> run_cpu_exec(const problem& p, const params& q, const layer_setup& ls) {
   using dev_comm = thread_device_communicator;
   using experts_t = mlp_experts<double, cpu_exec>;
-  using layer_t = moe_layer<double, dev_comm, drop_policy_variant,
+  using layer_t = moe_layer<double, cpu_exec, dev_comm, drop_policy_variant,
                             all_to_all_dispatcher<double, dev_comm, cpu_exec, double>, experts_t>;
   REQUIRE_FALSE(ls.seeds.has_value());
   const auto fold = make_folded(p.fold).value();
@@ -261,7 +263,7 @@ std::vector<rank_grads> run_cpu_exec(const problem& p, const params& q, const la
                                         {b[0].cview(), b[1].cview()}, {b[6].view(), b[7].view()}));
     drop_policy_variant policy = dropless{};
     if (ls.capacity > 0) policy = sub_sequence{.capacity_factor = ls.capacity};
-    TRY_ASSIGN(layer, layer_t::make(x, o, policy, std::move(*experts)));
+    TRY_ASSIGN(layer, layer_t::make(x, o, *comms, policy, std::move(*experts)));
     moe_layer_param_views<double, cpu_device_space> pv{.router_weight = b[2].view(),
                                                        .router_grad = b[8].view()};
     if (ls.shared)
@@ -276,17 +278,18 @@ std::vector<rank_grads> run_cpu_exec(const problem& p, const params& q, const la
     TRY_ASSIGN(d_dout, upload(x, dout, p.tokens, H));
     TRY_ASSIGN(d_out, (exec_buffer<double, cpu_exec>::make(x, p.tokens, H)));
     TRY_ASSIGN(d_dx, (exec_buffer<double, cpu_exec>::make(x, p.tokens, H)));
-    const auto g = comms->groups();
-    TRY_ASSIGN(stats, layer->forward(d_x->cview(), {}, g, d_out->view()));
-    TRY(layer->backward(d_dout->cview(), 1.0, g, d_dx->view()));
-    TRY(layer->reduce_gradients(*comms));
+    TRY_ASSIGN(stats, layer->forward(x, d_x->cview(), {}, d_out->view()));
+    // The stats are views of the context's device values: read before the backward.
+    TRY_ASSIGN(v, read_forward_stats(x, *stats));
+    TRY(layer->backward(x, d_dout->cview(), 1.0, d_dx->view()));
+    TRY(layer->reduce_gradients(x));
     auto& res = results[static_cast<std::size_t>(r)];
-    res.report = stats->dropped.to_report();
+    res.report = v->dropped;
     TRY_ASSIGN(out, (download<double>(x, d_out->cview())));
     TRY_ASSIGN(dx, (download<double>(x, d_dx->cview())));
     res.out = *out;
     res.dx = *dx;
-    res.loss = stats->aux_loss + stats->seq_aux_loss + stats->global_aux_loss + stats->z_loss;
+    res.loss = v->aux_loss + v->seq_aux_loss + v->global_aux_loss + v->z_loss;
     for (std::size_t i = 0; i < xs.size(); ++i) res.loss += dout[i] * res.out[i];
     std::vector<double>* into[6] = {&res.w1, &res.w2, &res.router, &res.s1, &res.s2, &res.sg};
     for (int i = 0; i < 6; ++i) {
@@ -496,10 +499,8 @@ std::vector<std::vector<micro_result>> run_schedule(const problem& p, const para
       std::vector<micro_result>(static_cast<std::size_t>(micro)));
   const auto st = run_thread_world(fold.world_size(), [&](thread_communicator& world) -> status {
     const int r = world.rank();
-    auto get = [&](group_kind k) { return group_communicator(world, groups, {k}).value(); };
-    auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep);
-    auto tp_cp = get(group_kind::tp_cp), stage = get(group_kind::tp_dp_cp),
-         tp = get(group_kind::tp);
+    host_exec hx;
+    TRY_ASSIGN(comms, make_layer_communicators(world, groups));  // outlives the layer, unmoved
     const moe_layer_options o{
         .hidden = p.hidden,
         .max_tokens = p.tokens,
@@ -515,24 +516,23 @@ std::vector<std::vector<micro_result>> run_schedule(const problem& p, const para
                           .gate = true,
                           .tp = fold.tp(),
                           .tp_rank = groups(group_kind::tp).find(r).position}};
-    const moe_layer_groups<thread_communicator> g{
-        .tp_cp = tp_cp, .dispatch = {ep, etp, tp_ep}, .tp = &tp, .tp_dp_cp = &stage};
     using layer_t =
-        moe_layer<double, thread_communicator, sub_sequence,
+        moe_layer<double, host_exec, thread_communicator, sub_sequence,
                   all_to_all_dispatcher<double, thread_communicator>, reference_mlp<double>>;
-    auto layer = layer_t::make(o, sub_sequence{.capacity_factor = capacity, .pad_to_capacity = pad},
+    auto layer = layer_t::make(hx, o, *comms,
+                               sub_sequence{.capacity_factor = capacity, .pad_to_capacity = pad},
                                rank_experts<double>(p, fold, r, q.w1, q.w2).value());
     if (!layer) return unexpected<error>(layer.error());
     std::copy(q.router.begin(), q.router.end(), layer->router_weight().flat().begin());
     auto* se = layer->shared();
     if (auto s = load_shared(*se, p, q); !s) return s;
     std::copy(q.sg.begin(), q.sg.end(), se->own().gate.flat().begin());
-    // Pad mode: the storage and the shared scratch sized for the policy's capacity up front.
+    // Pad mode: each micro-batch's storage sized for the policy's capacity up front (the
+    // dispatched rows grow with it). Nothing else is reserved: each context owns its scratch and
+    // grows it at its own forward, so the contexts in flight share no buffer.
     std::optional<int> c;
-    if (pad) {
+    if (pad)
       c = expert_capacity(static_cast<long long>(p.tokens) * p.topk, p.experts, capacity).value();
-      if (auto s = layer->reserve(*c); !s) return s;
-    }
     const auto sb = layer->saved_sizes(c);
     const auto M = static_cast<std::size_t>(micro);
     std::vector<typename layer_t::context_type> ctx(M);
@@ -555,9 +555,10 @@ std::vector<std::vector<micro_result>> run_schedule(const problem& p, const para
       const moe_forward_input<double> in{.num_tokens = p.tokens, .x = x[m]};
       if (step.kind == 'F') {
         mr.out.resize(x[m].size());
-        auto stats = layer->forward(in, g, mr.out, ctx[m], {saved[m], host[m]});
+        auto stats = layer->forward(hx, in, mr.out, ctx[m], {saved[m], host[m]});
         if (!stats) return unexpected<error>(stats.error());
-        mr.loss = stats->aux_loss + stats->seq_aux_loss + stats->global_aux_loss + stats->z_loss;
+        TRY_ASSIGN(v, read_forward_stats(hx, *stats));
+        mr.loss = v->aux_loss + v->seq_aux_loss + v->global_aux_loss + v->z_loss;
         continue;
       }
       if (step.kind == 'R') {  // the trainer dropped the activations: recompute into new storage
@@ -566,14 +567,14 @@ std::vector<std::vector<micro_result>> run_schedule(const problem& p, const para
         std::fill(host[m].begin(), host[m].end(), std::byte{0xff});
         std::vector<std::byte> saved2(sb.saved), host2(sb.host);
         std::vector<double> out2(x[m].size());
-        if (auto s = layer->recompute(ctx[m], in, g, out2, {saved2, host2}); !s) return s;
+        if (auto s = layer->recompute(hx, ctx[m], in, out2, {saved2, host2}); !s) return s;
         if (out2 != mr.out)
           return make_error(errc::invalid_argument, "test: recompute changed the output");
         saved[m].swap(saved2);  // the storage stays until the backward
         host[m].swap(host2);
       }
       mr.dx.resize(x[m].size());
-      if (auto s = layer->backward(ctx[m], dout[m], {}, g, mr.dx); !s) return s;
+      if (auto s = layer->backward(hx, ctx[m], dout[m], {}, mr.dx); !s) return s;
       mr.router = take(layer->router_weight_grad().flat());
       mr.w1 = take(layer->experts().grads_fc1());
       mr.w2 = take(layer->experts().grads_fc2());
@@ -665,21 +666,20 @@ TEST_CASE("MoE layer forward contexts: misuse is refused with the rule broken, o
   std::vector<std::string> errors[2];
   const auto st = run_thread_world(2, [&](thread_communicator& world) -> status {
     const int r = world.rank();
-    auto get = [&](group_kind k) { return group_communicator(world, groups, {k}).value(); };
-    auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep),
-         tp_cp = get(group_kind::tp_cp);
+    host_exec hx;
+    TRY_ASSIGN(comms, make_layer_communicators(world, groups));  // outlives the layer, unmoved
     using layer_t =
-        moe_layer<double, thread_communicator, sub_sequence,
+        moe_layer<double, host_exec, thread_communicator, sub_sequence,
                   all_to_all_dispatcher<double, thread_communicator>, reference_mlp<double>>;
-    auto layer = layer_t::make({.hidden = p.hidden,
+    auto layer = layer_t::make(hx,
+                               {.hidden = p.hidden,
                                 .max_tokens = p.tokens,
                                 .ep = 2,
                                 .router = {.num_experts = p.experts, .topk = p.topk}},
-                               sub_sequence{.capacity_factor = 2.0},
+                               *comms, sub_sequence{.capacity_factor = 2.0},
                                rank_experts<double>(p, fold, r, q.w1, q.w2).value());
     if (!layer) return unexpected<error>(layer.error());
     std::copy(q.router.begin(), q.router.end(), layer->router_weight().flat().begin());
-    const moe_layer_groups<thread_communicator> g{.tp_cp = tp_cp, .dispatch = {ep, etp, tp_ep}};
     const auto sb = layer->saved_sizes();
     std::vector<std::byte> s1(sb.saved), h1(sb.host), s2(sb.saved), h2(sb.host);
     const auto& x = q.x[static_cast<std::size_t>(r)];
@@ -688,24 +688,25 @@ TEST_CASE("MoE layer forward contexts: misuse is refused with the rule broken, o
     auto& errs = errors[r];
     auto note = [&](const auto& s) { errs.push_back(s ? "ok" : s.error().message); };
     typename layer_t::context_type a, b;
-    note(layer->backward(a, x, {}, g, dx));  // nothing forwarded
+    note(layer->backward(hx, a, x, {}, dx));  // nothing forwarded
     std::vector<std::byte> small(sb.saved / 2);
-    note(layer->forward(in, g, out, a, {small, h1}));
+    note(layer->forward(hx, in, out, a, {small, h1}));
     // Two forwards given the same storage: the first one's backward is refused.
-    if (auto f = layer->forward(in, g, out, a, {s1, h1}); !f) return unexpected<error>(f.error());
-    if (auto f = layer->forward(in, g, out, b, {s1, h1}); !f) return unexpected<error>(f.error());
-    note(layer->backward(a, x, {}, g, dx));
-    note(layer->backward(b, x, {}, g, dx));
-    note(layer->backward(b, x, {}, g, dx));  // consumed
-    if (auto f = layer->forward(in, g, out, a, {s2, h2}); !f) return unexpected<error>(f.error());
+    if (auto f = layer->forward(hx, in, out, a, {s1, h1}); !f) return unexpected<error>(f.error());
+    if (auto f = layer->forward(hx, in, out, b, {s1, h1}); !f) return unexpected<error>(f.error());
+    note(layer->backward(hx, a, x, {}, dx));
+    note(layer->backward(hx, b, x, {}, dx));
+    note(layer->backward(hx, b, x, {}, dx));  // consumed
+    if (auto f = layer->forward(hx, in, out, a, {s2, h2}); !f) return unexpected<error>(f.error());
     a.drop_activations();
-    note(layer->backward(a, x, {}, g, dx));  // dropped, not recomputed
-    note(layer->recompute(a, {.num_tokens = p.tokens - 1, .x = std::span(x).first(x.size() - 3)}, g,
+    note(layer->backward(hx, a, x, {}, dx));  // dropped, not recomputed
+    note(layer->recompute(hx, a,
+                          {.num_tokens = p.tokens - 1, .x = std::span(x).first(x.size() - 3)},
                           std::span(out).first(out.size() - 3), {s2, h2}));
-    note(layer->recompute(a, in, g, out, {s2, h2}));
-    note(layer->backward(a, x, {.aux = std::nan("")}, g, dx));
-    note(layer->backward(a, x, {}, g, dx));
-    note(layer->recompute(a, in, g, out, {s2, h2}));  // consumed: nothing to recompute
+    note(layer->recompute(hx, a, in, out, {s2, h2}));
+    note(layer->backward(hx, a, x, {.aux = std::nan("")}, dx));
+    note(layer->backward(hx, a, x, {}, dx));
+    note(layer->recompute(hx, a, in, out, {s2, h2}));  // consumed: nothing to recompute
     return {};
   });
   for (const auto& s : st) REQUIRE_MESSAGE(s.has_value(), s.error().message);

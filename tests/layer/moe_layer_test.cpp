@@ -154,8 +154,8 @@ TEST_CASE("the MoE layer equals the reference on a sweep of 100+ folded mappings
 
 TEST_CASE("a DeepSeek-V3 layer: its dispatcher workspace per part, queried without making it") {
   using a2a_bf16 = all_to_all_dispatcher<bfloat16, thread_communicator>;
-  using layer_t =
-      moe_layer<bfloat16, thread_communicator, dropless, a2a_bf16, reference_mlp<bfloat16>>;
+  using layer_t = moe_layer<bfloat16, host_exec, thread_communicator, dropless, a2a_bf16,
+                            reference_mlp<bfloat16>>;
   const int R = 2 * 4096 * 8;
   const moe_layer_options o{.hidden = 7168,
                             .max_tokens = 4096,
@@ -199,8 +199,8 @@ void check_bf16_layer() {
   // and weights and computes in fp64; normwise <= 1e-2 for out, dx and every weight gradient.
   using a2a = all_to_all_dispatcher<bfloat16, thread_communicator, host_exec, P>;
   using ag = all_gather_dispatcher<bfloat16, thread_communicator, host_exec, P>;
-  using layer_bf16 =
-      moe_layer<bfloat16, thread_communicator, dropless, a2a, reference_mlp<bfloat16, float, P>>;
+  using layer_bf16 = moe_layer<bfloat16, host_exec, thread_communicator, dropless, a2a,
+                               reference_mlp<bfloat16, float, P>>;
   static_assert(std::same_as<typename layer_bf16::router_value_type, float>);
   static_assert(std::same_as<typename layer_bf16::grad_type, float>);
   static_assert(std::same_as<typename layer_bf16::prob_type, P>);
@@ -292,7 +292,8 @@ probs_trace trace_probs() {
   p.tokens = 6;
   p.bf16_values = true;
   using disp_t = all_to_all_dispatcher<bfloat16, thread_communicator, host_exec, P>;
-  using layer_t = moe_layer<bfloat16, thread_communicator, dropless, disp_t, recording_experts<P>>;
+  using layer_t =
+      moe_layer<bfloat16, host_exec, thread_communicator, dropless, disp_t, recording_experts<P>>;
   std::vector<std::vector<float>> routed(2), seen(2);
   const auto st = run_thread_world(2, [&](thread_communicator& world) -> status {
     const auto fold = make_folded(p.fold).value();
@@ -303,21 +304,22 @@ probs_trace trace_probs() {
     const data w = make_weights(p);
     auto mlp = rank_experts<bfloat16, P>(p, fold, r, w.w1, w.w2);
     if (!mlp) return unexpected<error>(mlp.error());
-    auto layer = layer_t::make({.hidden = p.hidden,
+    host_exec x;
+    auto layer = layer_t::make(x,
+                               {.hidden = p.hidden,
                                 .max_tokens = p.tokens,
                                 .ep = 2,
                                 .router = {.num_experts = p.experts, .topk = p.topk}},
-                               dropless{}, recording_experts<P>{std::move(*mlp)});
+                               *comms, dropless{}, recording_experts<P>{std::move(*mlp)});
     if (!layer) return unexpected<error>(layer.error());
     const auto wr = router_weight(p);
     for (std::size_t i = 0; i < wr.size(); ++i)
       layer->router_weight().flat()[i] = bfloat16(static_cast<float>(wr[i]));
-    std::vector<bfloat16> x;
+    std::vector<bfloat16> xs;
     for (int t = 0; t < p.tokens; ++t)
-      for (double v : make_token(p, r, t).x) x.push_back(bfloat16(static_cast<float>(v)));
-    const moe_layer_groups<thread_communicator> g = comms->groups();
-    std::vector<bfloat16> out(x.size());
-    if (auto f = layer->forward(p.tokens, x, {}, g, out); !f) return unexpected<error>(f.error());
+      for (double v : make_token(p, r, t).x) xs.push_back(bfloat16(static_cast<float>(v)));
+    std::vector<bfloat16> out(xs.size());
+    if (auto f = layer->forward(x, p.tokens, xs, {}, out); !f) return unexpected<error>(f.error());
     const auto& rt = layer->last_routing();
     routed[static_cast<std::size_t>(r)].assign(rt.probs.begin(), rt.probs.end());
     for (const P& v : layer->experts().seen)

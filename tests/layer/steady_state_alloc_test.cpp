@@ -46,26 +46,21 @@ run_result count_layer_steps(const problem& p, const moe_layer_options& base, Po
   const int W = fold.world_size();
   const auto sts = run_thread_world(W, [&](thread_communicator& world) -> status {
     const int r = world.rank();
-    auto get = [&](group_kind k) { return group_communicator(world, groups, {k}).value(); };
-    auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep);
-    auto tp_cp = get(group_kind::tp_cp), stage = get(group_kind::tp_dp_cp),
-         edp = get(group_kind::edp), tp = get(group_kind::tp), dp_cp = get(group_kind::dp_cp);
+    // The layer's eight groups, by name; the layer holds the bundle by reference, so it lives
+    // (unmoved) until the end of this rank's run.
+    auto comms = make_layer_communicators(world, groups);
+    if (!comms) return unexpected<error>(comms.error());
     auto mlp = rank_experts<float>(p, fold, r, w.w1, w.w2);
     if (!mlp) return unexpected<error>(mlp.error());
-    moe_layer_options o = base;
-    o.ep = fold.ep();
-    o.etp = fold.etp();
-    if (o.shared_expert.ffn > 0) {
-      o.shared_expert.tp = fold.tp();
-      o.shared_expert.tp_rank = groups(group_kind::tp).find(r).position;
-    }
-    using layer_t = moe_layer<float, thread_communicator, Policy, Dispatcher, reference_mlp<float>>;
-    auto layer = layer_t::make(o, policy, std::move(*mlp));
+    // EP, ETP and the shared expert's TP and TP rank come from the bundle.
+    const moe_layer_options& o = base;
+    using layer_t =
+        moe_layer<float, host_exec, thread_communicator, Policy, Dispatcher, reference_mlp<float>>;
+    host_exec ex;
+    auto layer = layer_t::make(ex, o, *comms, policy, std::move(*mlp));
     if (!layer) return unexpected<error>(layer.error());
     for (std::size_t i = 0; i < layer->router_weight().flat().size(); ++i)
       layer->router_weight().flat()[i] = 0.3f * static_cast<float>(unit(9, static_cast<int>(i), 0));
-    const moe_layer_groups<thread_communicator> g{
-        .tp_cp = tp_cp, .dispatch = {ep, etp, tp_ep}, .tp = &tp, .tp_dp_cp = &stage};
     std::vector<float> x, dout;
     for (int t = 0; t < p.tokens; ++t) {
       const auto d = make_token(p, r, t);
@@ -82,11 +77,15 @@ run_result count_layer_steps(const problem& p, const moe_layer_options& base, Po
         counting.store(true);
       }
       if (auto s = world.barrier(); !s) return s;
-      auto stats = layer->forward(p.tokens, x, {}, g, out);
+      // The one-in-flight form: the layer's own context and storage (sized at make; a pad-mode
+      // capacity past them grows them at step 1, never later with the same input).
+      auto stats = layer->forward(ex, p.tokens, x, {}, out);
       if (!stats) return unexpected<error>(stats.error());
-      if (auto s = layer->backward(dout, 1.f, g, dx); !s) return s;
-      if (auto s = layer->reduce_gradients(stage, edp, {grads[0], grads[1]}, &dp_cp); !s) return s;
-      if (auto s = layer->end_global_batch(stage); !s) return s;
+      if (auto s = layer->backward(ex, dout, 1.f, dx); !s) return s;
+      // The bundle's groups: the router over tp-dp-cp, the experts over edp, the shared expert's
+      // MLP over dp-cp and its gate over tp-dp-cp.
+      if (auto s = layer->reduce_gradients(ex, {grads[0], grads[1]}); !s) return s;
+      if (auto s = layer->end_global_batch(ex); !s) return s;
       // The router weight does not change (no optimizer step), so every step routes the same
       // tokens; the expert bias does change, and its layer's output may then too.
       if (step == 0)
@@ -101,7 +100,7 @@ run_result count_layer_steps(const problem& p, const moe_layer_options& base, Po
     }
     return {};
   });
-  for (const auto& s : sts) REQUIRE(s.has_value());
+  for (const auto& s : sts) REQUIRE_MESSAGE(s.has_value(), s.error().message);
   res.same_output = same.load();
   return res;
 }

@@ -269,17 +269,20 @@ struct rank_run {
 template <class Comm>
 expected<rank_run> layer_step(const problem& p, const dynamic_folded_mesh& fold, int r,
                               moe_layer_communicators<Comm>& c) {
-  using layer_t = moe_layer<double, Comm, full_sequence, all_to_all_dispatcher<double, Comm>,
-                            reference_mlp<double>>;
+  using layer_t = moe_layer<double, host_exec, Comm, full_sequence,
+                            all_to_all_dispatcher<double, Comm>, reference_mlp<double>>;
   const data w = make_weights(p);
-  auto layer = layer_t::make({.hidden = p.hidden,
+  host_exec ex;
+  // The layer holds the bundle `c` by reference: the caller keeps it alive and unmoved.
+  auto layer = layer_t::make(ex,
+                             {.hidden = p.hidden,
                               .max_tokens = p.tokens,
                               .router = {.num_experts = p.experts, .topk = p.topk},
                               .aux_loss_coeff = 0.01,
                               .z_loss_coeff = 0.001,
                               .global_aux_loss_coeff = 0.02},
-                             full_sequence{.capacity_factor = 1.0},
-                             rank_experts<double>(p, fold, r, w.w1, w.w2).value(), c);
+                             c, full_sequence{.capacity_factor = 1.0},
+                             rank_experts<double>(p, fold, r, w.w1, w.w2).value());
   if (!layer) return unexpected<error>(layer.error());
   for (std::size_t i = 0; i < layer->router_weight().flat().size(); ++i)
     layer->router_weight().flat()[i] = unit(9, static_cast<std::uint64_t>(i), 0);
@@ -292,13 +295,15 @@ expected<rank_run> layer_step(const problem& p, const dynamic_folded_mesh& fold,
   rank_run res;
   res.out.resize(x.size());
   res.dx.resize(x.size());
-  const auto g = c.groups();
-  auto f = layer->forward(p.tokens, x, {}, g, res.out);
+  auto f = layer->forward(ex, p.tokens, x, {}, res.out);
   if (!f) return unexpected<error>(f.error());
-  res.aux = f->aux_loss + f->global_aux_loss + f->z_loss;
-  if (auto b = layer->backward(dout, 1.0, g, res.dx); !b) return unexpected<error>(b.error());
+  // The forward's losses are views in the layer's memory; their host values come back here.
+  auto v = read_forward_stats(ex, *f);
+  if (!v) return unexpected<error>(v.error());
+  res.aux = v->aux_loss + v->global_aux_loss + v->z_loss;
+  if (auto b = layer->backward(ex, dout, 1.0, res.dx); !b) return unexpected<error>(b.error());
   if (auto s =
-          layer->reduce_gradients(c, {layer->experts().grads_fc1(), layer->experts().grads_fc2()});
+          layer->reduce_gradients(ex, {layer->experts().grads_fc1(), layer->experts().grads_fc2()});
       !s)
     return unexpected<error>(s.error());
   auto take = [](std::span<double> v) { return std::vector<double>(v.begin(), v.end()); };

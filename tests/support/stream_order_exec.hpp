@@ -99,6 +99,9 @@ class stream_order_exec
   void deallocate_bytes(void* p, std::size_t) const noexcept {
     moefold::detail::free_aligned_host_bytes(p);
   }
+  [[nodiscard]] static constexpr moefold::detail::host_bytes_deallocator deallocator() noexcept {
+    return {};
+  }
   [[nodiscard]] status synchronize() {
     check_sources();
     wait();

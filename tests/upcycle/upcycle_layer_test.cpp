@@ -132,7 +132,7 @@ std::vector<double> widen_all(const std::vector<T>& v) {
 // and the gradient reduction (experts over EDP, router over the stage).
 template <class T, class Dispatcher>
 std::vector<rank_out> run_upcycled(const upcycle_case& c) {
-  using layer_t = moe_layer<T, Comm, dropless, Dispatcher, mlp_experts<T, host_exec>>;
+  using layer_t = moe_layer<T, host_exec, Comm, dropless, Dispatcher, mlp_experts<T, host_exec>>;
   using G = typename layer_t::grad_type;
   using R = typename layer_t::router_value_type;
   const auto fold = make_folded(c.fold).value();
@@ -197,11 +197,14 @@ std::vector<rank_out> run_upcycled(const upcycle_case& c) {
     std::vector<G> router_g(router.size(), G(0));
     auto experts = mlp_experts<T, host_exec>::make(*shape, {fc1, fc2}, {g1, g2});
     if (!experts) return unexpected<error>(experts.error());
+    host_exec ex;
+    // The layer holds the bundle by reference; it outlives the layer in this rank's scope.
     auto layer = layer_t::make(
+        ex,
         {.hidden = H,
          .max_tokens = N,
          .router = {.num_experts = E, .topk = K, .score = o.score, .pre_softmax = o.pre_softmax}},
-        dropless{}, std::move(*experts), *comms);
+        *comms, dropless{}, std::move(*experts));
     if (!layer) return unexpected<error>(layer.error());
     out.router_param_size = layer->param_sizes().router;
     if (auto s = layer->bind_parameters({.router_weight = router, .router_grad = router_g}); !s)
@@ -214,10 +217,10 @@ std::vector<rank_out> run_upcycled(const upcycle_case& c) {
         dout.push_back(static_cast<T>(draw(32, key, static_cast<std::uint64_t>(h))));
       }
     std::vector<T> y(x.size()), dx(x.size());
-    auto groups_view = comms->groups();
-    if (auto f = layer->forward(N, x, {}, groups_view, y); !f) return unexpected<error>(f.error());
-    if (auto b = layer->backward(dout, R(1), groups_view, dx); !b) return b;
-    if (auto g = layer->reduce_gradients(*comms, {g1, g2}); !g) return g;
+    if (auto f = layer->forward(ex, N, x, {}, y); !f) return unexpected<error>(f.error());
+    if (auto b = layer->backward(ex, dout, R(1), dx); !b) return b;
+    // Over the bundle's groups: the experts over EDP, the router over the stage (tp-dp-cp).
+    if (auto g = layer->reduce_gradients(ex, {g1, g2}); !g) return g;
     out.x = widen_all(x);
     out.dout = widen_all(dout);
     out.out = widen_all(y);

@@ -112,6 +112,26 @@ template <class R>
   return c.required();
 }
 
+//! The rules of a capacity decision for forwards up to `shape` (a layer checks them when it is
+//! made, so a bad policy is refused before any forward): the capacity factor's, the drop-by
+//! value's, and the most pairs one decision sees (the group's with `full`) fitting an int.
+[[nodiscard]] inline status check_keep_rule(const keep_rule& r, const drop_shape& shape,
+                                            bool full) {
+  if (r.by != drop_by::probs && r.by != drop_by::position)
+    return make_error(errc::invalid_argument,
+                      "drop policy: drop.by must be drop_by::probs or drop_by::position");
+  if (!r.capacity_factor) return {};
+  const long long pairs = static_cast<long long>(full ? shape.group : 1) * shape.max_tokens *
+                          static_cast<long long>(shape.topk);
+  if (pairs > 2147483647LL)
+    return make_error(errc::overflow,
+                      "drop policy: the routed pairs one decision sees (group x max_tokens x "
+                      "topk) reach 2^31");
+  auto c = expert_capacity(pairs, shape.num_experts, *r.capacity_factor);
+  if (!c) return unexpected<error>(c.error());
+  return {};
+}
+
 //! Host memory's fault words are read back at once; device memory's (a GPU context's, and
 //! cpu_exec's, which runs the GPU path in CI) stay for the caller's device status.
 template <class Exec>

@@ -74,5 +74,18 @@ concept drop_policy = requires(const P& p, Exec& x, Comm& tp_cp,
   { p.apply(x, tp_cp, in, out, ws) } -> std::same_as<expected<drop_decision>>;
 };
 
+//! A policy may state its rules for forwards up to a shape (`check(shape) -> status`, as
+//! moefold's policies do): a layer checks them when it is made, so a bad policy is refused before
+//! any forward. A policy without `check` passes.
+template <class P>
+[[nodiscard]] status check_drop_policy(const P& p, const drop_shape& shape) {
+  if constexpr (requires {
+                  { p.check(shape) } -> std::same_as<status>;
+                })
+    return p.check(shape);
+  else
+    return {};
+}
+
 }  // namespace v0_1
 }  // namespace moefold

@@ -22,6 +22,11 @@ struct drop_report {
   std::vector<int> padded{};      //!< [E] zero-probability filler rows (pad mode)
   long long dropped_pairs = 0;    //!< sum of dropped
   int fully_dropped_tokens = 0;   //!< tokens that lost all k experts
+
+  //! The rows expert e receives from this rank's tokens (drop_counts::dispatched).
+  [[nodiscard]] int dispatched(std::size_t e) const noexcept {
+    return routed[e] - dropped[e] + padded[e];
+  }
 };
 
 //! The counts of one decision over caller storage, so that a step allocates nothing. `routed`,

@@ -68,6 +68,10 @@ struct full_sequence {
   bool pad_to_capacity = false;
   drop_by by = drop_by::probs;
 
+  //! Its rules for forwards up to `shape` (capacity factor, drop-by value, the group's pairs).
+  [[nodiscard]] status check(const drop_shape& shape) const {
+    return detail::check_keep_rule({.capacity_factor = capacity_factor, .by = by}, shape, true);
+  }
   //! On an execution context (dispatch/capacity_keep.hpp): the workspace for forwards up to
   //! `shape` (shape.group: the tp-cp group's ranks), and the decision over the group's tokens,
   //! collective over tp_cp. The order keys [N, 1] are sequence_order_keys' values: the group's

@@ -14,6 +14,8 @@ inline namespace v0_1 {
 
 //! Every routed pair is computed; nothing is dropped or padded.
 struct dropless {
+  //! Its rules for forwards up to `shape` (none).
+  [[nodiscard]] status check(const drop_shape&) const { return {}; }
   //! On an execution context (dispatch/capacity_keep.hpp): the workspace for forwards up to
   //! `shape`, and the decision over this rank's tokens (tp_cp unused).
   template <class R>
@@ -37,6 +39,10 @@ struct sub_sequence {
   bool pad_to_capacity = false;  //!< every expert gets exactly C rows (static shapes)
   drop_by by = drop_by::probs;
 
+  //! Its rules for forwards up to `shape` (capacity factor finite and > 0, a drop-by value).
+  [[nodiscard]] status check(const drop_shape& shape) const {
+    return detail::check_keep_rule({.capacity_factor = capacity_factor, .by = by}, shape, false);
+  }
   //! On an execution context (dispatch/capacity_keep.hpp): the workspace for forwards up to
   //! `shape`, and the decision over this rank's tokens (tp_cp unused).
   template <class R>

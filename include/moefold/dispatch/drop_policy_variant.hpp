@@ -28,6 +28,10 @@ struct drop_policy_variant {
   drop_policy_variant(sub_sequence p) : policy(p) {}   // NOLINT(google-explicit-constructor)
   drop_policy_variant(full_sequence p) : policy(p) {}  // NOLINT(google-explicit-constructor)
 
+  //! The chosen policy's rules for forwards up to `shape`.
+  [[nodiscard]] status check(const drop_shape& shape) const {
+    return std::visit([&](const auto& p) { return p.check(shape); }, policy);
+  }
   //! The chosen policy's workspace for forwards up to `shape`.
   template <class R>
   [[nodiscard]] std::size_t workspace_bytes(const drop_shape& shape) const {

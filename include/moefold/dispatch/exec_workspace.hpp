@@ -1,7 +1,7 @@
 //! @file exec_workspace.hpp
 //! @brief A dispatcher's workspace allocated on an execution context: the saved and scratch parts
 //! in the context's memory (exec_buffer), the host part on the host, sized by the dispatcher's
-//! workspace_sizes(). What a caller without its own allocator (tests, simt_moe_layer) holds; a
+//! workspace_sizes(). What a caller without its own allocator (tests, benchmarks) holds; a
 //! trainer with a caching allocator passes its own spans in dispatch_workspace instead.
 #pragma once
 

@@ -29,6 +29,9 @@ inline namespace v0_1 {
 //!   combine_backward(x, handle, dout [N, H], groups, dy [M, H])
 //!   dispatch_backward(x, handle, dx_rows [M, H], dprob_rows [M, 1] (P), groups, dx [N, H],
 //!                     dprobs [N, k] (P))
+//! The experts' rows (y, dy, dx_rows [M, H]) the layer passes have rows 16 bytes apart: their
+//! stride may exceed H (read them through row_data/stride, not flat()); dx and dprobs are
+//! contiguous.
 //! Handles of a dispatch in flight stay valid while its saved and host parts are untouched
 //! (several may be in flight); every call returns an error, never a crash, on bad input.
 template <class D, class Comm>

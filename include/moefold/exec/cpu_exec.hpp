@@ -75,6 +75,9 @@ class cpu_exec : public detail::simt_memory_ops<cpu_exec, cpu_device_space> {
     return detail::aligned_host_bytes(bytes, name, poison);
   }
   void deallocate_bytes(void* p, std::size_t) const noexcept { detail::free_aligned_host_bytes(p); }
+  [[nodiscard]] static constexpr detail::host_bytes_deallocator deallocator() noexcept {
+    return {};
+  }
   [[nodiscard]] status synchronize() const { return {}; }
 
  private:

@@ -53,6 +53,9 @@ concept copy_context = memory_space<typename X::memory_space> &&
   { x.copy(src, hdst) } -> std::same_as<status>;
   { x.allocate_bytes(bytes) } -> std::same_as<expected<void*>>;
   x.deallocate_bytes(p, bytes);
+  // What frees an allocation later without the context: exec_buffer keeps this value, not the
+  // context, so nothing built on a context stores it (see above).
+  x.deallocator()(p, bytes);
   { x.synchronize() } -> std::same_as<status>;
 };
 
@@ -127,6 +130,10 @@ template <class U, class S1, class T, class S2>
 inline void free_aligned_host_bytes(void* p) noexcept {
   ::operator delete (p, std::align_val_t{256});
 }
+//! The deallocator of the host-memory contexts' allocations (host_exec, cpu_exec): stateless.
+struct host_bytes_deallocator {
+  void operator()(void* p, std::size_t) const noexcept { free_aligned_host_bytes(p); }
+};
 
 //! Row-by-row host copy (memmove semantics are not needed: views passed to copy do not overlap).
 template <class U, class S1, class T, class S2>

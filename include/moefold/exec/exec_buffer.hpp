@@ -1,7 +1,9 @@
 //! @file exec_buffer.hpp
 //! @brief exec_buffer<T, Exec>: rows x width elements owned in an execution context's memory
 //! space (host memory for host_exec, the executor's memory for cpu_exec, stream-ordered device
-//! memory for cuda_exec), freed through the same context. Move-only.
+//! memory for cuda_exec), freed by the context's deallocator (a copy of it is kept, never the
+//! context: the buffer may outlive the context object it was made on; for cuda_exec the stream
+//! must outlive it). Move-only.
 #pragma once
 
 #include <cstddef>
@@ -18,7 +20,7 @@ class exec_buffer {
  public:
   using space = typename Exec::memory_space;
 
-  //! rows x width elements (contiguous) in exec's space; exec must outlive the buffer.
+  //! rows x width elements (contiguous) in exec's space.
   [[nodiscard]] static expected<exec_buffer> make(Exec& exec, std::int64_t rows,
                                                   std::int64_t width) {
     auto shape = row_view<T, space>::make(nullptr, rows, width);
@@ -27,7 +29,8 @@ class exec_buffer {
     auto p = exec.allocate_bytes(bytes);
     if (!p) return unexpected<error>(p.error());
     exec_buffer b;
-    b.exec_ = &exec;
+    b.free_ = exec.deallocator();
+    b.owns_ = true;
     b.bytes_ = bytes;
     b.view_ = row_view<T, space>(static_cast<T*>(*p), shape->rows(), shape->width());
     return b;
@@ -35,13 +38,15 @@ class exec_buffer {
 
   exec_buffer() = default;
   exec_buffer(exec_buffer&& o) noexcept
-      : exec_(std::exchange(o.exec_, nullptr)),
+      : free_(o.free_),
+        owns_(std::exchange(o.owns_, false)),
         bytes_(o.bytes_),
         view_(std::exchange(o.view_, {})) {}
   exec_buffer& operator=(exec_buffer&& o) noexcept {
     if (this != &o) {
       release();
-      exec_ = std::exchange(o.exec_, nullptr);
+      free_ = o.free_;
+      owns_ = std::exchange(o.owns_, false);
       bytes_ = o.bytes_;
       view_ = std::exchange(o.view_, {});
     }
@@ -56,11 +61,13 @@ class exec_buffer {
 
  private:
   void release() noexcept {
-    if (exec_ && view_.data()) exec_->deallocate_bytes(view_.data(), bytes_);
-    exec_ = nullptr;
+    if (owns_ && view_.data()) free_(view_.data(), bytes_);
+    owns_ = false;
   }
 
-  Exec* exec_ = nullptr;
+  using deallocator_type = decltype(std::declval<const Exec&>().deallocator());
+  deallocator_type free_{};
+  bool owns_ = false;
   std::size_t bytes_ = 0;
   row_view<T, space> view_{};
 };

@@ -39,6 +39,9 @@ struct host_exec : detail::host_memory_ops<host_exec, host_space> {
     return detail::aligned_host_bytes(bytes, name);
   }
   void deallocate_bytes(void* p, std::size_t) const noexcept { detail::free_aligned_host_bytes(p); }
+  [[nodiscard]] static constexpr detail::host_bytes_deallocator deallocator() noexcept {
+    return {};
+  }
   [[nodiscard]] status synchronize() const { return {}; }
 };
 

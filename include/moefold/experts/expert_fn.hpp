@@ -32,6 +32,8 @@ inline namespace v0_1 {
 //! - `backward(exec, batch, dy, dx, dprobs, workspace)`: from dy [M, H] writes dx [M, H] and
 //!   dprobs [M, 1] (partials under ETP, summed by the dispatcher) and adds (beta = 1) the weight
 //!   gradients into the functor's gradient buffers;
+//!   (y, dy and dx may have a row stride above H, rows 16 bytes apart: read them through
+//!   row_data/stride, not flat());
 //! - optionally `workspace_bytes(rows)`: the bytes of the context's memory either call takes as
 //!   its workspace for a batch of at most `rows` rows (none when absent:
 //!   expert_workspace_bytes()).

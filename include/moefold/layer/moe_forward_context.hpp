@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "../core/expected.hpp"
 #include "../core/memory_space.hpp"
 #include "../core/row_view.hpp"
 #include "../dispatch/drop_counts.hpp"
@@ -39,16 +40,62 @@ struct moe_saved_storage {
   std::span<std::byte> host{};   //!< >= moe_saved_bytes::host
 };
 
-//! What a forward reports: this rank's partial losses (each sums over tp-cp to the layer's; zero
-//! in evaluation) and what the drop policy dropped (views of the context's counts, valid until its
-//! next forward; `dropped.to_report()` copies them).
+//! Where a forward's losses sit in moe_forward_stats::losses.
+enum class moe_loss : int { aux = 0, seq_aux = 1, global_aux = 2, z = 3 };
+inline constexpr int moe_loss_count = 4;
+
+//! What a forward reports, as views of values its context holds in the layer's memory (valid
+//! until the context's next forward): the forward copies nothing to the host for them, so a
+//! trainer reads them when it logs (read_forward_stats: one copy, one wait) and a CUDA graph can
+//! capture the step. `capacity` and `pad_rows` are host values (they depend on N only).
+template <class R, class S>
 struct moe_forward_stats {
+  std::optional<int> capacity{};  //!< C per expert; unset when dropless
+  std::optional<int> pad_rows{};  //!< pad mode: every expert's rows per rank; else unset
+  //! [1, 4] this rank's part of each loss (indexed by moe_loss; each sums over tp-cp to the
+  //! layer's), 0 where a loss is off and in evaluation.
+  row_view<const R, S> losses{};
+  row_view<const int, S> counts{};             //!< [3, E] routed, dropped, padded per expert
+  row_view<const long long, S> drop_totals{};  //!< [1, 2] dropped pairs, tokens that lost all k
+};
+
+//! A forward's stats as host values, for logging and tests.
+struct moe_forward_values {
   double aux_loss = 0.0;         //!< per micro-batch
   double seq_aux_loss = 0.0;     //!< per sequence
   double global_aux_loss = 0.0;  //!< per global batch (running average of the counts)
   double z_loss = 0.0;
-  drop_counts dropped{};
+  drop_report dropped{};
 };
+
+//! Copies a forward's stats to the host (allocates; the copy to the host waits for the context).
+template <class Exec, class R>
+[[nodiscard]] expected<moe_forward_values> read_forward_stats(
+    Exec& x, const moe_forward_stats<R, typename Exec::memory_space>& s) {
+  moe_forward_values v;
+  R l[moe_loss_count] = {};
+  const int E = s.counts.width();
+  drop_report& d = v.dropped;
+  d.capacity = s.capacity;
+  d.routed.resize(static_cast<std::size_t>(E));
+  d.dropped.resize(static_cast<std::size_t>(E));
+  d.padded.resize(static_cast<std::size_t>(E));
+  long long totals[2] = {0, 0};
+  const auto row = [&](int r, std::vector<int>& into) {
+    return x.copy(s.counts.subrows(r, 1), row_view<int>(into.data(), 1, E));
+  };
+  for (status st : {x.copy(s.losses, row_view<R>(l, 1, moe_loss_count)), row(0, d.routed),
+                    row(1, d.dropped), row(2, d.padded),
+                    x.copy(s.drop_totals, row_view<long long>(totals, 1, 2)), x.synchronize()})
+    if (!st) return unexpected<error>(st.error());
+  v.aux_loss = static_cast<double>(l[0]);
+  v.seq_aux_loss = static_cast<double>(l[1]);
+  v.global_aux_loss = static_cast<double>(l[2]);
+  v.z_loss = static_cast<double>(l[3]);
+  d.dropped_pairs = totals[0];
+  d.fully_dropped_tokens = static_cast<int>(totals[1]);
+  return v;
+}
 
 //! d(training loss) / d(each output of a forward), so a caller can weight or drop each loss.
 //! The main output's gradient is dout itself; `output` scales it (1: as given, 0: drop it).
@@ -62,9 +109,11 @@ struct moe_loss_seeds {
 };
 
 //! One forward of `Layer` in flight. Made empty by the caller, filled by Layer::forward (its
-//! first forward allocates the routing record's buffers in the layer's context memory, for
-//! max_tokens; a context kept per micro-batch slot allocates nothing afterwards), consumed by
-//! Layer::backward. It refers to the storage its forward was given.
+//! first forward allocates the routing record's buffers and the forward's and backward's scratch
+//! in the layer's memory, for max_tokens; a context kept per micro-batch slot allocates nothing
+//! afterwards), consumed by Layer::backward. It refers to the storage its forward was given.
+//! Everything a forward or its backward writes is its own or the caller's storage, never shared
+//! with another context: two forwards may run on two streams at once.
 template <class Layer>
 class moe_forward_context {
  public:
@@ -74,6 +123,7 @@ class moe_forward_context {
   using handle_type = typename Layer::dispatcher_type::handle_type;
   using exec_type = typename Layer::exec_type;
   using space = typename exec_type::memory_space;
+  using stats_type = moe_forward_stats<router_value_type, space>;
 
   // Move-only: a copy would let one forward be backwarded twice (its gradients counted twice).
   // A moved-from context holds no forward.
@@ -88,7 +138,8 @@ class moe_forward_context {
     filled_ = std::exchange(o.filled_, false);
     training_ = o.training_;
     n_ = std::exchange(o.n_, 0);
-    scratch_epoch_ = o.scratch_epoch_;
+    capacity_ = o.capacity_;
+    pad_rows_ = o.pad_rows_;
     x_ = std::exchange(o.x_, {});
     logits_ = std::exchange(o.logits_, {});
     shared_saved_ = std::exchange(o.shared_saved_, {});
@@ -102,13 +153,13 @@ class moe_forward_context {
     keep_ = std::move(o.keep_);
     kept_probs_ = std::move(o.kept_probs_);
     totals_ = std::move(o.totals_);
+    losses_ = std::move(o.losses_);
     loss_saved_ = std::move(o.loss_saved_);
-    report_ = std::move(o.report_);
-    stats_ = o.stats_;
+    scratch_ = std::move(o.scratch_);
+    disp_scratch_ = std::move(o.disp_scratch_);
+    scratch_bytes_ = std::exchange(o.scratch_bytes_, 0);
     lb_ = o.lb_;
     z_ = o.z_;
-    loss_host_ = o.loss_host_;
-    totals_host_ = o.totals_host_;
     return *this;
   }
   ~moe_forward_context() = default;
@@ -120,11 +171,19 @@ class moe_forward_context {
   [[nodiscard]] bool holds_forward() const noexcept { return filled_; }
   //! N of its forward.
   [[nodiscard]] int num_tokens() const noexcept { return n_; }
-  //! The losses and drop counts its forward reported.
-  [[nodiscard]] const moe_forward_stats& stats() const noexcept { return stats_; }
+  //! The losses and drop counts of its forward, as views of its values (read_forward_stats
+  //! copies them to the host).
+  [[nodiscard]] stats_type stats() const noexcept {
+    if (key_.tokens == 0) return {};
+    return {.capacity = capacity_,
+            .pad_rows = pad_rows_,
+            .losses = losses_.cview(),
+            .counts = counts_.cview(),
+            .drop_totals = totals_.cview()};
+  }
   //! Its forward's routing [N, k] (every selected expert and its probability), the drop policy's
   //! keep mask of it and the record the dispatcher took (the expert, -1 for a dropped pair), in
-  //! the layer's context memory.
+  //! the layer's memory.
   [[nodiscard]] row_view<const int, space> indices() const noexcept {
     return indices_.cview().first(n_);
   }
@@ -136,6 +195,12 @@ class moe_forward_context {
   }
   [[nodiscard]] row_view<const int, space> kept_experts() const noexcept {
     return kept_.cview().first(n_);
+  }
+  //! Its forward's input [N, H] as saved (in the storage; rows 16 bytes apart) and logits [N, E],
+  //! until its backward.
+  [[nodiscard]] row_view<const value_type, space> input() const noexcept { return x_.first(n_); }
+  [[nodiscard]] row_view<const router_value_type, space> logits() const noexcept {
+    return logits_.first(n_);
   }
   //! The routing as host vectors (host memory contexts).
   [[nodiscard]] topk_routing<router_value_type> routing() const requires host_accessible_v<space> {
@@ -164,8 +229,8 @@ class moe_forward_context {
   template <class U>
   using buffer = exec_buffer<U, exec_type>;
 
-  // The sizes its buffers were allocated for: a context filled by a layer of other options is
-  // reallocated, never overrun.
+  // The sizes its record buffers were allocated for: a context filled by a layer of other
+  // options is reallocated, never overrun.
   struct sizes_key {
     int tokens = 0, topk = 0, experts = 0;
     std::size_t loss_bytes = 0;
@@ -175,28 +240,28 @@ class moe_forward_context {
   bool filled_ = false;   // a forward ran and its backward has not
   bool training_ = true;  // the mode of that forward
   int n_ = 0;
-  std::uint64_t scratch_epoch_ = 0;              // the layer's scratch growths at its forward
+  std::optional<int> capacity_{}, pad_rows_{};   // the drop decision's (host values)
   row_view<value_type, space> x_{};              // saved: [N, H] input
   row_view<router_value_type, space> logits_{};  // saved: [N, E] logits
   std::span<std::byte> shared_saved_{};          // saved: the shared expert's part
   std::optional<handle_type> handle_{};
-  sizes_key key_{};                  // tokens 0: nothing allocated
-  buffer<int> indices_, kept_;       // [max_tokens, k]
-  buffer<int> counts_;               // [3, E] routed, dropped, padded
-  buffer<router_value_type> probs_;  // [max_tokens, k]
-  buffer<std::uint8_t> keep_;        // [max_tokens, k]
-  buffer<prob_type> kept_probs_;     // [max_tokens, k]
-  buffer<long long> totals_;         // [1, 2] dropped pairs, fully dropped
+  sizes_key key_{};                   // tokens 0: nothing allocated
+  buffer<int> indices_, kept_;        // [max_tokens, k]
+  buffer<int> counts_;                // [3, E] routed, dropped, padded
+  buffer<router_value_type> probs_;   // [max_tokens, k]
+  buffer<std::uint8_t> keep_;         // [max_tokens, k]
+  buffer<prob_type> kept_probs_;      // [max_tokens, k]
+  buffer<long long> totals_;          // [1, 2] dropped pairs, fully dropped
+  buffer<router_value_type> losses_;  // [1, 4] the losses' values (moe_loss)
   // What the losses keep for the backward (their saved bytes): kept across a recompute.
   buffer<std::byte> loss_saved_;
-  drop_report report_{};  // the host copy of the counts the stats show (vectors sized once)
-  moe_forward_stats stats_{};
-  load_balancing_record lb_{};            // the load-balancing terms the forward ran
+  // The scratch of its forward and backward (Layer's carve_scratch), grown only when a pad-mode
+  // capacity passes every one before; the dispatcher's part lives until the backward.
+  buffer<std::byte> scratch_;
+  std::size_t scratch_bytes_ = 0;
+  buffer<std::byte> disp_scratch_;  // the dispatcher's scratch: its handle's until the backward
+  load_balancing_record lb_{};      // the load-balancing terms the forward ran
   z_loss_record<router_value_type> z_{};  // the z-loss the forward ran
-  // The host read of the losses' values (aux, per-sequence aux, global aux, z), landed by the
-  // forward's one wait.
-  std::array<router_value_type, 4> loss_host_{};
-  std::array<long long, 2> totals_host_{};  // the same for the drop totals
 };
 
 }  // namespace v0_1

@@ -1,18 +1,31 @@
 //! @file moe_layer.hpp
-//! @brief One MoE layer on the host: gating -> router -> drop policy -> dispatcher -> experts ->
-//! combine (+ an optional shared expert), forward and backward, with the load-balancing losses
-//! (per micro-batch, per sequence, per global batch), the z-loss and the expert bias. It holds its
-//! experts functor, its running statistics and its scratch, and nothing global; its router and
-//! shared-expert parameters are its own until bind_parameters() points it at a caller's
-//! (moe_layer_params: read in place, gradients accumulated into the caller's buffers);
-//! gradient reduction across ranks is an explicit step (reduce_gradients), with the group of each
-//! parameter stated, and so is the end of a global batch (end_global_batch).
+//! @brief The MoE layer, one for every execution context (host_exec, cpu_exec, cuda_exec):
+//! gating -> router -> drop policy -> dispatcher -> experts -> combine (+ an optional shared
+//! expert), forward and backward, with the load-balancing losses (per micro-batch, per sequence,
+//! per global batch), the z-loss and the expert bias.
 //!
-//! Forwards in flight: forward(input, groups, out, context, storage) fills a moe_forward_context
+//! What it holds and what it does not: its communicators by reference (the bundle given to make
+//! outlives it), its router, drop policy, dispatcher and experts, its state across micro-batches
+//! (the expert bias and its counts, the global loss's running counts) and its router and
+//! shared-expert parameters until bind_parameters() points it at a caller's (read in place,
+//! gradients accumulated into the caller's buffers). It never holds an execution context: every
+//! call takes the context it runs on (a stream on a GPU), and everything a forward or its
+//! backward writes belongs to that forward's context or to the caller's storage, so two forwards
+//! may run on two streams at once. What they share is ordered by the caller, as on any two
+//! streams: the state a training forward adds to (the expert bias's counts, the global loss's
+//! running counts, when enabled) and the gradient buffers the backwards accumulate into. Its
+//! buffers live in the memory of the context given to make.
+//!
+//! Forwards in flight: forward(exec, x, keys, out, context, storage) fills a moe_forward_context
 //! whose saved activations live in the caller's storage (saved_sizes() tells how much), and
-//! backward(context, ...) consumes it, in any order; recompute() refills a context whose
-//! activations were dropped. forward(n, x, ...) / backward(dout, ...) are the one-in-flight
-//! convenience over a context and storage the layer holds.
+//! backward(exec, context, ...) consumes it, in any order; recompute() refills a context whose
+//! activations were dropped. forward(exec, x, keys, out) / backward(exec, dout, ...) are the
+//! one-in-flight form over a context and storage the layer holds.
+//!
+//! The host waits for nothing a forward computes: the losses and drop counts are values in the
+//! context's memory (moe_forward_stats; read_forward_stats copies them when a trainer logs). The
+//! dispatcher reads the routed counts back when the collectives or the experts' row ranges need
+//! them (not in pad mode, not dropless with EP = ETP = 1); the backward reads nothing back.
 //!
 //! Gradient groups (the class of bug users hit in Megatron-Core with ETP > 1 is reducing expert
 //! gradients over the wrong group):
@@ -25,10 +38,10 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
-#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -36,18 +49,21 @@
 #include <vector>
 
 #include "../comm/communicator.hpp"
+#include "../core/dtype.hpp"
 #include "../core/expected.hpp"
 #include "../core/row_view.hpp"
 #include "../core/size.hpp"
 #include "../core/workspace.hpp"
+#include "../dispatch/all_to_all_dispatcher.hpp"
 #include "../dispatch/capacity_keep.hpp"
 #include "../dispatch/dispatch_args.hpp"
 #include "../dispatch/drop_args.hpp"
-#include "../dispatch/drop_counts.hpp"
+#include "../dispatch/drop_policy_variant.hpp"
 #include "../dispatch/token_dispatcher.hpp"
 #include "../exec/exec.hpp"
 #include "../exec/exec_buffer.hpp"
 #include "../experts/expert_fn.hpp"
+#include "../experts/mlp_experts.hpp"
 #include "../experts/shared_expert.hpp"
 #include "../mesh/groups.hpp"
 #include "../routing/expert_bias.hpp"
@@ -90,7 +106,7 @@ struct moe_layer_options {
   moe_shared_expert_options shared_expert{};
 };
 
-//! The dispatcher shape of a layer of these options (moe_layer and simt_moe_layer).
+//! The dispatcher shape of a layer of these options (the layer and its tools).
 [[nodiscard]] inline dispatch_shape moe_dispatch_shape(const moe_layer_options& o) noexcept {
   const dispatch_shape shape{.max_tokens = o.max_tokens,
                              .hidden = o.hidden,
@@ -102,7 +118,7 @@ struct moe_layer_options {
   return shape;
 }
 
-//! The load-balancing losses of a layer of these options (moe_layer and simt_moe_layer).
+//! The load-balancing losses of a layer of these options (the layer and its tools).
 [[nodiscard]] inline load_balancing_options moe_load_balancing_options(
     const moe_layer_options& o) noexcept {
   return {.num_experts = o.router.num_experts,
@@ -143,28 +159,33 @@ inline constexpr group_kind router_gradient_group = group_kind::tp_dp_cp;
 inline constexpr group_kind shared_expert_gradient_group = group_kind::dp_cp;
 inline constexpr group_kind shared_gate_gradient_group = group_kind::tp_dp_cp;
 
-//! Types: `T` is the tokens' and the experts' element type (bf16, float, double); `Router` is any
-//! routing::router, moefold's topk_router by default, whose element type R (`router_value_type`)
-//! is the type of the logits, the scores, the probabilities the router gives and the losses
-//! (Megatron-Core's moe_router_dtype; the default, accumulator_t<T>, is fp32 for bf16 tokens).
-//! The gating GEMM (router_gating, for every router) reads the T tokens and weight and
-//! accumulates in fp32 (fp64 for fp64 operands) into R. `Dispatcher` is any
-//! token_dispatcher of token type T; its probability type Pt (`prob_type`: T, or wider, e.g.
-//! all_to_all_dispatcher<bf16, Comm, host_exec, float>) is the type the kept probabilities are
-//! converted to once (exactly when Pt is R), travel in to the experts, who apply them (Experts
-//! must be an expert_fn of T and Pt on the dispatcher's context, e.g. reference_mlp or
-//! mlp_experts), and whose gradients come back in (widened to R for the
-//! router's backward). With Pt = R = fp32 for bf16 tokens the probabilities are never rounded to
-//! 16 bits, as in Megatron-Core with moe_router_dtype='fp32'. The router weight is a T parameter
-//! with a main_grad_t<T> gradient.
-template <class T, communicator Comm, class Policy, class Dispatcher, class Experts,
-          class Router = topk_router<T, typename Dispatcher::exec_type>>
-requires expert_fn<Experts, typename Dispatcher::exec_type, T, typename Dispatcher::prob_type> &&
-    drop_policy<Policy, typename Router::value_type, typename Dispatcher::exec_type, Comm> &&
-    token_dispatcher<Dispatcher, Comm> && routing::router<Router, typename Dispatcher::exec_type> &&
-    std::same_as<typename Dispatcher::value_type, T> &&
+//! Types: `T` is the tokens' and the experts' element type (bf16, float, double); `Exec` the
+//! execution context every call takes (host_exec, cpu_exec, cuda_exec); `Comm` the communicator
+//! type of the bundle (thread_communicator, mpi_communicator, nccl_communicator, a user's).
+//! `Policy` is any drop_policy, by default drop_policy_variant (dropless, sub-sequence or
+//! full-sequence dropping chosen at run time). `Router` is any routing::router, moefold's
+//! topk_router by default, whose element type R (`router_value_type`) is the type of the logits,
+//! the scores, the probabilities the router gives and the losses (Megatron-Core's
+//! moe_router_dtype; the default, accumulator_t<T>, is fp32 for bf16 tokens). The gating GEMM
+//! (router_gating, for every router) reads the T tokens and weight and accumulates in fp32 (fp64
+//! for fp64 operands) into R. `Dispatcher` is any token_dispatcher of token type T on Exec, by
+//! default all_to_all_dispatcher with fp32 probabilities for bf16 tokens; its probability type
+//! Pt (`prob_type`) is the type the kept probabilities are converted to once (exactly when Pt is
+//! R), travel in to the experts, who apply them (Experts must be an expert_fn of T and Pt on Exec,
+//! e.g. mlp_experts, the default, or reference_mlp), and whose gradients come back in (widened
+//! to R for the router's backward). With Pt = R = fp32 for bf16 tokens the probabilities are
+//! never rounded to 16 bits, as in Megatron-Core with moe_router_dtype='fp32'. The router weight
+//! is a T parameter with a main_grad_t<T> gradient.
+template <class T, execution_context Exec, communicator Comm, class Policy = drop_policy_variant,
+          class Dispatcher = all_to_all_dispatcher<T, Comm, Exec, accumulator_t<T>>,
+          class Experts =
+              mlp_experts<T, Exec, default_gemms<Exec>, main_grad_t<T>, accumulator_t<T>>,
+          class Router = topk_router<T, Exec>>
+requires std::same_as<typename Dispatcher::exec_type, Exec> &&
+    std::same_as<typename Dispatcher::value_type, T> && token_dispatcher<Dispatcher, Comm> &&
+    expert_fn<Experts, Exec, T, typename Dispatcher::prob_type> && routing::router<Router, Exec> &&
     std::floating_point<typename Router::value_type> &&
-    communicator_for<Comm, typename Dispatcher::exec_type, T>
+    drop_policy<Policy, typename Router::value_type, Exec, Comm> && communicator_for<Comm, Exec, T>
 class moe_layer {
  public:
   using value_type = T;
@@ -176,11 +197,12 @@ class moe_layer {
  private:
   using R = router_value_type;
   using Pt = prob_type;
-  using exec_t = typename Dispatcher::exec_type;
   // moefold's router (any of its GEMM policies), which takes the expert bias.
   static constexpr bool is_topk_router = is_topk_router_v<Router>;
   // The gating linear for every router (topk_router's own runs the same code).
-  using gating_type = router_gating<T, exec_t, R>;
+  using gating_type = router_gating<T, Exec, R>;
+  template <class U>
+  using buffer = exec_buffer<U, Exec>;
 
  public:
   //! The element type of the router's and the shared expert's gradients (fp32 for bf16 weights).
@@ -188,70 +210,49 @@ class moe_layer {
   using params_type = moe_layer_params<T, grad_type>;
   using dispatcher_type = Dispatcher;
   using router_type = Router;
-  //! The execution context every operation of the layer runs on (its dispatcher's).
-  using exec_type = typename Dispatcher::exec_type;
-  //! Its memory space: tokens, gradients, parameters and storage live there.
-  using space = typename exec_type::memory_space;
+  using policy_type = Policy;
+  using experts_type = Experts;
+  using communicator_type = Comm;
+  using communicators_type = moe_layer_communicators<Comm>;
+  //! The execution context every call takes.
+  using exec_type = Exec;
+  //! Its memory space: tokens, gradients, parameters, storage and the layer's buffers live there.
+  using space = typename Exec::memory_space;
   using param_views_type = moe_layer_param_views<T, space, grad_type>;
   //! One forward in flight (see moe_forward_context).
   using context_type = moe_forward_context<moe_layer>;
-  using shared_type = shared_expert<T, exec_type, Comm>;
-  //! Whether make() without a context runs the layer on a host context of its own (host memory
-  //! contexts that can be made).
-  static constexpr bool owns_context =
-      host_accessible_v<space> && std::default_initializable<exec_type>;
+  using stats_type = moe_forward_stats<R, space>;
+  using shared_type = shared_expert<T, Exec, Comm>;
 
-  //! A layer with moefold's top-k router made from `o.router`, on `exec` (which outlives it: the
-  //! layer's buffers live in its memory and every call runs on it).
-  [[nodiscard]] static expected<moe_layer> make(exec_type& exec, const moe_layer_options& o,
-                                                Policy policy,
+  //! A layer with moefold's top-k router made from `o.router`. Its buffers are allocated on
+  //! `exec` (in its memory; for cuda_exec on its stream, which must outlive the layer, and the
+  //! layer waits for them before it returns). EP, ETP, the attention TP and this rank's TP
+  //! position are taken from `comms` (see options_for), which the layer holds by reference: it
+  //! must outlive the layer, neither moved nor freed.
+  [[nodiscard]] static expected<moe_layer> make(Exec& exec, const moe_layer_options& o,
+                                                communicators_type& comms, Policy policy,
                                                 Experts experts) requires is_topk_router {
-    auto router = Router::make(o.router, o.hidden);
+    auto full = options_for(o, comms);
+    if (!full) return unexpected<error>(full.error());
+    auto router = Router::make(full->router, full->hidden);
     if (!router) return unexpected<error>(router.error());
-    return made(exec, nullptr, o, std::move(policy), std::move(experts), std::move(*router));
+    return made(exec, *full, comms, std::move(policy), std::move(experts), std::move(*router));
   }
   //! A layer with the caller's router, which must select `o.router.topk` of
   //! `o.router.num_experts` experts; the load-balancing losses score the logits with
   //! `o.router.score`; the expert bias is topk_router's alone.
-  [[nodiscard]] static expected<moe_layer> make(exec_type& exec, const moe_layer_options& o,
-                                                Policy policy, Experts experts, Router router) {
-    return made(exec, nullptr, o, std::move(policy), std::move(experts), std::move(router));
-  }
-  //! A layer with moefold's top-k router on the communicators' mapping (see options_for).
-  [[nodiscard]] static expected<moe_layer> make(
-      exec_type& exec, const moe_layer_options& o, Policy policy, Experts experts,
-      const moe_layer_communicators<Comm>& c) requires is_topk_router {
-    auto full = options_for(o, c);
+  [[nodiscard]] static expected<moe_layer> make(Exec& exec, const moe_layer_options& o,
+                                                communicators_type& comms, Policy policy,
+                                                Experts experts, Router router) {
+    auto full = options_for(o, comms);
     if (!full) return unexpected<error>(full.error());
-    return make(exec, *full, std::move(policy), std::move(experts));
-  }
-  //! The same three on a host context of the layer's own (host memory contexts).
-  [[nodiscard]] static expected<moe_layer> make(const moe_layer_options& o, Policy policy,
-                                                Experts experts) requires is_topk_router
-      && owns_context {
-    auto router = Router::make(o.router, o.hidden);
-    if (!router) return unexpected<error>(router.error());
-    return make(o, std::move(policy), std::move(experts), std::move(*router));
-  }
-  [[nodiscard]] static expected<moe_layer> make(const moe_layer_options& o, Policy policy,
-                                                Experts experts,
-                                                Router router) requires owns_context {
-    auto own = std::make_unique<exec_type>();
-    exec_type& x = *own;
-    return made(x, std::move(own), o, std::move(policy), std::move(experts), std::move(router));
-  }
-  [[nodiscard]] static expected<moe_layer> make(
-      const moe_layer_options& o, Policy policy, Experts experts,
-      const moe_layer_communicators<Comm>& c) requires is_topk_router && owns_context {
-    auto full = options_for(o, c);
-    if (!full) return unexpected<error>(full.error());
-    return make(*full, std::move(policy), std::move(experts));
+    return made(exec, *full, comms, std::move(policy), std::move(experts), std::move(router));
   }
 
   //! `o` with EP, ETP, the attention TP and this rank's TP position taken from the communicators
   //! (options left at their defaults take them; a differing value is an error naming both).
-  [[nodiscard]] static expected<moe_layer_options> options_for(
-      moe_layer_options o, const moe_layer_communicators<Comm>& c) {
+  [[nodiscard]] static expected<moe_layer_options> options_for(moe_layer_options o,
+                                                               const communicators_type& c) {
     using detail::to_decimal;
     const auto take = [](int& field, int value, const char* name) -> status {
       if (field != 1 && field != value)
@@ -274,12 +275,18 @@ class moe_layer {
     return o;
   }
 
+  //! The options it was made with (EP, ETP and TP as the communicators gave them).
+  [[nodiscard]] const moe_layer_options& options() const noexcept { return o_; }
+  //! The communicators it runs on.
+  [[nodiscard]] communicators_type& communicators() const noexcept { return *comms_; }
+
   //! The dispatcher shape of a layer.
   [[nodiscard]] static dispatch_shape dispatch_shape_of(const moe_layer_options& o) noexcept {
     return moe_dispatch_shape(o);
   }
-  //! The dispatcher workspace a layer of these options holds, per part (saved for the backward;
-  //! scratch, which layers of a model could share), without making the layer or allocating.
+  //! The dispatcher workspace a layer of these options needs, per part (saved for the backward;
+  //! scratch, which each forward in flight holds in its context), without making the layer or
+  //! allocating.
   [[nodiscard]] static expected<dispatch_workspace_bytes> workspace_sizes(
       const moe_layer_options& o, std::optional<int> capacity = {}) {
     auto d = Dispatcher::make(dispatch_shape_of(o));
@@ -288,13 +295,13 @@ class moe_layer {
   }
   //! What this layer's one-in-flight form holds now, per part (pad mode grows it).
   [[nodiscard]] dispatch_workspace_bytes workspace_sizes() const noexcept {
-    return {bytes_of(own_saved_).size(), bytes_of(scratch_ws_).size(), own_host_.size()};
+    return {bytes_of(own_saved_).size(), bytes_of(own_ctx_.disp_scratch_).size(), own_host_.size()};
   }
   //! The storage one forward in flight needs until its backward: the input copy [N, H], the
   //! logits [N, E], the dispatcher's saved part and the shared expert's saved part (`saved`, in
-  //! the context's memory), the dispatcher's host part (`host`), for N = max_tokens. In pad mode
-  //! pass the capacity C the drop policy reports (drop_counts::pad_rows): the dispatched rows grow
-  //! with it.
+  //! the layer's memory), the dispatcher's host part (`host`), for N = max_tokens. In pad mode
+  //! pass the capacity C the drop policy reports (moe_forward_stats::pad_rows): the dispatched
+  //! rows grow with it.
   [[nodiscard]] moe_saved_bytes saved_sizes(std::optional<int> capacity = {}) const {
     const dispatch_workspace_bytes d = disp_.workspace_sizes(capacity);
     workspace_carver c;
@@ -302,15 +309,8 @@ class moe_layer {
     return {c.required(), d.host};
   }
 
-  //! Pad mode with forwards in flight: sizes the scratch the forwards share for capacity C up
-  //! front. The scratch grows when a forward's C exceeds every C before, and a forward already in
-  //! flight then refuses its backward (it holds views of the old scratch).
-  [[nodiscard]] status reserve(int capacity) {
-    return grow_scratch(disp_.workspace_sizes(capacity).scratch);
-  }
-
-  //! The router weight [E, H] (logits = x W^T) and its gradient, in the context's memory: the
-  //! layer's own, or the caller's after bind_parameters().
+  //! The router weight [E, H] (logits = x W^T) and its gradient, in the layer's memory: its own,
+  //! or the caller's after bind_parameters().
   [[nodiscard]] row_view<T, space> router_weight() const noexcept { return w_; }
   [[nodiscard]] row_view<grad_type, space> router_weight_grad() const noexcept { return dw_; }
 
@@ -366,17 +366,19 @@ class moe_layer {
   [[nodiscard]] Experts& experts() noexcept { return experts_; }
   //! The shared expert, or nullptr without one.
   [[nodiscard]] shared_type* shared() noexcept { return shared_ ? &*shared_ : nullptr; }
-  //! The expert bias and this global batch's routed-token counts (empty unless the router options
+  //! The expert bias and this global batch's routed-token counts (null unless the router options
   //! enable the bias). Load a checkpointed bias into bias.
-  [[nodiscard]] moefold::expert_bias<exec_t>* expert_bias() noexcept {
+  [[nodiscard]] moefold::expert_bias<Exec>* expert_bias() noexcept {
     return bias_ ? &*bias_ : nullptr;
   }
   //! The running counts of the global load-balancing loss.
-  [[nodiscard]] const load_balancing_losses<R, exec_t>& load_balancing() const noexcept {
+  [[nodiscard]] const load_balancing_losses<R, Exec>& load_balancing() const noexcept {
     return lb_;
   }
   [[nodiscard]] const Dispatcher& dispatcher() const noexcept { return disp_; }
-  //! The context the one-in-flight form fills (its routing, keep mask, kept record, dispatch).
+  [[nodiscard]] const Policy& policy() const noexcept { return policy_; }
+  //! The context the one-in-flight form fills (its routing, keep mask, kept record, dispatch,
+  //! stats).
   [[nodiscard]] const context_type& last_context() const noexcept { return own_ctx_; }
   //! The dispatch handle of the last one-in-flight forward (rows per local expert, bytes).
   [[nodiscard]] const auto& last_dispatch() const noexcept { return own_ctx_.dispatch(); }
@@ -400,15 +402,15 @@ class moe_layer {
   //! (those forwards dropped in the group's rank order). The words are then cleared. Then the
   //! dispatch of `ctx` (its dispatcher's device_status) while it is in flight, else the
   //! context's error word.
-  [[nodiscard]] status device_status(const context_type& ctx) {
+  [[nodiscard]] status device_status(Exec& x, const context_type& ctx) {
     using detail::to_decimal;
-    if (!detail::reads_faults_at_once<exec_type>) {
+    if (!detail::reads_faults_at_once<Exec>) {
       int f[3] = {0, 0, 0};
-      if (auto st = exec_->copy(faults_.cview(), row_view<int>(f, 1, 3)); !st) return st;
-      if (auto st = exec_->synchronize(); !st) return st;
+      if (auto st = x.copy(faults_.cview(), row_view<int>(f, 1, 3)); !st) return st;
+      if (auto st = x.synchronize(); !st) return st;
       constexpr int none = kernels::order_fault_none;
       if (f[0] != none || f[1] != none || f[2] != none) {
-        if (auto st = exec_->template fill<int>(faults_.view(), none); !st) return st;
+        if (auto st = x.template fill<int>(faults_.view(), none); !st) return st;
         if (f[0] != none)
           return make_error(errc::invalid_argument,
                             "moe_layer: the drop decision's routing pair " + to_decimal(f[0]) +
@@ -423,29 +425,33 @@ class moe_layer {
                 "; those forwards dropped in the group's rank order");
       }
     }
-    if (ctx.ready()) return disp_.device_status(*exec_, ctx.dispatch());
-    return device_status_of(*exec_);
+    if (ctx.ready()) return disp_.device_status(x, ctx.dispatch());
+    return device_status_of(x);
   }
   //! The one-in-flight form's.
-  [[nodiscard]] status device_status() { return device_status(own_ctx_); }
+  [[nodiscard]] status device_status(Exec& x) { return device_status(x, own_ctx_); }
 
-  //! The state besides the weights (see moe_layer_state).
-  [[nodiscard]] moe_layer_state save_state() const {
+  //! The state besides the weights (see moe_layer_state); waits for the context.
+  [[nodiscard]] expected<moe_layer_state> save_state(Exec& x) const {
     moe_layer_state st;
-    if (bias_) (void)bias_->save(*exec_, st.expert_bias, st.expert_bias_counts);
+    if (bias_)
+      if (auto s = bias_->save(x, st.expert_bias, st.expert_bias_counts); !s)
+        return unexpected<error>(s.error());
     if (o_.global_aux_loss_coeff > 0) {
       const auto run = lb_.running_counts();
       st.global_aux_counts.resize(detail::uz(run.width()));
-      (void)exec_->copy(run,
-                        row_view<double, host_space>(st.global_aux_counts.data(), 1, run.width()));
-      (void)exec_->synchronize();
+      if (auto s = first_error({x.copy(run, row_view<double, host_space>(
+                                                st.global_aux_counts.data(), 1, run.width())),
+                                x.synchronize()});
+          !s)
+        return unexpected<error>(s.error());
       st.global_aux_steps = lb_.running_steps();
     }
     return st;
   }
   //! Loads a saved state; checked first (sizes for these options, finite values, counts and steps
   //! >= 0), so a refused state changes nothing.
-  [[nodiscard]] status load_state(const moe_layer_state& st) {
+  [[nodiscard]] status load_state(Exec& x, const moe_layer_state& st) {
     const auto E = detail::uz(o_.router.num_experts);
     const std::size_t want_bias = o_.router.expert_bias ? E : 0;
     const bool global_on = o_.global_aux_loss_coeff > 0;
@@ -469,8 +475,8 @@ class moe_layer {
       return make_error(errc::invalid_argument,
                         "moe_layer: load_state: values must be finite, counts and steps >= 0");
     if (bias_)
-      if (auto s = bias_->load(*exec_, st.expert_bias, st.expert_bias_counts); !s) return s;
-    return lb_.load_running(*exec_, st.global_aux_counts, st.global_aux_steps);
+      if (auto s = bias_->load(x, st.expert_bias, st.expert_bias_counts); !s) return s;
+    return lb_.load_running(x, st.global_aux_counts, st.global_aux_steps);
   }
 
   //! Training (default) or evaluation. In evaluation the forward computes no auxiliary losses
@@ -483,21 +489,21 @@ class moe_layer {
   //! saved_sizes()); `ctx` and `storage` stay with this forward until its backward. In training
   //! it adds the routed counts to the expert bias and the global aux loss's running counts.
   //! `order_keys` [N, 1] (contiguous, or empty) are the tokens' true sequence positions for
-  //! full-sequence dropping by position (see sequence_order_keys).
-  [[nodiscard]] expected<moe_forward_stats> forward(row_view<const T, space> x,
-                                                    row_view<const std::int64_t, space> order_keys,
-                                                    const moe_layer_groups<Comm>& g,
-                                                    row_view<T, space> out, context_type& ctx,
-                                                    const moe_saved_storage& storage) {
-    return run_forward(x, order_keys, g, out, ctx, storage, /*recompute=*/false);
+  //! full-sequence dropping by position (see sequence_order_keys). Collective over the layer's
+  //! groups.
+  [[nodiscard]] expected<stats_type> forward(Exec& ex, row_view<const T, space> x,
+                                             row_view<const std::int64_t, space> order_keys,
+                                             row_view<T, space> out, context_type& ctx,
+                                             const moe_saved_storage& storage) {
+    return run_forward(ex, x, order_keys, out, ctx, storage, /*recompute=*/false);
   }
   //! The same over host spans (host memory contexts).
-  [[nodiscard]] expected<moe_forward_stats> forward(
-      const moe_forward_input<T>& in, const moe_layer_groups<Comm>& g, std::span<T> out,
-      context_type& ctx, const moe_saved_storage& storage) requires host_accessible_v<space> {
+  [[nodiscard]] expected<stats_type> forward(
+      Exec& ex, const moe_forward_input<T>& in, std::span<T> out, context_type& ctx,
+      const moe_saved_storage& storage) requires host_accessible_v<space> {
     auto v = host_views(in, out);
     if (!v) return unexpected<error>(v.error());
-    return forward(v->x, v->keys, g, v->out, ctx, storage);
+    return forward(ex, v->x, v->keys, v->out, ctx, storage);
   }
 
   //! Activation recomputation: refills `ctx` (a forward whose activations were dropped, or
@@ -505,10 +511,9 @@ class moe_layer {
   //! It changes no layer state (bias counts, running counts) and reuses the losses' terms the
   //! forward kept in `ctx`, so the backward equals the stored-activation one bitwise; `out` is
   //! written again. Every rank of the layer's groups recomputes together (it is collective).
-  [[nodiscard]] status recompute(context_type& ctx, row_view<const T, space> x,
+  [[nodiscard]] status recompute(Exec& ex, context_type& ctx, row_view<const T, space> x,
                                  row_view<const std::int64_t, space> order_keys,
-                                 const moe_layer_groups<Comm>& g, row_view<T, space> out,
-                                 const moe_saved_storage& storage) {
+                                 row_view<T, space> out, const moe_saved_storage& storage) {
     if (!ctx.filled_)
       return make_error(errc::invalid_argument,
                         "moe_layer: recompute needs a context its forward filled and its backward "
@@ -518,25 +523,24 @@ class moe_layer {
                         "moe_layer: recompute with N = " + detail::to_decimal(x.rows()) +
                             " of a forward of N = " + detail::to_decimal(ctx.n_) +
                             " (recompute from the forward's own input)");
-    auto st = run_forward(x, order_keys, g, out, ctx, storage, /*recompute=*/true);
+    auto st = run_forward(ex, x, order_keys, out, ctx, storage, /*recompute=*/true);
     if (!st) return unexpected<error>(st.error());
     return {};
   }
   //! The same over host spans (host memory contexts).
-  [[nodiscard]] status recompute(
-      context_type& ctx, const moe_forward_input<T>& in, const moe_layer_groups<Comm>& g,
-      std::span<T> out, const moe_saved_storage& storage) requires host_accessible_v<space> {
+  [[nodiscard]] status recompute(Exec& ex, context_type& ctx, const moe_forward_input<T>& in,
+                                 std::span<T> out, const moe_saved_storage& storage) requires
+      host_accessible_v<space> {
     auto v = host_views(in, out);
     if (!v) return unexpected<error>(v.error());
-    return recompute(ctx, v->x, v->keys, g, v->out, storage);
+    return recompute(ex, ctx, v->x, v->keys, v->out, storage);
   }
 
   //! dx [N, H] from dout [N, H] of the forward in `ctx`, which it consumes; `seeds` weight each
   //! loss (see moe_loss_seeds). Adds the router weight, expert and shared-expert gradients.
-  //! After an evaluation forward no auxiliary loss contributes.
-  [[nodiscard]] status backward(context_type& ctx, row_view<const T, space> dout,
-                                const moe_loss_seeds<R>& seeds, const moe_layer_groups<Comm>& g,
-                                row_view<T, space> dx) {
+  //! After an evaluation forward no auxiliary loss contributes. Reads nothing back to the host.
+  [[nodiscard]] status backward(Exec& ex, context_type& ctx, row_view<const T, space> dout,
+                                const moe_loss_seeds<R>& seeds, row_view<T, space> dx) {
     if (!ctx.ready())
       return make_error(errc::invalid_argument,
                         ctx.filled_ ? "moe_layer: the context's activations were dropped; "
@@ -555,61 +559,48 @@ class moe_layer {
       return make_error(errc::shape_mismatch, "moe_layer: dout and dx must be [N, H] = [" +
                                                   detail::to_decimal(n) + ", " +
                                                   detail::to_decimal(H) + "] (the forward's N)");
-    if (shared_ && g.tp == nullptr)
-      return make_error(errc::invalid_argument,
-                        "moe_layer: the layer has a shared expert; pass the attention TP "
-                        "communicator in moe_layer_groups::tp");
-    if (ctx.scratch_epoch_ != scratch_epoch_)
-      return make_error(errc::invalid_argument,
-                        "moe_layer: the layer's scratch grew (a pad-mode capacity above any "
-                        "before) while this forward was in flight; size it first with "
-                        "reserve(capacity)");
-    // The backward's scratch in the context's memory, sized for this forward's rows (grown only
-    // when a pad-mode capacity passes every one before).
-    {
-      workspace_carver m;
-      (void)carve_backward(m, M);
-      if (auto st = ensure(bwd_ws_, m.required()); !st) return st;
-    }
-    workspace_carver c(bytes_of(bwd_ws_));
-    const backward_views b = carve_backward(c, M);
+    const dispatch_groups<Comm> g = dispatch_groups_of();
+    // The backward's scratch: the context's, sized by its forward for these M rows.
+    workspace_carver c(bytes_of(ctx.scratch_));
+    const scratch_views b = carve_scratch(c, M);
+    if (!c.fits())
+      return make_error(errc::workspace_too_small,
+                        "moe_layer: the context's scratch does not hold its forward's rows");
     const auto first = [n](auto v) { return v.first(n); };
-    const auto dy = b.dy, dx_rows = b.dx_rows;
+    const auto dy = b.rows, dx_rows = b.dx_rows;
     const auto dp_rows = b.dp_rows, dprobs = first(b.dprobs), dprobs_r = first(b.dprobs_r);
     const auto dx_experts = first(b.dx_experts), dout_seeded = first(b.dout_seeded);
     const auto dlogits = first(b.dlogits), dx_router = first(b.dx_router);
     row_view<const T, space> dmain = dout;  // the main output's gradient, times its seed
     if (seeds.output != R(1)) {
-      if (auto st = exec_->copy(dout, dout_seeded); !st) return st;
-      if (auto st = exec_->template scale<T>(dout_seeded, detail::narrow<T>(seeds.output)); !st)
+      if (auto st = ex.copy(dout, dout_seeded); !st) return st;
+      if (auto st = ex.template scale<T>(dout_seeded, detail::narrow<T>(seeds.output)); !st)
         return st;
       dmain = dout_seeded;
     }
-    if (auto st = first_error({zero<T>(dy), zero<T>(dx_rows), zero<Pt>(dp_rows), zero<Pt>(dprobs),
-                               zero<T>(dx_experts)});
+    if (auto st = first_error({zero<T>(ex, dy), zero<T>(ex, dx_rows), zero<Pt>(ex, dp_rows),
+                               zero<Pt>(ex, dprobs), zero<T>(ex, dx_experts)});
         !st)
       return st;
-    if (auto st = disp_.combine_backward(*exec_, hd, dmain, g.dispatch, dy); !st) return st;
+    if (auto st = disp_.combine_backward(ex, hd, dmain, g, dy); !st) return st;
     ctx.filled_ = false;  // from here the backward has begun: the context is consumed
-    if (auto st = experts_.backward(*exec_, hd.batch(), dy, dx_rows, dp_rows, experts_ws()); !st)
+    if (auto st = experts_.backward(ex, hd.batch(), dy, dx_rows, dp_rows, b.experts_ws); !st)
       return done(ctx, st);
-    if (auto st =
-            disp_.dispatch_backward(*exec_, hd, dx_rows, dp_rows, g.dispatch, dx_experts, dprobs);
-        !st)
+    if (auto st = disp_.dispatch_backward(ex, hd, dx_rows, dp_rows, g, dx_experts, dprobs); !st)
       return done(ctx, st);
     // Router's path: dropped pairs have no gradient (their probabilities were not renormalised),
     // then the router Jacobian, the auxiliary losses, the gating GEMM.
     const row_view<const R, space> logits = ctx.logits_.first(n);
     const row_view<const T, space> x = ctx.x_.first(n);
-    if (auto st = zero<R>(dlogits); !st) return done(ctx, st);
-    if (auto st = zero<R>(dx_router); !st) return done(ctx, st);
+    if (auto st = zero<R>(ex, dlogits); !st) return done(ctx, st);
+    if (auto st = zero<R>(ex, dx_router); !st) return done(ctx, st);
     // The kept pairs' probability gradients [N, k], widened from Pt to R for the router.
-    if (auto st = exec_->template convert<R, Pt>(row_view<const Pt, space>(dprobs), dprobs_r); !st)
+    if (auto st = ex.template convert<R, Pt>(row_view<const Pt, space>(dprobs), dprobs_r); !st)
       return done(ctx, st);
-    if (auto st = router_.backward(*exec_, {.logits = logits,
-                                            .indices = ctx.indices(),
-                                            .dprobs = row_view<const R, space>(dprobs_r),
-                                            .dlogits = dlogits});
+    if (auto st = router_.backward(ex, {.logits = logits,
+                                        .indices = ctx.indices(),
+                                        .dprobs = row_view<const R, space>(dprobs_r),
+                                        .dlogits = dlogits});
         !st)
       return done(ctx, st);
     // The load-balancing terms (micro-batch, per sequence, global) and the z-loss, each when its
@@ -617,148 +608,128 @@ class moe_layer {
     {
       const std::size_t lb_bytes = ctx.lb_.any() || ctx.z_.on ? lb_.saved_bytes() : 0;
       const std::span<std::byte> saved = loss_saved(ctx);
-      if (auto st = lb_.backward(*exec_, logits, {}, ctx.lb_, saved.first(lb_bytes),
+      if (auto st = lb_.backward(ex, logits, {}, ctx.lb_, saved.first(lb_bytes),
                                  {seeds.aux, seeds.seq_aux, seeds.global_aux}, dlogits);
           !st)
         return done(ctx, st);
-      if (auto st =
-              z_.backward(*exec_, logits, {}, ctx.z_, saved.subspan(lb_bytes), seeds.z, dlogits);
+      if (auto st = z_.backward(ex, logits, {}, ctx.z_, saved.subspan(lb_bytes), seeds.z, dlogits);
           !st)
         return done(ctx, st);
     }
     // The router weight's gradient goes straight into its (caller's) buffer, beta = 1.
-    if (auto st = gating_.backward(*exec_,
+    if (auto st = gating_.backward(ex,
                                    gating_backward_args<T, R, grad_type, space>{
                                        .x = x,
                                        .weight = row_view<const T, space>(w_),
                                        .dlogits = row_view<const R, space>(dlogits),
                                        .dx = dx_router,
                                        .weight_grad = dw_},
-                                   bytes_of(gating_ws_));
+                                   b.gating_ws);
         !st)
       return done(ctx, st);
     // dx = dx_experts + dx_router (+ dx_shared).
-    if (auto st = exec_->copy(row_view<const T, space>(dx_experts), dx); !st) return done(ctx, st);
-    if (auto st = exec_->template add_converted<T, R>(row_view<const R, space>(dx_router), dx); !st)
+    if (auto st = ex.copy(row_view<const T, space>(dx_experts), dx); !st) return done(ctx, st);
+    if (auto st = ex.template add_converted<T, R>(row_view<const R, space>(dx_router), dx); !st)
       return done(ctx, st);
     if (shared_)  // dx += dx_shared
-      if (auto st = shared_->backward(*exec_, dmain, *g.tp, dx, ctx.shared_saved_,
-                                      bytes_of(shared_scratch_));
+      if (auto st = shared_->backward(ex, dmain, comms_->tp, dx, ctx.shared_saved_, b.shared_ws);
           !st)
         return done(ctx, st);
     return done(ctx, {});
   }
   //! The same over host spans (host memory contexts).
-  [[nodiscard]] status backward(context_type& ctx, std::span<const T> dout,
-                                const moe_loss_seeds<R>& seeds, const moe_layer_groups<Comm>& g,
+  [[nodiscard]] status backward(Exec& ex, context_type& ctx, std::span<const T> dout,
+                                const moe_loss_seeds<R>& seeds,
                                 std::span<T> dx) requires host_accessible_v<space> {
     const int n = ctx.n_;
     if (!ctx.ready())  // the view form names what the context lacks
-      return backward(ctx, row_view<const T, space>{}, seeds, g, row_view<T, space>{});
+      return backward(ex, ctx, row_view<const T, space>{}, seeds, row_view<T, space>{});
     if (dout.size() != detail::uz(n) * detail::uz(o_.hidden) || dx.size() != dout.size())
       return make_error(errc::shape_mismatch, "moe_layer: dout and dx must be [N, H]");
-    return backward(ctx, rows(dout, n), seeds, g, rows(dx, n));
+    return backward(ex, ctx, rows(dout, n), seeds, rows(dx, n));
   }
 
   //! The one-in-flight form: out [N, H] for x [N, H] into the layer's own context and storage.
-  [[nodiscard]] expected<moe_forward_stats> forward(row_view<const T, space> x,
-                                                    row_view<const std::int64_t, space> order_keys,
-                                                    const moe_layer_groups<Comm>& g,
-                                                    row_view<T, space> out) {
-    return run_forward(x, order_keys, g, out, own_ctx_, {}, /*recompute=*/false, /*grow=*/true);
+  [[nodiscard]] expected<stats_type> forward(Exec& ex, row_view<const T, space> x,
+                                             row_view<const std::int64_t, space> order_keys,
+                                             row_view<T, space> out) {
+    return run_forward(ex, x, order_keys, out, own_ctx_, {}, /*recompute=*/false, /*grow=*/true);
   }
   //! The same over host spans: `order_keys` [N] or empty.
-  [[nodiscard]] expected<moe_forward_stats> forward(
-      int n, std::span<const T> x, std::span<const std::int64_t> order_keys,
-      const moe_layer_groups<Comm>& g, std::span<T> out) requires host_accessible_v<space> {
+  [[nodiscard]] expected<stats_type> forward(Exec& ex, int n, std::span<const T> x,
+                                             std::span<const std::int64_t> order_keys,
+                                             std::span<T> out) requires host_accessible_v<space> {
     auto v = host_views({.num_tokens = n, .x = x, .order_keys = order_keys}, out);
     if (!v) return unexpected<error>(v.error());
-    return forward(v->x, v->keys, g, v->out);
+    return forward(ex, v->x, v->keys, v->out);
   }
 
   //! dx [N, H] from dout [N, H] of the last one-in-flight forward; `loss_seed` is d(training
   //! loss) / d(each auxiliary loss) (Megatron's aux-loss scale).
-  [[nodiscard]] status backward(row_view<const T, space> dout, R loss_seed,
-                                const moe_layer_groups<Comm>& g, row_view<T, space> dx) {
+  [[nodiscard]] status backward(Exec& ex, row_view<const T, space> dout, R loss_seed,
+                                row_view<T, space> dx) {
     if (!own_ctx_.ready())
       return make_error(errc::invalid_argument, "moe_layer: backward before forward");
-    return backward(own_ctx_, dout, seeds_of(loss_seed), g, dx);
+    return backward(ex, own_ctx_, dout, seeds_of(loss_seed), dx);
   }
   //! The same over host spans.
-  [[nodiscard]] status backward(std::span<const T> dout, R loss_seed,
-                                const moe_layer_groups<Comm>& g,
+  [[nodiscard]] status backward(Exec& ex, std::span<const T> dout, R loss_seed,
                                 std::span<T> dx) requires host_accessible_v<space> {
     if (!own_ctx_.ready())
       return make_error(errc::invalid_argument, "moe_layer: backward before forward");
-    return backward(own_ctx_, dout, seeds_of(loss_seed), g, dx);
+    return backward(ex, own_ctx_, dout, seeds_of(loss_seed), dx);
   }
 
   //! Sums the local gradients over their groups: the router weight over tp-dp-cp, the experts'
-  //! over edp, and with a shared expert its MLP over `dp_cp` and its gate over tp-dp-cp.
-  //! `expert_grads` lists the experts' gradient buffers (e.g. {fc1 grads, fc2 grads}).
+  //! over edp (`expert_grads`: the experts' gradient buffers, e.g. {fc1 grads, fc2 grads}), and
+  //! with a shared expert its MLP over dp-cp and its gate over tp-dp-cp. Collective.
   [[nodiscard]] status reduce_gradients(
-      Comm& tp_dp_cp, Comm& edp, std::initializer_list<row_view<grad_type, space>> expert_grads,
-      Comm* dp_cp = nullptr) {
-    if (shared_ && dp_cp == nullptr)
-      return make_error(errc::invalid_argument,
-                        "moe_layer: the shared expert's gradients are reduced over dp-cp; pass "
-                        "that communicator");
-    if (auto st = tp_dp_cp.all_reduce(*exec_, dw_, reduce_op::sum); !st) return st;
-    if (auto st = all_reduce_each<grad_type>(edp, *exec_, expert_grads, reduce_op::sum); !st)
+      Exec& ex, std::initializer_list<row_view<grad_type, space>> expert_grads) {
+    if (auto st = comms_->tp_dp_cp.all_reduce(ex, dw_, reduce_op::sum); !st) return st;
+    if (auto st = all_reduce_each<grad_type>(comms_->edp, ex, expert_grads, reduce_op::sum); !st)
       return st;
-    return reduce_shared(tp_dp_cp, dp_cp);
+    return reduce_shared(ex);
   }
   //! The same with the experts' buffers as host spans (host memory contexts).
-  [[nodiscard]] status reduce_gradients(Comm& tp_dp_cp, Comm& edp,
-                                        std::initializer_list<std::span<grad_type>> expert_grads,
-                                        Comm* dp_cp = nullptr) requires host_accessible_v<space> {
-    if (shared_ && dp_cp == nullptr)
-      return make_error(errc::invalid_argument,
-                        "moe_layer: the shared expert's gradients are reduced over dp-cp; pass "
-                        "that communicator");
-    if (auto st = tp_dp_cp.all_reduce(*exec_, dw_, reduce_op::sum); !st) return st;
-    if (auto st = all_reduce_each<grad_type>(edp, expert_grads, reduce_op::sum); !st) return st;
-    return reduce_shared(tp_dp_cp, dp_cp);
-  }
-
-  //! reduce_gradients over the bundle's groups (tp-dp-cp, edp, dp-cp).
   [[nodiscard]] status reduce_gradients(
-      moe_layer_communicators<Comm>& c,
+      Exec& ex,
       std::initializer_list<std::span<grad_type>> expert_grads) requires host_accessible_v<space> {
-    return reduce_gradients(c.tp_dp_cp, c.edp, expert_grads, &c.dp_cp);
+    if (auto st = comms_->tp_dp_cp.all_reduce(ex, dw_, reduce_op::sum); !st) return st;
+    if (auto st = all_reduce_each<grad_type>(comms_->edp, expert_grads, reduce_op::sum); !st)
+      return st;
+    return reduce_shared(ex);
   }
   //! The same with the experts' own gradient views (`grads()`, as mlp_experts and reference_mlp
   //! expose them): no list from the caller.
-  [[nodiscard]] status reduce_gradients(moe_layer_communicators<Comm>& c) requires
+  [[nodiscard]] status reduce_gradients(Exec& ex) requires
       exposes_expert_grads<Experts, grad_type, space> {
     const auto& g = experts_.grads();
-    return reduce_gradients(c.tp_dp_cp, c.edp, {g.fc1, g.fc2}, &c.dp_cp);
-  }
-  //! end_global_batch over the bundle's tp-dp-cp.
-  [[nodiscard]] status end_global_batch(moe_layer_communicators<Comm>& c) {
-    return end_global_batch(c.tp_dp_cp);
+    return reduce_gradients(ex, {g.fc1, g.fc2});
   }
 
   //! Once per global batch, after the last backward: updates the expert bias from the counts of
   //! the whole stage (bias += rate * sign(mean - count), counts summed over tp-dp-cp) and restarts
   //! the global load-balancing loss's running counts. Collective over tp-dp-cp when the bias is
   //! enabled.
-  [[nodiscard]] status end_global_batch(Comm& tp_dp_cp) {
+  [[nodiscard]] status end_global_batch(Exec& ex) {
     if (o_.router.expert_bias)
-      if (auto st = bias_->update(*exec_, tp_dp_cp); !st) return st;
-    return lb_.reset_running(*exec_);
+      if (auto st = bias_->update(ex, comms_->tp_dp_cp); !st) return st;
+    return lb_.reset_running(ex);
   }
 
  private:
-  moe_layer(exec_type& x, std::unique_ptr<exec_type> own, const moe_layer_options& o, Router r,
-            Policy p, Dispatcher d, Experts e)
+  moe_layer(const moe_layer_options& o, communicators_type& comms, Router r, Policy p, Dispatcher d,
+            Experts e)
       : o_(o),
-        own_exec_(std::move(own)),
-        exec_(&x),
+        comms_(&comms),
         router_(std::move(r)),
         policy_(std::move(p)),
         disp_(std::move(d)),
         experts_(std::move(e)) {}
+
+  dispatch_groups<Comm> dispatch_groups_of() const noexcept {
+    return {comms_->ep, comms_->etp, comms_->tp_ep};
+  }
 
   // Both bind_parameters forms once their router views are checked: the shared expert's
   // parameters (its own check first), then the router's; a refused binding changes nothing.
@@ -779,20 +750,20 @@ class moe_layer {
   }
 
   // The shared expert's gradients: its MLP's over dp-cp, its gate's over tp-dp-cp.
-  status reduce_shared(Comm& tp_dp_cp, Comm* dp_cp) {
+  status reduce_shared(Exec& ex) {
     if (!shared_) return {};
     const auto& sg = shared_->params();
-    if (auto st = all_reduce_each<grad_type>(*dp_cp, *exec_, {sg.grads.fc1, sg.grads.fc2},
+    if (auto st = all_reduce_each<grad_type>(comms_->dp_cp, ex, {sg.grads.fc1, sg.grads.fc2},
                                              reduce_op::sum);
         !st)
       return st;
     if (!o_.shared_expert.gate) return {};
-    return tp_dp_cp.all_reduce(*exec_, sg.gate_grad, reduce_op::sum);
+    return comms_->tp_dp_cp.all_reduce(ex, sg.gate_grad, reduce_op::sum);
   }
 
   // make(): the options checked, the pieces made, the buffers allocated.
-  [[nodiscard]] static expected<moe_layer> made(exec_type& x, std::unique_ptr<exec_type> own,
-                                                const moe_layer_options& o, Policy policy,
+  [[nodiscard]] static expected<moe_layer> made(Exec& x, const moe_layer_options& o,
+                                                communicators_type& comms, Policy policy,
                                                 Experts experts, Router router) {
     using detail::to_decimal;
     if (router.num_experts() != o.router.num_experts || router.topk() != o.router.topk)
@@ -822,8 +793,7 @@ class moe_layer {
                         "moe_layer: loss coefficients must be finite and >= 0 (0 turns one off)");
     if (o.batch < 1)
       return make_error(errc::invalid_argument,
-                        "moe_layer: batch (sequences per micro-batch) "
-                        "must be >= 1");
+                        "moe_layer: batch (sequences per micro-batch) must be >= 1");
     if (o.router.expert_bias &&
         !(std::isfinite(o.expert_bias_update_rate) && o.expert_bias_update_rate >= 0))
       return make_error(errc::invalid_argument,
@@ -832,14 +802,14 @@ class moe_layer {
       return make_error(errc::invalid_size, "moe_layer: shared_expert.ffn must be >= 0");
     auto gating = gating_type::make(o.router.num_experts, o.hidden);
     if (!gating) return unexpected<error>(gating.error());
-    moe_layer l(x, std::move(own), o, std::move(router), std::move(policy), std::move(*disp),
+    moe_layer l(o, comms, std::move(router), std::move(policy), std::move(*disp),
                 std::move(experts));
     l.gating_ = *gating;
-    const int E = o.router.num_experts, H = o.hidden, N = o.max_tokens;
+    const int E = o.router.num_experts, H = o.hidden;
     // The router weight and its gradient, zeroed (the caller loads the weight or binds its own).
-    auto w = exec_buffer<T, exec_type>::make(x, E, H);
+    auto w = buffer<T>::make(x, E, H);
     if (!w) return unexpected<error>(w.error());
-    auto dw = exec_buffer<grad_type, exec_type>::make(x, E, H);
+    auto dw = buffer<grad_type>::make(x, E, H);
     if (!dw) return unexpected<error>(dw.error());
     l.own_w_ = std::move(*w);
     l.own_dw_ = std::move(*dw);
@@ -856,8 +826,7 @@ class moe_layer {
     if (!z) return unexpected<error>(z.error());
     l.z_ = *z;
     if (o.router.expert_bias) {
-      auto b =
-          moefold::expert_bias<exec_t>::make(x, o.router.num_experts, o.expert_bias_update_rate);
+      auto b = moefold::expert_bias<Exec>::make(x, o.router.num_experts, o.expert_bias_update_rate);
       if (!b) return unexpected<error>(b.error());
       l.bias_.emplace(std::move(*b));
     }
@@ -872,76 +841,96 @@ class moe_layer {
       if (!se) return unexpected<error>(se.error());
       l.shared_.emplace(std::move(*se));
     }
-    auto logits = exec_buffer<R, exec_type>::make(x, std::max(N, 1), E);
-    if (!logits) return unexpected<error>(logits.error());
-    l.logits_ = std::move(*logits);
-    auto faults = exec_buffer<int, exec_type>::make(x, 1, 3);
+    auto faults = buffer<int>::make(x, 1, 3);
     if (!faults) return unexpected<error>(faults.error());
     l.faults_ = std::move(*faults);
     if (auto st = x.template fill<int>(l.faults_.view(), kernels::order_fault_none); !st)
       return unexpected<error>(st.error());
-    // Sized once (nothing is allocated per step: pad mode may grow the rows' buffers when a
-    // capacity passes every one before): the dispatcher's scratch, the one-in-flight form's
-    // storage, the experts' rows and workspace for the receive bound, the losses', the gating's
-    // and the shared expert's workspaces.
-    const auto recv = o.max_recv_rows.value_or(detail::worst_recv_rows(l.disp_.shape()));
+    l.recv_rows_ = static_cast<int>(
+        o.max_recv_rows.value_or(static_cast<int>(detail::worst_recv_rows(l.disp_.shape()))));
+    const drop_shape ds{.max_tokens = o.max_tokens,
+                        .topk = o.router.topk,
+                        .num_experts = E,
+                        .group = comms.tp_cp.size()};
+    // A policy that states its rules (moefold's do) is checked now, not at the first forward.
+    if (auto st = check_drop_policy(l.policy_, ds); !st) return unexpected<error>(st.error());
+    l.drop_ws_bytes_ = l.policy_.template workspace_bytes<R>(ds);
+    // Sized once (nothing is allocated per step: pad mode may grow the buffers when a capacity
+    // passes every one before): the one-in-flight form's storage and context.
     const moe_saved_bytes sb = l.saved_sizes();
-    if (auto st =
-            first_error({l.grow_scratch(l.disp_.workspace_sizes(std::nullopt).scratch),
-                         l.ensure(l.own_saved_, sb.saved), l.grow_rows(static_cast<int>(recv)),
-                         l.ensure(l.loss_ws_, l.lb_.workspace_bytes()),
-                         l.ensure(l.gating_ws_, gating_type::workspace_bytes()),
-                         l.ensure(l.shared_scratch_, l.shared_ ? l.shared_->scratch_bytes() : 0)});
-        !st)
+    if (auto st = first_error({l.ensure(x, l.own_saved_, sb.saved), l.prepare(x, l.own_ctx_)}); !st)
       return unexpected<error>(st.error());
-    l.scratch_epoch_ = 0;
     l.own_host_.resize(sb.host);
+    // Later calls may run on other contexts (streams): the buffers are ready before they do.
+    if (auto st = x.synchronize(); !st) return unexpected<error>(st.error());
     return l;
   }
 
   // The saved part of one forward in flight, carved by one function for its size and its views.
   struct saved_views {
-    row_view<T, space> x;                      // [max_tokens, H]
+    row_view<T, space> x;                      // [max_tokens, H], rows 16 bytes apart
     row_view<R, space> logits;                 // [max_tokens, E]
     std::span<std::byte> dispatch, shared_ex;  // the dispatcher's and the shared expert's parts
   };
   saved_views carve_saved(workspace_carver& c, const dispatch_workspace_bytes& d) const {
     const int N = o_.max_tokens, H = o_.hidden, E = o_.router.num_experts;
     saved_views v;
-    v.x = take<T>(c, N, H);
+    v.x = take_rows<T>(c, N, H);
     v.logits = take<R>(c, N, E);
     v.dispatch = c.take<std::byte>(d.saved);
     v.shared_ex = c.take<std::byte>(shared_ ? shared_->saved_bytes() : 0);
     return v;
   }
-  // The backward's scratch for M dispatched rows.
-  struct backward_views {
-    row_view<T, space> dy, dx_rows;              // [M, H]
+  // A context's scratch for M dispatched rows: first what the forward uses before its dispatch
+  // (at the same offsets whatever M is), then the rows. The forward's and the backward's pieces
+  // are disjoint, except the rows [M, H]: y in the forward, dy in the backward.
+  struct scratch_views {
+    row_view<R, space> logits;  // [N, E] until copied to the saved part
+    std::span<std::byte> drop_ws, gating_ws, loss_ws;
+    row_view<T, space> rows, dx_rows;            // [M, H]
     row_view<Pt, space> dp_rows;                 // [M, 1]
     row_view<Pt, space> dprobs;                  // [N, k]
     row_view<R, space> dprobs_r;                 // [N, k]
-    row_view<T, space> dx_experts, dout_seeded;  // [N, H]
+    row_view<T, space> dx_experts, dout_seeded;  // [N, H] contiguous
     row_view<R, space> dlogits;                  // [N, E]
     row_view<R, space> dx_router;                // [N, H]
+    std::span<std::byte> experts_ws, shared_ws;
   };
-  backward_views carve_backward(workspace_carver& c, int M) const {
+  scratch_views carve_scratch(workspace_carver& c, int M) const {
     const int N = o_.max_tokens, H = o_.hidden, E = o_.router.num_experts, K = o_.router.topk;
-    backward_views v;
-    v.dy = take<T>(c, M, H);
-    v.dx_rows = take<T>(c, M, H);
-    v.dp_rows = take<Pt>(c, M, 1);
+    scratch_views v;
+    v.logits = take<R>(c, N, E);
+    v.drop_ws = c.take<std::byte>(drop_ws_bytes_);
+    v.gating_ws = c.take<std::byte>(gating_type::workspace_bytes());
+    v.loss_ws = c.take<std::byte>(lb_.workspace_bytes());
     v.dprobs = take<Pt>(c, N, K);
     v.dprobs_r = take<R>(c, N, K);
+    // Contiguous: the dispatchers' dx and (AllGather's) dout are.
     v.dx_experts = take<T>(c, N, H);
     v.dout_seeded = take<T>(c, N, H);
     v.dlogits = take<R>(c, N, E);
-    v.dx_router = take<R>(c, N, H);
+    v.dx_router = take_rows<R>(c, N, H);
+    v.shared_ws = c.take<std::byte>(shared_ ? shared_->scratch_bytes() : 0);
+    v.rows = take_rows<T>(c, M, H);
+    v.dx_rows = take_rows<T>(c, M, H);
+    v.dp_rows = take<Pt>(c, M, 1);
+    v.experts_ws = c.take<std::byte>(expert_workspace_bytes(experts_, M));
     return v;
   }
   template <class U>
   static row_view<U, space> take(workspace_carver& c, int rows, int width) {
     const std::span<U> s = c.take<U>(detail::uz(rows) * detail::uz(width));
     return row_view<U, space>(s.data(), rows, width);
+  }
+  // Rows of H values start 16 bytes apart (the kernels' 16-byte row accesses, the GEMMs'
+  // alignment): the stride is H padded up.
+  template <class U>
+  static row_view<U, space> take_rows(workspace_carver& c, int rows, int H) {
+    static_assert(16 % sizeof(U) == 0, "a row element must divide 16 bytes");
+    constexpr int per16 = static_cast<int>(16 / sizeof(U));
+    const int stride = (H + per16 - 1) / per16 * per16;
+    const std::span<U> s = c.take<U>(detail::uz(rows) * detail::uz(stride));
+    return row_view<U, space>(s.data(), rows, H, stride);
   }
 
   // The host-span forms' views, their sizes checked.
@@ -956,8 +945,7 @@ class moe_layer {
     if (n < 0 || n > o_.max_tokens || in.x.size() != detail::uz(n) * H ||
         out.size() != detail::uz(n) * H)
       return make_error(errc::shape_mismatch,
-                        "moe_layer: x and out must be [N, H] with N <= "
-                        "max_tokens");
+                        "moe_layer: x and out must be [N, H] with N <= max_tokens");
     if (!in.order_keys.empty() && in.order_keys.size() != detail::uz(n))
       return make_error(errc::shape_mismatch, "moe_layer: order_keys must be [N] or empty");
     return views_of_spans{.x = rows(in.x, n),
@@ -978,16 +966,15 @@ class moe_layer {
             .z = loss_seed};
   }
 
-  // A context's record buffers, allocated at its first forward for max_tokens (or again when a
-  // layer of other options fills it). On failure the context holds none.
-  status prepare(context_type& c) {
+  // A context's buffers, allocated at its first forward for max_tokens and the receive bound
+  // (or again when a layer of other options fills it). On failure the context holds none.
+  status prepare(Exec& x, context_type& c) {
     using key_t = typename context_type::sizes_key;
     const key_t k{.tokens = std::max(o_.max_tokens, 1),
                   .topk = o_.router.topk,
                   .experts = o_.router.num_experts,
                   .loss_bytes = lb_.saved_bytes() + z_.saved_bytes()};
     if (c.key_ == k) return {};
-    exec_type& x = *exec_;
     const auto alloc = [&x](auto& b, long long rows, long long width) -> status {
       using B = std::remove_reference_t<decltype(b)>;
       auto m = B::make(x, rows, width);
@@ -996,12 +983,14 @@ class moe_layer {
       return {};
     };
     const long long N = k.tokens, K = k.topk, E = k.experts;
-    if (auto st =
-            first_error({alloc(c.indices_, N, K), alloc(c.kept_, N, K), alloc(c.counts_, 3, E),
-                         alloc(c.probs_, N, K), alloc(c.keep_, N, K), alloc(c.kept_probs_, N, K),
-                         alloc(c.totals_, 1, 2),
-                         alloc(c.loss_saved_, 1,
-                               static_cast<long long>(std::max<std::size_t>(k.loss_bytes, 1)))});
+    c.scratch_bytes_ = 0;
+    if (auto st = first_error(
+            {alloc(c.indices_, N, K), alloc(c.kept_, N, K), alloc(c.counts_, 3, E),
+             alloc(c.probs_, N, K), alloc(c.keep_, N, K), alloc(c.kept_probs_, N, K),
+             alloc(c.totals_, 1, 2), alloc(c.losses_, 1, moe_loss_count),
+             alloc(c.loss_saved_, 1,
+                   static_cast<long long>(std::max<std::size_t>(k.loss_bytes, 1))),
+             grow_scratch(x, c, recv_rows_), grow_dispatch_scratch(x, c, std::nullopt)});
         !st) {
       c.key_ = {};
       return st;
@@ -1012,16 +1001,29 @@ class moe_layer {
   static std::span<std::byte> loss_saved(context_type& c) noexcept {
     return {c.loss_saved_.view().data(), c.key_.loss_bytes};
   }
+  // The context's scratch for M rows (grown only when a pad-mode forward passes every M before;
+  // nothing of it is live then: the context holds no forward).
+  status grow_scratch(Exec& x, context_type& c, int M) {
+    workspace_carver m;
+    (void)carve_scratch(m, M);
+    if (c.scratch_bytes_ >= m.required() && c.scratch_.view().data() != nullptr) return {};
+    if (auto st = ensure(x, c.scratch_, m.required()); !st) return st;
+    c.scratch_bytes_ = m.required();
+    return {};
+  }
+  // The dispatcher's scratch of the context (it lives until the backward: the handle's).
+  status grow_dispatch_scratch(Exec& x, context_type& c, std::optional<int> pad_rows) {
+    return ensure(x, c.disp_scratch_, disp_.workspace_sizes(pad_rows).scratch);
+  }
 
   // The forward, or (recompute) its side-effect-free repetition into a filled context. With
   // `grow` the storage is the layer's own, grown to what pad mode needs.
-  [[nodiscard]] expected<moe_forward_stats> run_forward(row_view<const T, space> x,
-                                                        row_view<const std::int64_t, space> keys,
-                                                        const moe_layer_groups<Comm>& g,
-                                                        row_view<T, space> out, context_type& ctx,
-                                                        moe_saved_storage storage, bool recompute,
-                                                        bool grow = false) {
-    const int E = o_.router.num_experts, K = o_.router.topk, n = x.rows(), H = o_.hidden;
+  [[nodiscard]] expected<stats_type> run_forward(Exec& ex, row_view<const T, space> x,
+                                                 row_view<const std::int64_t, space> keys,
+                                                 row_view<T, space> out, context_type& ctx,
+                                                 moe_saved_storage storage, bool recompute,
+                                                 bool grow = false) {
+    const int n = x.rows(), H = o_.hidden;
     if (n < 0 || n > o_.max_tokens || x.width() != H || out.rows() != n || out.width() != H)
       return make_error(errc::shape_mismatch,
                         "moe_layer: x and out must be [N, H] with N <= max_tokens = " +
@@ -1030,27 +1032,25 @@ class moe_layer {
       return make_error(errc::shape_mismatch,
                         "moe_layer: the order keys must be contiguous [N, 1] = [" +
                             detail::to_decimal(n) + ", 1] or empty");
-    if (shared_ && g.tp == nullptr)
-      return make_error(errc::invalid_argument,
-                        "moe_layer: the layer has a shared expert; pass the attention TP "
-                        "communicator in moe_layer_groups::tp");
     const bool training = recompute ? ctx.training_ : training_;
-    if (!recompute && training && o_.global_aux_loss_coeff > 0 && g.tp_dp_cp == nullptr)
-      return make_error(errc::invalid_argument,
-                        "moe_layer: the global load-balancing loss needs the tp-dp-cp "
-                        "communicator in moe_layer_groups::tp_dp_cp");
+    if (training && o_.seq_aux_loss_coeff > 0 && n % o_.batch != 0)
+      return make_error(errc::shape_mismatch,
+                        "moe_layer: the per-sequence loss needs N a multiple of batch (N = " +
+                            detail::to_decimal(n) + ", batch = " + detail::to_decimal(o_.batch) +
+                            "; token n = s * batch + b is sequence b)");
     // A failed forward leaves nothing for a backward; a failed recompute leaves the forward's
     // terms for another try.
     ctx.drop_activations();
     if (!recompute) ctx.filled_ = false;
-    if (auto st = prepare(ctx); !st) return unexpected<error>(st.error());
+    if (auto st = prepare(ex, ctx); !st) return unexpected<error>(st.error());
     // The saved part: its own pieces checked before anything runs, then, once the drop policy
     // has given the capacity (pad mode), with the dispatcher's part, before any side effect.
     const auto carve = [&](const dispatch_workspace_bytes& d) -> expected<saved_views> {
       if (grow) {
         workspace_carver m;
         (void)carve_saved(m, d);
-        if (auto st = ensure(own_saved_, m.required()); !st) return unexpected<error>(st.error());
+        if (auto st = ensure(ex, own_saved_, m.required()); !st)
+          return unexpected<error>(st.error());
         if (own_host_.size() < d.host) own_host_.resize(d.host);
         storage = {bytes_of(own_saved_), own_host_};
       }
@@ -1066,225 +1066,176 @@ class moe_layer {
       return v;
     };
     if (auto pre = carve({}); !pre) return unexpected<error>(pre.error());
-    // The logits go to the layer's scratch first and to the saved part once it is sized.
-    const row_view<R, space> logits = logits_.view().first(n);
-    if (auto st = gating_.forward(
-            *exec_, {.x = x, .weight = row_view<const T, space>(w_), .logits = logits},
-            bytes_of(gating_ws_));
+    // What the forward uses before its dispatch, at the front of the context's scratch.
+    scratch_views front;
+    {
+      workspace_carver c(bytes_of(ctx.scratch_));
+      front = carve_scratch(c, 0);
+    }
+    const row_view<R, space> logits = front.logits.first(n);
+    if (auto st =
+            gating_.forward(ex, {.x = x, .weight = row_view<const T, space>(w_), .logits = logits},
+                            front.gating_ws);
         !st)
       return unexpected<error>(st.error());
-    if (auto st = route(n, logits, ctx); !st) return unexpected<error>(st.error());
+    if (auto st = route(ex, n, logits, ctx); !st) return unexpected<error>(st.error());
     // The drop policy decides on the context what each expert keeps: the keep mask, the kept
     // record the dispatcher takes, the counts; the selection stays whole for the router backward.
     const auto counts_v = ctx.counts_.view();
-    if (auto st = ensure(drop_ws_, policy_.template workspace_bytes<R>({.max_tokens = o_.max_tokens,
-                                                                        .topk = K,
-                                                                        .num_experts = E,
-                                                                        .group = g.tp_cp.size()}));
-        !st)
-      return unexpected<error>(st.error());
-    auto decided =
-        policy_.apply(*exec_, g.tp_cp,
-                      drop_input<R, space>{.experts = ctx.indices_.cview().first(n),
-                                           .probs = ctx.probs_.cview().first(n),
-                                           .order_keys = keys},
-                      drop_output<space>{
-                          .keep = ctx.keep_.view().first(n),
-                          .kept = ctx.kept_.view().first(n),
-                          .routed = counts_v.subrows(0, 1),
-                          .dropped = counts_v.subrows(1, 1),
-                          .padded = counts_v.subrows(2, 1),
-                          .totals = ctx.totals_.view(),
-                          // Contexts that read a fault at once refuse the forward instead.
-                          .faults = detail::reads_faults_at_once<exec_type> ? row_view<int, space>{}
-                                                                            : faults_.view()},
-                      bytes_of(drop_ws_));
+    auto decided = policy_.apply(
+        ex, comms_->tp_cp,
+        drop_input<R, space>{.experts = ctx.indices_.cview().first(n),
+                             .probs = ctx.probs_.cview().first(n),
+                             .order_keys = keys},
+        drop_output<space>{
+            .keep = ctx.keep_.view().first(n),
+            .kept = ctx.kept_.view().first(n),
+            .routed = counts_v.subrows(0, 1),
+            .dropped = counts_v.subrows(1, 1),
+            .padded = counts_v.subrows(2, 1),
+            .totals = ctx.totals_.view(),
+            // Contexts that read a fault at once refuse the forward instead.
+            .faults = detail::reads_faults_at_once<Exec> ? row_view<int, space>{} : faults_.view()},
+        front.drop_ws);
     if (!decided) return unexpected<error>(decided.error());
-    // The host copy of the counts for the caller's logging (the stats' drop_counts views), into
-    // the context's host read: copied now, landed by the forward's one wait below.
-    drop_counts counts = counts_into(ctx.report_, E);
-    if (auto st = first_error(
-            {exec_->copy(row_view<const int, space>(counts_v.subrows(0, 1)),
-                         row_view<int>(counts.routed.data(), 1, E)),
-             exec_->copy(row_view<const int, space>(counts_v.subrows(1, 1)),
-                         row_view<int>(counts.dropped.data(), 1, E)),
-             exec_->copy(row_view<const int, space>(counts_v.subrows(2, 1)),
-                         row_view<int>(counts.padded.data(), 1, E)),
-             exec_->copy(ctx.totals_.cview(), row_view<long long>(ctx.totals_host_.data(), 1, 2))});
-        !st)
-      return unexpected<error>(st.error());
-    counts.capacity = decided->capacity;
-    counts.pad_rows = decided->pad_rows;
     const auto kept = row_view<const int, space>(ctx.kept_.view().first(n));
-    if (auto st = write_kept_probs(*exec_, kept, ctx.probs_.cview().first(n),
+    if (auto st = write_kept_probs(ex, kept, ctx.probs_.cview().first(n),
                                    ctx.kept_probs_.view().first(n));
         !st)
       return unexpected<error>(st.error());
-    const dispatch_input<T, space, Pt> din{.num_tokens = n,
-                                           .x = x,
-                                           .expert = kept,
-                                           .probs = ctx.kept_probs_.cview().first(n),
-                                           .capacity = counts.pad_rows};
+    const dispatch_input<T, space, Pt> din{
+        .num_tokens = n,
+        .x = x,
+        .expert = kept,
+        .probs = ctx.kept_probs_.cview().first(n),
+        .capacity = decided->pad_rows,
+        // Dropless: the record is the router's selection, k experts per token (the dispatcher
+        // may take it on trust; device_status checks it).
+        .every_pair_routed = !decided->capacity.has_value()};
     // Pad mode sizes the rows from the capacity, once the capacity is known to be sane.
-    if (counts.pad_rows)
+    if (decided->pad_rows)
       if (auto st = detail::check_dispatch_input(disp_.shape(), din); !st)
         return unexpected<error>(st.error());
-    const dispatch_workspace_bytes need = disp_.workspace_sizes(counts.pad_rows);
+    const dispatch_workspace_bytes need = disp_.workspace_sizes(decided->pad_rows);
     auto sv = carve(need);
     if (!sv) return unexpected<error>(sv.error());
-    if (auto st = grow_scratch(need.scratch); !st) return unexpected<error>(st.error());
+    if (auto st = grow_dispatch_scratch(ex, ctx, decided->pad_rows); !st)
+      return unexpected<error>(st.error());
     // The losses (a training forward adds to the global aux loss's running counts; nothing
     // before this point changes the layer's state, so a refused forward can be retried) and the
     // expert bias's counts of what was dispatched (the post-drop map), once per training
     // forward; a recompute reuses the forward's.
-    moe_forward_stats stats;
     if (!recompute) {
-      if (auto st = forward_losses(ctx, g, logits, training); !st)
+      if (auto st = forward_losses(ex, ctx, logits, front.loss_ws, training); !st)
         return unexpected<error>(st.error());
       if (training && o_.router.expert_bias)
-        if (auto st = bias_->add_counts(*exec_, row_view<const int, space>(counts_v.subrows(0, 1)),
+        if (auto st = bias_->add_counts(ex, row_view<const int, space>(counts_v.subrows(0, 1)),
                                         row_view<const int, space>(counts_v.subrows(1, 1)),
                                         row_view<const int, space>(counts_v.subrows(2, 1)));
             !st)
           return unexpected<error>(st.error());
-    } else {
-      stats = ctx.stats_;
     }
-    // The forward's one wait: the drop counts and the losses' values land on the host.
-    if (auto st = exec_->synchronize(); !st) return unexpected<error>(st.error());
-    counts.dropped_pairs = ctx.totals_host_[0];
-    counts.fully_dropped_tokens = static_cast<int>(ctx.totals_host_[1]);
-    if (!recompute) loss_values(ctx, stats);
-    stats.dropped = counts;
-    if (auto st = exec_->copy(x, sv->x.first(n)); !st) return unexpected<error>(st.error());
-    if (auto st = exec_->copy(row_view<const R, space>(logits), sv->logits.first(n)); !st)
+    if (auto st = ex.copy(x, sv->x.first(n)); !st) return unexpected<error>(st.error());
+    if (auto st = ex.copy(row_view<const R, space>(logits), sv->logits.first(n)); !st)
       return unexpected<error>(st.error());
     const dispatch_workspace dws{
-        .saved = sv->dispatch, .scratch = bytes_of(scratch_ws_), .host = storage.host};
-    auto h = disp_.dispatch(*exec_, din, g.dispatch, dws);
+        .saved = sv->dispatch, .scratch = bytes_of(ctx.disp_scratch_), .host = storage.host};
+    auto h = disp_.dispatch(ex, din, dispatch_groups_of(), dws);
     if (!h) return unexpected<error>(h.error());
     ctx.handle_.emplace(std::move(*h));
     auto& hd = *ctx.handle_;
     const int M = hd.num_rows();
-    if (auto st = grow_rows(M); !st) return fail(ctx, st);  // pad mode may pass the receive bound
-    const row_view<T, space> y = take_rows(M);
-    if (auto st = experts_.forward(*exec_, hd.batch(), y, experts_ws()); !st) return fail(ctx, st);
-    if (auto st = disp_.combine(*exec_, hd, row_view<const T, space>(y), g.dispatch, out); !st)
+    // Pad mode may pass the receive bound: the context's scratch grows (its front is dead).
+    if (auto st = grow_scratch(ex, ctx, M); !st) return fail(ctx, st);
+    workspace_carver c(bytes_of(ctx.scratch_));
+    const scratch_views sc = carve_scratch(c, M);
+    const row_view<T, space> y = sc.rows;
+    if (auto st = experts_.forward(ex, hd.batch(), y, sc.experts_ws); !st) return fail(ctx, st);
+    if (auto st = disp_.combine(ex, hd, row_view<const T, space>(y), dispatch_groups_of(), out);
+        !st)
       return fail(ctx, st);
     if (shared_)  // out += shared(x), the sum Megatron-Core forms in combine_postprocess
-      if (auto st =
-              shared_->forward(*exec_, x, *g.tp, out, sv->shared_ex, bytes_of(shared_scratch_));
-          !st)
+      if (auto st = shared_->forward(ex, x, comms_->tp, out, sv->shared_ex, sc.shared_ws); !st)
         return fail(ctx, st);
     ctx.n_ = n;
-    ctx.scratch_epoch_ = scratch_epoch_;
     ctx.x_ = sv->x;
     ctx.logits_ = sv->logits;
     ctx.shared_saved_ = sv->shared_ex;
-    if (!recompute) {
-      ctx.training_ = training;
-      ctx.stats_ = stats;
-    }
-    ctx.stats_.dropped = counts;
+    ctx.capacity_ = decided->capacity;
+    ctx.pad_rows_ = decided->pad_rows;
+    if (!recompute) ctx.training_ = training;
     ctx.filled_ = true;
-    return stats;
+    return ctx.stats();
   }
 
   // The load-balancing losses and the z-loss of a training forward: what their backward needs
-  // stays in ctx (its own bytes, not the storage: a recompute reuses it); their values are
-  // copied to ctx's host read, which the forward's one wait lands.
-  [[nodiscard]] status forward_losses(context_type& ctx, const moe_layer_groups<Comm>& g,
-                                      row_view<R, space> logits, bool training) {
+  // stays in ctx (its own bytes, not the storage: a recompute reuses it); their values go to the
+  // context's losses [1, 4] (zero where a loss is off and in evaluation).
+  [[nodiscard]] status forward_losses(Exec& ex, context_type& ctx, row_view<R, space> logits,
+                                      std::span<std::byte> ws, bool training) {
     ctx.lb_ = {};
     ctx.z_ = {};
+    const row_view<R, space> values = ctx.losses_.view();
+    if (auto st = ex.template fill<R>(values, R(0)); !st) return st;
     if (!training || (!lb_.any() && !z_.on())) return {};
     const std::size_t lb_bytes = lb_.saved_bytes();
     const std::span<std::byte> saved = loss_saved(ctx);
     const std::span<std::byte> lb_saved = saved.first(lb_bytes), z_saved = saved.subspan(lb_bytes);
     const row_view<const R, space> lv = logits;
-    static_assert(load_balancing_terms + 1 == std::tuple_size_v<decltype(ctx.loss_host_)>);
+    static_assert(load_balancing_terms + 1 == moe_loss_count);
     if (lb_.any()) {
-      auto rec = lb_.forward(*exec_, lv, {}, g.tp_cp, g.tp_dp_cp, lb_saved, bytes_of(loss_ws_));
+      auto rec = lb_.forward(ex, lv, {}, comms_->tp_cp, &comms_->tp_dp_cp, lb_saved, ws);
       if (!rec) return unexpected<error>(rec.error());
       ctx.lb_ = *rec;
-      if (auto st =
-              exec_->copy(lb_.losses(lb_saved),
-                          row_view<R, host_space>(ctx.loss_host_.data(), 1, load_balancing_terms));
+      if (auto st = ex.copy(lb_.losses(lb_saved),
+                            row_view<R, space>(values.data(), 1, load_balancing_terms));
           !st)
         return st;
     }
     if (z_.on()) {
-      auto rec = z_.forward(*exec_, lv, {}, g.tp_cp.size(), z_saved);
+      auto rec = z_.forward(ex, lv, {}, comms_->tp_cp.size(), z_saved);
       if (!rec) return unexpected<error>(rec.error());
       ctx.z_ = *rec;
-      if (auto st = exec_->copy(z_.loss(z_saved), row_view<R, host_space>(
-                                                      &ctx.loss_host_[load_balancing_terms], 1, 1));
+      if (auto st = ex.copy(z_.loss(z_saved),
+                            row_view<R, space>(values.data() + load_balancing_terms, 1, 1));
           !st)
         return st;
     }
     return {};
-  }
-  // The losses' values for the caller's logging, from the host read (after the forward's wait).
-  static void loss_values(const context_type& ctx, moe_forward_stats& stats) {
-    if (ctx.lb_.any()) {
-      stats.aux_loss = static_cast<double>(ctx.loss_host_[0]);
-      stats.seq_aux_loss = static_cast<double>(ctx.loss_host_[1]);
-      stats.global_aux_loss = static_cast<double>(ctx.loss_host_[2]);
-    }
-    if (ctx.z_.on) stats.z_loss = static_cast<double>(ctx.loss_host_[load_balancing_terms]);
   }
 
   // The router's routing of n tokens' logits [n, E] into the context's record (indices and
   // probabilities [n, k]): moefold's router with the expert bias, a user router without. On host
   // memory non-finite logits are refused first (a NaN would select no expert on every context).
-  [[nodiscard]] status route(int n, row_view<R, space> logits, context_type& ctx) {
+  [[nodiscard]] status route(Exec& ex, int n, row_view<R, space> logits, context_type& ctx) {
     if (auto st = detail::check_finite_rows(row_view<const R, space>(logits), "router logits"); !st)
       return st;
     row_view<const float, space> bias{};
     if (o_.router.expert_bias)  // make() refuses the option for a user router
       bias = bias_->bias();
-    return router_.route(*exec_, {.logits = row_view<const R, space>(logits),
-                                  .expert_bias = bias,
-                                  .indices = ctx.indices_.view().first(n),
-                                  .probs = ctx.probs_.view().first(n)});
+    return router_.route(ex, {.logits = row_view<const R, space>(logits),
+                              .expert_bias = bias,
+                              .indices = ctx.indices_.view().first(n),
+                              .probs = ctx.probs_.view().first(n)});
   }
 
-  // A byte buffer in the context's memory of at least `bytes` (reallocated only to grow).
-  static std::span<std::byte> bytes_of(const exec_buffer<std::byte, exec_type>& b) noexcept {
+  // A byte buffer's bytes, and one of at least `bytes` (reallocated only to grow).
+  static std::span<std::byte> bytes_of(const buffer<std::byte>& b) noexcept {
     return {b.view().data(), static_cast<std::size_t>(b.view().width())};
   }
-  status ensure(exec_buffer<std::byte, exec_type>& b, std::size_t bytes) {
+  static status ensure(Exec& x, buffer<std::byte>& b, std::size_t bytes) {
     if (b.view().data() != nullptr && static_cast<std::size_t>(b.view().width()) >= bytes)
       return {};
-    auto m = exec_buffer<std::byte, exec_type>::make(
-        *exec_, 1, static_cast<std::int64_t>(std::max<std::size_t>(bytes, 1)));
+    auto m =
+        buffer<std::byte>::make(x, 1, static_cast<std::int64_t>(std::max<std::size_t>(bytes, 1)));
     if (!m) return unexpected<error>(m.error());
     b = std::move(*m);
     return {};
   }
   template <class U>
-  status zero(row_view<U, space> v) {
-    return v.empty() ? status{} : exec_->template fill<U>(v, U(0));
+  static status zero(Exec& x, row_view<U, space> v) {
+    return v.empty() ? status{} : x.template fill<U>(v, U(0));
   }
-  // The shared scratch only grows; in-flight handles keep views of it, so a growth is counted
-  // and their backward refuses (see reserve).
-  status grow_scratch(std::size_t bytes) {
-    if (scratch_ws_.view().data() != nullptr && bytes_of(scratch_ws_).size() >= bytes) return {};
-    if (auto st = ensure(scratch_ws_, bytes); !st) return st;
-    ++scratch_epoch_;
-    return {};
-  }
-  // The experts' rows [M, H] and their workspace (expert_workspace_bytes), sized at make for the
-  // receive bound and grown only when a pad-mode forward passes it; dead after each experts call.
-  status grow_rows(int rows) {
-    if (auto st = ensure(y_ws_, detail::uz(rows) * detail::uz(o_.hidden) * sizeof(T)); !st)
-      return st;
-    return ensure(experts_ws_, expert_workspace_bytes(experts_, rows));
-  }
-  row_view<T, space> take_rows(int rows) const noexcept {
-    return row_view<T, space>(reinterpret_cast<T*>(y_ws_.view().data()), rows, o_.hidden);
-  }
-  std::span<std::byte> experts_ws() const noexcept { return bytes_of(experts_ws_); }
 
   // A forward that failed after its dispatch leaves no handle behind.
   static unexpected<error> fail(context_type& ctx, const status& st) {
@@ -1299,41 +1250,32 @@ class moe_layer {
   }
 
   moe_layer_options o_;
-  // The context every call runs on and every buffer lives in (the caller's, or a host context
-  // the layer owns, at a fixed address: the buffers are freed through it).
-  std::unique_ptr<exec_type> own_exec_;
-  exec_type* exec_ = nullptr;
+  communicators_type* comms_ = nullptr;  // the bundle given to make (outlives the layer)
   Router router_;
   Policy policy_;
   Dispatcher disp_;
   Experts experts_;
   std::optional<shared_type> shared_;
   // The router weight [E, H] and its gradient: views of the own buffers or of the caller's.
-  exec_buffer<T, exec_type> own_w_;
-  exec_buffer<grad_type, exec_type> own_dw_;
+  buffer<T> own_w_;
+  buffer<grad_type> own_dw_;
   row_view<T, space> w_{};
   row_view<grad_type, space> dw_{};
-  // Scratch, dead after each call (shared by the forwards in flight): the dispatcher's, the
-  // shared expert's.
-  exec_buffer<std::byte, exec_type> scratch_ws_, shared_scratch_;
-  std::uint64_t scratch_epoch_ = 0;  // growths of scratch_ws_
   // The one-in-flight form's context and storage.
   context_type own_ctx_{};
-  exec_buffer<std::byte, exec_type> own_saved_;
+  buffer<std::byte> own_saved_;
   std::vector<std::byte> own_host_;
-  using load_balancing_type = load_balancing_losses<R, exec_t>;
-  using z_loss_type = router_z_loss<R, exec_t>;
+  using load_balancing_type = load_balancing_losses<R, Exec>;
+  using z_loss_type = router_z_loss<R, Exec>;
   load_balancing_type lb_{};
   z_loss_type z_{};
-  std::optional<moefold::expert_bias<exec_t>> bias_{};
-  exec_buffer<std::byte, exec_type> loss_ws_;  // the load-balancing losses' forward workspace
+  std::optional<moefold::expert_bias<Exec>> bias_{};
   bool training_ = true;
-  // Forward scratch: the logits [N, E] (until the saved part is sized), the experts' rows and
-  // workspace, the drop policy's and the gating GEMMs' workspaces; the backward's (see
-  // carve_backward); the drop decisions' sticky fault words [1, 3].
-  exec_buffer<R, exec_type> logits_;
-  exec_buffer<std::byte, exec_type> y_ws_, experts_ws_, drop_ws_, gating_ws_, bwd_ws_;
-  exec_buffer<int, exec_type> faults_;
+  // The receive bound (the experts' rows a dispatch may give outside pad mode), the drop
+  // policy's workspace for max_tokens, the drop decisions' sticky fault words [1, 3].
+  int recv_rows_ = 0;
+  std::size_t drop_ws_bytes_ = 0;
+  buffer<int> faults_;
   gating_type gating_{};
 };
 

@@ -1,9 +1,10 @@
 //! @file moe_layer_communicators.hpp
 //! @brief The communicators of one MoE layer on this rank, by name: built once from a world
 //! communicator and the fold's Megatron-Core groups (or filled by a trainer with its own, e.g.
-//! NCCL communicators it created), then handed whole to the layer's make, forward, backward,
-//! reduce_gradients and end_global_batch. The layer takes EP, ETP, TP and this rank's TP
-//! position from it, so they are not repeated in its options.
+//! NCCL communicators it created), then handed once to the layer's make, which holds it by
+//! reference (it must outlive the layer, neither moved nor freed) and runs every collective of
+//! every call on its groups. The layer takes EP, ETP, TP and this rank's TP position from it, so
+//! they are not repeated in its options.
 #pragma once
 
 #include <utility>
@@ -17,18 +18,8 @@
 namespace moefold {
 inline namespace v0_1 {
 
-//! This rank's communicators for one layer. `tp` is needed with a shared expert, `tp_dp_cp` with
-//! the global load-balancing loss.
-template <class Comm>
-struct moe_layer_groups {
-  Comm& tp_cp;                       //!< router statistics and full-sequence dropping
-  dispatch_groups<Comm> dispatch{};  //!< ep, etp, tp-ep
-  Comm* tp = nullptr;                //!< attention TP (the shared expert)
-  Comm* tp_dp_cp = nullptr;          //!< the pipeline stage's data ranks (the global aux loss)
-};
-
-//! Every group a layer uses, owned, by name (what each is for: docs/dispatch.md, "The MoE
-//! layer"). Rank order inside each is the group's position order of megatron_groups.
+//! Every group a layer uses, owned, by name (what each is for: docs/layer.md). Rank order inside
+//! each is the group's position order of megatron_groups.
 template <communicator Comm>
 struct moe_layer_communicators {
   Comm tp;        //!< attention TP: the shared expert's sequence-parallel MLP
@@ -39,11 +30,6 @@ struct moe_layer_communicators {
   Comm etp;       //!< expert tensor parallel: the expert shards' partial sums
   Comm tp_ep;     //!< the AllGather dispatcher's group, the count exchange
   Comm edp;       //!< expert data parallel: the expert gradients
-
-  //! The views forward and backward take (valid while this bundle is neither moved nor freed).
-  [[nodiscard]] moe_layer_groups<Comm> groups() noexcept {
-    return {.tp_cp = tp_cp, .dispatch = {ep, etp, tp_ep}, .tp = &tp, .tp_dp_cp = &tp_dp_cp};
-  }
 };
 
 //! Splits `world` into a layer's eight groups (megatron_groups of the fold; every rank calls it

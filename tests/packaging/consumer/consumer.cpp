@@ -39,11 +39,10 @@ std::vector<double> run_layer(int world_size, std::string& failure) {
   std::mutex m;
   const auto st = run_thread_world(world_size, [&](thread_communicator& world) -> status {
     const int r = world.rank();
-    auto get = [&](group_kind k) { return group_communicator(world, groups, {k}); };
-    auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep),
-         tp_cp = get(group_kind::tp_cp);
-    for (auto* c : {&ep, &etp, &tp_ep, &tp_cp})
-      if (!*c) return unexpected<error>(c->error());
+    // The layer's groups, split from the world by name; the layer holds them by reference, so
+    // they live (unmoved) until this rank's run ends.
+    auto comms = make_layer_communicators(world, groups);
+    if (!comms) return unexpected<error>(comms.error());
     auto mlp = reference_mlp<double>::make(
         {.hidden = H, .ffn = F, .num_local_experts = L, .etp = 1, .etp_rank = 0});
     if (!mlp) return unexpected<error>(mlp.error());
@@ -59,23 +58,24 @@ std::vector<double> run_layer(int world_size, std::string& failure) {
       if (auto s = mlp->load_full(l, w1, w2); !s) return s;
     }
     using layer_t =
-        moe_layer<double, thread_communicator, dropless,
+        moe_layer<double, host_exec, thread_communicator, dropless,
                   all_to_all_dispatcher<double, thread_communicator>, reference_mlp<double>>;
-    auto layer = layer_t::make({.hidden = H,
+    host_exec exec;  // every layer call runs on it; the layer keeps none
+    auto layer = layer_t::make(exec,
+                               {.hidden = H,
                                 .max_tokens = per_rank,
                                 .ep = world_size,
                                 .etp = 1,
                                 .router = {.num_experts = E, .topk = topk}},
-                               dropless{}, std::move(*mlp));
+                               *comms, dropless{}, std::move(*mlp));
     if (!layer) return unexpected<error>(layer.error());
     for (int i = 0; i < E * H; ++i)
       layer->router_weight().flat()[static_cast<std::size_t>(i)] = weight(2, 0, i);
-    const moe_layer_groups<thread_communicator> g{.tp_cp = *tp_cp, .dispatch = {*ep, *etp, *tp_ep}};
     std::vector<double> x(static_cast<std::size_t>(per_rank * H)), y(x.size());
     for (int t = 0; t < per_rank; ++t)
       for (int h = 0; h < H; ++h)
         x[static_cast<std::size_t>(t * H + h)] = input(r * per_rank + t, h);
-    auto stats = layer->forward(per_rank, x, {}, g, y);
+    auto stats = layer->forward(exec, per_rank, x, {}, y);
     if (!stats) return unexpected<error>(stats.error());
     const std::lock_guard lock(m);
     std::memcpy(&out[static_cast<std::size_t>(r * per_rank * H)], y.data(),

@@ -68,6 +68,15 @@ class cuda_copy_exec {
   void deallocate_bytes(void* p, std::size_t) const noexcept {
     if (p) static_cast<void>(cudaFreeAsync(p, stream_));
   }
+  //! Frees on the stream the memory was allocated on (which must outlive the allocation; the
+  //! work of other streams that used it must be finished, or ordered before, by then).
+  struct stream_deallocator {
+    cudaStream_t stream = nullptr;
+    void operator()(void* p, std::size_t) const noexcept {
+      if (p) static_cast<void>(cudaFreeAsync(p, stream));
+    }
+  };
+  [[nodiscard]] stream_deallocator deallocator() const noexcept { return {stream_}; }
   [[nodiscard]] status synchronize() const {
     return detail::cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
   }

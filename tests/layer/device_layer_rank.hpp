@@ -1,15 +1,17 @@
-// One rank of simt_moe_layer on any execution context and communicator (cpu_exec over the
-// device-space thread world in layer-simt-moe-layer; cuda_exec over the loopback world in
-// simt-gpu): the weights of layer_harness.hpp uploaded to the context, forward, backward (seed 1),
-// gradients reduced, everything read back and widened; the drop counts checked against the
-// records and the host waits counted (one device-to-host copy per forward, none in pad mode or
-// the backward).
+// One rank of moe_layer on any execution context and communicator (cpu_exec over the
+// device-space thread world in layer-moe-layer-cpu-exec; stream_order_exec there too; cuda_exec
+// over the loopback world in the GPU check): the weights of layer_harness.hpp uploaded to the
+// context, forward, backward (seed 1), gradients reduced, everything read back and widened; the
+// drop counts checked against the records and the host waits counted (one device-to-host copy
+// per forward where the collectives need the counts, none in pad mode, none with EP = ETP = 1
+// dropless, none in the backward).
 #pragma once
 
 #include <moefold/dispatch/all_to_all_dispatcher.hpp>
+#include <moefold/dispatch/drop_policy_variant.hpp>
 #include <moefold/exec/exec_buffer.hpp>
 #include <moefold/experts/mlp_experts.hpp>
-#include <moefold/layer/simt_moe_layer.hpp>
+#include <moefold/layer/moe_layer.hpp>
 
 #include <algorithm>
 #include <cstdint>
@@ -41,9 +43,17 @@ inline moe_layer_options options_of(const problem& p, const dynamic_folded_mesh&
           .z_loss_coeff = z_coeff};
 }
 
-// Whether a simt_moe_layer policy's decision is the tp-cp group's (full sequence).
-inline bool group_drop(const simt_drop_policy& d) {
-  return std::holds_alternative<simt_full_sequence>(d);
+// Whether a policy's decision is the tp-cp group's (full sequence), and its capacity rule
+// (capacity factor, pad mode, what decides) as sub_sequence holds it.
+inline bool group_drop(const drop_policy_variant& d) {
+  return std::holds_alternative<full_sequence>(d.policy);
+}
+inline sub_sequence capacity_rule(const drop_policy_variant& d) {
+  if (const auto* s = std::get_if<sub_sequence>(&d.policy)) return *s;
+  if (const auto* f = std::get_if<full_sequence>(&d.policy))
+    return {
+        .capacity_factor = f->capacity_factor, .pad_to_capacity = f->pad_to_capacity, .by = f->by};
+  return {};
 }
 
 // Rank r's tokens' true sequence keys (sequence_order_keys of its attention tp and cp
@@ -67,17 +77,16 @@ inline std::vector<std::int64_t> sequence_keys(const problem& p, const dynamic_f
 // from res.capacity and res.rows_per_expert.
 template <class Exec, class Layer, class Stats>
 status check_drop_counts(Exec& x, const Layer& layer, const Stats& stats, const problem& p,
-                         const simt_drop_policy& policy, layer_result& res) {
+                         const drop_policy_variant& policy, layer_result& res) {
   const sub_sequence drop = capacity_rule(policy);
   const bool group = group_drop(policy);
   const int E = p.experts;
   if (!stats.capacity || stats.drop_totals.empty())
     return make_error(errc::invalid_argument, "a forward with a drop policy reports no capacity");
   const int C = *stats.capacity;
-  const auto c = layer.last_drop_counts();
-  TRY_ASSIGN(routed, (download<int>(x, c.routed)));
-  TRY_ASSIGN(dropped, (download<int>(x, c.dropped)));
-  TRY_ASSIGN(padded, (download<int>(x, c.padded)));
+  TRY_ASSIGN(routed, (download<int>(x, stats.counts.subrows(0, 1))));
+  TRY_ASSIGN(dropped, (download<int>(x, stats.counts.subrows(1, 1))));
+  TRY_ASSIGN(padded, (download<int>(x, stats.counts.subrows(2, 1))));
   TRY_ASSIGN(totals, (download<long long>(x, stats.drop_totals)));
   std::vector<int> want_routed(static_cast<std::size_t>(E)), kept(static_cast<std::size_t>(E));
   for (int id : res.indices) ++want_routed[static_cast<std::size_t>(id)];
@@ -110,10 +119,10 @@ status check_drop_counts(Exec& x, const Layer& layer, const Stats& stats, const 
     return make_error(errc::invalid_argument, "the drop totals do not match the counts");
   // Pad mode's static shape: C rows per expert from every rank of the tp-ep group.
   const auto fold = make_folded(p.fold).value();
-  if (drop.pad_to_capacity && layer.last_dispatch()->num_rows() != C * E * fold.etp())
-    return make_error(errc::invalid_argument,
-                      "pad mode: the experts got " +
-                          std::to_string(layer.last_dispatch()->num_rows()) + " rows, not C E etp");
+  if (drop.pad_to_capacity && layer.last_dispatch().num_rows() != C * E * fold.etp())
+    return make_error(errc::invalid_argument, "pad mode: the experts got " +
+                                                  std::to_string(layer.last_dispatch().num_rows()) +
+                                                  " rows, not C E etp");
   res.dropped = dropped_pairs;
   res.capacity = C;
   res.rows_per_expert.resize(static_cast<std::size_t>(E));
@@ -152,8 +161,8 @@ expected<simt_rank_params<T, Exec>> upload_rank_params(const problem& p,
   return simt_rank_params<T, Exec>{std::move(*d_fc1), std::move(*d_fc2), std::move(*d_w),
                                    std::move(*d_g1),  std::move(*d_g2),  std::move(*d_dw)};
 }
-// The experts simt_moe_layer runs in these tests: mlp_experts on the context with its default
-// GEMM backends (simt_gemm on cpu_exec and cuda_exec), fp32 probabilities.
+// The experts the layer runs on a context in these tests: mlp_experts on the context with its
+// default GEMM backends (simt_gemm on cpu_exec and cuda_exec), fp32 probabilities.
 template <class T, class Exec>
 using simt_rank_experts = mlp_experts<T, Exec, default_gemms<Exec>, main_grad_t<T>, float>;
 
@@ -171,14 +180,14 @@ expected<simt_rank_experts<T, Exec>> rank_mlp(const problem& p, const dynamic_fo
                                           {par.g1.view(), par.g2.view()});
 }
 
-// What a rank of either layer starts from: its groups (split from the world), its parameters and
+// What a rank starts from: its communicators (split from the world), its parameters and
 // experts on the context (the weights of layer_harness.hpp), its tokens on the host and uploaded,
 // the output buffers, and (`keys`) its tokens' true sequence keys for full-sequence dropping.
 template <class T, class Exec, class Comm>
 struct layer_rank_setup {
   using space = typename Exec::memory_space;
   dynamic_folded_mesh fold;
-  Comm ep, etp, tp_ep, tp_cp, stage, edp;
+  moe_layer_communicators<Comm> comms;  // the layer holds it by reference: not moved after make
   simt_rank_params<T, Exec> par;
   std::optional<simt_rank_experts<T, Exec>> mlp;        // moved into the layer
   std::vector<T> xs, douts;                             // [N, H] on the host
@@ -188,7 +197,6 @@ struct layer_rank_setup {
   [[nodiscard]] row_view<const std::int64_t, space> key_view() const {
     return keys ? keys->cview() : row_view<const std::int64_t, space>{};
   }
-  [[nodiscard]] moe_layer_groups<Comm> groups() { return {tp_cp, {ep, etp, tp_ep}}; }
 };
 
 template <class T, class Exec, class Comm>
@@ -197,13 +205,7 @@ expected<layer_rank_setup<T, Exec, Comm>> make_layer_rank_setup(const problem& p
   const auto fold = make_folded(p.fold).value();
   const megatron_groups groups(fold);
   const int r = world.rank(), H = p.hidden;
-  auto get = [&](group_kind k) { return group_communicator(world, groups, {k}); };
-  TRY_ASSIGN(ep, get(group_kind::ep));
-  TRY_ASSIGN(etp, get(group_kind::etp));
-  TRY_ASSIGN(tp_ep, get(group_kind::tp_ep));
-  TRY_ASSIGN(tp_cp, get(group_kind::tp_cp));
-  TRY_ASSIGN(stage, get(group_kind::tp_dp_cp));
-  TRY_ASSIGN(edp, get(group_kind::edp));
+  TRY_ASSIGN(comms, make_layer_communicators(world, groups));
   TRY_ASSIGN(par, (upload_rank_params<T>(p, fold, r, x)));
   TRY_ASSIGN(mlp, (rank_mlp(p, fold, r, x, *par)));
   std::vector<T> xs, douts;
@@ -222,12 +224,7 @@ expected<layer_rank_setup<T, Exec, Comm>> make_layer_rank_setup(const problem& p
   TRY_ASSIGN(d_out, (exec_buffer<T, Exec>::make(x, p.tokens, H)));
   TRY_ASSIGN(d_dx, (exec_buffer<T, Exec>::make(x, p.tokens, H)));
   return layer_rank_setup<T, Exec, Comm>{.fold = fold,
-                                         .ep = std::move(*ep),
-                                         .etp = std::move(*etp),
-                                         .tp_ep = std::move(*tp_ep),
-                                         .tp_cp = std::move(*tp_cp),
-                                         .stage = std::move(*stage),
-                                         .edp = std::move(*edp),
+                                         .comms = std::move(*comms),
                                          .par = std::move(*par),
                                          .mlp = std::move(*mlp),
                                          .xs = std::move(xs),
@@ -257,14 +254,21 @@ status read_back(Exec& x, const layer_rank_setup<T, Exec, Comm>& in, layer_resul
   return {};
 }
 
-// One rank's simt_moe_layer: the weights of layer_harness.hpp uploaded to the context, forward,
-// backward (seed 1), gradients reduced; everything read back and widened. `keys`: full-sequence
-// dropping in true sequence order (sequence_keys), not the group's rank order.
+// The layer these tests run on a context: the drop policies through one type, the dispatcher
+// with fp32 probabilities, mlp_experts on the context.
 template <class T, template <class, class, class, class> class Disp, class Exec, class Comm>
-expected<layer_result> run_simt_rank(const problem& p, Comm& world, Exec& x,
-                                     std::optional<simt_drop_policy> drop, bool keys = false) {
-  using layer_t =
-      simt_moe_layer<T, Exec, Comm, Disp<T, Comm, Exec, float>, simt_rank_experts<T, Exec>>;
+using device_layer_t = moe_layer<T, Exec, Comm, drop_policy_variant, Disp<T, Comm, Exec, float>,
+                                 simt_rank_experts<T, Exec>>;
+
+// One rank's layer on the context: the weights of layer_harness.hpp uploaded (the router weight
+// bound from the caller's buffers), forward, backward (seed 1), gradients reduced; everything
+// read back and widened. `drop`: none (dropless), or a policy; `keys`: full-sequence dropping in
+// true sequence order (sequence_keys), not the group's rank order.
+template <class T, template <class, class, class, class> class Disp, class Exec, class Comm>
+expected<layer_result> run_device_rank(const problem& p, Comm& world, Exec& x,
+                                       const std::optional<drop_policy_variant>& drop,
+                                       bool keys = false) {
+  using layer_t = device_layer_t<T, Disp, Exec, Comm>;
   const auto copies = [&x] {
     if constexpr (counts_copies<Exec>)
       return x.copies();
@@ -275,56 +279,45 @@ expected<layer_result> run_simt_rank(const problem& p, Comm& world, Exec& x,
   const auto& fold = in->fold;
   const auto& xs = in->xs;
   const int H = p.hidden;
-  TRY_ASSIGN(layer, (layer_t::make(x, options_of(p, fold), in->par.w.cview(), in->par.dw.view(),
-                                   std::move(*in->mlp), drop)));
-  const moe_layer_groups<Comm> g = in->groups();
+  TRY_ASSIGN(layer, (layer_t::make(x, options_of(p, fold), in->comms, drop.value_or(dropless{}),
+                                   std::move(*in->mlp))));
+  TRY(layer->bind_parameters(
+      {.router_weight = in->par.w.view(), .router_grad = in->par.dw.view()}));
   const copy_counts before = copies();
-  TRY_ASSIGN(stats, layer->forward(in->x.cview(), g, in->out.view(), in->key_view()));
+  TRY_ASSIGN(stats, layer->forward(x, in->x.cview(), in->key_view(), in->out.view()));
   const copy_counts after_forward = copies();
   // Dropless with EP = ETP = 1 on a context that runs kernels (either dispatcher): the batch is
   // the N k rows and its row ranges stay on the context (no count comes back).
   const bool unsharded = runs_kernels_v<Exec> && !drop && fold.ep() * fold.etp() == 1;
-  if (const auto* hd = layer->last_dispatch();
-      unsharded && (!hd->batch_counts().empty() || hd->batch_offsets().empty() ||
-                    hd->num_rows() != p.tokens * p.topk))
+  if (const auto& hd = layer->last_dispatch();
+      unsharded && (!hd.batch_counts().empty() || hd.batch_offsets().empty() ||
+                    hd.num_rows() != p.tokens * p.topk))
     return make_error(errc::invalid_argument,
                       "EP = ETP = 1 dropless: the batch is not N k rows with its row ranges on "
                       "the context");
   // Nothing was left to the device: the keys were good, the record whole (a wait of its own,
   // outside the forward's and the backward's counts).
-  TRY(layer->device_status());
+  TRY(layer->device_status(x));
   layer_result res;
-  TRY_ASSIGN(aux, (download<float>(x, stats->aux_loss)));
-  TRY_ASSIGN(z, (download<float>(x, stats->z_loss)));
-  if (aux->size() != 1 || z->size() != 1)
+  // The stats are values on the context: one copy when the test reads them.
+  TRY_ASSIGN(values, read_forward_stats(x, *stats));
+  TRY_ASSIGN(losses, (download<float>(x, stats->losses)));
+  if (losses->size() != moe_loss_count)
     return make_error(errc::invalid_argument, "the training forward gave no loss values");
-  res.aux = (*aux)[0];
-  res.z = (*z)[0];
-  TRY_ASSIGN(idx, (download<int>(x, layer->last_indices())));
+  res.aux = values->aux_loss;
+  res.z = values->z_loss;
+  TRY_ASSIGN(idx, (download<int>(x, layer->last_context().indices())));
   res.indices = *idx;
-  TRY_ASSIGN(kept, (download<int>(x, layer->last_kept())));
+  TRY_ASSIGN(kept, (download<int>(x, layer->last_kept_experts())));
   res.kept = *kept;
-  if (drop) {
+  if (drop && !std::holds_alternative<dropless>(drop->policy)) {
     TRY(check_drop_counts(x, *layer, *stats, p, *drop, res));
-  } else if (res.kept != res.indices || stats->capacity || !stats->drop_totals.empty()) {
+  } else if (res.kept != res.indices || stats->capacity || values->dropped.dropped_pairs != 0) {
     return make_error(errc::invalid_argument, "the dropless layer reports a drop");
   }
-  const copy_counts before_backward = copies();
-  TRY(layer->backward(in->dout.cview(), 1.0f, g, in->dx.view()));
-  // The host waits: one copy of the counts per dropless forward (the collectives need them),
-  // none in pad mode, none in the backward; none at all in the unsharded case above.
-  const long long forward_waits = after_forward.to_host - before.to_host,
-                  backward_waits = copies().to_host - before_backward.to_host;
-  const long long want_forward =
-      (drop && capacity_rule(*drop).pad_to_capacity) || unsharded ? 0 : 1;
-  if (forward_waits != want_forward || backward_waits != 0)
-    return make_error(errc::invalid_argument, "device-to-host copies: forward " +
-                                                  std::to_string(forward_waits) + " (want " +
-                                                  std::to_string(want_forward) + "), backward " +
-                                                  std::to_string(backward_waits) + " (want 0)");
-  // The layer's row buffers start every row 16 bytes apart (H padded up), and its kept input is
-  // the forward's, bit for bit.
-  const auto kept_x = layer->last_input();
+  // The saved input starts every row 16 bytes apart (H padded up) and is the forward's, bit for
+  // bit (read before the backward, which releases it).
+  const auto kept_x = layer->last_context().input();
   if (kept_x.rows() != p.tokens || kept_x.width() != H ||
       (kept_x.stride() * static_cast<std::int64_t>(sizeof(T))) % 16 != 0 ||
       kept_x.stride() >= kept_x.width() + static_cast<std::int64_t>(16 / sizeof(T)))
@@ -336,9 +329,96 @@ expected<layer_result> run_simt_rank(const problem& p, Comm& world, Exec& x,
   if (!std::equal(kept_host->begin(), kept_host->end(), xs.begin(), xs.end(),
                   [](T a, T b) { return std::memcmp(&a, &b, sizeof(T)) == 0; }))
     return make_error(errc::invalid_argument, "the kept input differs from the forward's");
-  TRY(layer->reduce_gradients(in->stage, in->edp,
-                              in->par.dw.view()));  // the experts' own gradient views
+  const copy_counts before_backward = copies();
+  TRY(layer->backward(x, in->dout.cview(), 1.0f, in->dx.view()));
+  // The host waits: one copy of the counts per forward where the collectives need them, none in
+  // pad mode, none in the backward; none at all in the unsharded case above.
+  const long long forward_waits = after_forward.to_host - before.to_host,
+                  backward_waits = copies().to_host - before_backward.to_host;
+  const long long want_forward =
+      (drop && capacity_rule(*drop).pad_to_capacity) || unsharded ? 0 : 1;
+  if (forward_waits != want_forward || backward_waits != 0)
+    return make_error(errc::invalid_argument, "device-to-host copies: forward " +
+                                                  std::to_string(forward_waits) + " (want " +
+                                                  std::to_string(want_forward) + "), backward " +
+                                                  std::to_string(backward_waits) + " (want 0)");
+  TRY(layer->reduce_gradients(x));  // the experts' own gradient views
   TRY(read_back(x, *in, res));
+  return res;
+}
+
+// Two micro-batches through one rank's layer: one after the other on `x0`, or in flight on two
+// execution contexts used alternately (the first forward on x0, the second on x1, then the
+// second's backward on x1 and the first's on x0; two streams on a GPU), each forward with its own
+// forward context and storage. The outputs, input gradients and accumulated gradients of a run.
+struct two_batches {
+  std::vector<double> out[2], dx[2], dw_router, dw1, dw2;
+};
+template <class T, template <class, class, class, class> class Disp, class Exec, class Comm>
+expected<two_batches> run_two_batches(const problem& p, Comm& world, Exec& x0, Exec& x1,
+                                      const std::optional<drop_policy_variant>& drop,
+                                      bool in_flight) {
+  using layer_t = device_layer_t<T, Disp, Exec, Comm>;
+  const int H = p.hidden;
+  TRY_ASSIGN(in, (make_layer_rank_setup<T>(p, world, x0, false)));
+  TRY_ASSIGN(layer, (layer_t::make(x0, options_of(p, in->fold), in->comms,
+                                   drop.value_or(dropless{}), std::move(*in->mlp))));
+  TRY(layer->bind_parameters(
+      {.router_weight = in->par.w.view(), .router_grad = in->par.dw.view()}));
+  // The second micro-batch: the first's tokens reversed (other routing, the same sizes).
+  std::vector<T> xs2(in->xs.rbegin(), in->xs.rend()), d2(in->douts.rbegin(), in->douts.rend());
+  TRY_ASSIGN(x2, upload(x0, xs2, p.tokens, H));
+  TRY_ASSIGN(dout2, upload(x0, d2, p.tokens, H));
+  TRY_ASSIGN(out2, (exec_buffer<T, Exec>::make(x0, p.tokens, H)));
+  TRY_ASSIGN(dx2, (exec_buffer<T, Exec>::make(x0, p.tokens, H)));
+  TRY(x0.synchronize());  // the uploads are there before x1 reads them
+  const row_view<const T, typename Exec::memory_space> xin[2] = {in->x.cview(), x2->cview()},
+                                                       dout[2] = {in->dout.cview(), dout2->cview()};
+  const row_view<T, typename Exec::memory_space> out[2] = {in->out.view(), out2->view()},
+                                                 dx[2] = {in->dx.view(), dx2->view()};
+  Exec* ex[2] = {&x0, in_flight ? &x1 : &x0};
+  if (in_flight) {
+    std::optional<int> cap;
+    if (drop && capacity_rule(*drop).pad_to_capacity)
+      cap = expert_capacity(static_cast<long long>(group_drop(*drop) ? in->comms.tp_cp.size() : 1) *
+                                p.tokens * p.topk,
+                            p.experts, capacity_rule(*drop).capacity_factor)
+                .value();
+    const moe_saved_bytes sb = layer->saved_sizes(cap);
+    std::vector<exec_buffer<std::byte, Exec>> saved;
+    std::vector<std::vector<std::byte>> host(2, std::vector<std::byte>(sb.host));
+    for (int m = 0; m < 2; ++m) {
+      TRY_ASSIGN(b, (exec_buffer<std::byte, Exec>::make(
+                        *ex[m], 1, static_cast<std::int64_t>(std::max<std::size_t>(sb.saved, 1)))));
+      saved.push_back(std::move(*b));
+    }
+    typename layer_t::context_type c[2];
+    for (int m = 0; m < 2; ++m)
+      TRY(layer->forward(*ex[m], xin[m], {}, out[m], c[m],
+                         {{saved[m].view().data(), sb.saved}, host[m]}));
+    // The backwards accumulate into the same gradient buffers: the second's (on x1) is finished
+    // before the first's (on x0) starts, as a trainer orders its streams with an event.
+    TRY(layer->backward(*ex[1], c[1], dout[1], {}, dx[1]));
+    TRY(ex[1]->synchronize());
+    TRY(layer->backward(*ex[0], c[0], dout[0], {}, dx[0]));
+  } else {
+    for (int m = 0; m < 2; ++m) {
+      TRY(layer->forward(x0, xin[m], {}, out[m]));
+      TRY(layer->backward(x0, dout[m], 1.0f, dx[m]));
+    }
+  }
+  two_batches res;
+  for (int m = 0; m < 2; ++m) {
+    TRY_ASSIGN(o, (download<T>(x0, row_view<const T, typename Exec::memory_space>(out[m]))));
+    TRY_ASSIGN(d, (download<T>(x0, row_view<const T, typename Exec::memory_space>(dx[m]))));
+    res.out[m] = widen_all(*o);
+    res.dx[m] = widen_all(*d);
+  }
+  layer_result g;
+  TRY(read_back(x0, *in, g));
+  res.dw_router = g.dw_router;
+  res.dw1 = g.dw1;
+  res.dw2 = g.dw2;
   return res;
 }
 

@@ -1,11 +1,13 @@
-// The MoE layer on the CPU executor from kernels (simt_moe_layer: topk_router, the router losses
-// as device values, a dispatcher on cpu_exec, mlp_experts) over the device-space thread
-// world, EP 4 x ETP 2 and other folds, both dispatchers: every rank's output, input gradient,
-// reduced router and expert gradients and losses against the host layer (moe_layer on host_exec
-// with reference_mlp experts holding the same weights: the same routing, values within the two
-// layers' fp32 error) and against the single-rank fp64 reference of layer_harness.hpp. Below
-// them, moe_layer itself on cpu_exec (the one layer's cases; see there).
-#include <moefold/comm/group_communicator.hpp>
+// The MoE layer on the CPU executor (the GPU code path in CI: kernels on fibers over poisoned
+// memory, the device-space thread world): the router, the losses as device values, the drop
+// policies, a dispatcher on cpu_exec, mlp_experts (simt_gemm) and the combine, over EP 4 x ETP 2
+// and other folds, both dispatchers: every rank's output, input gradient, reduced router and
+// expert gradients and losses against the same layer on host_exec (reference_mlp experts
+// holding the same weights: the same routing and drop decisions, values within the two runs'
+// fp32 error) and against the single-rank fp64 reference of layer_harness.hpp. Also: the losses
+// with state and the expert bias over a global batch, the shared expert, forwards in flight on
+// two contexts, the stream order of one GPU stream, a user router and user experts. Under
+// ThreadSanitizer (MOEFOLD_TSAN_REDUCED) on 4-rank worlds with fewer runs.
 #include <moefold/comm/thread_world.hpp>
 #include <moefold/dispatch/all_gather_dispatcher.hpp>
 #include <moefold/dispatch/all_to_all_dispatcher.hpp>
@@ -15,7 +17,6 @@
 #include <moefold/experts/mlp_experts.hpp>
 #include <moefold/experts/reference_mlp.hpp>
 #include <moefold/layer/moe_layer.hpp>
-#include <moefold/layer/simt_moe_layer.hpp>
 
 #include <doctest/doctest.h>
 
@@ -31,9 +32,9 @@
 
 #include "../dispatch/device_round_trip.hpp"
 #include "../support/stream_order_exec.hpp"
+#include "device_layer_rank.hpp"
 #include "fixed_router.hpp"
 #include "layer_harness.hpp"
-#include "simt_layer_rank.hpp"
 
 using namespace moefold;
 using namespace moefold::test;
@@ -62,30 +63,31 @@ std::vector<Out> on_cpu_world(int W, std::uint64_t seed, const Rank& rank) {
 }
 
 template <class T, template <class, class, class, class> class Disp>
-using simt_layer_t = simt_moe_layer<T, cpu_exec, dev_comm, Disp<T, dev_comm, cpu_exec, float>,
-                                    simt_rank_experts<T, cpu_exec>>;
+using layer_on_cpu = device_layer_t<T, Disp, cpu_exec, dev_comm>;
 
+// Every rank's run_device_rank on cpu_exec.
 template <class T, template <class, class, class, class> class Disp>
-std::vector<layer_result> run_simt(const problem& p, std::optional<simt_drop_policy> drop = {},
-                                   bool keys = false) {
+std::vector<layer_result> run_device(const problem& p,
+                                     const std::optional<drop_policy_variant>& drop = {},
+                                     bool keys = false) {
   return on_cpu_world<layer_result>(p.fold.world, 7, [&](dev_comm& world, cpu_exec& x) {
-    return run_simt_rank<T, Disp>(p, world, x, drop, keys);
+    return run_device_rank<T, Disp>(p, world, x, drop, keys);
   });
 }
 
-#if !defined(MOEFOLD_SIMT_REDUCED)
-const fold_config simt_layer_folds[] = {
+#if !defined(MOEFOLD_TSAN_REDUCED)
+const fold_config layer_folds[] = {
     {.world = 8, .tp = 2, .ep = 4, .etp = 2},  // EP 4 x ETP 2
     {.world = 4, .cp = 2, .ep = 4, .etp = 1},
     {.world = 8, .tp = 4, .pp = 2, .ep = 2, .etp = 2},
 };
 constexpr bool tsan_reduced = false;
 #else
-// Under ThreadSanitizer (layer-simt-moe-layer-tsan) worlds of 4 ranks: its runtime's cost per
+// Under ThreadSanitizer (layer-moe-layer-cpu-exec-tsan) worlds of 4 ranks: its runtime's cost per
 // release and acquire grows with the thread identities alive (every rank has 2 x 256 fibers);
 // the forwards-in-flight case took 202 s on 8 ranks, 30 s on 4 with half its runs (2026-12-04).
 // Still EP and ETP sharded together, CP, and PP.
-const fold_config simt_layer_folds[] = {
+const fold_config layer_folds[] = {
     {.world = 4, .tp = 2, .ep = 2, .etp = 2},  // EP 2 x ETP 2
     {.world = 4, .cp = 2, .ep = 4, .etp = 1},
     {.world = 4, .tp = 2, .pp = 2, .ep = 2, .etp = 1},
@@ -112,7 +114,7 @@ void check_fp32(const std::string& name, std::span<const fold_config> folds, int
     p.hidden = hidden;
     p.ffn = 2 * fold.etp();
     p.tokens = 5;
-    const auto dev = run_simt<float, Disp>(p);
+    const auto dev = run_device<float, Disp>(p);
     // Against the fp64 reference (normwise 1e-5, the float layer's bound there) ...
     layer_check judge;
     CHECK(check_layer_results<float>(p, dev, drop_mode::none, &judge) == 0);
@@ -196,8 +198,8 @@ void feature_inputs(const problem& p, int m, int r, std::vector<float>& x,
 std::vector<feature_out> run_host_features(const problem& p, const drop_policy_variant& policy,
                                            bool shared = false) {
   using D = all_to_all_dispatcher<float, thread_communicator, host_exec, float>;
-  using layer_t =
-      moe_layer<float, thread_communicator, drop_policy_variant, D, reference_mlp<float>>;
+  using layer_t = moe_layer<float, host_exec, thread_communicator, drop_policy_variant, D,
+                            reference_mlp<float>>;
   const auto fold = make_folded(p.fold).value();
   const megatron_groups groups(fold);
   const data w = make_weights(p);
@@ -205,42 +207,39 @@ std::vector<feature_out> run_host_features(const problem& p, const drop_policy_v
   std::vector<feature_out> results(static_cast<std::size_t>(fold.world_size()));
   const auto st = run_thread_world(fold.world_size(), [&](thread_communicator& world) -> status {
     const int r = world.rank();
-    auto get = [&](group_kind k) { return group_communicator(world, groups, {k}).value(); };
-    auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep);
-    auto tp_cp = get(group_kind::tp_cp), stage = get(group_kind::tp_dp_cp),
-         edp = get(group_kind::edp), tp = get(group_kind::tp), dp_cp = get(group_kind::dp_cp);
+    host_exec hx;
+    TRY_ASSIGN(comms, make_layer_communicators(world, groups));
     TRY_ASSIGN(mlp, (rank_experts<float, float>(p, fold, r, w.w1, w.w2)));
-    TRY_ASSIGN(layer, layer_t::make(feature_options(p, fold, r, shared), policy, std::move(*mlp)));
+    TRY_ASSIGN(layer, layer_t::make(hx, feature_options(p, fold, r, shared), *comms, policy,
+                                    std::move(*mlp)));
     std::transform(wr.begin(), wr.end(), layer->router_weight().flat().begin(),
                    [](double v) { return static_cast<float>(v); });
     TRY(layer->load_state(
-        {.expert_bias = feature_bias(p.experts),
-         .expert_bias_counts = std::vector<float>(static_cast<std::size_t>(p.experts), 0.0f)}));
+        hx, {.expert_bias = feature_bias(p.experts),
+             .expert_bias_counts = std::vector<float>(static_cast<std::size_t>(p.experts), 0.0f)}));
     if (auto* se = layer->shared()) {
       const shared_weights sw = make_shared_weights(p);
       TRY(se->load_full(sw.fc1, sw.fc2));
       std::copy(sw.gate.begin(), sw.gate.end(), se->own().gate.flat().begin());
     }
-    const moe_layer_groups<thread_communicator> g{
-        .tp_cp = tp_cp, .dispatch = {ep, etp, tp_ep}, .tp = &tp, .tp_dp_cp = &stage};
     auto& res = results[static_cast<std::size_t>(r)];
     std::vector<float> x, dout, out, dx;
     for (int m = 0; m < feature_micro_batches; ++m) {
       feature_inputs(p, m, r, x, dout);
       out.assign(x.size(), 0.0f);
       dx.assign(x.size(), 0.0f);
-      TRY_ASSIGN(stats, layer->forward(p.tokens, x, {}, g, out));
-      res.aux[m] = stats->aux_loss;
-      res.seq[m] = stats->seq_aux_loss;
-      res.global[m] = stats->global_aux_loss;
-      res.z[m] = stats->z_loss;
+      TRY_ASSIGN(stats, layer->forward(hx, p.tokens, x, {}, out));
+      TRY_ASSIGN(v, read_forward_stats(hx, *stats));
+      res.aux[m] = v->aux_loss;
+      res.seq[m] = v->seq_aux_loss;
+      res.global[m] = v->global_aux_loss;
+      res.z[m] = v->z_loss;
       res.indices[m] = layer->last_routing().indices;
-      TRY(layer->backward(dout, 1.0f, g, dx));
+      TRY(layer->backward(hx, dout, 1.0f, dx));
       res.out[m] = widen_all(out);
       res.dx[m] = widen_all(dx);
     }
-    TRY(layer->reduce_gradients(
-        stage, edp, {layer->experts().grads_fc1(), layer->experts().grads_fc2()}, &dp_cp));
+    TRY(layer->reduce_gradients(hx, {layer->experts().grads_fc1(), layer->experts().grads_fc2()}));
     if (auto* se = layer->shared()) {
       res.shared_dw1 = widen(se->params().grads.fc1.flat());
       res.shared_dw2 = widen(se->params().grads.fc2.flat());
@@ -249,26 +248,28 @@ std::vector<feature_out> run_host_features(const problem& p, const drop_policy_v
     res.dw_router = widen(layer->router_weight_grad().flat());
     res.dw1 = widen(layer->experts().grads_fc1());
     res.dw2 = widen(layer->experts().grads_fc2());
-    const moe_layer_state trained = layer->save_state();
-    res.counts_after_train = trained.expert_bias_counts;
-    res.running_after_train = trained.global_aux_counts;
-    res.steps_after_train = trained.global_aux_steps;
+    TRY_ASSIGN(trained, layer->save_state(hx));
+    res.counts_after_train = trained->expert_bias_counts;
+    res.running_after_train = trained->global_aux_counts;
+    res.steps_after_train = trained->global_aux_steps;
     layer->set_training(false);
     feature_inputs(p, 0, r, x, dout);
     out.assign(x.size(), 0.0f);
-    TRY(layer->forward(p.tokens, x, {}, g, out));
+    TRY(layer->forward(hx, p.tokens, x, {}, out));
     res.eval_out = widen_all(out);
-    res.steps_after_eval = layer->save_state().global_aux_steps;
-    res.counts_after_eval = layer->save_state().expert_bias_counts;
+    TRY_ASSIGN(evaluated, layer->save_state(hx));
+    res.steps_after_eval = evaluated->global_aux_steps;
+    res.counts_after_eval = evaluated->expert_bias_counts;
     layer->set_training(true);
-    TRY(layer->end_global_batch(stage));
-    const moe_layer_state updated = layer->save_state();
-    res.bias_after_update = updated.expert_bias;
-    res.counts_after_update = updated.expert_bias_counts;
-    res.steps_after_update = updated.global_aux_steps;
+    TRY(layer->end_global_batch(hx));
+    TRY_ASSIGN(updated, layer->save_state(hx));
+    res.bias_after_update = updated->expert_bias;
+    res.counts_after_update = updated->expert_bias_counts;
+    res.steps_after_update = updated->global_aux_steps;
     feature_inputs(p, 1, r, x, dout);
-    TRY_ASSIGN(again, layer->forward(p.tokens, x, {}, g, out));
-    res.global_after_reset = again->global_aux_loss;
+    TRY_ASSIGN(again, layer->forward(hx, p.tokens, x, {}, out));
+    TRY_ASSIGN(again_values, read_forward_stats(hx, *again));
+    res.global_after_reset = again_values->global_aux_loss;
     res.indices[feature_micro_batches] = layer->last_routing().indices;
     return {};
   });
@@ -306,38 +307,51 @@ expected<shared_expert_views<float, space>> upload_shared(
                                            .gate_grad = sp[5].view()};
 }
 
-// One rank of simt_moe_layer on cpu_exec, the same sequence.
-expected<feature_out> run_simt_features_rank(const problem& p, dev_comm& world, cpu_exec& x,
-                                             std::optional<sub_sequence> drop, bool shared) {
-  using G = float;
+// One rank's layer on cpu_exec with the features' options, on the caller's parameters (the
+// router weight, and the shared expert's when `shared`, bound as views of buffers on the
+// context). The layer refers to `comms`.
+struct device_feature_rank {
+  simt_rank_params<float, cpu_exec> par;
+  std::vector<exec_buffer<float, cpu_exec>> sp;  // the shared expert's (with one)
+  std::optional<layer_on_cpu<float, all_to_all_dispatcher>> layer;
+};
+status make_feature_rank(const problem& p, moe_layer_communicators<dev_comm>& comms, int r,
+                         cpu_exec& x, const std::optional<sub_sequence>& drop, bool shared,
+                         device_feature_rank& out) {
+  using layer_t = layer_on_cpu<float, all_to_all_dispatcher>;
   const auto fold = make_folded(p.fold).value();
-  const megatron_groups groups(fold);
-  const int r = world.rank(), H = p.hidden, E = p.experts;
-  auto get = [&](group_kind k) { return group_communicator(world, groups, {k}).value(); };
-  auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep);
-  auto tp_cp = get(group_kind::tp_cp), stage = get(group_kind::tp_dp_cp),
-       edp = get(group_kind::edp), tp = get(group_kind::tp), dp_cp = get(group_kind::dp_cp);
   TRY_ASSIGN(par, (upload_rank_params<float>(p, fold, r, x)));
-  TRY_ASSIGN(mlp, (rank_mlp(p, fold, r, x, *par)));
+  out.par = std::move(*par);
+  TRY_ASSIGN(mlp, (rank_mlp(p, fold, r, x, out.par)));
   const moe_layer_options o = feature_options(p, fold, r, shared);
-  std::vector<exec_buffer<float, cpu_exec>> sp;
   shared_expert_views<float, space> sh{};
   if (shared) {
-    TRY_ASSIGN(v, upload_shared(p, fold, o.shared_expert.tp_rank, x, sp));
+    TRY_ASSIGN(v, upload_shared(p, fold, o.shared_expert.tp_rank, x, out.sp));
     sh = *v;
   }
-  TRY_ASSIGN(layer, (simt_layer_t<float, all_to_all_dispatcher>::make(
-                        x, o, par->w.cview(), par->dw.view(), std::move(*mlp), drop, sh)));
-  auto &d_g1 = par->g1, &d_g2 = par->g2, &d_dw = par->dw;
-  TRY(layer->expert_bias()->load(x, feature_bias(E), std::vector<float>(E, 0.f)));
-  const moe_layer_groups<dev_comm> g{
-      .tp_cp = tp_cp, .dispatch = {ep, etp, tp_ep}, .tp = &tp, .tp_dp_cp = &stage};
+  drop_policy_variant policy;
+  if (drop) policy = *drop;
+  TRY_ASSIGN(layer, layer_t::make(x, o, comms, policy, std::move(*mlp)));
+  TRY(layer->bind_parameters(
+      {.router_weight = out.par.w.view(), .router_grad = out.par.dw.view(), .shared = sh}));
+  TRY(layer->expert_bias()->load(x, feature_bias(p.experts), std::vector<float>(p.experts, 0.f)));
+  out.layer.emplace(std::move(*layer));
+  return {};
+}
+
+// The same sequence as run_host_features on cpu_exec.
+expected<feature_out> run_device_features_rank(const problem& p, dev_comm& world, cpu_exec& x,
+                                               std::optional<sub_sequence> drop, bool shared) {
+  using G = float;
+  const int r = world.rank(), H = p.hidden;
+  const auto fold = make_folded(p.fold).value();
+  TRY_ASSIGN(comms, make_layer_communicators(world, megatron_groups(fold)));
+  device_feature_rank in;
+  TRY(make_feature_rank(p, *comms, r, x, drop, shared, in));
+  auto& layer = *in.layer;
+  auto &d_g1 = in.par.g1, &d_g2 = in.par.g2, &d_dw = in.par.dw;
+  const auto& sp = in.sp;
   feature_out res;
-  const auto value = [&](row_view<const float, space> v) -> expected<double> {
-    TRY_ASSIGN(h, (download<float>(x, v)));
-    if (h->size() != 1) return make_error(errc::invalid_argument, "a loss view is not [1, 1]");
-    return static_cast<double>((*h)[0]);
-  };
   std::vector<float> xs, douts;
   TRY_ASSIGN(d_out, (exec_buffer<float, cpu_exec>::make(x, p.tokens, H)));
   TRY_ASSIGN(d_dx, (exec_buffer<float, cpu_exec>::make(x, p.tokens, H)));
@@ -345,26 +359,22 @@ expected<feature_out> run_simt_features_rank(const problem& p, dev_comm& world, 
     feature_inputs(p, m, r, xs, douts);
     TRY_ASSIGN(d_x, upload(x, xs, p.tokens, H));
     TRY_ASSIGN(d_dout, upload(x, douts, p.tokens, H));
-    TRY_ASSIGN(stats, layer->forward(d_x->cview(), g, d_out->view()));
-    TRY_ASSIGN(aux, value(stats->aux_loss));
-    TRY_ASSIGN(seq, value(stats->seq_aux_loss));
-    TRY_ASSIGN(global, value(stats->global_aux_loss));
-    TRY_ASSIGN(z, value(stats->z_loss));
-    res.aux[m] = *aux;
-    res.seq[m] = *seq;
-    res.global[m] = *global;
-    res.z[m] = *z;
-    TRY_ASSIGN(idx, (download<int>(x, layer->last_indices())));
+    TRY_ASSIGN(stats, layer.forward(x, d_x->cview(), {}, d_out->view()));
+    TRY_ASSIGN(v, read_forward_stats(x, *stats));
+    res.aux[m] = v->aux_loss;
+    res.seq[m] = v->seq_aux_loss;
+    res.global[m] = v->global_aux_loss;
+    res.z[m] = v->z_loss;
+    TRY_ASSIGN(idx, (download<int>(x, layer.last_context().indices())));
     res.indices[m] = *idx;
-    TRY(layer->backward(d_dout->cview(), 1.0f, g, d_dx->view()));
+    TRY(layer.backward(x, d_dout->cview(), 1.0f, d_dx->view()));
     TRY_ASSIGN(out, (download<float>(x, d_out->cview())));
     TRY_ASSIGN(dx, (download<float>(x, d_dx->cview())));
     res.out[m] = widen_all(*out);
     res.dx[m] = widen_all(*dx);
   }
-  TRY(layer->reduce_gradients(stage, edp, d_dw.view(), {d_g1.view(), d_g2.view()}));
+  TRY(layer.reduce_gradients(x, {d_g1.view(), d_g2.view()}));
   if (shared) {
-    TRY(layer->reduce_shared_gradients(dp_cp, stage));
     TRY_ASSIGN(s1, (download<G>(x, sp[3].cview())));
     TRY_ASSIGN(s2, (download<G>(x, sp[4].cview())));
     TRY_ASSIGN(sg, (download<G>(x, sp[5].cview())));
@@ -378,51 +388,52 @@ expected<feature_out> run_simt_features_rank(const problem& p, dev_comm& world, 
   res.dw_router = widen_all(*dw);
   res.dw1 = widen_all(*g1);
   res.dw2 = widen_all(*g2);
-  TRY_ASSIGN(counts, (download<float>(x, layer->expert_bias_counts())));
-  TRY_ASSIGN(running, (download<double>(x, layer->global_aux_counts())));
-  res.counts_after_train = *counts;
-  res.running_after_train = *running;
-  res.steps_after_train = layer->global_aux_steps();
-  layer->set_training(false);
+  TRY_ASSIGN(trained, layer.save_state(x));
+  res.counts_after_train = trained->expert_bias_counts;
+  res.running_after_train = trained->global_aux_counts;
+  res.steps_after_train = trained->global_aux_steps;
+  layer.set_training(false);
   feature_inputs(p, 0, r, xs, douts);
   TRY_ASSIGN(d_x, upload(x, xs, p.tokens, H));
-  TRY_ASSIGN(ev, layer->forward(d_x->cview(), g, d_out->view()));
-  if (!ev->aux_loss.empty() || !ev->seq_aux_loss.empty() || !ev->global_aux_loss.empty() ||
-      !ev->z_loss.empty())
+  TRY_ASSIGN(ev, layer.forward(x, d_x->cview(), {}, d_out->view()));
+  // Evaluation computes no loss: the values are zero.
+  TRY_ASSIGN(ev_losses, (download<float>(x, ev->losses)));
+  if (*ev_losses != std::vector<float>(moe_loss_count, 0.0f))
     return make_error(errc::invalid_argument, "an evaluation forward gave loss values");
   TRY_ASSIGN(eval_out, (download<float>(x, d_out->cview())));
   res.eval_out = widen_all(*eval_out);
-  res.steps_after_eval = layer->global_aux_steps();
-  TRY_ASSIGN(counts_eval, (download<float>(x, layer->expert_bias_counts())));
-  res.counts_after_eval = *counts_eval;
-  layer->set_training(true);
-  TRY(layer->end_global_batch(stage));
-  TRY_ASSIGN(bias, (download<float>(x, layer->expert_bias()->bias())));
-  TRY_ASSIGN(counts_up, (download<float>(x, layer->expert_bias_counts())));
-  res.bias_after_update = *bias;
-  res.counts_after_update = *counts_up;
-  res.steps_after_update = layer->global_aux_steps();
+  TRY_ASSIGN(evaluated, layer.save_state(x));
+  res.steps_after_eval = evaluated->global_aux_steps;
+  res.counts_after_eval = evaluated->expert_bias_counts;
+  layer.set_training(true);
+  TRY(layer.end_global_batch(x));
+  TRY_ASSIGN(updated, layer.save_state(x));
+  res.bias_after_update = updated->expert_bias;
+  res.counts_after_update = updated->expert_bias_counts;
+  res.steps_after_update = updated->global_aux_steps;
   feature_inputs(p, 1, r, xs, douts);
   TRY_ASSIGN(d_x1, upload(x, xs, p.tokens, H));
-  TRY_ASSIGN(again, layer->forward(d_x1->cview(), g, d_out->view()));
-  TRY_ASSIGN(global_reset, value(again->global_aux_loss));
-  res.global_after_reset = *global_reset;
-  TRY_ASSIGN(idx_after, (download<int>(x, layer->last_indices())));
+  TRY_ASSIGN(again, layer.forward(x, d_x1->cview(), {}, d_out->view()));
+  TRY_ASSIGN(again_values, read_forward_stats(x, *again));
+  res.global_after_reset = again_values->global_aux_loss;
+  TRY_ASSIGN(idx_after, (download<int>(x, layer.last_context().indices())));
   res.indices[feature_micro_batches] = *idx_after;
   return res;
 }
 
-std::vector<feature_out> run_simt_features(const problem& p, std::optional<sub_sequence> drop,
-                                           bool shared = false) {
+std::vector<feature_out> run_device_features(const problem& p, std::optional<sub_sequence> drop,
+                                             bool shared = false) {
   return on_cpu_world<feature_out>(p.fold.world, 11, [&](dev_comm& world, cpu_exec& x) {
-    return run_simt_features_rank(p, world, x, drop, shared);
+    return run_device_features_rank(p, world, x, drop, shared);
   });
 }
 
 // Forwards in flight: two micro-batches through one rank's layer with every loss and the expert
-// bias, either one at a time (forward, backward, forward, backward: the one-in-flight form) or
-// both forwards first, each into its own context, then the backwards in reverse order, the first
-// one's context moved before its backward. What each forward reports and each backward computes.
+// bias, either one at a time on one execution context (forward, backward, forward, backward: the
+// one-in-flight form) or both forwards first, each into its own forward context and storage and
+// on its own execution context (two streams on a GPU), then the backwards in reverse order, each
+// on its forward's execution context, the first one's forward context moved before its backward.
+// What each forward reports and each backward computes.
 struct flight_out {
   std::vector<double> out[2], dx[2], losses[2];  // losses: aux, per sequence, global, z
   std::vector<int> kept[2];
@@ -435,27 +446,16 @@ struct flight_out {
 expected<flight_out> run_flight_rank(const problem& p, dev_comm& world, cpu_exec& x,
                                      std::optional<sub_sequence> drop, bool shared,
                                      bool in_flight) {
-  using layer_t = simt_layer_t<float, all_to_all_dispatcher>;
-  const auto fold = make_folded(p.fold).value();
-  const megatron_groups groups(fold);
+  using layer_t = layer_on_cpu<float, all_to_all_dispatcher>;
   const int r = world.rank(), H = p.hidden;
-  auto get = [&](group_kind k) { return group_communicator(world, groups, {k}).value(); };
-  auto ep = get(group_kind::ep), etp = get(group_kind::etp), tp_ep = get(group_kind::tp_ep);
-  auto tp_cp = get(group_kind::tp_cp), stage = get(group_kind::tp_dp_cp), tp = get(group_kind::tp);
-  TRY_ASSIGN(par, (upload_rank_params<float>(p, fold, r, x)));
-  TRY_ASSIGN(mlp, (rank_mlp(p, fold, r, x, *par)));
-  const moe_layer_options o = feature_options(p, fold, r, shared);
-  std::vector<exec_buffer<float, cpu_exec>> sp;
-  shared_expert_views<float, space> sh{};
-  if (shared) {
-    TRY_ASSIGN(v, upload_shared(p, fold, o.shared_expert.tp_rank, x, sp));
-    sh = *v;
-  }
-  TRY_ASSIGN(layer,
-             (layer_t::make(x, o, par->w.cview(), par->dw.view(), std::move(*mlp), drop, sh)));
-  TRY(layer->expert_bias()->load(x, feature_bias(p.experts), std::vector<float>(p.experts, 0.f)));
-  const moe_layer_groups<dev_comm> g{
-      .tp_cp = tp_cp, .dispatch = {ep, etp, tp_ep}, .tp = &tp, .tp_dp_cp = &stage};
+  const auto fold = make_folded(p.fold).value();
+  TRY_ASSIGN(comms, make_layer_communicators(world, megatron_groups(fold)));
+  device_feature_rank in;
+  TRY(make_feature_rank(p, *comms, r, x, drop, shared, in));
+  layer_t& layer = *in.layer;
+  // The second execution context of this rank (another seed: another block order).
+  cpu_exec x2(1000 + static_cast<std::uint64_t>(r));
+  cpu_exec* ex[2] = {&x, in_flight ? &x2 : &x};
   std::vector<exec_buffer<float, cpu_exec>> xs, douts, outs, dxs;
   for (int m = 0; m < 2; ++m) {
     std::vector<float> hx, hd;
@@ -470,40 +470,54 @@ expected<flight_out> run_flight_rank(const problem& p, dev_comm& world, cpu_exec
     dxs.push_back(std::move(*d));
   }
   flight_out res;
-  // The stats' views are the layer's: read before the next forward.
-  const auto read = [&](int m, const simt_moe_forward_stats<space>& st,
+  // The stats' views are the forward context's: read before its next forward.
+  const auto read = [&](int m, const layer_t::stats_type& st,
                         row_view<const int, space> kept) -> status {
-    for (const auto& v : {st.aux_loss, st.seq_aux_loss, st.global_aux_loss, st.z_loss}) {
-      TRY_ASSIGN(h, (download<float>(x, v)));
-      if (h->size() != 1) return make_error(errc::invalid_argument, "a loss view is not [1, 1]");
-      res.losses[m].push_back((*h)[0]);
-    }
-    TRY_ASSIGN(k, (download<int>(x, kept)));
+    TRY_ASSIGN(v, read_forward_stats(*ex[m], st));
+    res.losses[m] = {v->aux_loss, v->seq_aux_loss, v->global_aux_loss, v->z_loss};
+    TRY_ASSIGN(k, (download<int>(*ex[m], kept)));
     res.kept[m] = *k;
     return {};
   };
   if (in_flight) {
-    typename layer_t::context c[2];
+    // Each forward's storage (saved_sizes: in pad mode for the capacity it will report).
+    std::optional<int> cap;
+    if (drop && drop->pad_to_capacity)
+      cap = expert_capacity(static_cast<long long>(p.tokens) * p.topk, p.experts,
+                            drop->capacity_factor)
+                .value();
+    const moe_saved_bytes sb = layer.saved_sizes(cap);
+    std::vector<exec_buffer<std::byte, cpu_exec>> saved;
+    std::vector<std::vector<std::byte>> host(2, std::vector<std::byte>(sb.host));
     for (int m = 0; m < 2; ++m) {
-      TRY_ASSIGN(st, layer->forward(xs[m].cview(), g, outs[m].view(), c[m]));
-      TRY(read(m, *st, c[m].kept()));
+      TRY_ASSIGN(b, (exec_buffer<std::byte, cpu_exec>::make(
+                        *ex[m], 1, static_cast<std::int64_t>(std::max<std::size_t>(sb.saved, 1)))));
+      saved.push_back(std::move(*b));
+    }
+    const auto storage = [&](int m) {
+      return moe_saved_storage{{saved[m].view().data(), sb.saved}, host[m]};
+    };
+    layer_t::context_type c[2];
+    for (int m = 0; m < 2; ++m) {
+      TRY_ASSIGN(st, layer.forward(*ex[m], xs[m].cview(), {}, outs[m].view(), c[m], storage(m)));
+      TRY(read(m, *st, c[m].kept_experts()));
     }
     res.contexts_ok = c[0].ready() && c[1].ready() && c[1].num_tokens() == p.tokens;
-    TRY(layer->backward(c[1], douts[1].cview(), 1.0f, g, dxs[1].view()));
-    typename layer_t::context later = std::move(c[0]);
+    TRY(layer.backward(*ex[1], c[1], douts[1].cview(), {}, dxs[1].view()));
+    layer_t::context_type later = std::move(c[0]);
     res.contexts_ok = res.contexts_ok && !c[1].ready() && !c[0].ready() && later.ready();
-    TRY(layer->backward(later, douts[0].cview(), 1.0f, g, dxs[0].view()));
+    TRY(layer.backward(*ex[0], later, douts[0].cview(), {}, dxs[0].view()));
     // Consumed contexts and the moved-from one are refused, naming the rule.
     for (auto* ctx : {&c[0], &c[1], &later}) {
-      const status again = layer->backward(*ctx, douts[0].cview(), 1.0f, g, dxs[0].view());
+      const status again = layer.backward(x, *ctx, douts[0].cview(), {}, dxs[0].view());
       res.contexts_ok = res.contexts_ok && !again &&
                         again.error().message.find("no forward filled") != std::string::npos;
     }
   } else {
     for (int m = 0; m < 2; ++m) {
-      TRY_ASSIGN(st, layer->forward(xs[m].cview(), g, outs[m].view()));
-      TRY(read(m, *st, layer->last_kept()));
-      TRY(layer->backward(douts[m].cview(), 1.0f, g, dxs[m].view()));
+      TRY_ASSIGN(st, layer.forward(x, xs[m].cview(), {}, outs[m].view()));
+      TRY(read(m, *st, layer.last_kept_experts()));
+      TRY(layer.backward(x, douts[m].cview(), 1.0f, dxs[m].view()));
     }
   }
   for (int m = 0; m < 2; ++m) {
@@ -512,18 +526,17 @@ expected<flight_out> run_flight_rank(const problem& p, dev_comm& world, cpu_exec
     res.out[m] = widen_all(*o);
     res.dx[m] = widen_all(*d);
   }
-  TRY_ASSIGN(dw, (download<float>(x, par->dw.cview())));
-  TRY_ASSIGN(g1, (download<float>(x, par->g1.cview())));
-  TRY_ASSIGN(g2, (download<float>(x, par->g2.cview())));
-  TRY_ASSIGN(counts, (download<float>(x, layer->expert_bias_counts())));
-  TRY_ASSIGN(running, (download<double>(x, layer->global_aux_counts())));
+  TRY_ASSIGN(dw, (download<float>(x, in.par.dw.cview())));
+  TRY_ASSIGN(g1, (download<float>(x, in.par.g1.cview())));
+  TRY_ASSIGN(g2, (download<float>(x, in.par.g2.cview())));
+  TRY_ASSIGN(state, layer.save_state(x));
   res.dw_router = widen_all(*dw);
   res.dw1 = widen_all(*g1);
   res.dw2 = widen_all(*g2);
-  res.counts = *counts;
-  res.running = *running;
-  for (std::size_t i = 3; i < sp.size(); ++i) {  // the shared expert's local gradients
-    TRY_ASSIGN(gs, (download<float>(x, sp[i].cview())));
+  res.counts = state->expert_bias_counts;
+  res.running = state->global_aux_counts;
+  for (std::size_t i = 3; i < in.sp.size(); ++i) {  // the shared expert's local gradients
+    TRY_ASSIGN(gs, (download<float>(x, in.sp[i].cview())));
     res.shared_grads.push_back(widen_all(*gs));
   }
   return res;
@@ -536,25 +549,29 @@ std::vector<flight_out> run_flight(const problem& p, std::optional<sub_sequence>
 }
 }  // namespace
 
-TEST_CASE("simt_moe_layer on cpu_exec equals the host layer and the fp64 reference: All-to-All") {
-  check_fp32<all_to_all_dispatcher>("all_to_all", simt_layer_folds);
+TEST_CASE("the layer on cpu_exec, dropless: the host context and the fp64 reference, All-to-All") {
+  check_fp32<all_to_all_dispatcher>("all_to_all", layer_folds);
 }
 
-TEST_CASE("simt_moe_layer on cpu_exec equals the host layer and the fp64 reference: AllGather") {
-  // EP 4 x ETP 2 only: the dispatchers are compared fold by fold in dispatch-device-dispatcher,
-  // and each fold of the thread world on cpu_exec costs seconds under the sanitizers.
-  check_fp32<all_gather_dispatcher>("all_gather", std::span(simt_layer_folds).first(1));
+TEST_CASE("the layer on cpu_exec, dropless: the host context and the fp64 reference, AllGather") {
+  // EP 4 x ETP 2 and CP 2 x EP 4 (EP 2 x ETP 2 only under TSan): the dispatchers are compared fold
+  // by fold in dispatch-device-dispatcher, and each fold of the thread world on cpu_exec costs
+  // seconds under the sanitizers.
+  check_fp32<all_gather_dispatcher>("all_gather",
+                                    std::span(layer_folds).first(tsan_reduced ? 1 : 2));
 }
 
-TEST_CASE("simt_moe_layer with rows of H = 7 (28 bytes): padded row strides, the same results") {
+TEST_CASE("the layer on cpu_exec with rows of H = 7 (28 bytes): padded row strides, the same") {
   // The layer's row buffers pad each row to 32 bytes here; the experts, router and dispatcher
-  // read and write them through the stride (run_simt_rank checks the stride and the kept input).
-  check_fp32<all_to_all_dispatcher>("all_to_all", std::span(simt_layer_folds).first(1), 7);
+  // read and write them through the stride (run_device_rank checks the stride and the saved
+  // input).
+  check_fp32<all_to_all_dispatcher>("all_to_all", std::span(layer_folds).first(1), 7);
 }
 
-TEST_CASE("simt_moe_layer in bf16 (fp32 router and probabilities) against the fp64 reference") {
-  const fold_config f = simt_layer_folds[0];
-  const auto fold = make_folded(f).value();
+TEST_CASE("the layer on cpu_exec in bf16 (fp32 router and probabilities): the fp64 reference") {
+  // bf16 tokens, experts and router weight; the router's logits, probabilities and losses in
+  // fp32 (the default router type) and the probabilities dispatched in fp32.
+  const fold_config f = layer_folds[0];
   problem p{.fold = f};
   p.experts = 8;
   p.topk = 2;
@@ -564,208 +581,194 @@ TEST_CASE("simt_moe_layer in bf16 (fp32 router and probabilities) against the fp
   for (const int hidden : {16, 12}) {  // rows of 32 bytes, and of 24 (padded to 32)
     CAPTURE(hidden);
     p.hidden = hidden;
-    const auto dev = run_simt<bfloat16, all_to_all_dispatcher>(p);
+    const auto dev = run_device<bfloat16, all_to_all_dispatcher>(p);
     layer_check judge;
     CHECK(check_layer_results<bfloat16>(p, dev, drop_mode::none, &judge) == 0);
-    MESSAGE("bf16 simt layer, worst normwise error against fp64: ", judge.worst);
+    MESSAGE("bf16 layer on cpu_exec, worst normwise error against fp64: ", judge.worst);
     CHECK(judge.worst > 0);
   }
-  (void)fold;
 }
 
-TEST_CASE("simt_moe_layer refuses what it does not run and misuse, naming the rule") {
-  cpu_exec x(1);
-  using layer_t = simt_layer_t<float, all_to_all_dispatcher>;
+TEST_CASE("the layer on cpu_exec refuses bad options and misuse, naming the rule") {
+  using layer_t = layer_on_cpu<float, all_to_all_dispatcher>;
   using mlp_t = simt_rank_experts<float, cpu_exec>;
   const int H = 4, E = 2, F = 2;
-  auto fc1 = exec_buffer<float, cpu_exec>::make(x, E * 2 * F, H).value();
-  auto fc2 = exec_buffer<float, cpu_exec>::make(x, E * H, F).value();
-  auto g1 = exec_buffer<float, cpu_exec>::make(x, E * 2 * F, H).value();
-  auto g2 = exec_buffer<float, cpu_exec>::make(x, E * H, F).value();
-  auto w = exec_buffer<float, cpu_exec>::make(x, E, H).value();
-  auto dw = exec_buffer<float, cpu_exec>::make(x, E, H).value();
-  const auto experts = [&] {
-    return mlp_t::make({.hidden = H, .ffn = F, .num_local_experts = E}, {fc1.cview(), fc2.cview()},
-                       {g1.view(), g2.view()})
-        .value();
-  };
   const moe_layer_options ok{.hidden = H, .max_tokens = 3, .router = {.num_experts = E, .topk = 2}};
-  const auto refused = [&](moe_layer_options o, const std::string& words,
-                           std::optional<simt_drop_policy> drop = {}) {
-    auto l = layer_t::make(x, o, w.cview(), dw.view(), experts(), drop);
-    REQUIRE_FALSE(l.has_value());
-    CHECK_MESSAGE(l.error().message.find(words) != std::string::npos, l.error().message);
-  };
-  {
-    auto o = ok;
-    o.global_aux_loss_coeff = std::numeric_limits<double>::infinity();
-    refused(o, "finite and >= 0");
-  }
-  {
-    auto o = ok;
-    o.batch = 0;
-    refused(o, "batch (sequences per micro-batch) must be >= 1");
-  }
-  {
-    auto o = ok;
-    o.router.expert_bias = true;
-    o.router.score = score_function::sigmoid;
-    o.expert_bias_update_rate = std::numeric_limits<float>::quiet_NaN();
-    refused(o, "expert_bias_update_rate must be finite and >= 0");
-  }
-  {  // the shared expert's rules
-    auto o = ok;
-    o.shared_expert.ffn = -1;
-    refused(o, "shared_expert.ffn must be >= 0");
-    o.shared_expert.ffn = 4;
-    refused(o, "the shared expert: mlp_experts: weights and gradients must be contiguous");
-    o.shared_expert.tp_rank = 1;
-    refused(o, "tp_rank in [0, tp)");
-    o.shared_expert = {.ffn = 2, .gate = true};
-    refused(o, "gate weight and its gradient must be contiguous [1, H]");
-    const shared_expert_views<float, space> gate_only{.gate = w.cview().first(1),
-                                                      .gate_grad = dw.view().first(1)};
-    auto l = layer_t::make(x, ok, w.cview(), dw.view(), experts(), {}, gate_only);
-    REQUIRE_FALSE(l.has_value());
-    CHECK(l.error().message.find("without a shared expert") != std::string::npos);
-  }
-  refused(ok, "capacity_factor must be finite and > 0", sub_sequence{.capacity_factor = 0.0});
-  refused(ok, "drop.by must be", sub_sequence{.by = static_cast<drop_by>(7)});
-  refused(ok, "group (the ranks of tp_cp) must be >= 1", simt_full_sequence{.group = 0});
-  refused(ok, "drop.by must be",
-          simt_full_sequence{.policy = {.by = static_cast<drop_by>(7)}, .group = 2});
-  refused(ok, "capacity_factor must be finite and > 0",
-          simt_full_sequence{.policy = {.capacity_factor = -1.0}, .group = 2});
-  {
-    auto o = ok;
-    o.aux_loss_coeff = -1;
-    refused(o, "finite and >= 0");
-  }
-  {
-    auto o = ok;
-    o.hidden = 8;
-    refused(o, "the experts hold");
-  }
-  {
-    auto o = ok;
-    o.router.topk = 3;  // k > E: the router's own rule
-    auto l = layer_t::make(x, o, w.cview(), dw.view(), experts());
-    CHECK_FALSE(l.has_value());
-  }
-  // Misuse of a made layer: a backward with no forward, shapes that do not fit.
+  // One rank: its communicators, the experts' and the router's parameters on the context.
   const auto st = run_thread_world(1, [&](thread_communicator& world) -> status {
     auto d = std::move(world).in_space<space>();
     cpu_exec xx(2);
-    auto l = layer_t::make(xx, ok, w.cview(), dw.view(), experts());
-    if (!l) return unexpected<error>(l.error());
+    const auto fold = make_folded({.world = 1}).value();
+    TRY_ASSIGN(comms, make_layer_communicators(d, megatron_groups(fold)));
+    auto fc1 = exec_buffer<float, cpu_exec>::make(xx, E * 2 * F, H).value();
+    auto fc2 = exec_buffer<float, cpu_exec>::make(xx, E * H, F).value();
+    auto g1 = exec_buffer<float, cpu_exec>::make(xx, E * 2 * F, H).value();
+    auto g2 = exec_buffer<float, cpu_exec>::make(xx, E * H, F).value();
+    auto w = exec_buffer<float, cpu_exec>::make(xx, E, H).value();
+    auto dw = exec_buffer<float, cpu_exec>::make(xx, E, H).value();
+    const auto experts = [&] {
+      return mlp_t::make({.hidden = H, .ffn = F, .num_local_experts = E},
+                         {fc1.cview(), fc2.cview()}, {g1.view(), g2.view()})
+          .value();
+    };
+    const auto make = [&](const moe_layer_options& o, drop_policy_variant drop = {}) {
+      auto l = layer_t::make(xx, o, *comms, drop, experts());
+      if (l) (void)l->bind_parameters({.router_weight = w.view(), .router_grad = dw.view()});
+      return l;
+    };
+    const auto refused = [&](moe_layer_options o, const std::string& words,
+                             drop_policy_variant drop = {}) {
+      auto l = make(o, drop);
+      REQUIRE_FALSE(l.has_value());
+      CHECK_MESSAGE(l.error().message.find(words) != std::string::npos, l.error().message);
+    };
+    {
+      auto o = ok;
+      o.global_aux_loss_coeff = std::numeric_limits<double>::infinity();
+      refused(o, "finite and >= 0");
+    }
+    {
+      auto o = ok;
+      o.batch = 0;
+      refused(o, "batch (sequences per micro-batch) must be >= 1");
+    }
+    {
+      auto o = ok;
+      o.router.expert_bias = true;
+      o.router.score = score_function::sigmoid;
+      o.expert_bias_update_rate = std::numeric_limits<float>::quiet_NaN();
+      refused(o, "expert_bias_update_rate must be finite and >= 0");
+    }
+    {  // the shared expert's rules
+      auto o = ok;
+      o.shared_expert.ffn = -1;
+      refused(o, "shared_expert.ffn must be >= 0");
+      o.shared_expert.ffn = 4;
+      o.shared_expert.tp_rank = 1;  // the TP communicator says rank 0
+      refused(o, "shared_expert.tp_rank = 1, the TP communicator 0");
+      o.shared_expert = {.ffn = 2, .tp = 2};  // the options say TP 2, the communicator 1 rank
+      refused(o, "the options say shared_expert.tp = 2, the communicators 1");
+      // The caller's shared-expert parameters: a gate without a gate, a gate of the wrong shape,
+      // and any shared parameter to a layer without a shared expert.
+      o.shared_expert = {.ffn = 2, .gate = true};
+      TRY_ASSIGN(lg, make(o));
+      auto s1 = exec_buffer<float, cpu_exec>::make(xx, 4, H).value();
+      auto s2 = exec_buffer<float, cpu_exec>::make(xx, H, 2).value();
+      auto sg1 = exec_buffer<float, cpu_exec>::make(xx, 4, H).value();
+      auto sg2 = exec_buffer<float, cpu_exec>::make(xx, H, 2).value();
+      const status bad_gate =
+          lg->bind_parameters({.router_weight = w.view(),
+                               .router_grad = dw.view(),
+                               .shared = {.mlp = {s1.cview(), s2.cview()},
+                                          .grads = {sg1.view(), sg2.view()},
+                                          .gate = w.cview(),  // [2, H], not [1, H]
+                                          .gate_grad = dw.view()}});
+      REQUIRE_FALSE(bad_gate.has_value());
+      CHECK_MESSAGE(bad_gate.error().message.find("[1, H]") != std::string::npos,
+                    bad_gate.error().message);
+      TRY_ASSIGN(plain, make(ok));
+      const status gate_only = plain->bind_parameters(
+          {.router_weight = w.view(),
+           .router_grad = dw.view(),
+           .shared = {.gate = w.cview().first(1), .gate_grad = dw.view().first(1)}});
+      REQUIRE_FALSE(gate_only.has_value());
+      CHECK(gate_only.error().message.find("without a shared expert") != std::string::npos);
+    }
+    // The drop policies' rules, checked when the layer is made.
+    refused(ok, "capacity_factor must be finite and > 0", sub_sequence{.capacity_factor = 0.0});
+    refused(ok, "drop.by must be", sub_sequence{.by = static_cast<drop_by>(7)});
+    refused(ok, "drop.by must be", full_sequence{.by = static_cast<drop_by>(7)});
+    refused(ok, "capacity_factor must be finite and > 0", full_sequence{.capacity_factor = -1.0});
+    {
+      auto o = ok;
+      o.aux_loss_coeff = -1;
+      refused(o, "finite and >= 0");
+    }
+    {
+      auto o = ok;
+      o.hidden = 8;
+      refused(o, "the experts hold");
+    }
+    {
+      auto o = ok;
+      o.router.topk = 3;  // k > E: the router's own rule
+      CHECK_FALSE(make(o).has_value());
+    }
+    // Misuse of a made layer: a backward with no forward, shapes that do not fit.
+    TRY_ASSIGN(l, make(ok));
     auto in = exec_buffer<float, cpu_exec>::make(xx, 4, H).value();
     auto out = exec_buffer<float, cpu_exec>::make(xx, 4, H).value();
-    const moe_layer_groups<dev_comm> g{d, {d, d, d}};
-    auto b = l->backward(in.cview().first(2), 1.0f, g, out.view().first(2));
+    layer_t::context_type never;
+    auto b = l->backward(xx, never, in.cview().first(2), {}, out.view().first(2));
     REQUIRE_FALSE(b.has_value());
     CHECK(b.error().message.find("no forward filled") != std::string::npos);
-    auto f = l->forward(in.cview(), g, out.view());  // 4 tokens > max_tokens 3
+    auto f = l->forward(xx, in.cview(), {}, out.view());  // 4 tokens > max_tokens 3
     REQUIRE_FALSE(f.has_value());
     CHECK(f.error().message.find("N <= max_tokens") != std::string::npos);
-    auto f2 = l->forward(in.cview().first(2), g, out.view().first(3));
+    auto f2 = l->forward(xx, in.cview().first(2), {}, out.view().first(3));
     REQUIRE_FALSE(f2.has_value());
     CHECK(f2.error().code == errc::shape_mismatch);
-    // A shared expert needs the TP communicator, of the options' size; a layer without one has
-    // no shared gradients to reduce.
-    auto s1 = exec_buffer<float, cpu_exec>::make(xx, 4, H).value();
-    auto s2 = exec_buffer<float, cpu_exec>::make(xx, H, 2).value();
-    auto sg1 = exec_buffer<float, cpu_exec>::make(xx, 4, H).value();
-    auto sg2 = exec_buffer<float, cpu_exec>::make(xx, H, 2).value();
-    auto shared_opts = ok;
-    shared_opts.shared_expert = {.ffn = 2};
-    auto lsh = layer_t::make(xx, shared_opts, w.cview(), dw.view(), experts(), {},
-                             {.mlp = {s1.cview(), s2.cview()}, .grads = {sg1.view(), sg2.view()}});
-    if (!lsh) return unexpected<error>(lsh.error());
-    auto fs = lsh->forward(in.cview().first(2), g, out.view().first(2));
-    REQUIRE_FALSE(fs.has_value());
-    CHECK(fs.error().message.find("moe_layer_groups::tp") != std::string::npos);
-    shared_opts.shared_expert.tp = 2;  // the options say TP 2, the communicator has 1 rank
-    auto lsh2 = layer_t::make(xx, shared_opts, w.cview(), dw.view(), experts(), {},
-                              {.mlp = {s1.cview(), s2.cview()}, .grads = {sg1.view(), sg2.view()}});
-    CHECK_FALSE(lsh2.has_value());  // fc1 [4, H] is not TP 2's shard [2, H]
-    CHECK(l->reduce_shared_gradients(d, d).error().message.find("without a shared expert") !=
-          std::string::npos);
-    // The per-sequence loss needs whole sequences; the global loss its communicator.
+    // The per-sequence loss needs whole sequences.
     auto seq_opts = ok;
     seq_opts.seq_aux_loss_coeff = 0.1;
     seq_opts.batch = 2;
-    auto ls = layer_t::make(xx, seq_opts, w.cview(), dw.view(), experts());
-    if (!ls) return unexpected<error>(ls.error());
-    auto f3 = ls->forward(in.cview().first(3), g, out.view().first(3));
+    TRY_ASSIGN(ls, make(seq_opts));
+    auto f3 = ls->forward(xx, in.cview().first(3), {}, out.view().first(3));
     REQUIRE_FALSE(f3.has_value());
     CHECK(f3.error().message.find("N a multiple of batch (N = 3, batch = 2") != std::string::npos);
     ls->set_training(false);                // evaluation computes no loss: any N
     TRY(xx.fill<float>(in.view(), 0.25f));  // finite tokens and router weight: valid routing
     TRY(xx.fill<float>(w.view(), 0.1f));
-    auto f3e = ls->forward(in.cview().first(3), g, out.view().first(3));
+    auto f3e = ls->forward(xx, in.cview().first(3), {}, out.view().first(3));
     CHECK_MESSAGE(f3e.has_value(), (f3e ? std::string() : f3e.error().message));
+    // A refused forward changes no state: the global loss's running counts stay empty.
     auto global_opts = ok;
     global_opts.global_aux_loss_coeff = 0.1;
-    auto lg = layer_t::make(xx, global_opts, w.cview(), dw.view(), experts());
-    if (!lg) return unexpected<error>(lg.error());
-    auto f4 = lg->forward(in.cview().first(2), g, out.view().first(2));
+    TRY_ASSIGN(lg, make(global_opts));
+    auto f4 = lg->forward(xx, in.cview().first(2), {}, out.view().first(3));
     REQUIRE_FALSE(f4.has_value());
-    CHECK(f4.error().message.find("moe_layer_groups::tp_dp_cp") != std::string::npos);
-    CHECK(lg->global_aux_steps() == 0);
+    CHECK(lg->load_balancing().running_steps() == 0);
     // Pad mode with a capacity above the tokens: C = ceil(2 * 2 / 2 * 1.5) = 3 > N = 2.
-    auto lp = layer_t::make(xx, ok, w.cview(), dw.view(), experts(),
-                            sub_sequence{.capacity_factor = 1.5, .pad_to_capacity = true});
-    if (!lp) return unexpected<error>(lp.error());
-    // Tokens the router cannot route (NaN: no expert id in [0, E)) are an error named by the
-    // dispatcher, not pairs silently dropped.
-    auto lnan = layer_t::make(xx, ok, w.cview(), dw.view(), experts(),
-                              sub_sequence{.capacity_factor = 1.0});
-    if (!lnan) return unexpected<error>(lnan.error());
-    TRY(xx.fill<float>(in.view(), std::numeric_limits<float>::quiet_NaN()));
-    auto fnan = lnan->forward(in.cview().first(2), g, out.view().first(2));
-    REQUIRE_FALSE(fnan.has_value());
-    CHECK_MESSAGE(fnan.error().message.find("outside [0, 2)") != std::string::npos,
-                  fnan.error().message);
-    TRY(xx.fill<float>(in.view(), 0.25f));
-    auto f5 = lp->forward(in.cview().first(2), g, out.view().first(2));
+    TRY_ASSIGN(lp, make(ok, sub_sequence{.capacity_factor = 1.5, .pad_to_capacity = true}));
+    auto f5 = lp->forward(xx, in.cview().first(2), {}, out.view().first(2));
     REQUIRE_FALSE(f5.has_value());
     CHECK(f5.error().message.find("pad_to_capacity: capacity 3 exceeds the 2 tokens") !=
           std::string::npos);
-    // Full-sequence dropping: order keys only with it, [N, 1]; the group of the communicator.
+    // Tokens the router cannot route (NaN: no expert id in [0, E)) are an error, not pairs
+    // silently dropped: the dispatcher names the pair at the forward (cpu_exec checks indices
+    // before a launch), and the drop decision's sticky fault word names it to device_status.
+    TRY_ASSIGN(lnan, make(ok, sub_sequence{.capacity_factor = 1.0}));
+    TRY(xx.fill<float>(in.view(), std::numeric_limits<float>::quiet_NaN()));
+    auto fnan = lnan->forward(xx, in.cview().first(2), {}, out.view().first(2));
+    REQUIRE_FALSE(fnan.has_value());
+    CHECK_MESSAGE(fnan.error().message.find("outside [0, 2)") != std::string::npos,
+                  fnan.error().message);
+    const status nan_status = lnan->device_status(xx);
+    REQUIRE_FALSE(nan_status.has_value());
+    CHECK_MESSAGE(nan_status.error().message.find("outside [0, E)") != std::string::npos,
+                  nan_status.error().message);
+    TRY(lnan->device_status(xx));  // read once, then cleared
+    TRY(xx.fill<float>(in.view(), 0.25f));
+    // Full-sequence dropping's order keys: [N, 1], contiguous.
     auto keys = exec_buffer<std::int64_t, cpu_exec>::make(xx, 3, 1).value();
-    auto fk = l->forward(in.cview().first(2), g, out.view().first(2), keys.cview().first(2));
-    REQUIRE_FALSE(fk.has_value());
-    CHECK(fk.error().message.find("order keys are for full-sequence dropping") !=
-          std::string::npos);
-    auto lf2 = layer_t::make(xx, ok, w.cview(), dw.view(), experts(),
-                             simt_full_sequence{.policy = {.capacity_factor = 1.0}, .group = 2});
-    if (!lf2) return unexpected<error>(lf2.error());
-    auto fg = lf2->forward(in.cview().first(2), g, out.view().first(2));
-    REQUIRE_FALSE(fg.has_value());
-    CHECK(fg.error().message.find("made for a tp-cp group of 2 ranks; moe_layer_groups::tp_cp "
-                                  "has 1") != std::string::npos);
     // A group of one by position at capacity 1 (E = k = 2: every token on both experts; C =
     // ceil(2 x 2 / 2 x 0.5) = 1): each expert keeps the earliest token of the true order.
-    auto lf =
-        layer_t::make(xx, ok, w.cview(), dw.view(), experts(),
-                      simt_full_sequence{
-                          .policy = {.capacity_factor = 0.5, .by = drop_by::position}, .group = 1});
-    if (!lf) return unexpected<error>(lf.error());
-    auto fs2 = lf->forward(in.cview().first(2), g, out.view().first(2), keys.cview());
+    TRY_ASSIGN(lf, make(ok, full_sequence{.capacity_factor = 0.5, .by = drop_by::position}));
+    auto fs2 = lf->forward(xx, in.cview().first(2), keys.cview(), out.view().first(2));
     REQUIRE_FALSE(fs2.has_value());
     CHECK(fs2.error().message.find("must be contiguous [N, 1] = [2, 1]") != std::string::npos);
     const auto kept_with = [&](std::vector<std::int64_t> k) -> expected<std::vector<int>> {
       TRY_ASSIGN(kb, upload(xx, k, 2, 1));
-      TRY_ASSIGN(st, lf->forward(in.cview().first(2), g, out.view().first(2), kb->cview()));
-      return download<int>(xx, lf->last_kept());
+      TRY_ASSIGN(st, lf->forward(xx, in.cview().first(2), kb->cview(), out.view().first(2)));
+      return download<int>(xx, lf->last_kept_experts());
     };
-    TRY_ASSIGN(plain, (lf->forward(in.cview().first(2), g, out.view().first(2))));
-    TRY_ASSIGN(kept_plain, download<int>(xx, lf->last_kept()));
+    TRY_ASSIGN(plain, (lf->forward(xx, in.cview().first(2), {}, out.view().first(2))));
+    TRY_ASSIGN(kept_plain, download<int>(xx, lf->last_kept_experts()));
     CHECK(*kept_plain == std::vector<int>{0, 1, -1, -1});  // rank order: token 0 first
-    TRY(lf->device_status());
+    TRY(lf->device_status(xx));
     TRY_ASSIGN(kept_reversed, kept_with({1, 0}));
     CHECK(*kept_reversed == std::vector<int>{-1, -1, 0, 1});  // token 1 first
-    TRY(lf->device_status());
+    TRY(lf->device_status(xx));
     // Keys that are not a permutation of [0, 2): the group's rank order, and the fault named by
     // device_status once (then cleared).
     const std::pair<std::vector<std::int64_t>, std::string> bad[] = {
@@ -774,11 +777,11 @@ TEST_CASE("simt_moe_layer refuses what it does not run and misuse, naming the ru
     for (const auto& [k, words] : bad) {
       TRY_ASSIGN(kept_bad, kept_with(k));
       CHECK(*kept_bad == *kept_plain);
-      const status ds = lf->device_status();
+      const status ds = lf->device_status(xx);
       REQUIRE_FALSE(ds.has_value());
       CHECK_MESSAGE(ds.error().message.find(words) != std::string::npos, ds.error().message);
       CHECK(ds.error().message.find("permutation of [0, M)") != std::string::npos);
-      TRY(lf->device_status());
+      TRY(lf->device_status(xx));
     }
     return {};
   });
@@ -786,18 +789,19 @@ TEST_CASE("simt_moe_layer refuses what it does not run and misuse, naming the ru
 }
 
 TEST_CASE(
-    "simt_moe_layer: per-sequence and global losses and the expert bias over a global batch") {
+    "the layer on cpu_exec: per-sequence and global losses and the expert bias over a global "
+    "batch") {
   // Dropless over two folds; sub-sequence dropping in pad mode (the bias counts the kept and
   // filler rows, Megatron-Core's post-drop map) over EP 4 x ETP 2.
   // With the gated shared expert too (sequence parallel over TP 2 on EP 4 x ETP 2, TP 1 on
   // CP 2 x EP 4): its output, input gradient and reduced gradients against moe_layer's.
   const sub_sequence pad{.capacity_factor = 1.0, .pad_to_capacity = true};
   const std::tuple<fold_config, std::optional<sub_sequence>, bool> runs[] = {
-      {simt_layer_folds[0], std::nullopt, false},
-      {simt_layer_folds[1], std::nullopt, false},
-      {simt_layer_folds[0], pad, false},
-      {simt_layer_folds[0], std::nullopt, true},
-      {simt_layer_folds[1], pad, true}};
+      {layer_folds[0], std::nullopt, false},
+      {layer_folds[1], std::nullopt, false},
+      {layer_folds[0], pad, false},
+      {layer_folds[0], std::nullopt, true},
+      {layer_folds[1], pad, true}};
   for (std::size_t i = 0; i < std::size(runs); ++i) {
     if (tsan_reduced && i != 0 && i != 4) continue;  // dropless; pad mode with the shared expert
     const auto& [f, drop, shared] = runs[i];
@@ -812,7 +816,7 @@ TEST_CASE(
     p.hidden = 12;
     p.ffn = 2 * fold.etp();
     p.tokens = 6;  // three sequences of batch 2
-    const auto dev = run_simt_features(p, drop, shared);
+    const auto dev = run_device_features(p, drop, shared);
     const auto host =
         drop ? run_host_features(p, *drop, shared) : run_host_features(p, dropless{}, shared);
     const double tol = 2e-5;
@@ -872,10 +876,10 @@ TEST_CASE(
   }
 }
 
-TEST_CASE("simt_moe_layer with EP = ETP = 1: dropless without a host wait, the same results") {
-  // Both dispatchers (the AllGather one still reads its table back once), dropless and with
-  // sub-sequence dropping (which counts on the host), against the host layer and the fp64
-  // reference; run_simt_rank checks the waits (none for All-to-All dropless) and that the batch
+TEST_CASE("the layer on cpu_exec with EP = ETP = 1: dropless without a host wait, the same") {
+  // Both dispatchers dropless, and the All-to-All one with sub-sequence dropping (which reads its
+  // counts back once; none in pad mode), against the host layer and the fp64 reference;
+  // run_device_rank checks the waits (none dropless, for either dispatcher) and that the batch
   // is N k rows with its row ranges on the context.
   const auto fold = make_folded(unsharded_fold).value();
   problem p{.fold = unsharded_fold};
@@ -884,12 +888,12 @@ TEST_CASE("simt_moe_layer with EP = ETP = 1: dropless without a host wait, the s
   p.hidden = 12;
   p.ffn = 2;
   p.tokens = 7;
-  check_same_layer(run_simt<float, all_to_all_dispatcher>(p),
+  check_same_layer(run_device<float, all_to_all_dispatcher>(p),
                    run_host<float, all_to_all_dispatcher>(p), 2e-5);
-  check_same_layer(run_simt<float, all_gather_dispatcher>(p),
+  check_same_layer(run_device<float, all_gather_dispatcher>(p),
                    run_host<float, all_gather_dispatcher>(p), 2e-5);
   layer_check judge;
-  CHECK(check_layer_results<float>(p, run_simt<float, all_to_all_dispatcher>(p), drop_mode::none,
+  CHECK(check_layer_results<float>(p, run_device<float, all_to_all_dispatcher>(p), drop_mode::none,
                                    &judge) == 0);
   CHECK(judge.worst > 0);
   const sub_sequence drops[] = {{.capacity_factor = 1.0},
@@ -897,7 +901,7 @@ TEST_CASE("simt_moe_layer with EP = ETP = 1: dropless without a host wait, the s
   long long dropped = 0;
   for (const auto& d : drops) {
     CAPTURE(d.pad_to_capacity);
-    const auto dev = run_simt<float, all_to_all_dispatcher>(p, d);
+    const auto dev = run_device<float, all_to_all_dispatcher>(p, d);
     dropped += check_layer_results<float>(p, dev, drop_mode::per_rank);
     check_same_layer(dev, run_host<float, all_to_all_dispatcher>(p, d), 2e-5);
   }
@@ -906,14 +910,15 @@ TEST_CASE("simt_moe_layer with EP = ETP = 1: dropless without a host wait, the s
 }
 
 TEST_CASE(
-    "simt_moe_layer with sub-sequence dropping equals the host layer and the fp64 reference") {
+    "the layer on cpu_exec with sub-sequence dropping: the host context and the fp64 "
+    "reference") {
   // By probability, by position, and pad mode (every expert exactly C rows): capacity factor 1
   // with 8 experts drops pairs on most ranks.
   const sub_sequence policies[] = {{.capacity_factor = 1.0, .by = drop_by::probs},
                                    {.capacity_factor = 1.0, .by = drop_by::position},
                                    {.capacity_factor = 1.0, .pad_to_capacity = true}};
   long long dropped = 0;
-  for (const auto& f : std::span(simt_layer_folds).first(tsan_reduced ? 1 : 2)) {
+  for (const auto& f : std::span(layer_folds).first(tsan_reduced ? 1 : 2)) {
     const auto fold = make_folded(f).value();
     for (const auto& policy : policies) {
       CAPTURE(fold.ep());
@@ -925,10 +930,13 @@ TEST_CASE(
       p.hidden = 12;
       p.ffn = 2 * fold.etp();
       p.tokens = 6;
-      const auto dev = run_simt<float, all_to_all_dispatcher>(p, policy);
+      const auto dev = run_device<float, all_to_all_dispatcher>(p, policy);
       layer_check judge;
       dropped += check_layer_results<float>(p, dev, drop_mode::per_rank, &judge);
       check_same_layer(dev, run_host<float, all_to_all_dispatcher>(p, policy), 2e-5);
+      if (policy.pad_to_capacity)  // every expert exactly C rows from this rank
+        for (const auto& r : dev)
+          for (int rows : r.rows_per_expert) CHECK(rows == r.capacity);
     }
   }
   MESSAGE("pairs dropped over all runs and ranks: ", dropped);
@@ -936,7 +944,8 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "simt_moe_layer with full-sequence dropping equals the host layer and the fp64 reference") {
+    "the layer on cpu_exec with full-sequence dropping: the host context and the fp64 "
+    "reference") {
   // The decision over the tp-cp group (2, 2 and 4 ranks on the three folds): by probability, by
   // position, pad mode (by either), in the group's rank order and in true sequence order (the
   // ranks' sequence_order_keys: CP 2's load-balanced chunks put rank 1's tokens in the middle).
@@ -948,8 +957,7 @@ TEST_CASE(
   long long dropped = 0;
   int keys_mattered = 0;
   // Reduced: CP 2 x EP 4 only, where the true order differs from the group's rank order.
-  for (const auto& f :
-       std::span(simt_layer_folds).subspan(tsan_reduced ? 1 : 0, tsan_reduced ? 1 : 3)) {
+  for (const auto& f : std::span(layer_folds).subspan(tsan_reduced ? 1 : 0, tsan_reduced ? 1 : 3)) {
     const auto fold = make_folded(f).value();
     const megatron_groups groups(fold);
     const auto tpcp = groups(group_kind::tp_cp);
@@ -969,8 +977,7 @@ TEST_CASE(
         p.ffn = 2 * fold.etp();
         p.tokens = 6;
         const int G = tpcp[0].size();
-        const auto dev = run_simt<float, all_to_all_dispatcher>(
-            p, simt_full_sequence{.policy = policy, .group = G}, keys);
+        const auto dev = run_device<float, all_to_all_dispatcher>(p, policy, keys);
         layer_check judge;
         dropped += check_layer_results<float>(p, dev, drop_mode::per_sequence, &judge);
         check_same_layer(dev, run_host<float, all_to_all_dispatcher>(p, policy, keys), 2e-5);
@@ -1021,9 +1028,7 @@ TEST_CASE("stream order: the whole layer on the GPU code path, dropless and in p
   // ETP 2 dropless and in pad mode; EP = ETP = 1 dropless (no wait at all).
   const sub_sequence pad{.capacity_factor = 1.0, .pad_to_capacity = true};
   const std::pair<fold_config, std::optional<sub_sequence>> runs[] = {
-      {simt_layer_folds[0], std::nullopt},
-      {simt_layer_folds[0], pad},
-      {unsharded_fold, std::nullopt}};
+      {layer_folds[0], std::nullopt}, {layer_folds[0], pad}, {unsharded_fold, std::nullopt}};
   for (const auto& [f, drop] : runs) {
     const auto fold = make_folded(f).value();
     problem p{.fold = f};
@@ -1034,7 +1039,7 @@ TEST_CASE("stream order: the whole layer on the GPU code path, dropless and in p
     p.tokens = 6;
     CAPTURE(fold.ep());
     CAPTURE(drop.has_value());
-    const auto ref = run_simt<float, all_to_all_dispatcher>(p, drop);
+    const auto ref = run_device<float, all_to_all_dispatcher>(p, drop);
     const int W = f.world;
     std::vector<layer_result> got(static_cast<std::size_t>(W));
     std::vector<std::vector<std::string>> violations(static_cast<std::size_t>(W));
@@ -1044,7 +1049,8 @@ TEST_CASE("stream order: the whole layer on the GPU code path, dropless and in p
       stream_order_fake fake;  // one per rank: a rank is one process with one stream
       {
         stream_order_exec x(fake, static_cast<std::uint64_t>(7 + dw.rank()));
-        auto res = run_simt_rank<float, all_to_all_dispatcher>(p, dw, x, drop);
+        auto res = run_device_rank<float, all_to_all_dispatcher>(
+            p, dw, x, drop ? std::optional<drop_policy_variant>(*drop) : std::nullopt);
         if (!res) return unexpected<error>(res.error());
         if (auto s = x.device_status(); !s) return s;
         x.check();
@@ -1072,8 +1078,9 @@ TEST_CASE("stream order: the whole layer on the GPU code path, dropless and in p
   }
 }
 
-TEST_CASE("simt_moe_layer: forwards in flight, each backward from its own context") {
-  // Both forwards before either backward, backwards in reverse order: every output, input
+TEST_CASE("the layer on cpu_exec: forwards in flight on two contexts, each backward its own") {
+  // Both forwards before either backward, each on its own execution context (two streams on a
+  // GPU), backwards in reverse order: every output, input
   // gradient, loss and kept record equals the one-at-a-time run bit for bit, and so do the
   // accumulated gradients (two terms per element: their sum does not depend on the order), the
   // bias's counts and the running counts. Dropless, sub-sequence dropping and pad mode, and
@@ -1083,8 +1090,8 @@ TEST_CASE("simt_moe_layer: forwards in flight, each backward from its own contex
       {sub_sequence{.capacity_factor = 1.0, .by = drop_by::probs}, false},
       {sub_sequence{.capacity_factor = 1.0, .pad_to_capacity = true}, false},
       {std::nullopt, true}};
-  const auto fold = make_folded(simt_layer_folds[0]).value();  // EP 4 x ETP 2 (reduced: 2 x 2)
-  problem p{.fold = simt_layer_folds[0]};
+  const auto fold = make_folded(layer_folds[0]).value();  // EP 4 x ETP 2 (reduced: 2 x 2)
+  problem p{.fold = layer_folds[0]};
   p.experts = 2 * fold.ep();
   p.topk = 2;
   p.hidden = 12;
@@ -1126,80 +1133,11 @@ TEST_CASE("simt_moe_layer: forwards in flight, each backward from its own contex
   }
 }
 
-// moe_layer on cpu_exec (the GPU code path in CI: kernels on fibers over poisoned memory, the
-// device-space thread world): the router, the losses, the drop policies, the dispatchers, the
-// experts (mlp_experts, simt_gemm) and the combine as context objects, with the caller's router
-// weight bound as views. Every rank's results against the single-rank fp64 reference of
-// layer_harness.hpp and against the same layer on host_exec (run_host, shared with the cases
-// above): the same routing and drop decisions, values within the two runs' fp32 error. A user
-// router (a kernel body launched on the context) and user experts (recording the probabilities
-// they are given around mlp_experts) plug in on cpu_exec as on host_exec, against the fp64
-// reference fed the router's assignment. Not in the TSan build (its reduced matrix is the GPU
-// layer's).
-#if !defined(MOEFOLD_SIMT_REDUCED)
+// A user router (a kernel body launched on the context) and user experts (recording the
+// probabilities they are given around mlp_experts) plug in on cpu_exec as on host_exec, against
+// the fp64 reference fed the router's assignment. Not in the TSan build.
+#if !defined(MOEFOLD_TSAN_REDUCED)
 namespace {
-
-// One rank of moe_layer on cpu_exec: the parameters uploaded to the context (the router weight
-// bound from the caller's buffers), forward, backward (seed 1), the gradients reduced over their
-// groups; everything read back and widened. The three policies through one layer type.
-template <class T, template <class, class, class, class> class Disp>
-expected<layer_result> run_cpu_rank(const problem& p, const drop_policy_variant& policy,
-                                    dev_comm& world, cpu_exec& x, bool keys) {
-  using layer_t = moe_layer<T, dev_comm, drop_policy_variant, Disp<T, dev_comm, cpu_exec, float>,
-                            simt_rank_experts<T, cpu_exec>>;
-  TRY_ASSIGN(in, (make_layer_rank_setup<T>(p, world, x, keys)));
-  TRY_ASSIGN(layer, (layer_t::make(x, options_of(p, in->fold), policy, std::move(*in->mlp))));
-  TRY(layer->bind_parameters(
-      {.router_weight = in->par.w.view(), .router_grad = in->par.dw.view()}));
-  const moe_layer_groups<dev_comm> g = in->groups();
-  TRY_ASSIGN(stats, layer->forward(in->x.cview(), in->key_view(), g, in->out.view()));
-  TRY(layer->device_status());  // the keys were good, the record whole
-  layer_result res;
-  res.aux = stats->aux_loss;
-  res.z = stats->z_loss;
-  res.dropped = stats->dropped.dropped_pairs;
-  TRY_ASSIGN(idx, (download<int>(x, layer->last_context().indices())));
-  res.indices = *idx;
-  TRY_ASSIGN(kept, (download<int>(x, layer->last_kept_experts())));
-  res.kept = *kept;
-  if (stats->dropped.capacity) {
-    res.capacity = *stats->dropped.capacity;
-    res.rows_per_expert.resize(static_cast<std::size_t>(p.experts));
-    for (int e = 0; e < p.experts; ++e) {
-      const auto i = static_cast<std::size_t>(e);
-      res.rows_per_expert[i] =
-          stats->dropped.routed[i] - stats->dropped.dropped[i] + stats->dropped.padded[i];
-    }
-  }
-  TRY(layer->backward(in->dout.cview(), 1.0f, g, in->dx.view()));
-  TRY(layer->reduce_gradients(in->stage, in->edp, {in->par.g1.view(), in->par.g2.view()}));
-  TRY(read_back(x, *in, res));
-  return res;
-}
-
-template <class T, template <class, class, class, class> class Disp>
-std::vector<layer_result> run_cpu(const problem& p, const drop_policy_variant& policy,
-                                  bool keys = false) {
-  return on_cpu_world<layer_result>(p.fold.world, 11, [&](dev_comm& world, cpu_exec& x) {
-    return run_cpu_rank<T, Disp>(p, policy, world, x, keys);
-  });
-}
-
-const fold_config cpu_exec_folds[] = {
-    {.world = 8, .tp = 2, .ep = 4, .etp = 2},  // EP 4 x ETP 2
-    {.world = 4, .cp = 2, .ep = 4, .etp = 1},  // CP 2: full-sequence dropping's true order
-};
-
-problem problem_of(const fold_config& f, int experts) {
-  const auto fold = make_folded(f).value();
-  problem p{.fold = f};
-  p.experts = experts;
-  p.topk = 2;
-  p.hidden = 12;
-  p.ffn = 2 * fold.etp();
-  p.tokens = 6;
-  return p;
-}
 
 // The user router of fixed_router.hpp, a kernel body, here on cpu_exec.
 static_assert(routing::router<fixed_router<float>, cpu_exec>);
@@ -1233,19 +1171,19 @@ struct user_run {
 
 // One rank of the layer with the user router and experts: forward, backward, read back.
 expected<user_run> run_user_rank(const problem& p, dev_comm& world, cpu_exec& x) {
-  using layer_t = moe_layer<float, dev_comm, drop_policy_variant,
+  using layer_t = moe_layer<float, cpu_exec, dev_comm, drop_policy_variant,
                             all_to_all_dispatcher<float, dev_comm, cpu_exec, float>,
                             recording_experts, fixed_router<float>>;
   TRY_ASSIGN(in, (make_layer_rank_setup<float>(p, world, x, false)));
   auto o = options_of(p, in->fold);
   o.aux_loss_coeff = o.z_loss_coeff = 0;  // no loss reaches the logits: dx has no router part
-  TRY_ASSIGN(layer, (layer_t::make(x, o, dropless{}, recording_experts{std::move(*in->mlp)},
-                                   fixed_router<float>{.experts = p.experts, .k = p.topk})));
+  TRY_ASSIGN(layer,
+             (layer_t::make(x, o, in->comms, dropless{}, recording_experts{std::move(*in->mlp)},
+                            fixed_router<float>{.experts = p.experts, .k = p.topk})));
   TRY(layer->bind_parameters(
       {.router_weight = in->par.w.view(), .router_grad = in->par.dw.view()}));
-  const moe_layer_groups<dev_comm> g = in->groups();
-  TRY(layer->forward(in->x.cview(), {}, g, in->out.view()));
-  TRY(layer->backward(in->dout.cview(), 1.0f, g, in->dx.view()));
+  TRY(layer->forward(x, in->x.cview(), {}, in->out.view()));
+  TRY(layer->backward(x, in->dout.cview(), 1.0f, in->dx.view()));
   user_run res;
   res.seen = layer->experts().seen;
   TRY(read_back(x, *in, res.res));
@@ -1253,78 +1191,6 @@ expected<user_run> run_user_rank(const problem& p, dev_comm& world, cpu_exec& x)
 }
 
 }  // namespace
-
-TEST_CASE(
-    "moe_layer on cpu_exec, dropless: the fp64 reference and the host context, both "
-    "dispatchers") {
-  for (const auto& f : cpu_exec_folds) {
-    const auto p = problem_of(f, 2 * make_folded(f).value().ep());
-    CAPTURE(f.world);
-    layer_check judge;
-    const auto a2a = run_cpu<float, all_to_all_dispatcher>(p, dropless{});
-    CHECK(check_layer_results<float>(p, a2a, drop_mode::none, &judge) == 0);
-    CHECK(judge.worst > 0);  // fp32 is not exact: the comparison is not vacuous
-    check_same_layer(a2a, run_host<float, all_to_all_dispatcher>(p, dropless{}), 2e-5);
-    const auto ag = run_cpu<float, all_gather_dispatcher>(p, dropless{});
-    CHECK(check_layer_results<float>(p, ag, drop_mode::none) == 0);
-    check_same_layer(ag, run_host<float, all_gather_dispatcher>(p, dropless{}), 2e-5);
-  }
-}
-
-TEST_CASE(
-    "moe_layer on cpu_exec with sub- and full-sequence dropping: the fp64 reference and "
-    "the host context") {
-  // Capacity factor 1 with 8 experts drops pairs on most ranks; by probability, by position and
-  // in pad mode; full-sequence over the tp-cp group in its rank order and in true sequence order.
-  const sub_sequence subs[] = {{.capacity_factor = 1.0, .by = drop_by::probs},
-                               {.capacity_factor = 1.0, .by = drop_by::position},
-                               {.capacity_factor = 1.0, .pad_to_capacity = true}};
-  const full_sequence fulls[] = {
-      {.capacity_factor = 1.0, .by = drop_by::position},
-      {.capacity_factor = 1.0, .pad_to_capacity = true, .by = drop_by::probs}};
-  long long dropped = 0;
-  for (const auto& f : cpu_exec_folds) {
-    const auto p = problem_of(f, 8);
-    CAPTURE(f.world);
-    for (const auto& policy : subs) {
-      CAPTURE(static_cast<int>(policy.by));
-      CAPTURE(policy.pad_to_capacity);
-      const auto cpu = run_cpu<float, all_to_all_dispatcher>(p, policy);
-      dropped += check_layer_results<float>(p, cpu, drop_mode::per_rank);
-      check_same_layer(cpu, run_host<float, all_to_all_dispatcher>(p, policy), 2e-5);
-      if (policy.pad_to_capacity)  // every expert exactly C rows from this rank
-        for (const auto& r : cpu)
-          for (int rows : r.rows_per_expert) CHECK(rows == r.capacity);
-    }
-    for (const auto& policy : fulls)
-      for (const bool keys : {false, true}) {
-        CAPTURE(static_cast<int>(policy.by));
-        CAPTURE(keys);
-        const auto cpu = run_cpu<float, all_to_all_dispatcher>(p, policy, keys);
-        dropped += check_layer_results<float>(p, cpu, drop_mode::per_sequence);
-        check_same_layer(cpu, run_host<float, all_to_all_dispatcher>(p, policy, keys), 2e-5);
-      }
-  }
-  MESSAGE("pairs dropped over all runs and ranks: ", dropped);
-  CHECK(dropped > 0);  // pairs were dropped: the drop path was exercised
-}
-
-TEST_CASE("moe_layer on cpu_exec in bf16 (fp32 router and probabilities): the fp64 reference") {
-  // bf16 tokens, experts and router weight; the router's logits, probabilities and losses in
-  // fp32 (the default router type) and the probabilities dispatched in fp32.
-  problem p = problem_of(cpu_exec_folds[0], 8);
-  p.ffn = 4;
-  p.bf16_values = true;
-  for (const int hidden : {16, 12}) {  // rows of 32 bytes, and of 24
-    CAPTURE(hidden);
-    p.hidden = hidden;
-    const auto cpu = run_cpu<bfloat16, all_to_all_dispatcher>(p, dropless{});
-    layer_check judge;
-    CHECK(check_layer_results<bfloat16>(p, cpu, drop_mode::none, &judge) == 0);
-    MESSAGE("bf16 layer on cpu_exec, worst normwise error against fp64: ", judge.worst);
-    CHECK(judge.worst > 0);
-  }
-}
 
 TEST_CASE(
     "moe_layer on cpu_exec with a user router and user experts: the fp64 reference fed the "
@@ -1354,4 +1220,4 @@ TEST_CASE(
   std::sort(given.begin(), given.end());
   CHECK(seen == given);
 }
-#endif  // !MOEFOLD_SIMT_REDUCED
+#endif  // !MOEFOLD_TSAN_REDUCED
