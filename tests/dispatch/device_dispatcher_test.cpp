@@ -218,8 +218,8 @@ using handle_of = typename D::handle_type;
 template <class D, class Comm>
 expected<handle_of<D>> forward(D& d, const dispatch_groups<Comm>& g, micro_batch& mb, int hidden,
                                const dispatch_workspace& ws) {
-  auto h = d.dispatch(
-      {.num_tokens = mb.in.n, .x = mb.in.x, .expert = mb.in.expert, .probs = mb.in.probs}, g, ws);
+  host_exec x;
+  auto h = d.dispatch(x, host_input(d.shape(), mb.in.n, mb.in.x, mb.in.expert, mb.in.probs), g, ws);
   if (!h) return h;
   const auto b = h->batch();
   const auto bx = b.x.flat(), bp = b.probs.flat();
@@ -227,7 +227,8 @@ expected<handle_of<D>> forward(D& d, const dispatch_groups<Comm>& g, micro_batch
   for (std::size_t i = 0; i < y.size(); ++i)
     y[i] = bx[i] / 2 + bp[i / static_cast<std::size_t>(hidden)];
   mb.out.assign(static_cast<std::size_t>(mb.in.n) * static_cast<std::size_t>(hidden), 0.0);
-  if (auto st = d.combine(*h, y, g, mb.out); !st) return unexpected<error>(st.error());
+  if (auto st = d.combine(x, *h, rows_of(y, hidden), g, rows_of(mb.out, hidden)); !st)
+    return unexpected<error>(st.error());
   return h;
 }
 
@@ -238,7 +239,10 @@ status backward(D& d, const dispatch_groups<Comm>& g, micro_batch& mb, int hidde
                 const handle_of<D>& h) {
   const auto bx = h.batch().x.flat();
   mb.dy.assign(bx.size(), 0.0);
-  if (auto st = d.combine_backward(h, mb.in.dout, g, mb.dy); !st) return st;
+  host_exec x;
+  if (auto st = d.combine_backward(x, h, rows_of(mb.in.dout, hidden), g, rows_of(mb.dy, hidden));
+      !st)
+    return st;
   std::vector<double> dxr(bx.size()), dpr(static_cast<std::size_t>(h.num_rows()), 0.0);
   for (std::size_t i = 0; i < dxr.size(); ++i) {
     dxr[i] = mb.dy[i] * bx[i];
@@ -246,7 +250,8 @@ status backward(D& d, const dispatch_groups<Comm>& g, micro_batch& mb, int hidde
   }
   mb.dx.assign(mb.out.size(), 0.0);
   mb.dprobs.assign(mb.in.probs.size(), 0.0);
-  return d.dispatch_backward(h, dxr, dpr, g, mb.dx, mb.dprobs);
+  return d.dispatch_backward(x, h, rows_of(dxr, hidden), rows_of(dpr, 1), g, rows_of(mb.dx, hidden),
+                             rows_of(mb.dprobs, d.shape().topk));
 }
 
 template <template <class, class, class> class Disp>

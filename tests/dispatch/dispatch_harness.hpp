@@ -18,6 +18,7 @@
 #include <optional>
 #include <vector>
 
+#include "../support/host_dispatch.hpp"
 #include "../support/mlp_layout.hpp"
 
 namespace moefold::test {
@@ -308,10 +309,10 @@ expected<rank_result> run_rank(const problem& p, Comm& world) {
   auto disp = make_dispatcher<Path>(p, fold);
   if (!disp) return unexpected<error>(disp.error());
   const std::optional<int> cap = p.pad ? std::optional<int>(p.capacity) : std::nullopt;
-  std::vector<std::byte> ws(disp->workspace_bytes(cap));
+  host_workspace ws(disp->workspace_sizes(cap));
   const dispatch_groups<Comm> g{*ep, *etp, *tp_ep};
-  auto h = disp->dispatch(
-      {.num_tokens = n, .x = x, .expert = expert, .probs = probs, .capacity = cap}, g, ws);
+  host_exec hx;
+  auto h = disp->dispatch(hx, host_input(disp->shape(), n, x, expert, probs, cap), g, ws.view());
   if (!h) return unexpected<error>(h.error());
   auto mlp = rank_experts<double>(p, fold, r, w.w1, w.w2);
   if (!mlp) return unexpected<error>(mlp.error());
@@ -324,9 +325,12 @@ expected<rank_result> run_rank(const problem& p, Comm& world) {
   res.dprob.resize(probs.size());
   auto ok = [](const status& st) { return st.has_value(); };
   for (const status& st :
-       {mlp->forward(h->batch(), y), disp->combine(*h, y, g, res.out),
-        disp->combine_backward(*h, dout, g, dy), mlp->backward(h->batch(), dy, dx_rows, dp_rows),
-        disp->dispatch_backward(*h, dx_rows, dp_rows, g, res.dx, res.dprob),
+       {mlp->forward(h->batch(), y),
+        disp->combine(hx, *h, rows_of(y, p.hidden), g, rows_of(res.out, p.hidden)),
+        disp->combine_backward(hx, *h, rows_of(dout, p.hidden), g, rows_of(dy, p.hidden)),
+        mlp->backward(h->batch(), dy, dx_rows, dp_rows),
+        disp->dispatch_backward(hx, *h, rows_of(dx_rows, p.hidden), rows_of(dp_rows, 1), g,
+                                rows_of(res.dx, p.hidden), rows_of(res.dprob, p.topk)),
         // Expert weights are replicated over EDP: their gradients are summed over it.
         edp->template all_reduce<double>(mlp->grads_fc1(), reduce_op::sum),
         edp->template all_reduce<double>(mlp->grads_fc2(), reduce_op::sum)})

@@ -155,26 +155,29 @@ TEST_CASE("dispatcher misuse gives clear errors") {
                  {.max_tokens = 2, .hidden = 1, .topk = 1, .num_experts = 2, .ep = 2})
                  .value();
     auto d2 = d;
-    std::vector<std::byte> ws(d.workspace_bytes()), small(16);
+    host_workspace ws(d.workspace_sizes());
+    std::vector<std::byte> small(16);
     auto ep = world.split(0, world.rank()).value();
     auto etp = world.split(world.rank(), 0).value();
     auto tpep = world.split(0, world.rank()).value();
     const dispatch_groups<thread_communicator> g{ep, etp, tpep};
     const std::vector<double> x = {1, 2}, probs = {1, 1};
     const std::vector<int> expert = {0, 1};
-    CHECK(d.dispatch({.num_tokens = 3, .x = x, .expert = expert, .probs = probs}, g, ws)
-              .error()
-              .code == errc::invalid_size);
-    CHECK(d.dispatch({.num_tokens = 2, .x = x, .expert = expert, .probs = probs}, g, small)
+    host_exec hx;
+    CHECK(d.dispatch(hx, host_input(d.shape(), 3, x, expert, probs), g, ws.view()).error().code ==
+          errc::invalid_size);
+    // 16 bytes in all (the saved part; the others empty).
+    CHECK(d.dispatch(hx, host_input(d.shape(), 2, x, expert, probs), g, {.saved = small})
               .error()
               .code == errc::workspace_too_small);
-    auto h = d.dispatch({.num_tokens = 2, .x = x, .expert = expert, .probs = probs}, g, ws);
+    auto h = d.dispatch(hx, host_input(d.shape(), 2, x, expert, probs), g, ws.view());
     REQUIRE(h);
     std::vector<double> y(static_cast<std::size_t>(h->num_rows())), out(2);
     // A handle from another dispatcher is refused (no collective runs, so no rank waits).
-    CHECK(d2.combine(*h, y, g, out).error().message.find("another dispatcher") !=
-          std::string::npos);
-    return d.combine(*h, y, g, out);
+    CHECK(d2.combine(hx, *h, rows_of(y, 1), g, rows_of(out, 1))
+              .error()
+              .message.find("another dispatcher") != std::string::npos);
+    return d.combine(hx, *h, rows_of(y, 1), g, rows_of(out, 1));
   });
   for (const auto& s : st) CHECK(s.has_value());
 }
@@ -235,16 +238,16 @@ std::vector<status> run_faulty(bool throws, bool wrong_shape, int experts_on_ran
             r == 2 && throws, r == 2 && wrong_shape};
         std::vector<double> x(6, 1.0), probs(3, 1.0), out(6);
         std::vector<int> expert = {1, 2, 3};  // rank 2 owns expert 2: it gets rows
-        std::vector<std::byte> ws(disp->workspace_bytes());
+        host_workspace ws(disp->workspace_sizes());
         const dispatch_groups<thread_communicator> g{*ep, *etp, *tp_ep};
-        auto h = disp->dispatch({.num_tokens = 3, .x = x, .expert = expert, .probs = probs}, g, ws);
+        host_exec hx;
+        auto h = disp->dispatch(hx, host_input(disp->shape(), 3, x, expert, probs), g, ws.view());
         if (!h) return unexpected<error>(h.error());
         std::vector<double> y(static_cast<std::size_t>(h->num_rows()) * 2);
-        host_exec hx;
         std::vector<std::byte> fws(fx.inner.workspace_bytes(h->num_rows()));
         if (auto s = fx.forward(hx, h->batch(), host_rows(std::span(y), 2), fws); !s)
           return s;  // a failing rank returns early
-        return disp->combine(*h, y, g, out);
+        return disp->combine(hx, *h, rows_of(y, 2), g, rows_of(out, 2));
       },
       {.timeout = std::chrono::milliseconds(2000)});
 }
@@ -361,10 +364,11 @@ TEST_CASE_TEMPLATE("pad mode: ranks padding to different capacities fail togethe
         const int cap = r == 1 ? 2 : 1;
         std::vector<double> x = {1, 2}, probs = {1, 1};
         std::vector<int> expert = {0, 3};
-        std::vector<std::byte> ws(disp->workspace_bytes(cap));
+        host_workspace ws(disp->workspace_sizes(cap));
         const dispatch_groups<thread_communicator> g{ep, etp, tp_ep};
-        auto h = disp->dispatch(
-            {.num_tokens = 2, .x = x, .expert = expert, .probs = probs, .capacity = cap}, g, ws);
+        host_exec hx;
+        auto h =
+            disp->dispatch(hx, host_input(disp->shape(), 2, x, expert, probs, cap), g, ws.view());
         if (!h) return unexpected<error>(h.error());
         return {};
       },
@@ -425,9 +429,10 @@ std::vector<identity_result> run_identity(const problem& p) {
     auto disp = make_dispatcher<Path>(p, fold);
     if (!disp) return unexpected<error>(disp.error());
     const auto [n, x, expert, probs, dout] = inputs_of(p, groups, r);
-    std::vector<std::byte> ws(disp->workspace_bytes());
+    host_workspace ws(disp->workspace_sizes());
     const dispatch_groups<thread_communicator> g{ep, etp, tp_ep};
-    auto h = disp->dispatch({.num_tokens = n, .x = x, .expert = expert, .probs = probs}, g, ws);
+    host_exec hx;
+    auto h = disp->dispatch(hx, host_input(disp->shape(), n, x, expert, probs), g, ws.view());
     if (!h) return unexpected<error>(h.error());
     const identity_experts fx{p.experts / fold.ep(), p.hidden, fold.etp()};
     const auto M = static_cast<std::size_t>(h->num_rows()), H = static_cast<std::size_t>(p.hidden);
@@ -436,13 +441,14 @@ std::vector<identity_result> run_identity(const problem& p) {
     res.out.resize(x.size());
     res.dx.resize(x.size());
     res.dprob.resize(probs.size());
-    host_exec hx;
-    const auto rows = [&](auto& v, int w) { return host_rows(std::span(v), w); };
     for (const status& s :
-         {fx.forward(hx, h->batch(), rows(y, p.hidden), {}), disp->combine(*h, y, g, res.out),
-          disp->combine_backward(*h, dout, g, dy),
-          fx.backward(hx, h->batch(), rows(dy, p.hidden), rows(dxr, p.hidden), rows(dpr, 1), {}),
-          disp->dispatch_backward(*h, dxr, dpr, g, res.dx, res.dprob)})
+         {fx.forward(hx, h->batch(), rows_of(y, p.hidden), {}),
+          disp->combine(hx, *h, rows_of(y, p.hidden), g, rows_of(res.out, p.hidden)),
+          disp->combine_backward(hx, *h, rows_of(dout, p.hidden), g, rows_of(dy, p.hidden)),
+          fx.backward(hx, h->batch(), rows_of(dy, p.hidden), rows_of(dxr, p.hidden),
+                      rows_of(dpr, 1), {}),
+          disp->dispatch_backward(hx, *h, rows_of(dxr, p.hidden), rows_of(dpr, 1), g,
+                                  rows_of(res.dx, p.hidden), rows_of(res.dprob, p.topk))})
       if (!s) return s;
     return {};
   });
@@ -546,13 +552,14 @@ TEST_CASE_TEMPLATE("pad mode: a rank over capacity, or naming a bad expert, fail
           std::vector<int> expert = {r, (r + 1) % 4};
           if (r == 2) expert = {0, bad_expert >= 0 ? bad_expert : 0};
           const std::optional<int> cap = bad_expert >= 0 ? std::nullopt : std::optional<int>(1);
-          std::vector<std::byte> ws(disp->workspace_bytes(cap));
+          host_workspace ws(disp->workspace_sizes(cap));
           const dispatch_groups<thread_communicator> g{ep, etp, tp_ep};
-          auto h = disp->dispatch(
-              {.num_tokens = 2, .x = x, .expert = expert, .probs = probs, .capacity = cap}, g, ws);
+          host_exec hx;
+          auto h =
+              disp->dispatch(hx, host_input(disp->shape(), 2, x, expert, probs, cap), g, ws.view());
           if (!h) return unexpected<error>(h.error());
           std::vector<double> y(static_cast<std::size_t>(h->num_rows())), out(2);
-          return disp->combine(*h, y, g, out);
+          return disp->combine(hx, *h, rows_of(y, 1), g, rows_of(out, 1));
         },
         {.timeout = std::chrono::milliseconds(2000)});
     for (int r = 0; r < 4; ++r) {
@@ -611,7 +618,6 @@ TEST_CASE(
       CHECK(b.saved <= R * row + overhead);
       CHECK(b.scratch >= (2 * std::uint64_t{static_cast<unsigned>(R)} + S) * packed);
       CHECK(b.scratch <= (2 * std::uint64_t{static_cast<unsigned>(R)} + S) * packed + counts);
-      CHECK(d->workspace_bytes() == b.total());
       sizes.push_back(b);
     }
     const auto diff = [](std::size_t a, std::size_t b) { return a > b ? a - b : b - a; };
@@ -853,11 +859,11 @@ expected<recorded> run_recorded(const problem& p, thread_communicator& world) {
   auto& log = rg.log;
   auto [n, x, expert, probs, dout] = inputs_of(p, groups, r);
   const std::optional<int> cap = p.pad ? std::optional<int>(p.capacity) : std::nullopt;
-  std::vector<std::byte> ws(disp->workspace_bytes(cap), std::byte{0xA5});
+  host_workspace ws(disp->workspace_sizes(cap), std::byte{0xA5});
   recorded out;
   out.packed_width = W;
-  auto h = disp->dispatch(
-      {.num_tokens = n, .x = x, .expert = expert, .probs = probs, .capacity = cap}, g, ws);
+  host_exec hx;
+  auto h = disp->dispatch(hx, host_input(disp->shape(), n, x, expert, probs, cap), g, ws.view());
   if (!h) return unexpected<error>(h.error());
   out.dispatch = summarize(log);
   auto mlp = rank_experts<double>(p, fold, r, w.w1, w.w2);
@@ -869,13 +875,18 @@ expected<recorded> run_recorded(const problem& p, thread_communicator& world) {
   res.dx.resize(res.out.size());
   res.dprob.resize(probs.size());
   if (auto st = mlp->forward(h->batch(), y); !st) return unexpected<error>(st.error());
-  if (auto st = disp->combine(*h, y, g, res.out); !st) return unexpected<error>(st.error());
+  const int Hi = p.hidden;
+  if (auto st = disp->combine(hx, *h, rows_of(y, Hi), g, rows_of(res.out, Hi)); !st)
+    return unexpected<error>(st.error());
   out.combine = summarize(log);
-  if (auto st = disp->combine_backward(*h, dout, g, dy); !st) return unexpected<error>(st.error());
+  if (auto st = disp->combine_backward(hx, *h, rows_of(dout, Hi), g, rows_of(dy, Hi)); !st)
+    return unexpected<error>(st.error());
   out.combine_backward = summarize(log);
   if (auto st = mlp->backward(h->batch(), dy, dx_rows, dp_rows); !st)
     return unexpected<error>(st.error());
-  if (auto st = disp->dispatch_backward(*h, dx_rows, dp_rows, g, res.dx, res.dprob); !st)
+  if (auto st = disp->dispatch_backward(hx, *h, rows_of(dx_rows, Hi), rows_of(dp_rows, 1), g,
+                                        rows_of(res.dx, Hi), rows_of(res.dprob, p.topk));
+      !st)
     return unexpected<error>(st.error());
   out.dispatch_backward = summarize(log);
   out.volume = h->volume();
@@ -1063,8 +1074,9 @@ expected<exact_result> run_exact(const problem& p, thread_communicator& world,
   for (std::size_t i = 0; i < probs.size(); ++i)
     probs[i] = P(static_cast<float>(1 + (static_cast<std::size_t>(r) + i) % 8) / 8.f +
                  (fine_probs ? static_cast<float>(1 + i % 5) / 4096.f : 0.f));
-  std::vector<std::byte> ws(disp->workspace_bytes(), std::byte{0xA5});
-  auto h = disp->dispatch({.num_tokens = in.n, .x = x, .expert = in.expert, .probs = probs}, g, ws);
+  host_workspace ws(disp->workspace_sizes(), std::byte{0xA5});
+  host_exec hx;
+  auto h = disp->dispatch(hx, host_input(disp->shape(), in.n, x, in.expert, probs), g, ws.view());
   if (!h) return unexpected<error>(h.error());
   exact_result res;
   res.dispatch = summarize(rg.log);
@@ -1072,11 +1084,16 @@ expected<exact_result> run_exact(const problem& p, thread_communicator& world,
   const auto M = static_cast<std::size_t>(h->num_rows());
   std::vector<T> y(b.x.flat().begin(), b.x.flat().end()), out(N * H), dy(M * H), dx(N * H);
   std::vector<P> dprob(N * K);
-  if (auto st = disp->combine(*h, y, g, out); !st) return unexpected<error>(st.error());
-  if (auto st = disp->combine_backward(*h, dout, g, dy); !st) return unexpected<error>(st.error());
+  const int Hi = p.hidden;
+  if (auto st = disp->combine(hx, *h, rows_of(y, Hi), g, rows_of(out, Hi)); !st)
+    return unexpected<error>(st.error());
+  if (auto st = disp->combine_backward(hx, *h, rows_of(dout, Hi), g, rows_of(dy, Hi)); !st)
+    return unexpected<error>(st.error());
   rg.log.clear();
   const std::vector<P> dp_rows(b.probs.flat().begin(), b.probs.flat().end());
-  if (auto st = disp->dispatch_backward(*h, dy, dp_rows, g, dx, dprob); !st)
+  if (auto st = disp->dispatch_backward(hx, *h, rows_of(dy, Hi), rows_of(dp_rows, 1), g,
+                                        rows_of(dx, Hi), rows_of(dprob, p.topk));
+      !st)
     return unexpected<error>(st.error());
   res.dispatch_backward = summarize(rg.log);
   auto to_float = [](const auto& v) {

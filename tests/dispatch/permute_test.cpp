@@ -10,6 +10,7 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -421,9 +422,10 @@ TEST_CASE("pad mode is an optional capacity: unset pads nothing, a negative one 
   CHECK(bad.error().message.find("leave it unset for no padding") != std::string::npos);
   const std::vector<double> x(2 * 3), probs(4);
   const dispatch_shape s{.max_tokens = 2, .hidden = 3, .topk = 2, .num_experts = 4};
-  dispatch_input<double> in =
-      host_dispatch_input<double>{.num_tokens = 2, .x = x, .expert = expert, .probs = probs}
-          .to_views(s.hidden, s.topk);
+  dispatch_input<double> in{.num_tokens = 2,
+                            .x = host_rows(std::span(x), s.hidden),
+                            .expert = host_rows(std::span(expert), s.topk),
+                            .probs = host_rows(std::span(probs), s.topk)};
   CHECK(detail::check_dispatch_input(s, in));
   in.capacity = -1;
   const auto st = detail::check_dispatch_input(s, in);

@@ -40,8 +40,9 @@ std::vector<long long> count_steps(const problem& p) {
     auto disp = make_dispatcher<Path>(p, fold);
     if (!disp) return unexpected<error>(disp.error());
     const std::optional<int> cap = p.pad ? std::optional<int>(p.capacity) : std::nullopt;
-    std::vector<std::byte> ws(disp->workspace_bytes(cap));
+    host_workspace ws(disp->workspace_sizes(cap));
     const dispatch_groups<comm> g{ep, etp, tp_ep};
+    host_exec hx;
     auto mlp = rank_experts<double>(p, fold, r, w.w1, w.w2);
     if (!mlp) return unexpected<error>(mlp.error());
     // Sized for the largest batch a step can produce (the receive bound).
@@ -57,15 +58,17 @@ std::vector<long long> count_steps(const problem& p) {
     };
     for (int step = 0; step < steps; ++step) {
       if (auto s = counting(true); !s) return s;
-      auto h = disp->dispatch(
-          {.num_tokens = n, .x = x, .expert = expert, .probs = probs, .capacity = cap}, g, ws);
+      auto h =
+          disp->dispatch(hx, host_input(disp->shape(), n, x, expert, probs, cap), g, ws.view());
       if (!h) return unexpected<error>(h.error());
       const auto M = detail::uz(h->num_rows());
       if (auto s = counting(false); !s) return s;
       if (auto s = mlp->forward(h->batch(), std::span(y).first(M * H)); !s) return s;
       if (auto s = counting(true); !s) return s;
-      for (const status& st : {disp->combine(*h, std::span<const double>(y).first(M * H), g, out),
-                               disp->combine_backward(*h, dout, g, std::span(dy).first(M * H))})
+      const int Mr = h->num_rows(), Hr = p.hidden;
+      for (const status& st :
+           {disp->combine(hx, *h, rows_of(y, Hr).first(Mr), g, rows_of(out, Hr)),
+            disp->combine_backward(hx, *h, rows_of(dout, Hr), g, rows_of(dy, Hr).first(Mr))})
         if (!st) return st;
       if (auto s = counting(false); !s) return s;
       if (auto s = mlp->backward(h->batch(), std::span<const double>(dy).first(M * H),
@@ -73,12 +76,12 @@ std::vector<long long> count_steps(const problem& p) {
           !s)
         return s;
       if (auto s = counting(true); !s) return s;
-      for (const status& st :
-           {disp->dispatch_backward(*h, std::span<const double>(dx_rows).first(M * H),
-                                    std::span<const double>(dp_rows).first(M), g, dx, dprob),
-            edp.template all_reduce<double>(mlp->grads_fc1(), reduce_op::sum),
-            edp.template all_reduce<double>(mlp->grads_fc2(), reduce_op::sum),
-            world.template broadcast<double>(bcast, 3)})
+      for (const status& st : {disp->dispatch_backward(hx, *h, rows_of(dx_rows, Hr).first(Mr),
+                                                       rows_of(dp_rows, 1).first(Mr), g,
+                                                       rows_of(dx, Hr), rows_of(dprob, p.topk)),
+                               edp.template all_reduce<double>(mlp->grads_fc1(), reduce_op::sum),
+                               edp.template all_reduce<double>(mlp->grads_fc2(), reduce_op::sum),
+                               world.template broadcast<double>(bcast, 3)})
         if (!st) return st;
       if (auto s = counting(false); !s) return s;
       if (r == 0) news[static_cast<std::size_t>(step)] = test::news.exchange(0);

@@ -64,10 +64,6 @@ class all_gather_dispatcher
   using prob_view = row_view<Prob, space>;
   using const_prob_view = row_view<const Prob, space>;
   using handle_type = typename common::handle_type;
-  using common::combine;
-  using common::combine_backward;
-  using common::dispatch;
-  using common::dispatch_backward;
   using common::pack_reductions;
   //! What the handle keeps: the token count of every tp-ep rank (in tp-ep rank order, host).
   struct state {

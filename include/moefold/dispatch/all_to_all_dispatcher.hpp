@@ -80,10 +80,6 @@ class all_to_all_dispatcher
   using prob_view = row_view<Prob, space>;
   using const_prob_view = row_view<const Prob, space>;
   using handle_type = typename common::handle_type;
-  using common::combine;
-  using common::combine_backward;
-  using common::dispatch;
-  using common::dispatch_backward;
   using common::pack_reductions;
   //! What the handle keeps for combine and the backward: splits and the chunk order (host
   //! memory), and the chunk sizes and offsets the chunk copies read (the context's memory).

@@ -50,7 +50,7 @@ struct dispatch_workspace {
   std::span<std::byte> host{};
 };
 
-//! Bytes of each part (`total()` when one host buffer holds all three: host contexts only).
+//! Bytes of each part; `total()` is their sum.
 struct dispatch_workspace_bytes {
   std::size_t saved = 0;
   std::size_t scratch = 0;
@@ -82,33 +82,6 @@ struct dispatch_input {
   bool every_pair_routed = false;
 };
 
-//! The span form of dispatch_input, for host code and tests (host contexts): x [N*H], expert and
-//! probs [N*k], in element counts. The dispatcher sees it as the views of to_views(H, k); a span
-//! that is not whole rows gives a view of -1 rows, which it refuses as a shape mismatch.
-template <class T, class P = T>
-struct host_dispatch_input {
-  int num_tokens = 0;
-  std::span<const T> x{};
-  std::span<const int> expert{};
-  std::span<const P> probs{};
-  std::optional<int> capacity{};
-
-  [[nodiscard]] dispatch_input<T, host_space, P> to_views(int hidden, int topk) const noexcept {
-    auto rows = [](std::size_t n, int w) {
-      return w > 0 && n % static_cast<std::size_t>(w) == 0
-                 ? static_cast<int>(n / static_cast<std::size_t>(w))
-                 : -1;
-    };
-    const dispatch_input<T, host_space, P> in{
-        .num_tokens = num_tokens,
-        .x = {x.data(), rows(x.size(), hidden), hidden},
-        .expert = {expert.data(), rows(expert.size(), topk), topk},
-        .probs = {probs.data(), rows(probs.size(), topk), topk},
-        .capacity = capacity};
-    return in;
-  }
-};
-
 //! This rank's communicators for the three groups a dispatcher uses. The tp-ep rank must be
 //! ep_rank * ETP + etp_rank (Megatron-Core's layout; group_communicator builds it so).
 template <class Comm>
@@ -119,14 +92,6 @@ struct dispatch_groups {
 };
 
 namespace detail {
-
-//! One host buffer as the three parts, saved, scratch, host. A buffer smaller than their total
-//! leaves host empty, which the dispatcher reports as errc::workspace_too_small.
-[[nodiscard]] inline dispatch_workspace split_workspace(
-    std::span<std::byte> w, const dispatch_workspace_bytes& b) noexcept {
-  if (w.size() < b.total()) return {w, {}, {}};
-  return {w.first(b.saved), w.subspan(b.saved, b.scratch), w.subspan(b.saved + b.scratch)};
-}
 
 //! The worst-case receive rows of a shape (every routed pair of the tp-ep group), in 64 bits.
 [[nodiscard]] constexpr std::int64_t worst_recv_rows(const dispatch_shape& s) noexcept {
@@ -207,7 +172,7 @@ template <class T, class S, class P>
                       "dispatch: capacity = " + to_decimal(*in.capacity) +
                           " (pad mode takes a capacity >= 0; leave it unset for no padding)");
   // Pad mode: a rank's experts compute C rows from each of the EP * ETP sources per local
-  // expert, C * E * ETP rows in all (what the workspace of workspace_bytes(C) holds).
+  // expert, C * E * ETP rows in all (what the workspace of workspace_sizes(C) holds).
   const long long pad_bound =
       static_cast<long long>(pad_or_off(in.capacity)) * s.num_experts * s.etp;
   if (in.capacity && pad_bound > max_rows)

@@ -1,19 +1,16 @@
 //! @file dispatcher_common.hpp
-//! @brief What both token dispatchers share around their own four steps: the calls on a
-//! default-constructed context (host_exec carries nothing), one workspace buffer split into its
-//! two parts, views of workspace spans in the dispatcher's memory space, and the packed rows in
-//! which probabilities travel with their token rows.
+//! @brief What both token dispatchers share around their own four steps: views of workspace
+//! spans in the dispatcher's memory space, the shape checks of the view forms, and the packed rows
+//! in which probabilities travel with their token rows.
 //!
-//! A dispatcher D derives from dispatcher_common<D, T, Comm, Exec, P>, implements the view forms
-//! dispatch(x, dispatch_input, g, dispatch_workspace), combine(x, ...), combine_backward(x, ...),
-//! dispatch_backward(x, ...), shape() and workspace_sizes(capacity), and brings the host forms
-//! here (spans, one workspace buffer, a default context) in with using-declarations.
+//! A dispatcher D derives from dispatcher_common<D, T, Comm, Exec, P> and implements the one API,
+//! views on a context: dispatch(x, dispatch_input, g, dispatch_workspace), combine(x, ...),
+//! combine_backward(x, ...), dispatch_backward(x, ...), shape() and workspace_sizes(capacity).
 #pragma once
 
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
-#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -132,9 +129,6 @@ class dispatcher_common {
   using const_view = row_view<const T, space>;
   using prob_view = row_view<P, space>;
   using const_prob_view = row_view<const P, space>;
-  //! The forms without a context argument: host memory and a context that carries nothing.
-  static constexpr bool host_context = host_accessible_v<space> && std::default_initializable<Exec>;
-
   //! Probabilities travel in the rows of their tokens (one collective instead of two) wherever
   //! the collective only copies. A reduction of packed rows sums every column as T, so it is
   //! packed only when the probabilities are T values and T is at least 32 bits wide (fp32, fp64:
@@ -143,91 +137,6 @@ class dispatcher_common {
   //! (accumulator_t), so it is never summed in 16 bits, and a wider P (fp32 with bf16 tokens) is
   //! summed as P. Both paths are compiled for every T; this selects one at run time.
   static constexpr bool pack_reductions = sizeof(T) >= 4 && std::same_as<T, P>;
-
-  //! Bytes of one host buffer holding all three workspace parts (see workspace_sizes).
-  [[nodiscard]] std::size_t workspace_bytes(std::optional<int> capacity = {}) const {
-    return self().workspace_sizes(capacity).total();
-  }
-
-  // --- host forms: one workspace buffer, span inputs, a default-constructed context ----------
-  // (host memory only; a device context takes views and the three workspace parts)
-
-  //! Dispatch with one buffer of workspace_bytes(capacity) bytes holding all three parts.
-  [[nodiscard]] expected<handle_type> dispatch(
-      Exec& x, const dispatch_input<T, space, P>& in, const dispatch_groups<Comm>& g,
-      std::span<std::byte> workspace) requires host_accessible_v<space> {
-    return self().dispatch(x, in, g,
-                           detail::split_workspace(workspace, self().workspace_sizes(in.capacity)));
-  }
-  [[nodiscard]] expected<handle_type> dispatch(
-      Exec& x, const host_dispatch_input<T, P>& in, const dispatch_groups<Comm>& g,
-      const dispatch_workspace& ws) requires host_accessible_v<space> {
-    return self().dispatch(x, views_of(in), g, ws);
-  }
-  [[nodiscard]] expected<handle_type> dispatch(
-      Exec& x, const host_dispatch_input<T, P>& in, const dispatch_groups<Comm>& g,
-      std::span<std::byte> workspace) requires host_accessible_v<space> {
-    return dispatch(x, views_of(in), g, workspace);
-  }
-  [[nodiscard]] expected<handle_type> dispatch(
-      const dispatch_input<T, space, P>& in, const dispatch_groups<Comm>& g,
-      std::span<std::byte> workspace) requires host_context {
-    Exec x{};
-    return dispatch(x, in, g, workspace);
-  }
-  [[nodiscard]] expected<handle_type> dispatch(
-      const host_dispatch_input<T, P>& in, const dispatch_groups<Comm>& g,
-      std::span<std::byte> workspace) requires host_context {
-    Exec x{};
-    return dispatch(x, views_of(in), g, workspace);
-  }
-  [[nodiscard]] expected<handle_type> dispatch(const dispatch_input<T, space, P>& in,
-                                               const dispatch_groups<Comm>& g,
-                                               const dispatch_workspace& ws) requires host_context {
-    Exec x{};
-    return self().dispatch(x, in, g, ws);
-  }
-  [[nodiscard]] expected<handle_type> dispatch(const host_dispatch_input<T, P>& in,
-                                               const dispatch_groups<Comm>& g,
-                                               const dispatch_workspace& ws) requires host_context {
-    Exec x{};
-    return self().dispatch(x, views_of(in), g, ws);
-  }
-  [[nodiscard]] status combine(Exec& x, handle_type& h, std::span<const T> y,
-                               const dispatch_groups<Comm>& g,
-                               std::span<T> out) requires host_accessible_v<space> {
-    return self().combine(x, h, span_rows(y, hidden()), g, span_rows(out, hidden()));
-  }
-  [[nodiscard]] status combine(handle_type& h, std::span<const T> y, const dispatch_groups<Comm>& g,
-                               std::span<T> out) requires host_context {
-    Exec x{};
-    return combine(x, h, y, g, out);
-  }
-  [[nodiscard]] status combine_backward(Exec& x, const handle_type& h, std::span<const T> dout,
-                                        const dispatch_groups<Comm>& g,
-                                        std::span<T> dy) requires host_accessible_v<space> {
-    return self().combine_backward(x, h, span_rows(dout, hidden()), g, span_rows(dy, hidden()));
-  }
-  [[nodiscard]] status combine_backward(const handle_type& h, std::span<const T> dout,
-                                        const dispatch_groups<Comm>& g,
-                                        std::span<T> dy) requires host_context {
-    Exec x{};
-    return combine_backward(x, h, dout, g, dy);
-  }
-  [[nodiscard]] status dispatch_backward(Exec& x, const handle_type& h, std::span<const T> dx_rows,
-                                         std::span<const P> dprob_rows,
-                                         const dispatch_groups<Comm>& g, std::span<T> dx,
-                                         std::span<P> dprobs) requires host_accessible_v<space> {
-    return self().dispatch_backward(x, h, span_rows(dx_rows, hidden()), span_rows(dprob_rows, 1), g,
-                                    span_rows(dx, hidden()), span_rows(dprobs, topk()));
-  }
-  [[nodiscard]] status dispatch_backward(const handle_type& h, std::span<const T> dx_rows,
-                                         std::span<const P> dprob_rows,
-                                         const dispatch_groups<Comm>& g, std::span<T> dx,
-                                         std::span<P> dprobs) requires host_context {
-    Exec x{};
-    return dispatch_backward(x, h, dx_rows, dprob_rows, g, dx, dprobs);
-  }
 
  protected:
   //! Elements from one row of the experts' batch to the next: H padded to 16 bytes in a
@@ -335,17 +244,6 @@ class dispatcher_common {
  private:
   int hidden() const noexcept { return self().shape().hidden; }
   int topk() const noexcept { return self().shape().topk; }
-  dispatch_input<T, space, P> views_of(const host_dispatch_input<T, P>& in) const noexcept {
-    return in.to_views(hidden(), topk());
-  }
-  //! A span as [size / width, width], or -1 rows when it is not whole rows (refused by the
-  //! shape checks).
-  template <class U>
-  static row_view<U, space> span_rows(std::span<U> v, int width) noexcept {
-    const bool whole = width > 0 && v.size() % detail::uz(width) == 0;
-    return row_view<U, space>(v.data(), whole ? static_cast<int>(v.size() / detail::uz(width)) : -1,
-                              width);
-  }
   D& self() noexcept { return static_cast<D&>(*this); }
   const D& self() const noexcept { return static_cast<const D&>(*this); }
 };
