@@ -347,6 +347,33 @@ expected<layer_result> run_device_rank(const problem& p, Comm& world, Exec& x,
   return res;
 }
 
+// One forward's storage on a context (a forward in flight keeps it until its backward), sized by
+// the layer's saved_sizes for the capacity pad mode will report (its rows grow with it; `group`:
+// the ranks whose tokens a full-sequence decision sees).
+template <class Exec>
+struct forward_storage {
+  exec_buffer<std::byte, Exec> saved;
+  std::size_t saved_bytes = 0;
+  std::vector<std::byte> host;
+  [[nodiscard]] moe_saved_storage view() { return {{saved.view().data(), saved_bytes}, host}; }
+};
+template <class Layer, class Exec>
+expected<forward_storage<Exec>> make_forward_storage(const Layer& layer, Exec& x, const problem& p,
+                                                     const std::optional<drop_policy_variant>& drop,
+                                                     int group) {
+  std::optional<int> cap;
+  if (drop && capacity_rule(*drop).pad_to_capacity) {
+    TRY_ASSIGN(c, expert_capacity(
+                      static_cast<long long>(group_drop(*drop) ? group : 1) * p.tokens * p.topk,
+                      p.experts, capacity_rule(*drop).capacity_factor));
+    cap = *c;
+  }
+  const moe_saved_bytes sb = layer.saved_sizes(cap);
+  TRY_ASSIGN(b, (exec_buffer<std::byte, Exec>::make(
+                    x, 1, static_cast<std::int64_t>(std::max<std::size_t>(sb.saved, 1)))));
+  return forward_storage<Exec>{std::move(*b), sb.saved, std::vector<std::byte>(sb.host)};
+}
+
 // Two micro-batches through one rank's layer: one after the other on `x0`, or in flight on two
 // execution contexts used alternately (the first forward on x0, the second on x1, then the
 // second's backward on x1 and the first's on x0; two streams on a GPU), each forward with its own
@@ -378,24 +405,14 @@ expected<two_batches> run_two_batches(const problem& p, Comm& world, Exec& x0, E
                                                  dx[2] = {in->dx.view(), dx2->view()};
   Exec* ex[2] = {&x0, in_flight ? &x1 : &x0};
   if (in_flight) {
-    std::optional<int> cap;
-    if (drop && capacity_rule(*drop).pad_to_capacity)
-      cap = expert_capacity(static_cast<long long>(group_drop(*drop) ? in->comms.tp_cp.size() : 1) *
-                                p.tokens * p.topk,
-                            p.experts, capacity_rule(*drop).capacity_factor)
-                .value();
-    const moe_saved_bytes sb = layer->saved_sizes(cap);
-    std::vector<exec_buffer<std::byte, Exec>> saved;
-    std::vector<std::vector<std::byte>> host(2, std::vector<std::byte>(sb.host));
+    std::vector<forward_storage<Exec>> storage;
     for (int m = 0; m < 2; ++m) {
-      TRY_ASSIGN(b, (exec_buffer<std::byte, Exec>::make(
-                        *ex[m], 1, static_cast<std::int64_t>(std::max<std::size_t>(sb.saved, 1)))));
-      saved.push_back(std::move(*b));
+      TRY_ASSIGN(st, make_forward_storage(*layer, *ex[m], p, drop, in->comms.tp_cp.size()));
+      storage.push_back(std::move(*st));
     }
     typename layer_t::context_type c[2];
     for (int m = 0; m < 2; ++m)
-      TRY(layer->forward(*ex[m], xin[m], {}, out[m], c[m],
-                         {{saved[m].view().data(), sb.saved}, host[m]}));
+      TRY(layer->forward(*ex[m], xin[m], {}, out[m], c[m], storage[m].view()));
     // The backwards accumulate into the same gradient buffers: the second's (on x1) is finished
     // before the first's (on x0) starts, as a trainer orders its streams with an event.
     TRY(layer->backward(*ex[1], c[1], dout[1], {}, dx[1]));

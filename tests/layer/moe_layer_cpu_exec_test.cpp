@@ -481,25 +481,17 @@ expected<flight_out> run_flight_rank(const problem& p, dev_comm& world, cpu_exec
   };
   if (in_flight) {
     // Each forward's storage (saved_sizes: in pad mode for the capacity it will report).
-    std::optional<int> cap;
-    if (drop && drop->pad_to_capacity)
-      cap = expert_capacity(static_cast<long long>(p.tokens) * p.topk, p.experts,
-                            drop->capacity_factor)
-                .value();
-    const moe_saved_bytes sb = layer.saved_sizes(cap);
-    std::vector<exec_buffer<std::byte, cpu_exec>> saved;
-    std::vector<std::vector<std::byte>> host(2, std::vector<std::byte>(sb.host));
+    std::vector<forward_storage<cpu_exec>> storage;
     for (int m = 0; m < 2; ++m) {
-      TRY_ASSIGN(b, (exec_buffer<std::byte, cpu_exec>::make(
-                        *ex[m], 1, static_cast<std::int64_t>(std::max<std::size_t>(sb.saved, 1)))));
-      saved.push_back(std::move(*b));
+      TRY_ASSIGN(st, make_forward_storage(
+                         layer, *ex[m], p,
+                         drop ? std::optional<drop_policy_variant>(*drop) : std::nullopt, 1));
+      storage.push_back(std::move(*st));
     }
-    const auto storage = [&](int m) {
-      return moe_saved_storage{{saved[m].view().data(), sb.saved}, host[m]};
-    };
     layer_t::context_type c[2];
     for (int m = 0; m < 2; ++m) {
-      TRY_ASSIGN(st, layer.forward(*ex[m], xs[m].cview(), {}, outs[m].view(), c[m], storage(m)));
+      TRY_ASSIGN(st,
+                 layer.forward(*ex[m], xs[m].cview(), {}, outs[m].view(), c[m], storage[m].view()));
       TRY(read(m, *st, c[m].kept_experts()));
     }
     res.contexts_ok = c[0].ready() && c[1].ready() && c[1].num_tokens() == p.tokens;
