@@ -157,7 +157,6 @@ class moe_forward_context {
     loss_saved_ = std::move(o.loss_saved_);
     scratch_ = std::move(o.scratch_);
     disp_scratch_ = std::move(o.disp_scratch_);
-    scratch_bytes_ = std::exchange(o.scratch_bytes_, 0);
     lb_ = o.lb_;
     z_ = o.z_;
     return *this;
@@ -258,7 +257,6 @@ class moe_forward_context {
   // The scratch of its forward and backward (Layer's carve_scratch), grown only when a pad-mode
   // capacity passes every one before; the dispatcher's part lives until the backward.
   buffer<std::byte> scratch_;
-  std::size_t scratch_bytes_ = 0;
   buffer<std::byte> disp_scratch_;  // the dispatcher's scratch: its handle's until the backward
   load_balancing_record lb_{};      // the load-balancing terms the forward ran
   z_loss_record<router_value_type> z_{};  // the z-loss the forward ran

@@ -983,7 +983,6 @@ class moe_layer {
       return {};
     };
     const long long N = k.tokens, K = k.topk, E = k.experts;
-    c.scratch_bytes_ = 0;
     if (auto st = first_error(
             {alloc(c.indices_, N, K), alloc(c.kept_, N, K), alloc(c.counts_, 3, E),
              alloc(c.probs_, N, K), alloc(c.keep_, N, K), alloc(c.kept_probs_, N, K),
@@ -1006,10 +1005,7 @@ class moe_layer {
   status grow_scratch(Exec& x, context_type& c, int M) {
     workspace_carver m;
     (void)carve_scratch(m, M);
-    if (c.scratch_bytes_ >= m.required() && c.scratch_.view().data() != nullptr) return {};
-    if (auto st = ensure(x, c.scratch_, m.required()); !st) return st;
-    c.scratch_bytes_ = m.required();
-    return {};
+    return ensure(x, c.scratch_, m.required());
   }
   // The dispatcher's scratch of the context (it lives until the backward: the handle's).
   status grow_dispatch_scratch(Exec& x, context_type& c, std::optional<int> pad_rows) {
