@@ -8,7 +8,7 @@
 # Steps, each under `timeout`: facts (GPU, driver, toolkit, compute-sanitizer) -> start-up (every
 # carried program starts; if one cannot, they are rebuilt here, on the GPU machine, once) ->
 # smoke (one seam kernel on the GPU equals the CPU executor; stop if not) -> correctness (every
-# GPU test program) -> sanitizers (memcheck, racecheck, synccheck, initcheck on the seam tests;
+# GPU test program; the library GEMM backends' program as the `gemm` step, 60 s) -> sanitizers (memcheck, racecheck, synccheck, initcheck on the seam tests;
 # a runtime where compute-sanitizer cannot run is detected and reported) -> benchmark.
 # A GPU test that skips (exit 77) while a GPU is present fails the run, as does a missing
 # program or a timed-out step. Output: $OUT/summary.json (docs/gpu-check-summary.schema.json)
@@ -174,7 +174,12 @@ if [ "${ran[*]:-}" != stop ] && [ -f "$manifest" ]; then
       continue
     fi
     [ -x "$bin_dir/$prog" ] || { fail "$name: $bin_dir/$prog is missing"; continue; }
-    step "test-$name" 300 "$bin_dir/$prog"
+    # The library GEMM backends against simt_gemm: the `gemm` step, 60 s at most.
+    if [ "$name" = exec-gpu-gemm ]; then
+      step gemm 60 "$bin_dir/$prog"
+    else
+      step "test-$name" 300 "$bin_dir/$prog"
+    fi
     rc=$?
     if [ $rc = 77 ]; then
       [ $gpu_present = 1 ] && fail "$name skipped while a GPU is present"
@@ -239,6 +244,30 @@ if [ "${ran[*]:-}" != stop ] && [ -f "$manifest" ]; then
     fi
     sanitizers_json+="${sanitizers_json:+, }\"$tool\": \"$status\""
   done
+  # The library GEMM backends' small cases (CUTLASS's and cuBLAS's kernels) under memcheck and
+  # initcheck: out-of-bounds accesses, and reads of memory nothing wrote.
+  gemm_prog=$(grep "^exec-gpu-gemm	" "$manifest" | cut -f2)
+  for tool in memcheck initcheck; do
+    if [ $gpu_present = 0 ] || [ $dry_run = 1 ] || [ ! -x "$sanitizer" ] || [ -z "$gemm_prog" ]; then
+      status=not_run
+    else
+      step "gemm-$tool" 60 "$sanitizer" --tool "$tool" --error-exitcode 3 "$bin_dir/$gemm_prog" \
+        -tc='small*'
+      rc=$?
+      if grep -qE "Device not supported|Unable to|error 999" "$logs/gemm-$tool.log"; then
+        status=unavailable
+      elif [ $rc = 3 ]; then
+        status=errors
+        fail "compute-sanitizer $tool reported errors in the gemm step"
+      elif grep -qE "ERROR SUMMARY: 0 errors" "$logs/gemm-$tool.log" && [ $rc = 0 ]; then
+        status=clean
+      else
+        status=not_run
+        fail "compute-sanitizer $tool on the gemm step did not finish cleanly (rc $rc)"
+      fi
+    fi
+    sanitizers_json+="${sanitizers_json:+, }\"gemm-$tool\": \"$status\""
+  done
 
 fi
 
@@ -249,7 +278,7 @@ logs = pathlib.Path(sys.argv[1])
 p = f = s = 0
 steps = [json.loads(l) for l in open(logs / "steps.jsonl")]
 for st in steps:
-    if not st["name"].startswith("test-") or st["status"] == "unavailable":
+    if not (st["name"].startswith("test-") or st["name"] == "gemm") or st["status"] == "unavailable":
         continue
     text = (logs / (st["name"] + ".log")).read_text(errors="replace")
     m = re.findall(r"test cases:\s*(\d+) \|\s*(\d+) passed \|\s*(\d+) failed \|\s*(\d+) skipped", text)

@@ -3,8 +3,9 @@
 # doctest, Open MPI, clang-format, clang (a second compiler for the header tests; with its
 # runtime, libFuzzer), CLI11 and
 # nlohmann/json (the tools' flags and JSON), python3-jsonschema (the planner's schema test), and
-# from PyPI the reference safetensors package (the upcycling tests). The
-# CUDA toolkit (nvcc, NCCL) is used when present.
+# from PyPI the reference safetensors package (the upcycling tests), and where nvcc is, cuobjdump
+# and nvdisasm (the SASS checks) and CUTLASS's headers (the Hopper grouped GEMM). The CUDA toolkit
+# (nvcc, NCCL) is used when present.
 set -euo pipefail
 pkgs=(meson ninja-build pkg-config cmake doctest-dev libopenmpi-dev openmpi-bin clang-format python3 g++
       clang libclang-rt-14-dev libcli11-dev nlohmann-json3-dev python3-jsonschema)
@@ -42,5 +43,17 @@ if { command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; } &&
   python3 -m pip install "${pip_flags[@]}" 'nvidia-cuda-cuobjdump==13.2.51' \
     'nvidia-cuda-nvdisasm==13.2.51' >/dev/null 2>&1 ||
     { echo "setup: pip install nvidia-cuda-cuobjdump/nvdisasm==13.2.51 failed"; exit 1; }
+fi
+# CUTLASS's C++ headers (the PyPI package nvidia-cutlass, pinned; headers under
+# cutlass_library/source/include) for the Hopper grouped GEMM (exec/cuda/cutlass_sm90_kernel.cuh),
+# into .deps/ beside the sources, where meson's `cutlass` option finds them (auto). No
+# dependencies: only the headers are used. Only where nvcc is.
+cutlass_dir="$(cd "$(dirname "$0")/.." && pwd)/.deps/nvidia-cutlass-4.2.0.0"
+if { command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; } &&
+   [ ! -f "$cutlass_dir/cutlass_library/source/include/cutlass/cutlass.h" ]; then
+  rm -rf "$cutlass_dir"
+  python3 -m pip install --quiet --disable-pip-version-check --no-deps --target "$cutlass_dir" \
+    'nvidia-cutlass==4.2.0.0' >/dev/null 2>&1 ||
+    { echo "setup: pip install nvidia-cutlass==4.2.0.0 (into $cutlass_dir) failed"; exit 1; }
 fi
 echo "setup: ok (${#missing[@]} package(s) installed)"

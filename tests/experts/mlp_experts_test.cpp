@@ -375,8 +375,10 @@ TEST_CASE_TEMPLATE("mlp_experts in fp32 and bf16 within derived bounds of fp64",
       // fp64 from the same (rounded) inputs, and each output's bound: fc1 within (H + 1) u of
       // sum |x w1|; the activation's output off by its slope times that plus 2 u (and the
       // product with up and p); fc2 within (Fs + 1) u of sum |h w2| plus sum |w2| |dh|; then
-      // the output's own rounding to T. u = 2^-24 (fp32 arithmetic).
+      // the output's own rounding to T. u = 2^-24 (fp32 arithmetic). The intermediates (fc1's
+      // output, the activation's) are T: in bf16 each is rounded once more, uI = 2^-8 of it.
       const double u = 0x1p-24, uT = sizeof(T) == 4 ? 0x1p-24 : 0x1p-8;
+      const double uI = sizeof(T) == 4 ? 0.0 : 0x1p-8;
       int row = 0;
       for (int l = 0; l < L; ++l)
         for (int i = 0; i < counts[l]; ++i, ++row) {
@@ -390,19 +392,19 @@ TEST_CASE_TEMPLATE("mlp_experts in fp32 and bf16 within derived bounds of fp64",
             }
           const double pr = detail::widen(p[row]);
           for (int c = 0; c < fs; ++c) {
-            const double ea = (H + 1) * u * amag[c];
+            const double ea = (H + 1) * u * amag[c] + uI * std::abs(a[c]);
             const double act_v = test::act_ref(act, a[c]);
             const double slope = std::abs(test::act_ref_derivative(act, a[c]));
             if (is_gated(act)) {
-              const double up = a[fs + c], eup = (H + 1) * u * amag[fs + c];
+              const double up = a[fs + c], eup = (H + 1) * u * amag[fs + c] + uI * std::abs(up);
               h[c] = act_v * up * pr;
               herr[c] = ((slope * ea + 2 * u * std::abs(act_v)) * std::abs(up) +
                          (std::abs(act_v) + slope * ea) * eup) *
                             pr +
-                        4 * u * std::abs(h[c]);
+                        (4 * u + uI) * std::abs(h[c]);
             } else {
               h[c] = act_v * pr;
-              herr[c] = (slope * ea + 2 * u * std::abs(act_v)) * pr + 4 * u * std::abs(h[c]);
+              herr[c] = (slope * ea + 2 * u * std::abs(act_v)) * pr + (4 * u + uI) * std::abs(h[c]);
             }
           }
           for (int k = 0; k < H; ++k) {
@@ -420,14 +422,17 @@ TEST_CASE_TEMPLATE("mlp_experts in fp32 and bf16 within derived bounds of fp64",
           }
         }
       // The backward: within a relative norm of the fp64 reference on the same values (fp32
-      // sums over at most 40 terms; bf16 rounds dx and dprobs to 8 bits, and fc1's output and
-      // dh stay fp32).
+      // sums over at most 40 terms; bf16 rounds dx and dprobs to 8 bits, as it rounds fc1's
+      // output, the activation and their gradients).
       const auto ref = test::mlp_reference<T, T>(s, counts, x, p, w1, w2, dy);
       const double tol = sizeof(T) == 4 ? 1e-5 : 1e-2;
       CHECK(norm_rel(wide(dx), ref.dx) <= tol);
       CHECK(norm_rel(wide(dp), ref.dprobs) <= tol);
-      CHECK(norm_rel(wide(g1), ref.g1) <= (sizeof(T) == 4 ? 1e-5 : 1e-3));
-      CHECK(norm_rel(wide(g2), ref.g2) <= (sizeof(T) == 4 ? 1e-5 : 1e-3));
+      // The weight gradients sum products of an input (x, dy: exact) and an intermediate (da, h)
+      // that bf16 rounds once (2^-8 of it, 3.9e-3): within bf16's 1e-2, the layer's bound
+      // (fp32 intermediates gave 1e-3 here; measured 2.7e-3 with bf16 ones).
+      CHECK(norm_rel(wide(g1), ref.g1) <= (sizeof(T) == 4 ? 1e-5 : 1e-2));
+      CHECK(norm_rel(wide(g2), ref.g2) <= (sizeof(T) == 4 ? 1e-5 : 1e-2));
     }
   MESSAGE("worst " << worst << " of the forward's bound");
 }

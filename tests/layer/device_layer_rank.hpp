@@ -161,53 +161,56 @@ expected<simt_rank_params<T, Exec>> upload_rank_params(const problem& p,
   return simt_rank_params<T, Exec>{std::move(*d_fc1), std::move(*d_fc2), std::move(*d_w),
                                    std::move(*d_g1),  std::move(*d_g2),  std::move(*d_dw)};
 }
-// The experts the layer runs on a context in these tests: mlp_experts on the context with its
-// default GEMM backends (simt_gemm on cpu_exec and cuda_exec), fp32 probabilities.
-template <class T, class Exec>
-using simt_rank_experts = mlp_experts<T, Exec, default_gemms<Exec>, main_grad_t<T>, float>;
+// The experts the layer runs on a context in these tests: mlp_experts on the context with the
+// GEMM policy Gemms (simt_gemm by default: on cpu_exec and cuda_exec the same bits), fp32
+// probabilities.
+template <class T, class Exec, class Gemms = simt_gemms>
+using simt_rank_experts = mlp_experts<T, Exec, Gemms, main_grad_t<T>, float>;
 
 // The rank's experts (SwiGLU, its ETP shard) over those parameters.
-template <class T, class Exec>
-expected<simt_rank_experts<T, Exec>> rank_mlp(const problem& p, const dynamic_folded_mesh& fold,
-                                              int r, Exec&, simt_rank_params<T, Exec>& par) {
-  return simt_rank_experts<T, Exec>::make({.hidden = p.hidden,
-                                           .ffn = p.ffn,
-                                           .num_local_experts = p.experts / fold.ep(),
-                                           .etp = fold.etp(),
-                                           .etp_rank = fold.moe_coord_of(r).etp,
-                                           .act = activation::swiglu},
-                                          {par.fc1.cview(), par.fc2.cview()},
-                                          {par.g1.view(), par.g2.view()});
+template <class T, class Gemms = simt_gemms, class Exec>
+expected<simt_rank_experts<T, Exec, Gemms>> rank_mlp(const problem& p,
+                                                     const dynamic_folded_mesh& fold, int r, Exec&,
+                                                     simt_rank_params<T, Exec>& par) {
+  return simt_rank_experts<T, Exec, Gemms>::make({.hidden = p.hidden,
+                                                  .ffn = p.ffn,
+                                                  .num_local_experts = p.experts / fold.ep(),
+                                                  .etp = fold.etp(),
+                                                  .etp_rank = fold.moe_coord_of(r).etp,
+                                                  .act = activation::swiglu},
+                                                 {par.fc1.cview(), par.fc2.cview()},
+                                                 {par.g1.view(), par.g2.view()});
 }
 
 // What a rank starts from: its communicators (split from the world), its parameters and
 // experts on the context (the weights of layer_harness.hpp), its tokens on the host and uploaded,
 // the output buffers, and (`keys`) its tokens' true sequence keys for full-sequence dropping.
-template <class T, class Exec, class Comm>
+template <class T, class Exec, class Comm, class Gemms = simt_gemms>
 struct layer_rank_setup {
   using space = typename Exec::memory_space;
   dynamic_folded_mesh fold;
   moe_layer_communicators<Comm> comms;  // the layer holds it by reference: not moved after make
   simt_rank_params<T, Exec> par;
-  std::optional<simt_rank_experts<T, Exec>> mlp;        // moved into the layer
-  std::vector<T> xs, douts;                             // [N, H] on the host
-  exec_buffer<T, Exec> x, dout, out, dx;                // [N, H]
-  std::optional<exec_buffer<std::int64_t, Exec>> keys;  // [N, 1]; none: the group's rank order
+  std::optional<simt_rank_experts<T, Exec, Gemms>> mlp;  // moved into the layer
+  std::vector<T> xs, douts;                              // [N, H] on the host
+  exec_buffer<T, Exec> x, dout, out, dx;                 // [N, H]
+  std::optional<exec_buffer<std::int64_t, Exec>> keys;   // [N, 1]; none: the group's rank order
 
   [[nodiscard]] row_view<const std::int64_t, space> key_view() const {
     return keys ? keys->cview() : row_view<const std::int64_t, space>{};
   }
 };
 
-template <class T, class Exec, class Comm>
-expected<layer_rank_setup<T, Exec, Comm>> make_layer_rank_setup(const problem& p, Comm& world,
-                                                                Exec& x, bool keys) {
+template <class T, class Gemms = simt_gemms, class Exec, class Comm>
+expected<layer_rank_setup<T, Exec, Comm, Gemms>> make_layer_rank_setup(const problem& p,
+                                                                       Comm& world, Exec& x,
+                                                                       bool keys) {
   const auto fold = make_folded(p.fold).value();
   const megatron_groups groups(fold);
   const int r = world.rank(), H = p.hidden;
   TRY_ASSIGN(comms, make_layer_communicators(world, groups));
   TRY_ASSIGN(par, (upload_rank_params<T>(p, fold, r, x)));
-  TRY_ASSIGN(mlp, (rank_mlp(p, fold, r, x, *par)));
+  TRY_ASSIGN(mlp, (rank_mlp<T, Gemms>(p, fold, r, x, *par)));
   std::vector<T> xs, douts;
   for (int t = 0; t < p.tokens; ++t) {
     const auto d = make_token(p, r, t);
@@ -223,23 +226,23 @@ expected<layer_rank_setup<T, Exec, Comm>> make_layer_rank_setup(const problem& p
   TRY_ASSIGN(d_dout, upload(x, douts, p.tokens, H));
   TRY_ASSIGN(d_out, (exec_buffer<T, Exec>::make(x, p.tokens, H)));
   TRY_ASSIGN(d_dx, (exec_buffer<T, Exec>::make(x, p.tokens, H)));
-  return layer_rank_setup<T, Exec, Comm>{.fold = fold,
-                                         .comms = std::move(*comms),
-                                         .par = std::move(*par),
-                                         .mlp = std::move(*mlp),
-                                         .xs = std::move(xs),
-                                         .douts = std::move(douts),
-                                         .x = std::move(*d_x),
-                                         .dout = std::move(*d_dout),
-                                         .out = std::move(*d_out),
-                                         .dx = std::move(*d_dx),
-                                         .keys = std::move(d_keys)};
+  return layer_rank_setup<T, Exec, Comm, Gemms>{.fold = fold,
+                                                .comms = std::move(*comms),
+                                                .par = std::move(*par),
+                                                .mlp = std::move(*mlp),
+                                                .xs = std::move(xs),
+                                                .douts = std::move(douts),
+                                                .x = std::move(*d_x),
+                                                .dout = std::move(*d_dout),
+                                                .out = std::move(*d_out),
+                                                .dx = std::move(*d_dx),
+                                                .keys = std::move(d_keys)};
 }
 
 // The layer's output and input gradient, the router's and the experts' (reduced) gradients read
 // back from the context, widened.
-template <class T, class Exec, class Comm>
-status read_back(Exec& x, const layer_rank_setup<T, Exec, Comm>& in, layer_result& res) {
+template <class T, class Exec, class Comm, class Gemms>
+status read_back(Exec& x, const layer_rank_setup<T, Exec, Comm, Gemms>& in, layer_result& res) {
   using G = main_grad_t<T>;
   TRY_ASSIGN(out, (download<T>(x, in.out.cview())));
   TRY_ASSIGN(dx, (download<T>(x, in.dx.cview())));
@@ -255,27 +258,31 @@ status read_back(Exec& x, const layer_rank_setup<T, Exec, Comm>& in, layer_resul
 }
 
 // The layer these tests run on a context: the drop policies through one type, the dispatcher
-// with fp32 probabilities, mlp_experts on the context.
-template <class T, template <class, class, class, class> class Disp, class Exec, class Comm>
-using device_layer_t = moe_layer<T, Exec, Comm, drop_policy_variant, Disp<T, Comm, Exec, float>,
-                                 simt_rank_experts<T, Exec>>;
+// with fp32 probabilities, mlp_experts on the context, the router and the experts on the GEMM
+// policy Gemms.
+template <class T, template <class, class, class, class> class Disp, class Exec, class Comm,
+          class Gemms = simt_gemms>
+using device_layer_t =
+    moe_layer<T, Exec, Comm, drop_policy_variant, Disp<T, Comm, Exec, float>,
+              simt_rank_experts<T, Exec, Gemms>, topk_router<T, Exec, accumulator_t<T>, Gemms>>;
 
 // One rank's layer on the context: the weights of layer_harness.hpp uploaded (the router weight
 // bound from the caller's buffers), forward, backward (seed 1), gradients reduced; everything
 // read back and widened. `drop`: none (dropless), or a policy; `keys`: full-sequence dropping in
 // true sequence order (sequence_keys), not the group's rank order.
-template <class T, template <class, class, class, class> class Disp, class Exec, class Comm>
+template <class T, template <class, class, class, class> class Disp, class Gemms = simt_gemms,
+          class Exec, class Comm>
 expected<layer_result> run_device_rank(const problem& p, Comm& world, Exec& x,
                                        const std::optional<drop_policy_variant>& drop,
                                        bool keys = false) {
-  using layer_t = device_layer_t<T, Disp, Exec, Comm>;
+  using layer_t = device_layer_t<T, Disp, Exec, Comm, Gemms>;
   const auto copies = [&x] {
     if constexpr (counts_copies<Exec>)
       return x.copies();
     else
       return copy_counts{};
   };
-  TRY_ASSIGN(in, (make_layer_rank_setup<T>(p, world, x, keys)));
+  TRY_ASSIGN(in, (make_layer_rank_setup<T, Gemms>(p, world, x, keys)));
   const auto& fold = in->fold;
   const auto& xs = in->xs;
   const int H = p.hidden;

@@ -43,6 +43,8 @@
 #include <moefold/kernels/grouped_gemm.hpp>
 
 #include "../core/expected.hpp"
+#include "../core/memory_space.hpp"
+#include "../core/row_view.hpp"
 #include "exec.hpp"
 
 namespace moefold {
@@ -132,6 +134,33 @@ template <class TA, class TB, class TC>
   if (terms && a.b.data == nullptr)
     return fail(errc::invalid_argument, "b.data is null and the product has terms");
   return {};
+}
+
+//! A backend's workspace smaller than its workspace_bytes(): the error every backend returns.
+[[nodiscard]] inline status workspace_too_small(const char* who, std::size_t have,
+                                                std::size_t need) {
+  return make_error(errc::workspace_too_small, std::string(who) + ": the workspace holds " +
+                                                   to_decimal(static_cast<long long>(have)) +
+                                                   " bytes, workspace_bytes() asks for " +
+                                                   to_decimal(static_cast<long long>(need)));
+}
+
+//! run() before a successful initialize(): the error every backend returns.
+[[nodiscard]] inline status not_initialized(const char* who) {
+  return make_error(errc::invalid_argument,
+                    std::string(who) + ": run() before a successful initialize()");
+}
+
+//! Enqueues the copy of `a`'s host row ranges into `to` ([groups + 1] in x's memory), for a
+//! backend whose kernels read the row ranges on the context: the operation's one host -> device
+//! transfer. Waits for nothing.
+template <class Exec, class TA, class TB, class TC>
+[[nodiscard]] status copy_host_offsets(Exec& x, const grouped_gemm_args<TA, TB, TC>& a,
+                                       std::span<long long> to) {
+  using space = typename Exec::memory_space;
+  const int entries = a.groups + 1;
+  return x.copy(row_view<const long long, host_space>(a.host_offsets.data(), 1, entries),
+                row_view<long long, space>(to.data(), 1, entries));
 }
 
 //! A distinct address per context type: what a backend remembers of the context initialize() ran

@@ -74,11 +74,7 @@ class host_gemm {
     workspace_carver c(workspace);
     const blocks b = carve(c);
     if (workspace.size() < workspace_bytes(a) || !c.fits())
-      return make_error(errc::workspace_too_small,
-                        std::string(name) + ": the workspace holds " +
-                            detail::to_decimal(static_cast<long long>(workspace.size())) +
-                            " bytes, workspace_bytes() asks for " +
-                            detail::to_decimal(static_cast<long long>(workspace_bytes(a))));
+      return detail::workspace_too_small(name, workspace.size(), workspace_bytes(a));
     a_ = a;
     blocks_ = b;
     ready_ = true;
@@ -92,9 +88,7 @@ class host_gemm {
     static_assert(runs_on<Exec>,
                   "host_gemm runs on host_exec only: it reads and writes the operands as host "
                   "memory; use simt_gemm on cpu_exec and cuda_exec");
-    if (!ready_)
-      return make_error(errc::invalid_argument,
-                        std::string(name) + ": run() before a successful initialize()");
+    if (!ready_) return detail::not_initialized(name);
     const bool by_m = a_.grouping == kernels::gemm_grouping::rows_are_m;
     const long long* off = a_.host_offsets.empty() ? a_.offsets : a_.host_offsets.data();
     if (a_.host_offsets.empty())

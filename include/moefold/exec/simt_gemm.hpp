@@ -60,19 +60,10 @@ class simt_gemm {
     const long long* offsets = a.offsets;
     if (!a.host_offsets.empty()) {
       if (workspace.size() < workspace_bytes(a))
-        return make_error(errc::workspace_too_small,
-                          std::string(name) + ": the workspace holds " +
-                              detail::to_decimal(static_cast<long long>(workspace.size())) +
-                              " bytes, workspace_bytes() asks for " +
-                              detail::to_decimal(static_cast<long long>(workspace_bytes(a))));
+        return detail::workspace_too_small(name, workspace.size(), workspace_bytes(a));
       workspace_carver c(workspace);
       const std::span<long long> on_context = carve(c, a);  // [groups + 1]
-      using space = typename Exec::memory_space;
-      const int entries = a.groups + 1;
-      if (auto st = x.copy(row_view<const long long, host_space>(a.host_offsets.data(), 1, entries),
-                           row_view<long long, space>(on_context.data(), 1, entries));
-          !st)
-        return st;
+      if (auto st = detail::copy_host_offsets(x, a, on_context); !st) return st;
       offsets = on_context.data();
     }
     kernel_ = kernel_type{.grouping = a.grouping,

@@ -20,10 +20,16 @@
 //! The one exception is the host copy of the row ranges (L + 1 integers, sized at make), which a
 //! call fills before it enqueues anything and no enqueued work reads.
 //!
-//! Arithmetic: fc1's output and the activations in accumulator_t<T> (fp32 for bf16); each GEMM
-//! as its backend sums (simt_gemm: one fma chain over k in ascending order, the bits of the GPU;
-//! host_gemm: a plain chain in the same order); the activation in double rounded once. An empty
-//! expert adds nothing to its weight gradients (the seam's rule for an empty group of K).
+//! Arithmetic: fc1's output, the activation and their gradients in T (bf16 intermediates, as
+//! Megatron-Core's TEGroupedMLP keeps them, and what the tensor-core GEMMs take as operands); each
+//! GEMM as its backend sums in fp32 (simt_gemm: one fma chain over k in ascending order, the bits
+//! of the GPU; host_gemm: a plain chain in the same order; cuBLAS and CUTLASS: their tensor-core
+//! order); the activation in double rounded once. An empty expert adds nothing to its weight
+//! gradients (the seam's rule for an empty group of K).
+//!
+//! GEMM modes: when the host counts give every expert the same rows (pad mode, where each holds
+//! the capacity), the GEMMs run on the policy's gemm_mode::pad backends (one strided batch),
+//! otherwise on its gemm_mode::dropless ones.
 //! Host <-> device traffic per call: none but the GEMM backends' own (simt_gemm copies the row
 //! ranges, L + 1 integers, to the context per GEMM when the batch brings host counts; nothing
 //! when it brings device offsets), nothing read back.
@@ -50,6 +56,7 @@
 #include "../core/size.hpp"
 #include "../core/workspace.hpp"
 #include "../exec/exec.hpp"
+#include "../exec/gemm_notice.hpp"
 #include "../exec/gemm_policy.hpp"
 #include "../exec/grouped_gemm.hpp"
 #include "expert_fn.hpp"
@@ -142,12 +149,18 @@ class mlp_experts {
   //! The caller's weights and gradient buffers the experts run on: the gradients are what a
   //! trainer reduces over EDP (no list of them needed elsewhere).
   [[nodiscard]] const weights_type& weights() const noexcept { return w_; }
+  //! Where the experts tell, once each, that a GEMM's backend declined and another runs
+  //! (exec/gemm_notice.hpp; stderr by default), and what they have told.
+  void set_gemm_notice(gemm_notice_sink sink) { notices_.set_sink(std::move(sink)); }
+  [[nodiscard]] const std::vector<std::string>& gemm_notices_said() const noexcept {
+    return notices_.said();
+  }
   [[nodiscard]] const grads_type& grads() const noexcept { return g_; }
 
   //! Bytes of the context's memory forward() and backward() take as their workspace for batches
   //! of at most `rows` rows: fc1's output, the activation and their gradients ([M, F1] and
-  //! [M, F / ETP] twice, in accumulator_t<T>), the row ranges widened on the context, and the
-  //! largest workspace a GEMM backend asks for.
+  //! [M, F / ETP] twice, in T), the row ranges widened on the context, and the largest workspace
+  //! a GEMM backend asks for.
   [[nodiscard]] std::size_t workspace_bytes(int rows) const {
     workspace_carver c;
     (void)carve(c, std::max(rows, 0), gemm_bytes(std::max(rows, 0)));
@@ -178,7 +191,7 @@ class mlp_experts {
     // y = h W2^T: A (m = r, k = c) = h, B (k = c, n = h) = fc2[g][h][c].  [M, Fs] -> [M, H]
     const long long H = s_.hidden;
     return run<gemm_kind::expert>(
-        x, *c,
+        x, "fc2 forward", *c,
         args<A, T, T>(*c, kernels::gemm_grouping::rows_are_m, 0, s_.hidden, fs_, {c->h, fs_, 1, 0},
                       {w_.fc2.data(), 1, fs_, H * fs_}, {y.data(), y.stride(), 1, 0}, false));
   }
@@ -204,7 +217,7 @@ class mlp_experts {
     if (auto st = fc1(x, *c, b); !st) return st;
     // dh = dy W2: B (k = h, n = c) = fc2[g][h][c].  [M, H] -> [M, Fs]
     if (auto st = run<gemm_kind::expert>(
-            x, *c,
+            x, "fc2 data gradient", *c,
             args<T, T, A>(*c, gemm_grouping::rows_are_m, 0, fs_, s_.hidden,
                           {dy.data(), dy.stride(), 1, 0}, {w_.fc2.data(), fs_, 1, H * fs_},
                           {c->dh, fs_, 1, 0}, false));
@@ -224,7 +237,7 @@ class mlp_experts {
       return st;
     // fc2 grad [h, c] += sum_r dy[r, h] h[r, c]: A (m = h, k = r), B (k = r, n = c).
     if (auto st = run<gemm_kind::expert_wgrad>(
-            x, *c,
+            x, "fc2 weight gradient", *c,
             args<T, A, G>(*c, gemm_grouping::rows_are_k, s_.hidden, fs_, 0,
                           {dy.data(), 1, dy.stride(), 0}, {c->h, fs_, 1, 0},
                           {g_.fc2.data(), fs_, 1, H * fs_}, true));
@@ -232,22 +245,22 @@ class mlp_experts {
       return st;
     // dx = da W1: B (k = c, n = h) = fc1[g][c][h].  [M, F1] -> [M, H]
     if (auto st = run<gemm_kind::expert>(
-            x, *c,
+            x, "fc1 data gradient", *c,
             args<A, T, T>(*c, gemm_grouping::rows_are_m, 0, s_.hidden, f1_, {c->da, f1_, 1, 0},
                           {w_.fc1.data(), H, 1, f1_ * H}, {dx.data(), dx.stride(), 1, 0}, false));
         !st)
       return st;
     // fc1 grad [c, h] += sum_r da[r, c] x[r, h]: A (m = c, k = r), B (k = r, n = h).
     return run<gemm_kind::expert_wgrad>(
-        x, *c,
+        x, "fc1 weight gradient", *c,
         args<A, T, G>(*c, gemm_grouping::rows_are_k, f1_, s_.hidden, 0, {c->da, 1, f1_, 0},
                       {b.x.data(), b.x.stride(), 1, 0}, {g_.fc1.data(), H, 1, f1_ * H}, true));
   }
 
  private:
-  using A = accumulator_t<T>;
-  template <gemm_kind K, class TA, class TB, class TC>
-  using backend = typename Gemms::template backend<K, gemm_mode::dropless, TA, TB, TC>;
+  using A = T;  // the intermediates' element type (see the file comment)
+  template <gemm_kind K, gemm_mode Mode, class TA, class TB, class TC>
+  using backend = typename Gemms::template backend<K, Mode, TA, TB, TC>;
 
   // Either make(): the shape checked, the views bound (checked), the host offsets sized.
   template <class W, class Gr>
@@ -266,6 +279,7 @@ class mlp_experts {
   struct call {
     int rows = 0;                    // M
     bool on_context = false;         // the row ranges are `offsets` (else host_offsets_)
+    bool uniform = false;            // host counts, every expert the same rows: gemm_mode::pad
     long long* offsets = nullptr;    // [L + 1] on the context
     A *a = nullptr, *h = nullptr;    // [M, F1], [M, Fs]
     A *da = nullptr, *dh = nullptr;  // [M, F1], [M, Fs]
@@ -310,7 +324,8 @@ class mlp_experts {
   }
   template <gemm_kind K, class TA, class TB, class TC>
   static std::size_t bytes(const grouped_gemm_args<TA, TB, TC>& a) {
-    return backend<K, TA, TB, TC>::workspace_bytes(a);
+    return std::max(backend<K, gemm_mode::dropless, TA, TB, TC>::workspace_bytes(a),
+                    backend<K, gemm_mode::pad, TA, TB, TC>::workspace_bytes(a));
   }
 
   // Carves the call's scratch from the workspace and puts its row ranges where the GEMMs read
@@ -338,6 +353,8 @@ class mlp_experts {
       host_offsets_[0] = 0;
       for (std::size_t l = 0; l < b.counts.size(); ++l)
         host_offsets_[l + 1] = host_offsets_[l] + b.counts[l];
+      c.uniform = std::all_of(b.counts.begin(), b.counts.end(),
+                              [&](int n) { return n == b.counts.front(); });
     }
     return c;
   }
@@ -368,8 +385,14 @@ class mlp_experts {
 
   // One GEMM through the seam with the policy's backend: its rules, its workspace, the run.
   template <gemm_kind K, class TA, class TB, class TC>
-  status run(Exec& x, const call& c, const grouped_gemm_args<TA, TB, TC>& a) const {
-    using B = backend<K, TA, TB, TC>;
+  status run(Exec& x, const char* what, const call& c,
+             const grouped_gemm_args<TA, TB, TC>& a) const {
+    if (c.uniform) return run_on<backend<K, gemm_mode::pad, TA, TB, TC>>(x, what, c, a);
+    return run_on<backend<K, gemm_mode::dropless, TA, TB, TC>>(x, what, c, a);
+  }
+  template <class B, class TA, class TB, class TC>
+  status run_on(Exec& x, const char* what, const call& c,
+                const grouped_gemm_args<TA, TB, TC>& a) const {
     if (auto st = B::can_implement(a); !st) return st;
     if (c.gemm.size() < B::workspace_bytes(a))
       return make_error(errc::workspace_too_small,
@@ -379,6 +402,7 @@ class mlp_experts {
                             detail::to_decimal(static_cast<long long>(B::workspace_bytes(a))));
     B gemm;
     if (auto st = gemm.initialize(x, a, c.gemm); !st) return st;
+    notices_.after_initialize(gemm, name, what);
     return gemm.run(x);
   }
 
@@ -386,7 +410,7 @@ class mlp_experts {
   status fc1(Exec& x, const call& c, const batch_type& b) const {
     const long long H = s_.hidden;
     return run<gemm_kind::expert>(
-        x, c,
+        x, "fc1 forward", c,
         args<T, T, A>(c, kernels::gemm_grouping::rows_are_m, 0, f1_, s_.hidden,
                       {b.x.data(), b.x.stride(), 1, 0}, {w_.fc1.data(), 1, H, f1_ * H},
                       {c.a, f1_, 1, 0}, false));
@@ -410,6 +434,8 @@ class mlp_experts {
   grads_type g_{};
   // The row ranges from the host counts [L + 1] (sized at make; see the file comment).
   std::vector<long long> host_offsets_{};
+  // The fallbacks taken, told once each (exec/gemm_notice.hpp).
+  mutable gemm_notices notices_{};
 };
 
 }  // namespace v0_1

@@ -81,7 +81,8 @@ struct shared_expert_params {
   std::span<Grad> gate_grad{};  //!< [H]
 };
 
-template <class T, execution_context Exec, communicator Comm, class Grad = main_grad_t<T>>
+template <class T, execution_context Exec, communicator Comm, class Grad = main_grad_t<T>,
+          class Gemms = default_gemms<Exec>>
 class shared_expert {
  public:
   using value_type = T;
@@ -89,8 +90,9 @@ class shared_expert {
   using exec_type = Exec;
   using space = typename Exec::memory_space;
   using views_type = shared_expert_views<T, space, Grad>;
-  //! The MLP shard: one expert whose rows all have probability 1 (exact in T).
-  using mlp_type = mlp_experts<T, Exec, default_gemms<Exec>, Grad, T>;
+  //! The MLP shard: one expert whose rows all have probability 1 (exact in T), on the backends
+  //! the policy names for gemm_kind::shared.
+  using mlp_type = mlp_experts<T, Exec, shared_gemms<Gemms>, Grad, T>;
 
   //! The owning form: zeroed weights and gradients in `exec`'s memory (exec outlives it).
   [[nodiscard]] static expected<shared_expert> make(Exec& exec, const shared_expert_shape& s) {

@@ -222,7 +222,9 @@ class moe_layer {
   //! One forward in flight (see moe_forward_context).
   using context_type = moe_forward_context<moe_layer>;
   using stats_type = moe_forward_stats<R, space>;
-  using shared_type = shared_expert<T, Exec, Comm>;
+  //! The shared expert, on the GEMM policy of the routed experts (where they name one).
+  using shared_type =
+      shared_expert<T, Exec, Comm, main_grad_t<T>, detail::gemms_of_t<Experts, Exec>>;
 
   //! A layer with moefold's top-k router made from `o.router`. Its buffers are allocated on
   //! `exec` (in its memory; for cuda_exec on its stream, which must outlive the layer, and the

@@ -15,11 +15,13 @@
 #include <cstddef>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "../core/dtype.hpp"
 #include "../core/expected.hpp"
 #include "../core/row_view.hpp"
 #include "../exec/exec.hpp"
+#include "../exec/gemm_notice.hpp"
 #include "../exec/gemm_policy.hpp"
 #include "../exec/grouped_gemm.hpp"
 #include "router_args.hpp"
@@ -65,6 +67,13 @@ class router_gating {
     return g;
   }
 
+  //! Where the gating tells, once each, that a GEMM's backend declined and another runs
+  //! (exec/gemm_notice.hpp; stderr by default), and what it has told.
+  void set_gemm_notice(gemm_notice_sink sink) { notices_.set_sink(std::move(sink)); }
+  [[nodiscard]] const std::vector<std::string>& gemm_notices_said() const noexcept {
+    return notices_.said();
+  }
+
   //! Bytes of the context's memory each call takes as its workspace (the GEMMs' row range).
   [[nodiscard]] static std::size_t workspace_bytes() noexcept {
     const long long rows[2] = {0, 1};
@@ -94,7 +103,7 @@ class router_gating {
                 .a = {f.x.data(), f.x.stride(), 1, 0},
                 .b = {f.weight.data(), 1, hidden_, 0},
                 .c = {f.logits.data(), E, 1, 0}},
-               workspace);
+               workspace, "logits");
   }
 
   //! dx = dlogits W; dW [e, h] += sum_n dlogits[n, e] x[n, h] (G: the gradient's element type,
@@ -123,7 +132,7 @@ class router_gating {
                        .a = {b.dlogits.data(), E, 1, 0},
                        .b = {b.weight.data(), hidden_, 1, 0},
                        .c = {b.dx.data(), b.dx.stride(), 1, 0}},
-                      workspace);
+                      workspace, "dx");
         !st)
       return st;
     // dW: A (m = e, k = n) = dlogits^T, B (k = n, n = h) = x; K = N.
@@ -138,7 +147,7 @@ class router_gating {
                 .b = {b.x.data(), b.x.stride(), 1, 0},
                 .c = {b.weight_grad.data(), hidden_, 1, 0},
                 .accumulate = true},
-               workspace);
+               workspace, "weight gradient");
   }
 
  private:
@@ -163,8 +172,8 @@ class router_gating {
   }
   // One GEMM through the seam: its rules, its workspace, then the run.
   template <class G>
-  static status run(Exec& exec, G& gemm, const typename G::args_type& args,
-                    std::span<std::byte> workspace) {
+  status run(Exec& exec, G& gemm, const typename G::args_type& args, std::span<std::byte> workspace,
+             const char* what) const {
     if (auto st = G::can_implement(args); !st) return st;
     if (workspace.size() < G::workspace_bytes(args))
       return make_error(errc::workspace_too_small, "router gating: the workspace has " +
@@ -172,10 +181,13 @@ class router_gating {
                                                        " bytes; workspace_bytes() asks for " +
                                                        detail::to_decimal(workspace_bytes()));
     if (auto st = gemm.initialize(exec, args, workspace); !st) return st;
+    notices_.after_initialize(gemm, "router gating", what);
     return gemm.run(exec);
   }
 
   int experts_ = 0, hidden_ = 0;
+  // The fallbacks taken, told once each (exec/gemm_notice.hpp).
+  mutable gemm_notices notices_{};
 };
 
 }  // namespace v0_1

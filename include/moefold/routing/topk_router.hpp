@@ -161,6 +161,8 @@ class topk_router {
 
   //! The gating linear this router runs.
   [[nodiscard]] const auto& gating() const noexcept { return gating_; }
+  //! Where the router's GEMMs tell that a backend declined (router_gating::set_gemm_notice).
+  void set_gemm_notice(gemm_notice_sink sink) { gating_.set_gemm_notice(std::move(sink)); }
 
  private:
   using warp_team = kernels::detail_router::warp_per_token;

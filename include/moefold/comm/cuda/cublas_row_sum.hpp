@@ -9,9 +9,9 @@
 #include <cstdint>
 #include <utility>
 
+#include "../../core/cuda/cublas_status.hpp"
 #include "../../core/dtype.hpp"
 #include "../../core/expected.hpp"
-#include "cublas_status.hpp"
 #include "cuda_types.hpp"  // CUDA's 16-bit types are dtype::bf16 / f16 here too
 
 namespace moefold {

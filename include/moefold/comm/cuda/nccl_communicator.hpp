@@ -29,7 +29,7 @@
 //!
 //! This header holds the communicator class and includes its pieces: nccl_options.hpp (options,
 //! nccl_unique_id), nccl_status.hpp (ncclResult_t as a status), nccl_dtype.hpp (element types as
-//! ncclDataType_t), nccl_group.hpp (the ncclGroupStart/End guard), cublas_status.hpp and
+//! ncclDataType_t), nccl_group.hpp (the ncclGroupStart/End guard), core/cuda/cublas_status.hpp and
 //! cublas_row_sum.hpp (the fp32 sum of 16-bit rows).
 #pragma once
 

@@ -9,19 +9,29 @@
 //! host-side status call, status(): one device-to-host copy, which waits. Copies are counted as
 //! cpu_exec counts them, so a test can state how often a step makes the host wait (copies to the
 //! host are the waits: exec/cuda/cuda_copy_exec.hpp).
+//!
+//! Its GEMMs through cuBLAS (exec/cublas_dense.hpp, cublas_strided.hpp) run on a cuBLAS handle the
+//! context owns, bound to its stream with a workspace of its own (exec/cuda/cublas_gemm.hpp), so
+//! that they repeat bit for bit; made at the first such GEMM (32 MiB of the stream's pool).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <utility>
 
 #include "../../core/cuda/cuda_check.hpp"
+#include "../blas_call.hpp"
 #include "../exec.hpp"
 #include "../simt_memory_ops.hpp"
+#include "cublas_gemm.hpp"
 #include "cuda_copy_exec.hpp"
+#if defined(MOEFOLD_CUTLASS_SM90)
+#include "cutlass_sm90.hpp"  // cutlass_sm90 runs here (the build links moefold_cutlass_sm90)
+#endif
 #include "cuda_launch.cuh"
 
 namespace moefold {
@@ -42,6 +52,21 @@ class cuda_exec : public cuda_copy_exec, public detail::simt_memory_ops<cuda_exe
   //! A context on `stream` with its error word (allocated and zeroed on the stream).
   [[nodiscard]] static expected<cuda_exec> make(cudaStream_t stream) {
     cuda_exec x(stream);
+    int device = 0, major = 0, minor = 0;
+    if (auto st = detail::cuda_check(cudaStreamGetDevice(stream, &device), "cudaStreamGetDevice");
+        !st)
+      return unexpected<error>(st.error());
+    if (auto st = detail::cuda_check(
+            cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+            "cudaDeviceGetAttribute");
+        !st)
+      return unexpected<error>(st.error());
+    if (auto st = detail::cuda_check(
+            cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
+            "cudaDeviceGetAttribute");
+        !st)
+      return unexpected<error>(st.error());
+    x.cc_ = 10 * major + minor;
     void* p = nullptr;
     if (auto st = detail::cuda_check(cudaMallocAsync(&p, sizeof(int), stream), "cudaMallocAsync");
         !st)
@@ -54,13 +79,19 @@ class cuda_exec : public cuda_copy_exec, public detail::simt_memory_ops<cuda_exe
     return x;
   }
   cuda_exec(cuda_exec&& o) noexcept
-      : cuda_copy_exec(o), word_(std::exchange(o.word_, nullptr)), counts_(o.counts_) {}
+      : cuda_copy_exec(o),
+        word_(std::exchange(o.word_, nullptr)),
+        counts_(o.counts_),
+        blas_(std::move(o.blas_)),
+        cc_(o.cc_) {}
   cuda_exec& operator=(cuda_exec&& o) noexcept {
     if (this != &o) {
       release();
       static_cast<cuda_copy_exec&>(*this) = o;
       word_ = std::exchange(o.word_, nullptr);
       counts_ = o.counts_;
+      blas_ = std::move(o.blas_);
+      cc_ = o.cc_;
     }
     return *this;
   }
@@ -89,6 +120,20 @@ class cuda_exec : public cuda_copy_exec, public detail::simt_memory_ops<cuda_exe
                           "device_status() (treated as no source)");
   }
 
+  //! The compute capability of the stream's device, 10 major + minor (90: Hopper), read at make:
+  //! which GEMM kernels can run (exec/cutlass_sm90.hpp's runs_here).
+  [[nodiscard]] int compute_capability() const noexcept { return cc_; }
+
+  //! The context's cuBLAS handle, made on first use (exec/cuda/cublas_gemm.hpp).
+  [[nodiscard]] expected<const detail::cublas_handle*> blas() {
+    if (!blas_) {
+      auto h = detail::cublas_handle::make(stream());
+      if (!h) return unexpected<error>(h.error());
+      blas_ = std::move(*h);
+    }
+    return blas_.get();
+  }
+
   //! The copies made so far.
   [[nodiscard]] const copy_counts& copies() const noexcept { return counts_; }
   void reset_copies() noexcept { counts_ = {}; }
@@ -114,6 +159,7 @@ class cuda_exec : public cuda_copy_exec, public detail::simt_memory_ops<cuda_exe
   void release() noexcept {
     if (word_) static_cast<void>(cudaFreeAsync(word_, stream()));
     word_ = nullptr;
+    blas_.reset();
   }
   template <class U, class S>
   static status counted(status st, const row_view<U, S>& v, long long& calls, long long& bytes) {
@@ -125,6 +171,8 @@ class cuda_exec : public cuda_copy_exec, public detail::simt_memory_ops<cuda_exe
 
   int* word_ = nullptr;
   copy_counts counts_{};
+  std::unique_ptr<detail::cublas_handle> blas_{};
+  int cc_ = 0;
 };
 
 //! Enqueues `kernel` on the context's stream (exec/cuda/cuda_launch.cuh says how); returns without
@@ -133,6 +181,16 @@ template <class K>
 requires simt_kernel<K>
 [[nodiscard]] status launch(const cuda_exec& x, const launch_grid& grid, const K& kernel) {
   return detail::cuda_run(cuda_exec::name, x.stream(), grid, kernel);
+}
+
+//! A cuBLAS call of the cuBLAS backends (exec/blas_call.hpp), enqueued on the context's handle:
+//! for the element types cublasGemmEx takes (elsewhere the backends do not run on cuda_exec).
+template <class TA, class TB, class TC>
+requires detail::blas_types_v<TA, TB, TC>
+[[nodiscard]] status run_blas_call(cuda_exec& x, const blas_gemm_call<TA, TB, TC>& c) {
+  auto h = x.blas();
+  if (!h) return unexpected<error>(h.error());
+  return detail::cublas_gemm(**h, c);
 }
 
 static_assert(execution_context<cuda_exec>);

@@ -7,7 +7,7 @@
 
 #include <string>
 
-#include "../../core/expected.hpp"
+#include "../expected.hpp"
 
 namespace moefold {
 inline namespace v0_1 {
