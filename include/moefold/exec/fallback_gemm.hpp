@@ -8,6 +8,7 @@
 #pragma once
 
 #include <algorithm>
+#include <concepts>
 #include <cstddef>
 #include <optional>
 #include <span>
@@ -53,7 +54,9 @@ class fallback_gemm {
     why_.reset();
     if constexpr (Primary::template runs_on<Exec>) {
       status st = Primary::can_implement(a);
-      if constexpr (requires { Primary::runs_here(x); })
+      if constexpr (requires {
+                      { Primary::runs_here(x) } -> std::same_as<status>;
+                    })
         if (st) st = Primary::runs_here(x);
       if (st) {
         primary_ = true;
