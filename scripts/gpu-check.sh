@@ -213,60 +213,50 @@ if [ "${ran[*]:-}" != stop ] && [ -f "$manifest" ]; then
     rc=$?
     [ $rc = 0 ] || [ $rc = 77 ] || fail "gemm_attention_rates.py failed (rc $rc)"
   fi
-  # Sanitizers on simt-gpu, every case (the dispatchers and the layer too: 4-13 s per tool on an
-  # H200, 2026-12-04); MOEFOLD_GPU_CHECK_SANITIZE_CASES narrows it (a doctest -tc filter). Each
-  # tool once; "not supported" means this runtime cannot run compute-sanitizer (seen on gVisor),
-  # which is reported, not counted as a pass.
+  # Sanitizers.
   sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-  prog=$(grep "^simt-gpu	" "$manifest" | cut -f2)
   sanitizers_json=""
-  for tool in memcheck racecheck synccheck initcheck; do
+  # sanitize KEY STEP LIMIT TOOL NAME PROG FILTER: PROG (NAME in the manifest; empty: not carried)
+  # under the tool as step STEP, its status recorded as KEY in the summary's sanitizers. Each tool
+  # once; "not supported" means this runtime cannot run compute-sanitizer (seen on gVisor), which
+  # is reported, not counted as a pass. --error-exitcode 3: 3 is the tool's finding; any other
+  # failure is the program's own (its checks failed, or it timed out), and the tool is clean only
+  # if it summed up.
+  sanitize() {
+    local key=$1 sname=$2 limit=$3 tool=$4 name=$5 prog=$6 filter=$7 status rc
     if [ $gpu_present = 0 ] || [ $dry_run = 1 ] || [ ! -x "$sanitizer" ] || [ -z "$prog" ]; then
       status=not_run
     else
-      step "sanitizer-$tool" 120 "$sanitizer" --tool "$tool" --error-exitcode 3 "$bin_dir/$prog" \
-        -tc="${MOEFOLD_GPU_CHECK_SANITIZE_CASES:-*}"
+      step "$sname" "$limit" "$sanitizer" --tool "$tool" --error-exitcode 3 "$bin_dir/$prog" \
+        -tc="$filter"
       rc=$?
-      # --error-exitcode 3: 3 is the tool's finding; any other failure is the program's own
-      # (its checks failed, or it timed out), and the tool is clean only if it summed up.
-      if grep -qE "Device not supported|Unable to|error 999" "$logs/sanitizer-$tool.log"; then
+      if grep -qE "Device not supported|Unable to|error 999" "$logs/$sname.log"; then
         status=unavailable
       elif [ $rc = 3 ]; then
         status=errors
-        fail "compute-sanitizer $tool reported errors"
-      elif grep -qE "ERROR SUMMARY: 0 errors|SUMMARY: 0 hazards" "$logs/sanitizer-$tool.log"; then
+        fail "compute-sanitizer $tool reported errors in $name"
+      elif grep -qE "ERROR SUMMARY: 0 errors|SUMMARY: 0 hazards" "$logs/$sname.log"; then
         status=clean
-        [ $rc = 0 ] || fail "simt-gpu failed under compute-sanitizer $tool (rc $rc; the tool found nothing)"
+        [ $rc = 0 ] || fail "$name failed under compute-sanitizer $tool (rc $rc; the tool found nothing)"
       else
         status=not_run
-        fail "compute-sanitizer $tool did not finish (rc $rc)"
+        fail "compute-sanitizer $tool did not finish on $name (rc $rc)"
       fi
     fi
-    sanitizers_json+="${sanitizers_json:+, }\"$tool\": \"$status\""
+    sanitizers_json+="${sanitizers_json:+, }\"$key\": \"$status\""
+  }
+  # Every case of simt-gpu (the dispatchers and the layer too: 4-13 s per tool on an H200,
+  # 2026-12-04); MOEFOLD_GPU_CHECK_SANITIZE_CASES narrows it (a doctest -tc filter).
+  prog=$(grep "^simt-gpu	" "$manifest" | cut -f2)
+  for tool in memcheck racecheck synccheck initcheck; do
+    sanitize "$tool" "sanitizer-$tool" 120 "$tool" simt-gpu "$prog" \
+      "${MOEFOLD_GPU_CHECK_SANITIZE_CASES:-*}"
   done
   # The library GEMM backends' small cases (CUTLASS's and cuBLAS's kernels) under memcheck and
   # initcheck: out-of-bounds accesses, and reads of memory nothing wrote.
   gemm_prog=$(grep "^exec-gpu-gemm	" "$manifest" | cut -f2)
   for tool in memcheck initcheck; do
-    if [ $gpu_present = 0 ] || [ $dry_run = 1 ] || [ ! -x "$sanitizer" ] || [ -z "$gemm_prog" ]; then
-      status=not_run
-    else
-      step "gemm-$tool" 60 "$sanitizer" --tool "$tool" --error-exitcode 3 "$bin_dir/$gemm_prog" \
-        -tc='small*'
-      rc=$?
-      if grep -qE "Device not supported|Unable to|error 999" "$logs/gemm-$tool.log"; then
-        status=unavailable
-      elif [ $rc = 3 ]; then
-        status=errors
-        fail "compute-sanitizer $tool reported errors in the gemm step"
-      elif grep -qE "ERROR SUMMARY: 0 errors" "$logs/gemm-$tool.log" && [ $rc = 0 ]; then
-        status=clean
-      else
-        status=not_run
-        fail "compute-sanitizer $tool on the gemm step did not finish cleanly (rc $rc)"
-      fi
-    fi
-    sanitizers_json+="${sanitizers_json:+, }\"gemm-$tool\": \"$status\""
+    sanitize "gemm-$tool" "gemm-$tool" 60 "$tool" exec-gpu-gemm "$gemm_prog" 'small*'
   done
 
 fi
