@@ -9,9 +9,11 @@
 // named; the fallback taken and its reason.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <moefold/comm/thread_world.hpp>
 #include <moefold/core/dtype.hpp>
 #include <moefold/exec/cpu_exec.hpp>
 #include <moefold/exec/cublas_dense.hpp>
@@ -24,9 +26,11 @@
 #include <moefold/exec/host_exec.hpp>
 #include <moefold/exec/simt_gemm.hpp>
 #include <moefold/experts/mlp_experts.hpp>
+#include <moefold/experts/shared_expert.hpp>
 #include <random>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "../support/simt_test_sizes.hpp"
@@ -544,7 +548,9 @@ TEST_CASE("mlp_experts tells once which GEMMs left the tensor-core backends, and
   const std::span<std::byte> w(ws.view().data(), e.workspace_bytes(M));
   const expert_batch<bfloat16, float, cpu_device_space> batch{
       .counts = counts, .x = rows.cview(), .probs = probs.cview()};
-  for (int call = 0; call < 3; ++call) REQUIRE(e.forward(x, batch, y.view(), w));
+  auto saved = exec_buffer<std::byte, cpu_exec>::make(x, 1, e.saved_bytes(M)).value();
+  const std::span<std::byte> sv(saved.view().data(), e.saved_bytes(M));
+  for (int call = 0; call < 3; ++call) REQUIRE(e.forward(x, batch, y.view(), sv, w));
   // fc1 and fc2 forward: once each, not three times.
   REQUIRE(told.size() == 2);
   CHECK(told == e.gemm_notices_said());
@@ -553,5 +559,103 @@ TEST_CASE("mlp_experts tells once which GEMMs left the tensor-core backends, and
     CHECK(m.rfind("moefold: mlp_experts: fc", 0) == 0);
     CHECK(m.find("runs on cublas_dense, not cutlass_sm90: cutlass_sm90: ") != std::string::npos);
     CHECK(m.find("must be a multiple of 16 bytes") != std::string::npos);
+  }
+}
+
+namespace {
+
+// Every GEMM on cublas_dense's descriptions, no fallback: a refusal fails the run.
+struct dense_only_gemms {
+  template <gemm_kind K, gemm_mode M, class A, class B, class C>
+  using backend = cublas_dense<A, B, C>;
+};
+
+// What one rank of a shared expert computes: out and dx [N, H], its fc1, fc2 and gate gradients.
+struct shared_run {
+  std::vector<bfloat16> out, dx;
+  std::vector<float> g1, g2, gg;
+};
+
+// A gated SwiGLU shared expert in bf16 (fp32 gradients), TP 2 over the thread world with
+// sequence parallelism, on cpu_exec with the GEMM policy Gemms: forward and backward, N = 5 per
+// rank, H 16 and F / TP 8 (rows of 32 and 16 bytes), deterministic values from `seed`.
+template <class Gemms>
+std::vector<shared_run> run_shared(std::uint64_t seed) {
+  constexpr int tp = 2, N = 5, H = 16, F = 16, fs = F / tp;
+  std::vector<shared_run> res(tp);
+  const auto st = run_thread_world(tp, [&](thread_communicator& world) -> status {
+    auto dw = std::move(world).in_space<cpu_device_space>();
+    const int r = dw.rank();
+    cpu_exec x(5 + static_cast<std::uint64_t>(r));
+    std::mt19937_64 rng(seed + static_cast<std::uint64_t>(r));
+    std::normal_distribution<float> nd(0.f, 0.5f);
+    const auto rand = [&](std::size_t n) {
+      std::vector<bfloat16> v(n);
+      for (auto& e : v) e = bfloat16(nd(rng));
+      return v;
+    };
+    using se_t = shared_expert<bfloat16, cpu_exec, thread_device_communicator, float, Gemms>;
+    auto se = se_t::make(
+        x, {.max_tokens = N, .hidden = H, .ffn = F, .tp = tp, .tp_rank = r, .gate = true});
+    if (!se) return unexpected<error>(se.error());
+    const auto up = [&](const std::vector<bfloat16>& v) { return upload(x, v); };
+    auto w1 = up(rand(2 * fs * H)), w2 = up(rand(H * fs)), wg = up(rand(H));
+    auto xs = up(rand(N * H)), dout = up(rand(N * H));
+    auto out = up(std::vector<bfloat16>(N * H, bfloat16(0.f)));
+    auto dx = up(std::vector<bfloat16>(N * H, bfloat16(0.f)));
+    auto g1 = upload(x, std::vector<float>(2 * fs * H)), g2 = upload(x, std::vector<float>(H * fs)),
+         gg = upload(x, std::vector<float>(H));
+    using S = cpu_device_space;
+    const auto rows = [](auto& b, int n, int w) {
+      using U = std::remove_reference_t<decltype(*b.view().data())>;
+      return row_view<U, S>(b.view().data(), n, w);
+    };
+    const auto crows = [&](auto& b, int n, int w) {
+      using U = std::remove_reference_t<decltype(*b.view().data())>;
+      return row_view<const U, S>(b.view().data(), n, w);
+    };
+    if (auto b = se->bind(typename se_t::views_type{.mlp = {crows(w1, 2 * fs, H), crows(w2, H, fs)},
+                                                    .grads = {rows(g1, 2 * fs, H), rows(g2, H, fs)},
+                                                    .gate = crows(wg, 1, H),
+                                                    .gate_grad = rows(gg, 1, H)});
+        !b)
+      return b;
+    auto saved = upload(x, std::vector<std::byte>(se->saved_bytes()));
+    auto scratch = upload(x, std::vector<std::byte>(se->scratch_bytes()));
+    const std::span<std::byte> sv(saved.view().data(), se->saved_bytes()),
+        sc(scratch.view().data(), se->scratch_bytes());
+    if (auto f = se->forward(x, crows(xs, N, H), dw, rows(out, N, H), sv, sc); !f) return f;
+    if (auto b = se->backward(x, crows(dout, N, H), dw, rows(dx, N, H), sv, sc); !b) return b;
+    shared_run& o = res[static_cast<std::size_t>(r)];
+    o.out = download(x, out, N * H);
+    o.dx = download(x, dx, N * H);
+    o.g1 = download(x, g1, 2 * fs * H);
+    o.g2 = download(x, g2, H * fs);
+    o.gg = download(x, gg, H);
+    return {};
+  });
+  for (const auto& e : st) REQUIRE_MESSAGE(e.has_value(), e.error().message);
+  return res;
+}
+
+}  // namespace
+
+TEST_CASE("the shared expert on cublas_dense's descriptions equals simt_gemm bit for bit (TP 2)") {
+  // host_blas sums as simt_gemm does, so the same bits mean each of the shared expert's GEMMs
+  // addressed the right elements on cuBLAS's column-major calls (bf16 in, bf16 out forward and
+  // data gradients, fp32 weight gradients accumulated); the SIMT shared expert is checked
+  // against fp64 in tests/experts/shared_expert_test.cpp and the layer tests.
+  const auto seed = test::simt_seed();
+  MESSAGE("seed " << seed);
+  const auto lib = run_shared<dense_only_gemms>(seed), simt = run_shared<simt_gemms>(seed);
+  for (std::size_t r = 0; r < lib.size(); ++r) {
+    CAPTURE(r);
+    CHECK(same_vec(lib[r].out, simt[r].out));
+    CHECK(same_vec(lib[r].dx, simt[r].dx));
+    CHECK(same_vec(lib[r].g1, simt[r].g1));
+    CHECK(same_vec(lib[r].g2, simt[r].g2));
+    CHECK(same_vec(lib[r].gg, simt[r].gg));
+    // Not trivially equal: the expert computed something.
+    CHECK(std::any_of(lib[r].g1.begin(), lib[r].g1.end(), [](float v) { return v != 0.f; }));
   }
 }

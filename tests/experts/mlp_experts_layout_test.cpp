@@ -45,23 +45,28 @@ static_assert(std::is_same_v<experts_t<double>::grad_type, double>);
 
 namespace {
 
-// The expert_fn calls on a host_exec and a workspace of workspace_bytes(M), over vectors.
+// The expert_fn calls on a host_exec and a workspace of workspace_bytes(M), over vectors. A
+// backward needs its forward's saved part: bwd runs the forward first (into a throwaway y).
 template <class E, class B, class Y>
 status fwd(E& m, const B& b, Y& y) {
   using T = typename E::value_type;
   host_exec x;
-  std::vector<std::byte> ws(m.workspace_bytes(b.rows()));
-  return m.forward(x, b, row_view<T>(y.data(), b.rows(), m.hidden()), ws);
+  std::vector<std::byte> ws(m.workspace_bytes(b.rows())), sv(expert_saved_bytes(m, b.rows()));
+  return detail::expert_forward(m, x, b, row_view<T>(y.data(), b.rows(), m.hidden()), sv, ws);
 }
 template <class E, class B, class DY, class DX, class DP>
 status bwd(E& m, const B& b, const DY& dy, DX& dx, DP& dp) {
   using T = typename E::value_type;
   using P = typename E::prob_type;
   host_exec x;
-  std::vector<std::byte> ws(m.workspace_bytes(b.rows()));
   const int M = b.rows(), H = m.hidden();
-  return m.backward(x, b, row_view<const T>(dy.data(), M, H), row_view<T>(dx.data(), M, H),
-                    row_view<P>(dp.data(), M, 1), ws);
+  std::vector<std::byte> ws(m.workspace_bytes(M)), sv(expert_saved_bytes(m, M));
+  std::vector<T> y(static_cast<std::size_t>(M) * static_cast<std::size_t>(H));
+  if (auto st = detail::expert_forward(m, x, b, row_view<T>(y.data(), M, H), sv, ws); !st)
+    return st;
+  return detail::expert_backward(m, x, b, row_view<const T>(dy.data(), M, H),
+                                 row_view<T>(dx.data(), M, H), row_view<P>(dp.data(), M, 1), sv,
+                                 ws);
 }
 
 constexpr std::size_t uz(int n) { return static_cast<std::size_t>(n); }

@@ -133,7 +133,8 @@ run_out run_fp64(Exec& ex, const mlp_shape& s, const std::vector<int>& counts,
                  const std::vector<double>& w1, const std::vector<double>& w2,
                  const std::vector<double>& g1, const std::vector<double>& g2,
                  const std::vector<double>& x, const std::vector<double>& p,
-                 const std::vector<double>& dy, bool offsets_on_context) {
+                 const std::vector<double>& dy, bool offsets_on_context,
+                 mlp_experts_options o = {}) {
   using S = typename Exec::memory_space;
   const int L = s.num_local_experts, H = s.hidden, fs = s.ffn / s.etp,
             f1 = (is_gated(s.act) ? 2 : 1) * fs, M = static_cast<int>(p.size());
@@ -153,7 +154,8 @@ run_out run_fp64(Exec& ex, const mlp_shape& s, const std::vector<int>& counts,
   REQUIRE(y);
   REQUIRE(dx);
   REQUIRE(dp);
-  auto m = mlp_experts<double, Exec>::make(s, {dw1.cview(), dw2.cview()}, {dg1.view(), dg2.view()});
+  auto m =
+      mlp_experts<double, Exec>::make(s, {dw1.cview(), dw2.cview()}, {dg1.view(), dg2.view()}, o);
   REQUIRE(m);
   CHECK(m->grads().fc1.data() == dg1.view().data());  // the caller's buffers, exposed
   CHECK(m->grads().fc2.data() == dg2.view().data());
@@ -162,11 +164,14 @@ run_out run_fp64(Exec& ex, const mlp_shape& s, const std::vector<int>& counts,
     b.offsets = doff.cview();
   else
     b.counts = counts;
+  // The saved part (the pre-activation, or nothing with recompute_fc1) stays from the forward to
+  // its backward; the workspace is refilled with NaN between them (nothing lives in it).
   const std::size_t bytes = m->workspace_bytes(M);
+  auto sv = nan_workspace(ex, m->saved_bytes(M));
   auto ws = nan_workspace(ex, bytes);
-  REQUIRE(m->forward(ex, b, y->view(), span_of(ws)));
+  REQUIRE(m->forward(ex, b, y->view(), span_of(sv), span_of(ws)));
   ws = nan_workspace(ex, bytes);
-  REQUIRE(m->backward(ex, b, ddy.cview(), dx->view(), dp->view(), span_of(ws)));
+  REQUIRE(m->backward(ex, b, ddy.cview(), dx->view(), dp->view(), span_of(sv), span_of(ws)));
   return {download(ex, y->cview()), download(ex, dx->cview()), download(ex, dp->cview()),
           download(ex, dg1.cview()), download(ex, dg2.cview())};
 }
@@ -228,13 +233,22 @@ TEST_CASE_TEMPLATE(
       Exec eo = make_exec<Exec>(rng());
       if constexpr (std::is_same_v<Exec, cpu_exec>) eo.reset_copies();
       const run_out on = run_fp64(eo, s, counts, w1, w2, g1, g2, x, p, dy, true);
-      if constexpr (std::is_same_v<Exec, cpu_exec>)  // the 8 inputs, 2 workspace fills: no more
-        CHECK(eo.copies().to_device == 10);
+      if constexpr (std::is_same_v<Exec, cpu_exec>)  // 8 inputs, 3 NaN fills: no more
+        CHECK(eo.copies().to_device == 11);
       CHECK(same_bits(on.y, got.y));
       CHECK(same_bits(on.dx, got.dx));
       CHECK(same_bits(on.dp, got.dp));
       CHECK(same_bits(on.g1, got.g1));
       CHECK(same_bits(on.g2, got.g2));
+      // fc1 recomputed in the backward instead of saved: the same bits.
+      Exec er = make_exec<Exec>(rng());
+      const run_out re =
+          run_fp64(er, s, counts, w1, w2, g1, g2, x, p, dy, false, {.recompute_fc1 = true});
+      CHECK(same_bits(re.y, got.y));
+      CHECK(same_bits(re.dx, got.dx));
+      CHECK(same_bits(re.dp, got.dp));
+      CHECK(same_bits(re.g1, got.g1));
+      CHECK(same_bits(re.g2, got.g2));
     }
   MESSAGE("worst " << worst << " of 1e-14 of the magnitude");
 }
@@ -261,26 +275,37 @@ TEST_CASE_TEMPLATE("mlp_experts with device offsets copies nothing; bad offsets 
   auto m = mlp_experts<double, Exec>::make(s, {w1.cview(), w2.cview()}, {g1.view(), g2.view()});
   REQUIRE(m);
   auto ws = nan_workspace(ex, m->workspace_bytes(M));
+  auto sv = nan_workspace(ex, m->saved_bytes(M));
   const expert_batch<double, double, S> b{
       .x = x.cview(), .probs = p.cview(), .offsets = doff.cview()};
   ex.reset_copies();
-  REQUIRE(m->forward(ex, b, y.view(), span_of(ws)));
-  REQUIRE(m->backward(ex, b, y.cview(), dx.view(), dp.view(), span_of(ws)));
+  REQUIRE(m->forward(ex, b, y.view(), span_of(sv), span_of(ws)));
+  REQUIRE(m->backward(ex, b, y.cview(), dx.view(), dp.view(), span_of(sv), span_of(ws)));
   CHECK(ex.copies().to_device == 0);
   CHECK(ex.copies().to_host == 0);
   // With host counts, simt_gemm copies the row ranges (L + 1 integers) once per GEMM: the
-  // forward's 2 and the backward's 5 (it recomputes fc1).
+  // forward's 2 and the backward's 4 (fc1's output is saved), 5 when it recomputes fc1.
   const expert_batch<double, double, S> hb{.counts = counts, .x = x.cview(), .probs = p.cview()};
   ex.reset_copies();
-  REQUIRE(m->forward(ex, hb, y.view(), span_of(ws)));
-  REQUIRE(m->backward(ex, hb, y.cview(), dx.view(), dp.view(), span_of(ws)));
-  CHECK(ex.copies().to_device == 7);
+  REQUIRE(m->forward(ex, hb, y.view(), span_of(sv), span_of(ws)));
+  REQUIRE(m->backward(ex, hb, y.cview(), dx.view(), dp.view(), span_of(sv), span_of(ws)));
+  CHECK(ex.copies().to_device == 6);
   CHECK(ex.copies().to_host == 0);
+  auto rm = mlp_experts<double, Exec>::make(s, {w1.cview(), w2.cview()}, {g1.view(), g2.view()},
+                                            {.recompute_fc1 = true});
+  REQUIRE(rm);
+  CHECK(rm->saved_bytes(M) == 0);
+  CHECK(rm->workspace_bytes(M) > m->workspace_bytes(M));  // fc1's output is its scratch
+  auto rws = nan_workspace(ex, rm->workspace_bytes(M));
+  ex.reset_copies();
+  REQUIRE(rm->forward(ex, hb, y.view(), {}, span_of(rws)));
+  REQUIRE(rm->backward(ex, hb, y.cview(), dx.view(), dp.view(), {}, span_of(rws)));
+  CHECK(ex.copies().to_device == 7);
   const expert_batch<double, double, S> bad{
       .x = x.cview(),
       .probs = p.cview(),
       .offsets = row_view<const int, S>(doff.cview().data(), 1, L)};
-  const status st = m->forward(ex, bad, y.view(), span_of(ws));
+  const status st = m->forward(ex, bad, y.view(), span_of(sv), span_of(ws));
   REQUIRE_FALSE(st.has_value());
   CHECK(st.error().message.find("offsets must be [1, L + 1] = [1, 4]") != std::string::npos);
 }
@@ -304,9 +329,9 @@ TEST_CASE_TEMPLATE("mlp_experts: no rows, or no rows for any expert, changes not
   const expert_batch<float, float, S> b{.counts = none,
                                         .x = row_view<const float, S>(nullptr, 0, 4),
                                         .probs = row_view<const float, S>(nullptr, 0, 1)};
-  REQUIRE(m->forward(ex, b, row_view<float, S>(nullptr, 0, 4), span_of(ws)));
+  REQUIRE(m->forward(ex, b, row_view<float, S>(nullptr, 0, 4), {}, span_of(ws)));
   REQUIRE(m->backward(ex, b, row_view<const float, S>(nullptr, 0, 4),
-                      row_view<float, S>(nullptr, 0, 4), row_view<float, S>(nullptr, 0, 1),
+                      row_view<float, S>(nullptr, 0, 4), row_view<float, S>(nullptr, 0, 1), {},
                       span_of(ws)));
   CHECK(same_bits(download(ex, g1.cview()), v1));
   CHECK(same_bits(download(ex, g2.cview()), v2));
@@ -354,10 +379,12 @@ TEST_CASE_TEMPLATE("mlp_experts in fp32 and bf16 within derived bounds of fp64",
         auto m = mlp_experts<T, E>::make(s, {dw1.cview(), dw2.cview()}, {dg1.view(), dg2.view()});
         REQUIRE(m);
         auto ws = nan_workspace(ex, m->workspace_bytes(M));
+        auto sv = nan_workspace(ex, m->saved_bytes(M));
         const expert_batch<T, T, typename E::memory_space> b{
             .counts = counts, .x = dx_in.cview(), .probs = dp_in.cview()};
-        REQUIRE(m->forward(ex, b, dy_out->view(), span_of(ws)));
-        REQUIRE(m->backward(ex, b, ddy.cview(), ddx->view(), ddp->view(), span_of(ws)));
+        REQUIRE(m->forward(ex, b, dy_out->view(), span_of(sv), span_of(ws)));
+        REQUIRE(
+            m->backward(ex, b, ddy.cview(), ddx->view(), ddp->view(), span_of(sv), span_of(ws)));
         y = download(ex, dy_out->cview());
         dx = download(ex, ddx->cview());
         dp = download(ex, ddp->cview());
@@ -465,33 +492,42 @@ TEST_CASE_TEMPLATE("mlp_experts refuses bad shapes, batches and workspaces with 
   REQUIRE(p);
   REQUIRE(y);
   auto ws = nan_workspace(ex, m->workspace_bytes(5));
-  const auto w = span_of(ws);
+  auto saved = nan_workspace(ex, m->saved_bytes(5));
+  const auto w = span_of(ws), sv = span_of(saved);
   const std::vector<int> three = {1, 2, 2}, short_counts = {1, 2}, five = {2, 3};
-  auto st = m->forward(ex, {.counts = three, .x = x->cview(), .probs = p->cview()}, y->view(), w);
+  auto st =
+      m->forward(ex, {.counts = three, .x = x->cview(), .probs = p->cview()}, y->view(), sv, w);
   CHECK(st.error().code == errc::shape_mismatch);
   CHECK(std::string(st.error().message).find("local experts") != std::string::npos);
-  st = m->forward(ex, {.counts = short_counts, .x = x->cview(), .probs = p->cview()}, y->view(), w);
+  st = m->forward(ex, {.counts = short_counts, .x = x->cview(), .probs = p->cview()}, y->view(), sv,
+                  w);
   CHECK(std::string(st.error().message).find("M = sum(counts)") != std::string::npos);
   const std::vector<int> negative = {6, -1};
-  st = m->forward(ex, {.counts = negative, .x = x->cview(), .probs = p->cview()}, y->view(), w);
+  st = m->forward(ex, {.counts = negative, .x = x->cview(), .probs = p->cview()}, y->view(), sv, w);
   CHECK(st.error().code == errc::invalid_argument);
   // probs not [M, 1]; y of another row count; dprobs not [M, 1].
-  st =
-      m->forward(ex, {.counts = five, .x = x->cview(), .probs = p->cview().first(4)}, y->view(), w);
+  st = m->forward(ex, {.counts = five, .x = x->cview(), .probs = p->cview().first(4)}, y->view(),
+                  sv, w);
   CHECK(std::string(st.error().message).find("probs must be contiguous [M, 1]") !=
         std::string::npos);
-  st =
-      m->forward(ex, {.counts = five, .x = x->cview(), .probs = p->cview()}, y->view().first(4), w);
+  st = m->forward(ex, {.counts = five, .x = x->cview(), .probs = p->cview()}, y->view().first(4),
+                  sv, w);
   CHECK(std::string(st.error().message).find("y must be [M, H] = [5, 8]") != std::string::npos);
   st = m->backward(ex, {.counts = five, .x = x->cview(), .probs = p->cview()}, y->cview(),
-                   y->view(), row_view<float, S>(p->view().data(), 1, 5), w);
+                   y->view(), row_view<float, S>(p->view().data(), 1, 5), sv, w);
   CHECK(std::string(st.error().message).find("dprobs must be contiguous [M, 1]") !=
         std::string::npos);
   // A workspace smaller than workspace_bytes(M).
-  st = m->forward(ex, {.counts = five, .x = x->cview(), .probs = p->cview()}, y->view(),
+  st = m->forward(ex, {.counts = five, .x = x->cview(), .probs = p->cview()}, y->view(), sv,
                   w.first(w.size() / 2));
   REQUIRE_FALSE(st.has_value());
   CHECK(st.error().code == errc::workspace_too_small);
   CHECK(std::string(st.error().message).find("workspace_bytes(5)") != std::string::npos);
-  CHECK(m->forward(ex, {.counts = five, .x = x->cview(), .probs = p->cview()}, y->view(), w));
+  // A saved span smaller than saved_bytes(M).
+  st = m->forward(ex, {.counts = five, .x = x->cview(), .probs = p->cview()}, y->view(),
+                  sv.first(8), w);
+  REQUIRE_FALSE(st.has_value());
+  CHECK(st.error().code == errc::workspace_too_small);
+  CHECK(std::string(st.error().message).find("saved_bytes(5)") != std::string::npos);
+  CHECK(m->forward(ex, {.counts = five, .x = x->cview(), .probs = p->cview()}, y->view(), sv, w));
 }

@@ -167,11 +167,13 @@ expected<simt_rank_params<T, Exec>> upload_rank_params(const problem& p,
 template <class T, class Exec, class Gemms = simt_gemms>
 using simt_rank_experts = mlp_experts<T, Exec, Gemms, main_grad_t<T>, float>;
 
-// The rank's experts (SwiGLU, its ETP shard) over those parameters.
+// The rank's experts (SwiGLU, its ETP shard) over those parameters; `o`: whether they save fc1's
+// output (the default) or recompute it.
 template <class T, class Gemms = simt_gemms, class Exec>
 expected<simt_rank_experts<T, Exec, Gemms>> rank_mlp(const problem& p,
                                                      const dynamic_folded_mesh& fold, int r, Exec&,
-                                                     simt_rank_params<T, Exec>& par) {
+                                                     simt_rank_params<T, Exec>& par,
+                                                     mlp_experts_options o = {}) {
   return simt_rank_experts<T, Exec, Gemms>::make({.hidden = p.hidden,
                                                   .ffn = p.ffn,
                                                   .num_local_experts = p.experts / fold.ep(),
@@ -179,7 +181,7 @@ expected<simt_rank_experts<T, Exec, Gemms>> rank_mlp(const problem& p,
                                                   .etp_rank = fold.moe_coord_of(r).etp,
                                                   .act = activation::swiglu},
                                                  {par.fc1.cview(), par.fc2.cview()},
-                                                 {par.g1.view(), par.g2.view()});
+                                                 {par.g1.view(), par.g2.view()}, o);
 }
 
 // What a rank starts from: its communicators (split from the world), its parameters and
@@ -202,15 +204,14 @@ struct layer_rank_setup {
 };
 
 template <class T, class Gemms = simt_gemms, class Exec, class Comm>
-expected<layer_rank_setup<T, Exec, Comm, Gemms>> make_layer_rank_setup(const problem& p,
-                                                                       Comm& world, Exec& x,
-                                                                       bool keys) {
+expected<layer_rank_setup<T, Exec, Comm, Gemms>> make_layer_rank_setup(
+    const problem& p, Comm& world, Exec& x, bool keys, mlp_experts_options experts = {}) {
   const auto fold = make_folded(p.fold).value();
   const megatron_groups groups(fold);
   const int r = world.rank(), H = p.hidden;
   TRY_ASSIGN(comms, make_layer_communicators(world, groups));
   TRY_ASSIGN(par, (upload_rank_params<T>(p, fold, r, x)));
-  TRY_ASSIGN(mlp, (rank_mlp<T, Gemms>(p, fold, r, x, *par)));
+  TRY_ASSIGN(mlp, (rank_mlp<T, Gemms>(p, fold, r, x, *par, experts)));
   std::vector<T> xs, douts;
   for (int t = 0; t < p.tokens; ++t) {
     const auto d = make_token(p, r, t);
@@ -269,12 +270,14 @@ using device_layer_t =
 // One rank's layer on the context: the weights of layer_harness.hpp uploaded (the router weight
 // bound from the caller's buffers), forward, backward (seed 1), gradients reduced; everything
 // read back and widened. `drop`: none (dropless), or a policy; `keys`: full-sequence dropping in
-// true sequence order (sequence_keys), not the group's rank order.
+// true sequence order (sequence_keys), not the group's rank order; `experts`: the experts save
+// fc1's output (the default) or recompute it. Checked on the way: the layer's buffers are those
+// it sized at make, and what it reports saving per received row.
 template <class T, template <class, class, class, class> class Disp, class Gemms = simt_gemms,
           class Exec, class Comm>
 expected<layer_result> run_device_rank(const problem& p, Comm& world, Exec& x,
                                        const std::optional<drop_policy_variant>& drop,
-                                       bool keys = false) {
+                                       bool keys = false, mlp_experts_options experts = {}) {
   using layer_t = device_layer_t<T, Disp, Exec, Comm, Gemms>;
   const auto copies = [&x] {
     if constexpr (counts_copies<Exec>)
@@ -282,7 +285,7 @@ expected<layer_result> run_device_rank(const problem& p, Comm& world, Exec& x,
     else
       return copy_counts{};
   };
-  TRY_ASSIGN(in, (make_layer_rank_setup<T, Gemms>(p, world, x, keys)));
+  TRY_ASSIGN(in, (make_layer_rank_setup<T, Gemms>(p, world, x, keys, experts)));
   const auto& fold = in->fold;
   const auto& xs = in->xs;
   const int H = p.hidden;
@@ -290,9 +293,29 @@ expected<layer_result> run_device_rank(const problem& p, Comm& world, Exec& x,
                                    std::move(*in->mlp))));
   TRY(layer->bind_parameters(
       {.router_weight = in->par.w.view(), .router_grad = in->par.dw.view()}));
+  // Per received row the experts save their pre-activation, F1 = 2 F / ETP values of T (SwiGLU),
+  // unless they recompute fc1; the dispatcher its copy of the row and its probability (a row of
+  // H values padded to 16 bytes, a float).
+  TRY_ASSIGN(rates, layer->saved_bytes_per_row());
+  const std::size_t f1_bytes = 2 * detail::uz(p.ffn / fold.etp()) * sizeof(T),
+                    row_bytes = detail::uz(H) * sizeof(T) + sizeof(float);
+  if (rates->experts_per_row != (experts.recompute_fc1 ? 0 : f1_bytes) ||
+      rates->per_received_row < rates->experts_per_row + row_bytes ||
+      rates->per_received_row > rates->experts_per_row + row_bytes + 16 ||
+      rates->per_token < detail::uz(H) * sizeof(T) + detail::uz(p.experts) * sizeof(float))
+    return make_error(errc::invalid_argument,
+                      "saved bytes per received row " + std::to_string(rates->per_received_row) +
+                          " (experts " + std::to_string(rates->experts_per_row) + "), per token " +
+                          std::to_string(rates->per_token) + ": not the parts' sizes");
+  const dispatch_workspace_bytes made = layer->workspace_sizes();
   const copy_counts before = copies();
   TRY_ASSIGN(stats, layer->forward(x, in->x.cview(), in->key_view(), in->out.view()));
   const copy_counts after_forward = copies();
+  // The one-in-flight form's storage was sized at make for every forward (pad mode's largest
+  // capacity included): the forward grew nothing.
+  if (const dispatch_workspace_bytes now = layer->workspace_sizes();
+      now.saved != made.saved || now.scratch != made.scratch || now.host != made.host)
+    return make_error(errc::invalid_argument, "the forward grew the layer's storage");
   // Dropless with EP = ETP = 1 on a context that runs kernels (either dispatcher): the batch is
   // the N k rows and its row ranges stay on the context (no count comes back).
   const bool unsharded = runs_kernels_v<Exec> && !drop && fold.ep() * fold.etp() == 1;

@@ -1012,6 +1012,46 @@ TEST_CASE(
   CHECK(keys_mattered > 0);  // the keys were used, not ignored
 }
 
+TEST_CASE(
+    "the layer on cpu_exec: fc1's output saved or recomputed, the same bits (dropless, pad "
+    "mode)") {
+  // The experts save their pre-activation for the backward by default and recompute fc1 with
+  // recompute_fc1: the same GEMMs on the same inputs, so every output and gradient is the same
+  // bits; both against the fp64 reference too. run_device_rank checks on the way the saved bytes
+  // per received row each way and that the forward grew none of the layer's storage (pad mode's
+  // largest capacity was sized at make).
+  const fold_config& f = layer_folds[0];
+  const auto fold = make_folded(f).value();
+  problem p{.fold = f};
+  p.experts = 8;
+  p.topk = 2;
+  p.hidden = 12;
+  p.ffn = 4 * fold.etp();
+  p.tokens = 6;
+  const std::optional<drop_policy_variant> policies[] = {
+      std::nullopt, sub_sequence{.capacity_factor = 2.0, .pad_to_capacity = true}};
+  for (const auto& drop : policies) {
+    CAPTURE(drop.has_value());
+    std::vector<layer_result> runs[2];
+    for (const bool recompute : {false, true})
+      runs[recompute ? 1 : 0] =
+          on_cpu_world<layer_result>(p.fold.world, 7, [&](dev_comm& world, cpu_exec& x) {
+            return run_device_rank<float, all_to_all_dispatcher>(p, world, x, drop, false,
+                                                                 {.recompute_fc1 = recompute});
+          });
+    (void)check_layer_results<float>(p, runs[0], drop ? drop_mode::per_rank : drop_mode::none);
+    for (std::size_t r = 0; r < runs[0].size(); ++r) {
+      CAPTURE(r);
+      const layer_result &saved = runs[0][r], &again = runs[1][r];
+      CHECK(saved.out == again.out);
+      CHECK(saved.dx == again.dx);
+      CHECK(saved.dw_router == again.dw_router);
+      CHECK(saved.dw1 == again.dw1);
+      CHECK(saved.dw2 == again.dw2);
+    }
+  }
+}
+
 TEST_CASE("stream order: the whole layer on the GPU code path, dropless and in pad mode") {
   // stream_order_exec runs the kernels as cpu_exec does but takes cuda_exec's path (no
   // host-addressable memory: results only through copies, bad indices into a device word) and
@@ -1135,26 +1175,30 @@ namespace {
 static_assert(routing::router<fixed_router<float>, cpu_exec>);
 
 // User experts on the context: mlp_experts, recording the probability of every row they are
-// given (read back from the context's memory).
+// given (read back from the context's memory). They keep activations (mlp_experts' saved
+// pre-activation), so the layer gives them the saved form's calls.
 struct recording_experts {
   simt_rank_experts<float, cpu_exec> mlp;
   std::vector<float> seen{};
   [[nodiscard]] int num_local_experts() const { return mlp.num_local_experts(); }
   [[nodiscard]] int hidden() const { return mlp.hidden(); }
   [[nodiscard]] std::size_t workspace_bytes(int rows) const { return mlp.workspace_bytes(rows); }
+  [[nodiscard]] std::size_t saved_bytes(int rows) const { return mlp.saved_bytes(rows); }
   [[nodiscard]] status forward(cpu_exec& x, const expert_batch<float, float, space>& b,
-                               row_view<float, space> y, std::span<std::byte> ws) {
+                               row_view<float, space> y, std::span<std::byte> saved,
+                               std::span<std::byte> ws) {
     TRY_ASSIGN(p, (download<float>(x, b.probs)));
     seen = std::move(*p);
-    return mlp.forward(x, b, y, ws);
+    return mlp.forward(x, b, y, saved, ws);
   }
   [[nodiscard]] status backward(cpu_exec& x, const expert_batch<float, float, space>& b,
                                 row_view<const float, space> dy, row_view<float, space> dx,
-                                row_view<float, space> dprobs, std::span<std::byte> ws) {
-    return mlp.backward(x, b, dy, dx, dprobs, ws);
+                                row_view<float, space> dprobs, std::span<std::byte> saved,
+                                std::span<std::byte> ws) {
+    return mlp.backward(x, b, dy, dx, dprobs, saved, ws);
   }
 };
-static_assert(expert_fn<recording_experts, cpu_exec, float, float>);
+static_assert(keeps_activations<recording_experts, cpu_exec, float, float>);
 
 struct user_run {
   layer_result res;

@@ -77,8 +77,8 @@ run_result count_layer_steps(const problem& p, const moe_layer_options& base, Po
         counting.store(true);
       }
       if (auto s = world.barrier(); !s) return s;
-      // The one-in-flight form: the layer's own context and storage (sized at make; a pad-mode
-      // capacity past them grows them at step 1, never later with the same input).
+      // The one-in-flight form: the layer's own context and storage (sized at make for every
+      // forward, pad mode's largest capacity included).
       auto stats = layer->forward(ex, p.tokens, x, {}, out);
       if (!stats) return unexpected<error>(stats.error());
       if (auto s = layer->backward(ex, dout, 1.f, dx); !s) return s;

@@ -19,6 +19,7 @@
 //! Workspace: keep_workspace_bytes(shape) bytes of the context's memory, dead after the call.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -130,6 +131,19 @@ template <class R>
   auto c = expert_capacity(pairs, shape.num_experts, *r.capacity_factor);
   if (!c) return unexpected<error>(c.error());
   return {};
+}
+
+//! The most rows per expert a padding decision gives for forwards up to `shape`: the capacity of
+//! the most pairs one decision sees, and no more than its tokens (a larger capacity is refused:
+//! no expert could be padded to it); nullopt without padding. The capacity grows with the pairs,
+//! so no smaller forward pads to more.
+[[nodiscard]] inline std::optional<int> pad_rows_bound(const keep_rule& r, const drop_shape& shape,
+                                                       bool full) {
+  if (!r.pad || !r.capacity_factor) return std::nullopt;
+  const long long tokens = static_cast<long long>(full ? shape.group : 1) * shape.max_tokens;
+  auto c = expert_capacity(tokens * shape.topk, shape.num_experts, *r.capacity_factor);
+  if (!c) return std::nullopt;  // check_keep_rule refuses the policy
+  return static_cast<int>(std::min<long long>(*c, tokens));
 }
 
 //! Host memory's fault words are read back at once; device memory's (a GPU context's, and

@@ -87,5 +87,20 @@ template <class P>
     return {};
 }
 
+//! A policy that pads (pad mode: every expert gets exactly pad_rows rows) may state the most rows
+//! per expert it gives for forwards up to a shape (`pad_rows_bound(shape) -> optional<int>`, as
+//! moefold's policies do): a layer then sizes its buffers for it when it is made and never grows
+//! them in a forward. nullopt: the policy does not pad, or states no bound (a user policy without
+//! it: the layer's receive bound then limits pad mode's rows).
+template <class P>
+[[nodiscard]] std::optional<int> drop_pad_rows_bound(const P& p, const drop_shape& shape) {
+  if constexpr (requires {
+                  { p.pad_rows_bound(shape) } -> std::same_as<std::optional<int>>;
+                })
+    return p.pad_rows_bound(shape);
+  else
+    return std::nullopt;
+}
+
 }  // namespace v0_1
 }  // namespace moefold

@@ -72,6 +72,11 @@ struct full_sequence {
   [[nodiscard]] status check(const drop_shape& shape) const {
     return detail::check_keep_rule({.capacity_factor = capacity_factor, .by = by}, shape, true);
   }
+  //! With pad_to_capacity, the most rows per expert for forwards up to `shape` (the group's).
+  [[nodiscard]] std::optional<int> pad_rows_bound(const drop_shape& shape) const {
+    return detail::pad_rows_bound(
+        {.capacity_factor = capacity_factor, .pad = pad_to_capacity, .by = by}, shape, true);
+  }
   //! On an execution context (dispatch/capacity_keep.hpp): the workspace for forwards up to
   //! `shape` (shape.group: the tp-cp group's ranks), and the decision over the group's tokens,
   //! collective over tp_cp. The order keys [N, 1] are sequence_order_keys' values: the group's

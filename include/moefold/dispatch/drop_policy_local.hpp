@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 
 #include "capacity_keep.hpp"
@@ -16,6 +17,8 @@ inline namespace v0_1 {
 struct dropless {
   //! Its rules for forwards up to `shape` (none).
   [[nodiscard]] status check(const drop_shape&) const { return {}; }
+  //! It never pads.
+  [[nodiscard]] std::optional<int> pad_rows_bound(const drop_shape&) const { return std::nullopt; }
   //! On an execution context (dispatch/capacity_keep.hpp): the workspace for forwards up to
   //! `shape`, and the decision over this rank's tokens (tp_cp unused).
   template <class R>
@@ -42,6 +45,11 @@ struct sub_sequence {
   //! Its rules for forwards up to `shape` (capacity factor finite and > 0, a drop-by value).
   [[nodiscard]] status check(const drop_shape& shape) const {
     return detail::check_keep_rule({.capacity_factor = capacity_factor, .by = by}, shape, false);
+  }
+  //! With pad_to_capacity, the most rows per expert for forwards up to `shape`.
+  [[nodiscard]] std::optional<int> pad_rows_bound(const drop_shape& shape) const {
+    return detail::pad_rows_bound(
+        {.capacity_factor = capacity_factor, .pad = pad_to_capacity, .by = by}, shape, false);
   }
   //! On an execution context (dispatch/capacity_keep.hpp): the workspace for forwards up to
   //! `shape`, and the decision over this rank's tokens (tp_cp unused).

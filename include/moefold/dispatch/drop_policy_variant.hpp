@@ -32,6 +32,10 @@ struct drop_policy_variant {
   [[nodiscard]] status check(const drop_shape& shape) const {
     return std::visit([&](const auto& p) { return p.check(shape); }, policy);
   }
+  //! The chosen policy's most rows per expert in pad mode (nullopt: it does not pad).
+  [[nodiscard]] std::optional<int> pad_rows_bound(const drop_shape& shape) const {
+    return std::visit([&](const auto& p) { return p.pad_rows_bound(shape); }, policy);
+  }
   //! The chosen policy's workspace for forwards up to `shape`.
   template <class R>
   [[nodiscard]] std::size_t workspace_bytes(const drop_shape& shape) const {

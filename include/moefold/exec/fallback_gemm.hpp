@@ -53,11 +53,7 @@ class fallback_gemm {
   [[nodiscard]] status initialize(Exec& x, const args_type& a, std::span<std::byte> workspace) {
     why_.reset();
     if constexpr (Primary::template runs_on<Exec>) {
-      status st = Primary::can_implement(a);
-      if constexpr (requires {
-                      { Primary::runs_here(x) } -> std::same_as<status>;
-                    })
-        if (st) st = Primary::runs_here(x);
+      const status st = primary_accepts(x, a);
       if (st) {
         primary_ = true;
         return p_.initialize(x, a, workspace);
@@ -102,6 +98,18 @@ class fallback_gemm {
   }
 
  private:
+  // The primary takes `a` on this context's device. Returned, not assigned: nvcc reads an
+  // assignment of a [[nodiscard]] type as its result discarded (warning 2810).
+  template <class Exec>
+  static status primary_accepts(Exec& x, const args_type& a) {
+    if (auto st = Primary::can_implement(a); !st) return st;
+    if constexpr (requires {
+                    { Primary::runs_here(x) } -> std::same_as<status>;
+                  })
+      return Primary::runs_here(x);
+    else
+      return {};
+  }
   Primary p_{};
   Fallback f_{};
   bool primary_ = false;

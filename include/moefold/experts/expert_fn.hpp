@@ -34,20 +34,41 @@ inline namespace v0_1 {
 //!   gradients into the functor's gradient buffers;
 //!   (y, dy and dx may have a row stride above H, rows 16 bytes apart: read them through
 //!   row_data/stride, not flat());
+//! - or, for a functor that keeps part of its forward for its backward (keeps_activations below:
+//!   mlp_experts keeps fc1's output), `saved_bytes(rows)` and the same two calls with a `saved`
+//!   span before the workspace, which the caller gives the forward and, untouched, its backward;
 //! - optionally `workspace_bytes(rows)`: the bytes of the context's memory either call takes as
 //!   its workspace for a batch of at most `rows` rows (none when absent:
 //!   expert_workspace_bytes()).
 //! Every call returns a status, an error naming the rule broken for a bad batch.
 template <class E, class Exec, class T, class P = T>
-concept expert_fn = execution_context<Exec> &&
-    requires(E& e, const E& ce, Exec& x, const expert_batch<T, P, typename Exec::memory_space>& b,
+concept expert_fn = execution_context<Exec> && requires(const E& ce) {
+  { ce.num_local_experts() } -> std::same_as<int>;
+  { ce.hidden() } -> std::same_as<int>;
+} &&(
+    requires(E& e, Exec& x, const expert_batch<T, P, typename Exec::memory_space>& b,
              row_view<T, typename Exec::memory_space> out,
              row_view<const T, typename Exec::memory_space> in,
              row_view<P, typename Exec::memory_space> dprobs, std::span<std::byte> ws) {
-  { ce.num_local_experts() } -> std::same_as<int>;
-  { ce.hidden() } -> std::same_as<int>;
-  { e.forward(x, b, out, ws) } -> std::same_as<status>;
-  { e.backward(x, b, in, out, dprobs, ws) } -> std::same_as<status>;
+      { e.forward(x, b, out, ws) } -> std::same_as<status>;
+      { e.backward(x, b, in, out, dprobs, ws) } -> std::same_as<status>;
+    } ||
+    requires(E & e, const E& ce, Exec& x, const expert_batch<T, P, typename Exec::memory_space>& b,
+             row_view<T, typename Exec::memory_space> out,
+             row_view<const T, typename Exec::memory_space> in,
+             row_view<P, typename Exec::memory_space> dprobs, std::span<std::byte> saved,
+             std::span<std::byte> ws, int rows) {
+      { ce.saved_bytes(rows) } -> std::convertible_to<std::size_t>;
+      { e.forward(x, b, out, saved, ws) } -> std::same_as<status>;
+      { e.backward(x, b, in, out, dprobs, saved, ws) } -> std::same_as<status>;
+    });
+
+//! An expert functor whose forward leaves `saved_bytes(rows)` bytes of the context's memory for
+//! its backward (in storage the caller owns, one per forward in flight), so that the backward
+//! need not recompute them.
+template <class E, class Exec, class T, class P = T>
+concept keeps_activations = expert_fn<E, Exec, T, P> && requires(const E& ce, int rows) {
+  { ce.saved_bytes(rows) } -> std::convertible_to<std::size_t>;
 };
 
 //! Experts that expose their gradient buffers as views of G in memory space S (mlp_experts and
@@ -70,6 +91,39 @@ template <class E>
   else
     return 0;
 }
+
+//! The bytes a forward of an expert functor keeps for its backward for batches of at most `rows`
+//! rows: its `saved_bytes(rows)`, or 0 for a functor that keeps nothing.
+template <class E>
+[[nodiscard]] std::size_t expert_saved_bytes(const E& e, int rows) {
+  if constexpr (requires {
+                  { e.saved_bytes(rows) } -> std::convertible_to<std::size_t>;
+                })
+    return e.saved_bytes(rows);
+  else
+    return 0;
+}
+
+namespace detail {
+// The forward and backward of either form: a functor that keeps activations gets `saved` (the
+// same span for a forward and its backward), one that keeps none does not.
+template <class E, class Exec, class B, class Y>
+[[nodiscard]] status expert_forward(E& e, Exec& x, const B& b, Y y, std::span<std::byte> saved,
+                                    std::span<std::byte> ws) {
+  if constexpr (requires { e.saved_bytes(0); })
+    return e.forward(x, b, y, saved, ws);
+  else
+    return e.forward(x, b, y, ws);
+}
+template <class E, class Exec, class B, class DY, class DX, class DP>
+[[nodiscard]] status expert_backward(E& e, Exec& x, const B& b, DY dy, DX dx, DP dprobs,
+                                     std::span<std::byte> saved, std::span<std::byte> ws) {
+  if constexpr (requires { e.saved_bytes(0); })
+    return e.backward(x, b, dy, dx, dprobs, saved, ws);
+  else
+    return e.backward(x, b, dy, dx, dprobs, ws);
+}
+}  // namespace detail
 
 //! Checks a batch against an expert functor of L local experts and hidden size H, `who` naming
 //! it in the messages: the row ranges (L counts >= 0 summing to M < 2^31, or offsets [1, L + 1]

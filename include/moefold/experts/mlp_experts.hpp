@@ -14,9 +14,17 @@
 //! activations are the kernel bodies of kernels/activation.hpp on the context (every activation
 //! of core/activation.hpp).
 //!
-//! The context and the workspace come with each call (workspace_bytes(rows) sizes it, in the
-//! context's memory): the object holds only views of the caller's parameters and the shape, so
-//! nothing is allocated after make() and two calls in flight on two streams do not share scratch.
+//! The context, the saved storage and the workspace come with each call (saved_bytes(rows) and
+//! workspace_bytes(rows) size them, in the context's memory): the object holds only views of the
+//! caller's parameters and the shape, so nothing is allocated after make() and two forwards in
+//! flight on two streams share nothing.
+//!
+//! Saved for the backward: fc1's output, the pre-activation a [M, F1] in T, which the forward
+//! writes into `saved` and its backward reads (Megatron-Core's TEGroupedMLP keeps it too), so the
+//! backward runs four GEMMs, not five. With mlp_experts_options::recompute_fc1 nothing is saved
+//! (saved_bytes is 0) and the backward runs fc1 again from x: M F1 values less per forward in
+//! flight for one more GEMM. The activation's output is recomputed from a in either case (the
+//! activation's backward kernel writes it on the way, for fc2's weight gradient).
 //! The one exception is the host copy of the row ranges (L + 1 integers, sized at make), which a
 //! call fills before it enqueues anything and no enqueued work reads.
 //!
@@ -65,6 +73,12 @@
 namespace moefold {
 inline namespace v0_1 {
 
+//! What mlp_experts keeps for its backward.
+struct mlp_experts_options {
+  //! Recompute fc1 in the backward instead of saving its output [M, F1] from the forward.
+  bool recompute_fc1 = false;
+};
+
 //! The experts of one rank on context Exec. `T` is the element type of the weights and the rows,
 //! `G` the gradients', `P` the probabilities' (T, or fp32 with bf16 rows as an fp32 router gives
 //! them), `Gemms` the GEMM backends' policy.
@@ -89,15 +103,16 @@ class mlp_experts {
   static constexpr const char* name = "mlp_experts";
 
   //! Checks the shape (check_mlp_shape) and that the views are the shards' shapes, contiguous.
-  [[nodiscard]] static expected<mlp_experts> make(const mlp_shape& s, weights_type w,
-                                                  grads_type g) {
-    return made(s, w, g);
+  [[nodiscard]] static expected<mlp_experts> make(const mlp_shape& s, weights_type w, grads_type g,
+                                                  mlp_experts_options o = {}) {
+    return made(s, w, g, o);
   }
   //! The same over host spans (host memory contexts): fc1 [L, F1, H] and fc2 [L, H, F / ETP]
   //! elements each (mlp_sizes(s)).
   [[nodiscard]] static expected<mlp_experts> make(
-      const mlp_shape& s, mlp_weights<T> w, mlp_grads<G> g) requires host_accessible_v<space> {
-    return made(s, w, g);
+      const mlp_shape& s, mlp_weights<T> w, mlp_grads<G> g,
+      mlp_experts_options o = {}) requires host_accessible_v<space> {
+    return made(s, w, g, o);
   }
 
   //! Points the experts at other buffers of the same shapes (a trainer that swaps parameter
@@ -146,6 +161,7 @@ class mlp_experts {
   [[nodiscard]] int num_local_experts() const noexcept { return s_.num_local_experts; }
   [[nodiscard]] int hidden() const noexcept { return s_.hidden; }
   [[nodiscard]] const mlp_shape& shape() const noexcept { return s_; }
+  [[nodiscard]] const mlp_experts_options& options() const noexcept { return o_; }
   //! The caller's weights and gradient buffers the experts run on: the gradients are what a
   //! trainer reduces over EDP (no list of them needed elsewhere).
   [[nodiscard]] const weights_type& weights() const noexcept { return w_; }
@@ -157,10 +173,18 @@ class mlp_experts {
   }
   [[nodiscard]] const grads_type& grads() const noexcept { return g_; }
 
+  //! Bytes of the context's memory a forward keeps for its backward for batches of at most
+  //! `rows` rows: the pre-activation [M, F1] in T, or nothing with recompute_fc1.
+  [[nodiscard]] std::size_t saved_bytes(int rows) const {
+    if (o_.recompute_fc1) return 0;
+    workspace_carver c;
+    (void)c.take<A>(detail::uz(std::max(rows, 0)) * detail::uz(f1_));
+    return c.required();
+  }
   //! Bytes of the context's memory forward() and backward() take as their workspace for batches
-  //! of at most `rows` rows: fc1's output, the activation and their gradients ([M, F1] and
-  //! [M, F / ETP] twice, in T), the row ranges widened on the context, and the largest workspace
-  //! a GEMM backend asks for.
+  //! of at most `rows` rows: the activation and the gradients ([M, F / ETP] twice, [M, F1]; with
+  //! recompute_fc1 fc1's output [M, F1] too, in T), the row ranges widened on the context, and
+  //! the largest workspace a GEMM backend asks for.
   [[nodiscard]] std::size_t workspace_bytes(int rows) const {
     workspace_carver c;
     (void)carve(c, std::max(rows, 0), gemm_bytes(std::max(rows, 0)));
@@ -168,12 +192,13 @@ class mlp_experts {
   }
 
   //! y = fc2(act(fc1 x) * p) for every row of the batch (a partial sum under ETP).  [M, H] ->
-  //! [M, H]. `workspace`: workspace_bytes(M) or more, in the context's memory.
+  //! [M, H]. `saved`: saved_bytes(M) or more, kept untouched for this forward's backward;
+  //! `workspace`: workspace_bytes(M) or more; both in the context's memory.
   [[nodiscard]] status forward(Exec& x, const batch_type& b, row_view<T, space> y,
-                               std::span<std::byte> workspace) {
+                               std::span<std::byte> saved, std::span<std::byte> workspace) {
     if (auto st = check_expert_batch(b, s_.num_local_experts, s_.hidden, name); !st) return st;
     if (auto st = check_rows(y.rows(), y.width(), b.rows(), "y"); !st) return st;
-    auto c = prepare(x, b, workspace);
+    auto c = prepare(x, b, saved, workspace);
     if (!c) return unexpected<error>(c.error());
     if (c->rows == 0) return {};
     if (auto st = fc1(x, *c, b); !st) return st;
@@ -197,10 +222,12 @@ class mlp_experts {
   }
 
   //! From dy [M, H]: dx [M, H], dprobs [M, 1] (ETP partials), and += the weight gradients (fp32
-  //! main gradients for bf16 weights). Recomputes fc1 and the activation from x.
+  //! main gradients for bf16 weights). `saved`: what this batch's forward was given (it reads the
+  //! pre-activation there; with recompute_fc1 it runs fc1 again from x). The activation is
+  //! recomputed from the pre-activation.
   [[nodiscard]] status backward(Exec& x, const batch_type& b, row_view<const T, space> dy,
                                 row_view<T, space> dx, row_view<P, space> dprobs,
-                                std::span<std::byte> workspace) {
+                                std::span<std::byte> saved, std::span<std::byte> workspace) {
     if (auto st = check_expert_batch(b, s_.num_local_experts, s_.hidden, name); !st) return st;
     const int M = b.rows();
     if (auto st = check_rows(dy.rows(), dy.width(), M, "dy"); !st) return st;
@@ -209,12 +236,13 @@ class mlp_experts {
       return make_error(
           errc::shape_mismatch,
           std::string(name) + ": dprobs must be contiguous [M, 1], M = " + detail::to_decimal(M));
-    auto c = prepare(x, b, workspace);
+    auto c = prepare(x, b, saved, workspace);
     if (!c) return unexpected<error>(c.error());
     if (c->rows == 0) return {};
     const long long H = s_.hidden;
     using kernels::gemm_grouping;
-    if (auto st = fc1(x, *c, b); !st) return st;
+    if (o_.recompute_fc1)
+      if (auto st = fc1(x, *c, b); !st) return st;
     // dh = dy W2: B (k = h, n = c) = fc2[g][h][c].  [M, H] -> [M, Fs]
     if (auto st = run<gemm_kind::expert>(
             x, "fc2 data gradient", *c,
@@ -264,10 +292,12 @@ class mlp_experts {
 
   // Either make(): the shape checked, the views bound (checked), the host offsets sized.
   template <class W, class Gr>
-  static expected<mlp_experts> made(const mlp_shape& s, const W& w, const Gr& g) {
+  static expected<mlp_experts> made(const mlp_shape& s, const W& w, const Gr& g,
+                                    const mlp_experts_options& o) {
     if (auto st = check_mlp_shape(s, name); !st) return unexpected<error>(st.error());
     mlp_experts m;
     m.s_ = s;
+    m.o_ = o;
     m.fs_ = s.ffn / s.etp;
     m.f1_ = (is_gated(s.act) ? 2 : 1) * m.fs_;
     if (auto st = m.bind(w, g); !st) return unexpected<error>(st.error());
@@ -281,19 +311,20 @@ class mlp_experts {
     bool on_context = false;         // the row ranges are `offsets` (else host_offsets_)
     bool uniform = false;            // host counts, every expert the same rows: gemm_mode::pad
     long long* offsets = nullptr;    // [L + 1] on the context
-    A *a = nullptr, *h = nullptr;    // [M, F1], [M, Fs]
+    A *a = nullptr, *h = nullptr;    // [M, F1] (saved, or scratch with recompute_fc1), [M, Fs]
     A *da = nullptr, *dh = nullptr;  // [M, F1], [M, Fs]
     std::span<std::byte> gemm{};     // the GEMM backends' workspace (one GEMM at a time)
   };
 
-  // The one layout of the workspace, measured (empty carver) and carved alike.
+  // The one layout of the workspace, measured (empty carver) and carved alike; the
+  // pre-activation is its own only with recompute_fc1 (else it is the saved storage's).
   call carve(workspace_carver& w, int rows, std::size_t gemm) const {
     const std::size_t M = detail::uz(rows);
     call c;
     c.rows = rows;
     c.offsets = w.take<long long>(detail::uz(s_.num_local_experts) + 1).data();
     c.gemm = w.take<std::byte>(gemm);
-    c.a = w.take<A>(M * detail::uz(f1_)).data();
+    if (o_.recompute_fc1) c.a = w.take<A>(M * detail::uz(f1_)).data();
     c.h = w.take<A>(M * detail::uz(fs_)).data();
     c.da = w.take<A>(M * detail::uz(f1_)).data();
     c.dh = w.take<A>(M * detail::uz(fs_)).data();
@@ -328,21 +359,29 @@ class mlp_experts {
                     backend<K, gemm_mode::pad, TA, TB, TC>::workspace_bytes(a));
   }
 
-  // Carves the call's scratch from the workspace and puts its row ranges where the GEMMs read
-  // them: the host offsets from the counts, or the batch's device offsets widened on the context.
-  expected<call> prepare(Exec& x, const batch_type& b, std::span<std::byte> workspace) {
+  // Carves the call's saved part and scratch and puts its row ranges where the GEMMs read them:
+  // the host offsets from the counts, or the batch's device offsets widened on the context.
+  expected<call> prepare(Exec& x, const batch_type& b, std::span<std::byte> saved,
+                         std::span<std::byte> workspace) {
     const int M = b.rows();
     // No expert (L = 0) or no row: nothing to compute (rows past offsets[L] have no output).
     if (M == 0 || s_.num_local_experts == 0) return call{};
     const bool on_context = b.offsets_on_context();
     workspace_carver w(workspace);
     call c = carve(w, M, gemm_bytes(M));
-    if (!w.fits())
+    const auto too_small = [&](const char* what, std::span<std::byte> given, std::size_t asks) {
       return make_error(errc::workspace_too_small,
-                        std::string(name) + ": the workspace holds " +
-                            detail::to_decimal(static_cast<long long>(workspace.size())) +
-                            " bytes; workspace_bytes(" + detail::to_decimal(M) + ") asks for " +
-                            detail::to_decimal(static_cast<long long>(workspace_bytes(M))));
+                        std::string(name) + ": the " + what + " holds " +
+                            detail::to_decimal(static_cast<long long>(given.size())) + " bytes; " +
+                            what + "_bytes(" + detail::to_decimal(M) + ") asks for " +
+                            detail::to_decimal(static_cast<long long>(asks)));
+    };
+    if (!w.fits()) return too_small("workspace", workspace, workspace_bytes(M));
+    if (!o_.recompute_fc1) {
+      workspace_carver sv(saved);
+      c.a = sv.take<A>(detail::uz(M) * detail::uz(f1_)).data();
+      if (!sv.fits()) return too_small("saved", saved, saved_bytes(M));
+    }
     c.on_context = on_context;
     if (on_context) {
       const int n = s_.num_local_experts + 1;
@@ -428,6 +467,7 @@ class mlp_experts {
   }
 
   mlp_shape s_{};
+  mlp_experts_options o_{};
   int fs_ = 0;  // F / ETP
   int f1_ = 0;  // fc1 rows of this shard per expert
   weights_type w_{};

@@ -5,7 +5,10 @@
 //! optimizer owns the parameters use mlp_experts directly.
 //!
 //! It is an expert_fn on host_exec (forward and backward with the context and a workspace from
-//! the caller, what a layer calls) and has a host convenience besides: forward and backward over
+//! the caller, what a layer calls) that keeps nothing for its backward: its experts recompute fc1
+//! (mlp_experts_options::recompute_fc1), so a backward needs no forward before it, as an oracle's
+//! callers expect, and a layer over it runs the expert protocol's form without saved storage. It
+//! has a host convenience besides: forward and backward over
 //! spans, on a host_exec and a workspace of its own (grown to the largest batch it has seen: a
 //! test oracle's comfort, not the hot path).
 //!
@@ -51,7 +54,8 @@ class reference_mlp {
     m.fc2_.assign(n.fc2, T(0));
     m.g1_.assign(n.fc1, Grad(0));
     m.g2_.assign(n.fc2, Grad(0));
-    auto v = experts_type::make(s, mlp_weights<T>{m.fc1_, m.fc2_}, mlp_grads<Grad>{m.g1_, m.g2_});
+    auto v = experts_type::make(s, mlp_weights<T>{m.fc1_, m.fc2_}, mlp_grads<Grad>{m.g1_, m.g2_},
+                                {.recompute_fc1 = true});
     if (!v) return unexpected<error>(v.error());
     m.view_ = std::move(*v);
     return m;
@@ -141,13 +145,13 @@ class reference_mlp {
   //! See mlp_experts::forward.  [M, H] -> [M, H]
   [[nodiscard]] status forward(host_exec& x, const expert_batch<T, P>& b, row_view<T> y,
                                std::span<std::byte> workspace) {
-    return view_.forward(x, b, y, workspace);
+    return view_.forward(x, b, y, {}, workspace);
   }
   //! See mlp_experts::backward: dx [M, H], dprobs [M, 1], and += the weight gradients.
   [[nodiscard]] status backward(host_exec& x, const expert_batch<T, P>& b, row_view<const T> dy,
                                 row_view<T> dx, row_view<P> dprobs,
                                 std::span<std::byte> workspace) {
-    return view_.backward(x, b, dy, dx, dprobs, workspace);
+    return view_.backward(x, b, dy, dx, dprobs, {}, workspace);
   }
 
   // --- the host convenience: spans, its own context and workspace -----------------------------
@@ -156,7 +160,7 @@ class reference_mlp {
   [[nodiscard]] status forward(const expert_batch<T, P>& b, std::span<T> y) {
     if (auto st = check_span(y.size(), b.rows(), hid(), "y"); !st) return st;
     host_exec x;
-    return view_.forward(x, b, row_view<T>(y.data(), b.rows(), hid()), workspace(b.rows()));
+    return view_.forward(x, b, row_view<T>(y.data(), b.rows(), hid()), {}, workspace(b.rows()));
   }
   //! dx [M H] and dprobs [M] from dy [M H], and += the weight gradients.
   [[nodiscard]] status backward(const expert_batch<T, P>& b, std::span<const T> dy, std::span<T> dx,
@@ -167,7 +171,7 @@ class reference_mlp {
     if (auto st = check_span(dprobs.size(), M, 1, "dprobs"); !st) return st;
     host_exec x;
     return view_.backward(x, b, row_view<const T>(dy.data(), M, hid()),
-                          row_view<T>(dx.data(), M, hid()), row_view<P>(dprobs.data(), M, 1),
+                          row_view<T>(dx.data(), M, hid()), row_view<P>(dprobs.data(), M, 1), {},
                           workspace(M));
   }
 

@@ -22,8 +22,9 @@
 //! the attention TP as its ETP: fc1 [F1 / TP, H] (gate rows, then up rows), fc2 [H, F / TP].
 //!
 //! Memory: what a forward keeps for its backward (saved_bytes(): the gathered input, the ungated
-//! output, the gates) and each call's scratch (scratch_bytes(): dead after the call, shared by
-//! forwards in flight) are byte spans of the context's memory the caller gives.
+//! output, the gates, the MLP's pre-activation) and each call's scratch (scratch_bytes(): dead
+//! after the call, shared by forwards in flight) are byte spans of the context's memory the caller
+//! gives.
 #pragma once
 
 #include <algorithm>
@@ -217,7 +218,8 @@ class shared_expert {
     return {};
   }
 
-  //! Bytes a forward keeps for its backward (the gathered input, the ungated output, the gates):
+  //! Bytes a forward keeps for its backward (the gathered input, the ungated output, the gates,
+  //! the MLP's pre-activation [tp N, F1 / TP]):
   //! one such part per forward in flight, in the context's memory.
   [[nodiscard]] std::size_t saved_bytes() const {
     workspace_carver c;
@@ -254,7 +256,8 @@ class shared_expert {
     if (auto st = ex.template fill<T>(sc.ones, T(1)); !st) return st;
     // The MLP shard (a partial sum over TP when tp > 1), reduce-scattered back to [N, H].
     const int rows = G;
-    if (auto st = mlp().forward(ex, batch(sv, sc, rows), s_.tp > 1 ? sc.yp : sv.y, sc.mlp); !st)
+    if (auto st = mlp().forward(ex, batch(sv, sc, rows), s_.tp > 1 ? sc.yp : sv.y, sv.mlp, sc.mlp);
+        !st)
       return st;
     if (s_.tp > 1)
       if (auto st = tp.reduce_scatter_v(ex, row_view<const T, space>(sc.yp), rows_of(n), sv.y,
@@ -317,7 +320,7 @@ class shared_expert {
     if (auto st = mlp().backward(
             ex, batch(sv, sc, rows),
             s_.tp > 1 ? row_view<const T, space>(dyg) : row_view<const T, space>(sc.dy), sc.dxg,
-            sc.dprobs, sc.mlp);
+            sc.dprobs, sv.mlp, sc.mlp);
         !st)
       return st;
     // dx_shared [N, H]: the reduce-scatter of the gathered rows' partials (TP > 1), else them.
@@ -406,6 +409,7 @@ class shared_expert {
   struct saved_views {
     row_view<T, space> xg, y;  // [tp N, H] the gathered input, [N, H] the ungated output
     row_view<A, space> gates;  // [1, N] in accumulator_t<T>
+    std::span<std::byte> mlp;  // the MLP shard's saved part for tp N rows (its pre-activation)
   };
   struct scratch_views {
     row_view<T, space> x_in, yp, dxg, dy;  // [N, H], [tp N, H] x 2, [N, H]
@@ -424,6 +428,7 @@ class shared_expert {
     v.xg = take<T>(c, s_.tp * N, H).first(s_.tp * n);
     v.y = take<T>(c, N, H).first(n);
     v.gates = row_view<A, space>(c.take<A>(detail::uz(N)).data(), 1, n);
+    v.mlp = c.take<std::byte>(mlp_ ? mlp_->saved_bytes(s_.tp * N) : 0);
     return v;
   }
   scratch_views carve_scratch(workspace_carver& c, int n) const {

@@ -32,6 +32,19 @@ struct moe_saved_bytes {
   std::size_t host = 0;   //!< host memory (the dispatcher's bookkeeping)
 };
 
+//! What one forward in flight keeps per row its experts receive and per token of the rank
+//! (moe_layer::saved_bytes_per_row), for a trainer's memory budget: the saved storage is about
+//! per_token * N + per_received_row * M for N tokens and M received rows.
+struct moe_saved_rates {
+  //! Per received row: the dispatcher's copy of the row and its probability, and the experts'
+  //! saved part (mlp_experts: the pre-activation, F1 values in T; none with recompute_fc1).
+  std::size_t per_received_row = 0;
+  std::size_t experts_per_row = 0;  //!< of which the experts' saved part
+  //! Per token (rounded up): the input copy, the logits, the dispatcher's routing plan and the
+  //! shared expert's saved part.
+  std::size_t per_token = 0;
+};
+
 //! The caller's storage for one forward in flight: give each forward its own, until its backward
 //! has run (or until the caller drops it and recomputes). On host contexts both parts may be
 //! pieces of one buffer.
@@ -143,6 +156,7 @@ class moe_forward_context {
     x_ = std::exchange(o.x_, {});
     logits_ = std::exchange(o.logits_, {});
     shared_saved_ = std::exchange(o.shared_saved_, {});
+    experts_saved_ = std::exchange(o.experts_saved_, {});
     handle_ = std::move(o.handle_);
     o.handle_.reset();
     key_ = std::exchange(o.key_, {});
@@ -221,6 +235,7 @@ class moe_forward_context {
     x_ = {};
     logits_ = {};
     shared_saved_ = {};
+    experts_saved_ = {};
   }
 
  private:
@@ -243,6 +258,7 @@ class moe_forward_context {
   row_view<value_type, space> x_{};              // saved: [N, H] input
   row_view<router_value_type, space> logits_{};  // saved: [N, E] logits
   std::span<std::byte> shared_saved_{};          // saved: the shared expert's part
+  std::span<std::byte> experts_saved_{};         // saved: the experts' part
   std::optional<handle_type> handle_{};
   sizes_key key_{};                   // tokens 0: nothing allocated
   buffer<int> indices_, kept_;        // [max_tokens, k]
@@ -254,8 +270,8 @@ class moe_forward_context {
   buffer<router_value_type> losses_;  // [1, 4] the losses' values (moe_loss)
   // What the losses keep for the backward (their saved bytes): kept across a recompute.
   buffer<std::byte> loss_saved_;
-  // The scratch of its forward and backward (Layer's carve_scratch), grown only when a pad-mode
-  // capacity passes every one before; the dispatcher's part lives until the backward.
+  // The scratch of its forward and backward (Layer's carve_scratch), sized at its first forward
+  // for the layer's row bound; the dispatcher's part lives until the backward.
   buffer<std::byte> scratch_;
   buffer<std::byte> disp_scratch_;  // the dispatcher's scratch: its handle's until the backward
   load_balancing_record lb_{};      // the load-balancing terms the forward ran

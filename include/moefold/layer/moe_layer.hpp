@@ -295,20 +295,58 @@ class moe_layer {
     if (!d) return unexpected<error>(d.error());
     return d->workspace_sizes(capacity);
   }
-  //! What this layer's one-in-flight form holds now, per part (pad mode grows it).
+  //! What this layer's one-in-flight form holds, per part (sized at make for every forward).
   [[nodiscard]] dispatch_workspace_bytes workspace_sizes() const noexcept {
     return {bytes_of(own_saved_).size(), bytes_of(own_ctx_.disp_scratch_).size(), own_host_.size()};
   }
   //! The storage one forward in flight needs until its backward: the input copy [N, H], the
-  //! logits [N, E], the dispatcher's saved part and the shared expert's saved part (`saved`, in
-  //! the layer's memory), the dispatcher's host part (`host`), for N = max_tokens. In pad mode
-  //! pass the capacity C the drop policy reports (moe_forward_stats::pad_rows): the dispatched
-  //! rows grow with it.
-  [[nodiscard]] moe_saved_bytes saved_sizes(std::optional<int> capacity = {}) const {
+  //! logits [N, E], the dispatcher's, the experts' and the shared expert's saved parts (`saved`,
+  //! in the layer's memory), the dispatcher's host part (`host`), for N = max_tokens and the
+  //! most rows the experts may receive: the receive bound, or in pad mode C * E * ETP rows for the
+  //! largest capacity C the drop policy states (drop_pad_rows_bound). Storage of this size holds
+  //! every forward of the layer. With a capacity, the storage for a pad-mode forward of exactly
+  //! that capacity (moe_forward_stats::pad_rows), for a caller that sizes it per step.
+  [[nodiscard]] moe_saved_bytes saved_sizes(std::optional<int> capacity) const {
     const dispatch_workspace_bytes d = disp_.workspace_sizes(capacity);
     workspace_carver c;
-    (void)carve_saved(c, d);
+    (void)carve_saved(c, d, received_rows(capacity));
     return {c.required(), d.host};
+  }
+  [[nodiscard]] moe_saved_bytes saved_sizes() const {
+    moe_saved_bytes most = saved_sizes(std::nullopt);
+    if (pad_bound_) {
+      const moe_saved_bytes p = saved_sizes(pad_bound_);
+      most = {std::max(most.saved, p.saved), std::max(most.host, p.host)};
+    }
+    return most;
+  }
+  //! What one forward in flight keeps per row its experts receive and per token (see
+  //! moe_saved_rates); the experts' part is 0 for experts that keep nothing (mlp_experts with
+  //! recompute_fc1, a functor without saved_bytes).
+  [[nodiscard]] expected<moe_saved_rates> saved_bytes_per_row() const {
+    // Measured as the growth of the saved part between two receive bounds (whole multiples of
+    // the carver's alignment, so no padding blurs it), not restated from the parts' layouts.
+    constexpr int r1 = 4096, r2 = 8192;
+    dispatch_shape s = disp_.shape();
+    const auto dispatch_saved = [&](int rows) -> expected<std::size_t> {
+      s.max_recv_rows = rows;
+      auto d = Dispatcher::make(s);
+      if (!d) return unexpected<error>(d.error());
+      return d->workspace_sizes().saved;
+    };
+    auto d1 = dispatch_saved(r1);
+    if (!d1) return unexpected<error>(d1.error());
+    auto d2 = dispatch_saved(r2);
+    if (!d2) return unexpected<error>(d2.error());
+    moe_saved_rates r;
+    r.experts_per_row =
+        (expert_saved_bytes(experts_, r2) - expert_saved_bytes(experts_, r1)) / (r2 - r1);
+    r.per_received_row = (*d2 - *d1) / (r2 - r1) + r.experts_per_row;
+    const std::size_t all = saved_sizes(std::nullopt).saved,
+                      rows = r.per_received_row * detail::uz(recv_rows_);
+    const std::size_t N = detail::uz(std::max(o_.max_tokens, 1));
+    r.per_token = all > rows ? (all - rows + N - 1) / N : 0;
+    return r;
   }
 
   //! The router weight [E, H] (logits = x W^T) and its gradient, in the layer's memory: its own,
@@ -586,7 +624,9 @@ class moe_layer {
       return st;
     if (auto st = disp_.combine_backward(ex, hd, dmain, g, dy); !st) return st;
     ctx.filled_ = false;  // from here the backward has begun: the context is consumed
-    if (auto st = experts_.backward(ex, hd.batch(), dy, dx_rows, dp_rows, b.experts_ws); !st)
+    if (auto st = detail::expert_backward(experts_, ex, hd.batch(), dy, dx_rows, dp_rows,
+                                          ctx.experts_saved_, b.experts_ws);
+        !st)
       return done(ctx, st);
     if (auto st = disp_.dispatch_backward(ex, hd, dx_rows, dp_rows, g, dx_experts, dprobs); !st)
       return done(ctx, st);
@@ -655,7 +695,8 @@ class moe_layer {
   [[nodiscard]] expected<stats_type> forward(Exec& ex, row_view<const T, space> x,
                                              row_view<const std::int64_t, space> order_keys,
                                              row_view<T, space> out) {
-    return run_forward(ex, x, order_keys, out, own_ctx_, {}, /*recompute=*/false, /*grow=*/true);
+    return run_forward(ex, x, order_keys, out, own_ctx_, {bytes_of(own_saved_), own_host_},
+                       /*recompute=*/false);
   }
   //! The same over host spans: `order_keys` [N] or empty.
   [[nodiscard]] expected<stats_type> forward(Exec& ex, int n, std::span<const T> x,
@@ -857,8 +898,14 @@ class moe_layer {
     // A policy that states its rules (moefold's do) is checked now, not at the first forward.
     if (auto st = check_drop_policy(l.policy_, ds); !st) return unexpected<error>(st.error());
     l.drop_ws_bytes_ = l.policy_.template workspace_bytes<R>(ds);
-    // Sized once (nothing is allocated per step: pad mode may grow the buffers when a capacity
-    // passes every one before): the one-in-flight form's storage and context.
+    // The most rows the experts may receive: the receive bound, or in pad mode what the policy's
+    // largest capacity gives (the dispatcher refuses more than an explicit max_recv_rows).
+    l.pad_bound_ = drop_pad_rows_bound(l.policy_, ds);
+    l.rows_bound_ = l.recv_rows_;
+    if (l.pad_bound_ && !o.max_recv_rows)
+      l.rows_bound_ = std::max(l.rows_bound_, l.received_rows(l.pad_bound_));
+    // Sized once for every forward (nothing is allocated per step): the one-in-flight form's
+    // storage and context.
     const moe_saved_bytes sb = l.saved_sizes();
     if (auto st = first_error({l.ensure(x, l.own_saved_, sb.saved), l.prepare(x, l.own_ctx_)}); !st)
       return unexpected<error>(st.error());
@@ -870,18 +917,28 @@ class moe_layer {
 
   // The saved part of one forward in flight, carved by one function for its size and its views.
   struct saved_views {
-    row_view<T, space> x;                      // [max_tokens, H], rows 16 bytes apart
-    row_view<R, space> logits;                 // [max_tokens, E]
-    std::span<std::byte> dispatch, shared_ex;  // the dispatcher's and the shared expert's parts
+    row_view<T, space> x;       // [max_tokens, H], rows 16 bytes apart
+    row_view<R, space> logits;  // [max_tokens, E]
+    // The dispatcher's, the experts' (for `rows` received rows) and the shared expert's parts.
+    std::span<std::byte> dispatch, experts, shared_ex;
   };
-  saved_views carve_saved(workspace_carver& c, const dispatch_workspace_bytes& d) const {
+  saved_views carve_saved(workspace_carver& c, const dispatch_workspace_bytes& d, int rows) const {
     const int N = o_.max_tokens, H = o_.hidden, E = o_.router.num_experts;
     saved_views v;
     v.x = take_rows<T>(c, N, H);
     v.logits = take<R>(c, N, E);
     v.dispatch = c.take<std::byte>(d.saved);
+    v.experts = c.take<std::byte>(expert_saved_bytes(experts_, rows));
     v.shared_ex = c.take<std::byte>(shared_ ? shared_->saved_bytes() : 0);
     return v;
+  }
+  // The most rows the experts receive: pad mode's C * E * ETP for capacity C, else the receive
+  // bound (capped at 2^31 - 1: the dispatcher refuses more).
+  int received_rows(std::optional<int> pad_rows) const noexcept {
+    if (!pad_rows) return recv_rows_;
+    const long long m =
+        static_cast<long long>(*pad_rows) * o_.router.num_experts * disp_.shape().etp;
+    return static_cast<int>(std::min<long long>(m, max_rows));
   }
   // A context's scratch for M dispatched rows: first what the forward uses before its dispatch
   // (at the same offsets whatever M is), then the rows. The forward's and the backward's pieces
@@ -985,13 +1042,13 @@ class moe_layer {
       return {};
     };
     const long long N = k.tokens, K = k.topk, E = k.experts;
-    if (auto st = first_error(
-            {alloc(c.indices_, N, K), alloc(c.kept_, N, K), alloc(c.counts_, 3, E),
-             alloc(c.probs_, N, K), alloc(c.keep_, N, K), alloc(c.kept_probs_, N, K),
-             alloc(c.totals_, 1, 2), alloc(c.losses_, 1, moe_loss_count),
-             alloc(c.loss_saved_, 1,
-                   static_cast<long long>(std::max<std::size_t>(k.loss_bytes, 1))),
-             grow_scratch(x, c, recv_rows_), grow_dispatch_scratch(x, c, std::nullopt)});
+    if (auto st =
+            first_error({alloc(c.indices_, N, K), alloc(c.kept_, N, K), alloc(c.counts_, 3, E),
+                         alloc(c.probs_, N, K), alloc(c.keep_, N, K), alloc(c.kept_probs_, N, K),
+                         alloc(c.totals_, 1, 2), alloc(c.losses_, 1, moe_loss_count),
+                         alloc(c.loss_saved_, 1,
+                               static_cast<long long>(std::max<std::size_t>(k.loss_bytes, 1))),
+                         size_scratch(x, c), size_dispatch_scratch(x, c)});
         !st) {
       c.key_ = {};
       return st;
@@ -1002,25 +1059,25 @@ class moe_layer {
   static std::span<std::byte> loss_saved(context_type& c) noexcept {
     return {c.loss_saved_.view().data(), c.key_.loss_bytes};
   }
-  // The context's scratch for M rows (grown only when a pad-mode forward passes every M before;
-  // nothing of it is live then: the context holds no forward).
-  status grow_scratch(Exec& x, context_type& c, int M) {
+  // The context's scratch for the most rows the experts may receive (the layer's row bound).
+  status size_scratch(Exec& x, context_type& c) {
     workspace_carver m;
-    (void)carve_scratch(m, M);
+    (void)carve_scratch(m, rows_bound_);
     return ensure(x, c.scratch_, m.required());
   }
-  // The dispatcher's scratch of the context (it lives until the backward: the handle's).
-  status grow_dispatch_scratch(Exec& x, context_type& c, std::optional<int> pad_rows) {
-    return ensure(x, c.disp_scratch_, disp_.workspace_sizes(pad_rows).scratch);
+  // The dispatcher's scratch of the context (it lives until the backward: the handle's), for a
+  // dropless forward and a pad-mode one of the policy's largest capacity.
+  status size_dispatch_scratch(Exec& x, context_type& c) {
+    std::size_t most = disp_.workspace_sizes(std::nullopt).scratch;
+    if (pad_bound_) most = std::max(most, disp_.workspace_sizes(pad_bound_).scratch);
+    return ensure(x, c.disp_scratch_, most);
   }
 
-  // The forward, or (recompute) its side-effect-free repetition into a filled context. With
-  // `grow` the storage is the layer's own, grown to what pad mode needs.
+  // The forward, or (recompute) its side-effect-free repetition into a filled context.
   [[nodiscard]] expected<stats_type> run_forward(Exec& ex, row_view<const T, space> x,
                                                  row_view<const std::int64_t, space> keys,
                                                  row_view<T, space> out, context_type& ctx,
-                                                 moe_saved_storage storage, bool recompute,
-                                                 bool grow = false) {
+                                                 const moe_saved_storage& storage, bool recompute) {
     const int n = x.rows(), H = o_.hidden;
     if (n < 0 || n > o_.max_tokens || x.width() != H || out.rows() != n || out.width() != H)
       return make_error(errc::shape_mismatch,
@@ -1043,17 +1100,9 @@ class moe_layer {
     if (auto st = prepare(ex, ctx); !st) return unexpected<error>(st.error());
     // The saved part: its own pieces checked before anything runs, then, once the drop policy
     // has given the capacity (pad mode), with the dispatcher's part, before any side effect.
-    const auto carve = [&](const dispatch_workspace_bytes& d) -> expected<saved_views> {
-      if (grow) {
-        workspace_carver m;
-        (void)carve_saved(m, d);
-        if (auto st = ensure(ex, own_saved_, m.required()); !st)
-          return unexpected<error>(st.error());
-        if (own_host_.size() < d.host) own_host_.resize(d.host);
-        storage = {bytes_of(own_saved_), own_host_};
-      }
+    const auto carve = [&](const dispatch_workspace_bytes& d, int rows) -> expected<saved_views> {
       workspace_carver c(storage.saved);
-      saved_views v = carve_saved(c, d);
+      saved_views v = carve_saved(c, d, rows);
       if (!c.fits() || storage.host.size() < d.host)
         return make_error(
             errc::workspace_too_small,
@@ -1063,7 +1112,7 @@ class moe_layer {
                 " and " + detail::to_decimal(d.host));
       return v;
     };
-    if (auto pre = carve({}); !pre) return unexpected<error>(pre.error());
+    if (auto pre = carve({}, 0); !pre) return unexpected<error>(pre.error());
     // What the forward uses before its dispatch, at the front of the context's scratch.
     scratch_views front;
     {
@@ -1114,11 +1163,21 @@ class moe_layer {
     if (decided->pad_rows)
       if (auto st = detail::check_dispatch_input(disp_.shape(), din); !st)
         return unexpected<error>(st.error());
+    // The buffers were sized at make for every forward the policy states; a user policy that
+    // pads past the receive bound without stating its bound is refused before any side effect.
+    const int bound_rows = received_rows(decided->pad_rows);
     const dispatch_workspace_bytes need = disp_.workspace_sizes(decided->pad_rows);
-    auto sv = carve(need);
+    if (bound_rows > rows_bound_ || need.scratch > bytes_of(ctx.disp_scratch_).size())
+      return make_error(
+          errc::receive_bound_exceeded,
+          "moe_layer: pad mode with capacity " + detail::to_decimal(decided->pad_rows.value_or(0)) +
+              " gives " + detail::to_decimal(bound_rows) +
+              " rows to this rank's experts, more than the " + detail::to_decimal(rows_bound_) +
+              " the layer sized its buffers for when it was made (the receive "
+              "bound; a drop policy states its largest padding with "
+              "pad_rows_bound(shape))");
+    auto sv = carve(need, bound_rows);
     if (!sv) return unexpected<error>(sv.error());
-    if (auto st = grow_dispatch_scratch(ex, ctx, decided->pad_rows); !st)
-      return unexpected<error>(st.error());
     // The losses (a training forward adds to the global aux loss's running counts; nothing
     // before this point changes the layer's state, so a refused forward can be retried) and the
     // expert bias's counts of what was dispatched (the post-drop map), once per training
@@ -1143,12 +1202,17 @@ class moe_layer {
     ctx.handle_.emplace(std::move(*h));
     auto& hd = *ctx.handle_;
     const int M = hd.num_rows();
-    // Pad mode may pass the receive bound: the context's scratch grows (its front is dead).
-    if (auto st = grow_scratch(ex, ctx, M); !st) return fail(ctx, st);
     workspace_carver c(bytes_of(ctx.scratch_));
     const scratch_views sc = carve_scratch(c, M);
+    if (M > bound_rows || !c.fits())  // the dispatcher keeps to the receive bound
+      return fail(
+          ctx, make_error(errc::receive_bound_exceeded,
+                          "moe_layer: the dispatch gave " + detail::to_decimal(M) +
+                              " rows, more than the bound of " + detail::to_decimal(bound_rows)));
     const row_view<T, space> y = sc.rows;
-    if (auto st = experts_.forward(ex, hd.batch(), y, sc.experts_ws); !st) return fail(ctx, st);
+    if (auto st = detail::expert_forward(experts_, ex, hd.batch(), y, sv->experts, sc.experts_ws);
+        !st)
+      return fail(ctx, st);
     if (auto st = disp_.combine(ex, hd, row_view<const T, space>(y), dispatch_groups_of(), out);
         !st)
       return fail(ctx, st);
@@ -1159,6 +1223,7 @@ class moe_layer {
     ctx.x_ = sv->x;
     ctx.logits_ = sv->logits;
     ctx.shared_saved_ = sv->shared_ex;
+    ctx.experts_saved_ = sv->experts;
     ctx.capacity_ = decided->capacity;
     ctx.pad_rows_ = decided->pad_rows;
     if (!recompute) ctx.training_ = training;
@@ -1269,9 +1334,13 @@ class moe_layer {
   z_loss_type z_{};
   std::optional<moefold::expert_bias<Exec>> bias_{};
   bool training_ = true;
-  // The receive bound (the experts' rows a dispatch may give outside pad mode), the drop
-  // policy's workspace for max_tokens, the drop decisions' sticky fault words [1, 3].
+  // The receive bound (the experts' rows a dispatch may give outside pad mode), the policy's
+  // largest padding (pad mode's capacity; unset when it does not pad or states none) and the most
+  // rows the experts may receive (the contexts' scratch is sized for it), the drop policy's
+  // workspace for max_tokens, the drop decisions' sticky fault words [1, 3].
   int recv_rows_ = 0;
+  std::optional<int> pad_bound_{};
+  int rows_bound_ = 0;
   std::size_t drop_ws_bytes_ = 0;
   buffer<int> faults_;
   gating_type gating_{};

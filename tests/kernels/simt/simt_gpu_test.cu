@@ -686,9 +686,13 @@ mlp_results run_mlp_experts(Exec& ex, const mlp_shape& s, const std::vector<int>
       exec_buffer<std::byte, Exec>::make(ex, 1, static_cast<long long>(m->workspace_bytes(M)));
   REQUIRE(ws);
   const std::span<std::byte> w(ws->view().data(), static_cast<std::size_t>(ws->view().width()));
+  auto saved = exec_buffer<std::byte, Exec>::make(ex, 1, static_cast<long long>(m->saved_bytes(M)));
+  REQUIRE(saved);
+  const std::span<std::byte> sv(saved->view().data(),
+                                static_cast<std::size_t>(saved->view().width()));
   const expert_batch<float, float, S> b{.counts = counts, .x = dx_in.cview(), .probs = dp.cview()};
-  REQUIRE(m->forward(ex, b, dy_out.view(), w));
-  REQUIRE(m->backward(ex, b, ddy.cview(), ddx.view(), ddp.view(), w));
+  REQUIRE(m->forward(ex, b, dy_out.view(), sv, w));
+  REQUIRE(m->backward(ex, b, ddy.cview(), ddx.view(), ddp.view(), sv, w));
   return {down(dy_out.cview()), down(ddx.cview()), down(ddp.cview()), down(dg1.cview()),
           down(dg2.cview())};
 }
