@@ -24,6 +24,15 @@
 namespace moefold {
 inline namespace v0_1 {
 
+namespace detail {
+// A functor that keeps part of its forward for its backward says so by declaring saved_bytes:
+// the one test the protocol, the layer's calls and the storage's sizing share.
+template <class E>
+concept declares_saved_bytes = requires(const E& ce, int rows) {
+  { ce.saved_bytes(rows) } -> std::convertible_to<std::size_t>;
+};
+}  // namespace detail
+
 //! What an expert functor E provides on execution context Exec for rows of T and probabilities
 //! of P (S = Exec's memory space):
 //! - `num_local_experts()`, `hidden()`: L and H, which the layer checks against its options;
@@ -45,31 +54,27 @@ template <class E, class Exec, class T, class P = T>
 concept expert_fn = execution_context<Exec> && requires(const E& ce) {
   { ce.num_local_experts() } -> std::same_as<int>;
   { ce.hidden() } -> std::same_as<int>;
-} &&(
-    requires(E& e, Exec& x, const expert_batch<T, P, typename Exec::memory_space>& b,
-             row_view<T, typename Exec::memory_space> out,
-             row_view<const T, typename Exec::memory_space> in,
-             row_view<P, typename Exec::memory_space> dprobs, std::span<std::byte> ws) {
-      { e.forward(x, b, out, ws) } -> std::same_as<status>;
-      { e.backward(x, b, in, out, dprobs, ws) } -> std::same_as<status>;
-    } ||
-    requires(E & e, const E& ce, Exec& x, const expert_batch<T, P, typename Exec::memory_space>& b,
-             row_view<T, typename Exec::memory_space> out,
-             row_view<const T, typename Exec::memory_space> in,
-             row_view<P, typename Exec::memory_space> dprobs, std::span<std::byte> saved,
-             std::span<std::byte> ws, int rows) {
-      { ce.saved_bytes(rows) } -> std::convertible_to<std::size_t>;
-      { e.forward(x, b, out, saved, ws) } -> std::same_as<status>;
-      { e.backward(x, b, in, out, dprobs, saved, ws) } -> std::same_as<status>;
-    });
+} &&(requires(E& e, Exec& x, const expert_batch<T, P, typename Exec::memory_space>& b,
+              row_view<T, typename Exec::memory_space> out,
+              row_view<const T, typename Exec::memory_space> in,
+              row_view<P, typename Exec::memory_space> dprobs, std::span<std::byte> ws) {
+  { e.forward(x, b, out, ws) } -> std::same_as<status>;
+  { e.backward(x, b, in, out, dprobs, ws) } -> std::same_as<status>;
+} || (detail::declares_saved_bytes<E> &&
+      requires(E & e, Exec& x, const expert_batch<T, P, typename Exec::memory_space>& b,
+               row_view<T, typename Exec::memory_space> out,
+               row_view<const T, typename Exec::memory_space> in,
+               row_view<P, typename Exec::memory_space> dprobs, std::span<std::byte> saved,
+               std::span<std::byte> ws) {
+        { e.forward(x, b, out, saved, ws) } -> std::same_as<status>;
+        { e.backward(x, b, in, out, dprobs, saved, ws) } -> std::same_as<status>;
+      }));
 
 //! An expert functor whose forward leaves `saved_bytes(rows)` bytes of the context's memory for
 //! its backward (in storage the caller owns, one per forward in flight), so that the backward
 //! need not recompute them.
 template <class E, class Exec, class T, class P = T>
-concept keeps_activations = expert_fn<E, Exec, T, P> && requires(const E& ce, int rows) {
-  { ce.saved_bytes(rows) } -> std::convertible_to<std::size_t>;
-};
+concept keeps_activations = expert_fn<E, Exec, T, P> && detail::declares_saved_bytes<E>;
 
 //! Experts that expose their gradient buffers as views of G in memory space S (mlp_experts and
 //! reference_mlp: `grads().fc1`, `grads().fc2`), which a layer then reduces over EDP without a
@@ -96,9 +101,7 @@ template <class E>
 //! rows: its `saved_bytes(rows)`, or 0 for a functor that keeps nothing.
 template <class E>
 [[nodiscard]] std::size_t expert_saved_bytes(const E& e, int rows) {
-  if constexpr (requires {
-                  { e.saved_bytes(rows) } -> std::convertible_to<std::size_t>;
-                })
+  if constexpr (detail::declares_saved_bytes<E>)
     return e.saved_bytes(rows);
   else
     return 0;
@@ -110,7 +113,7 @@ namespace detail {
 template <class E, class Exec, class B, class Y>
 [[nodiscard]] status expert_forward(E& e, Exec& x, const B& b, Y y, std::span<std::byte> saved,
                                     std::span<std::byte> ws) {
-  if constexpr (requires { e.saved_bytes(0); })
+  if constexpr (declares_saved_bytes<E>)
     return e.forward(x, b, y, saved, ws);
   else
     return e.forward(x, b, y, ws);
@@ -118,7 +121,7 @@ template <class E, class Exec, class B, class Y>
 template <class E, class Exec, class B, class DY, class DX, class DP>
 [[nodiscard]] status expert_backward(E& e, Exec& x, const B& b, DY dy, DX dx, DP dprobs,
                                      std::span<std::byte> saved, std::span<std::byte> ws) {
-  if constexpr (requires { e.saved_bytes(0); })
+  if constexpr (declares_saved_bytes<E>)
     return e.backward(x, b, dy, dx, dprobs, saved, ws);
   else
     return e.backward(x, b, dy, dx, dprobs, ws);
