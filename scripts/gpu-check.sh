@@ -8,7 +8,9 @@
 # Steps, each under `timeout`: facts (GPU, driver, toolkit, compute-sanitizer) -> start-up (every
 # carried program starts; if one cannot, they are rebuilt here, on the GPU machine, once) ->
 # smoke (one seam kernel on the GPU equals the CPU executor; stop if not) -> correctness (every
-# GPU test program; the library GEMM backends' program as the `gemm` step, 60 s) -> sanitizers (memcheck, racecheck, synccheck, initcheck on the seam tests;
+# GPU test program; the library GEMM backends' program as the `gemm` step, 60 s; the fast layer's
+# as the `layer` step, 60 s, and the `graph` step, 40 s) -> sanitizers (memcheck, racecheck,
+# synccheck, initcheck on the seam tests;
 # a runtime where compute-sanitizer cannot run is detected and reported) -> benchmark.
 # A GPU test that skips (exit 77) while a GPU is present fails the run, as does a missing
 # program or a timed-out step. Output: $OUT/summary.json (docs/gpu-check-summary.schema.json)
@@ -174,9 +176,18 @@ if [ "${ran[*]:-}" != stop ] && [ -f "$manifest" ]; then
       continue
     fi
     [ -x "$bin_dir/$prog" ] || { fail "$name: $bin_dir/$prog is missing"; continue; }
-    # The library GEMM backends against simt_gemm: the `gemm` step, 60 s at most.
+    # The library GEMM backends against simt_gemm: the `gemm` step, 60 s at most. The fast layer
+    # against the SIMT layer (`layer`) and captured in a CUDA graph (`graph`): one program, two
+    # steps (rc: the worse of the two).
     if [ "$name" = exec-gpu-gemm ]; then
       step gemm 60 "$bin_dir/$prog"
+    elif [ "$name" = layer-gpu ]; then
+      step layer 60 "$bin_dir/$prog" -tc='layer:*'
+      rc=$?
+      step graph 40 "$bin_dir/$prog" -tc='graph:*'
+      rc2=$?
+      [ $rc = 0 ] && rc=$rc2
+      (exit $rc)
     else
       step "test-$name" 300 "$bin_dir/$prog"
     fi
@@ -268,7 +279,8 @@ logs = pathlib.Path(sys.argv[1])
 p = f = s = 0
 steps = [json.loads(l) for l in open(logs / "steps.jsonl")]
 for st in steps:
-    if not (st["name"].startswith("test-") or st["name"] == "gemm") or st["status"] == "unavailable":
+    if not (st["name"].startswith("test-") or st["name"] in ("gemm", "layer", "graph")) \
+            or st["status"] == "unavailable":
         continue
     text = (logs / (st["name"] + ".log")).read_text(errors="replace")
     m = re.findall(r"test cases:\s*(\d+) \|\s*(\d+) passed \|\s*(\d+) failed \|\s*(\d+) skipped", text)

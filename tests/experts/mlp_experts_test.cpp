@@ -9,7 +9,9 @@
 // - the empty expert's weight gradients keep their earlier values bit for bit, the workspace
 //   NaN-filled before every call (a GEMM that read its scratch for an empty group would show);
 // - the row ranges on the context (offsets [1, L + 1], as a dispatch that read no count back
-//   hands them over) give the same bits as host counts, and on cpu_exec nothing is copied;
+//   hands them over) give the same bits as host counts, and on cpu_exec nothing is copied
+//   either way (host row ranges are stored by kernels); the GEMMs a forward and a backward run
+//   are counted;
 // - in fp32 and bf16: the forward output within a bound derived from the operands' magnitudes
 //   (K roundings per GEMM, the activation's slope times fc1's error), the backward within a
 //   relative norm of the fp64 reference fed the same rounded values;
@@ -22,7 +24,9 @@
 #include <moefold/core/dtype.hpp>
 #include <moefold/exec/cpu_exec.hpp>
 #include <moefold/exec/exec_buffer.hpp>
+#include <moefold/exec/gemm_policy.hpp>
 #include <moefold/exec/host_exec.hpp>
+#include <moefold/exec/simt_gemm.hpp>
 #include <moefold/experts/mlp_experts.hpp>
 #include <random>
 #include <string>
@@ -46,6 +50,21 @@ static_assert(std::is_same_v<mlp_experts<double, cpu_exec>::gemms_type, simt_gem
 static_assert(std::is_same_v<mlp_experts<double, host_exec>::gemms_type, host_gemms>);
 
 namespace {
+
+// simt_gemm, its runs counted (one test thread): how many GEMMs a forward and a backward run.
+int gemm_runs = 0;
+template <class A, class B, class C>
+struct counting_gemm : simt_gemm<A, B, C> {
+  template <execution_context Exec>
+  [[nodiscard]] status run(Exec& x) const {
+    ++gemm_runs;
+    return simt_gemm<A, B, C>::run(x);
+  }
+};
+struct counting_gemms {
+  template <gemm_kind, gemm_mode, class A, class B, class C>
+  using backend = counting_gemm<A, B, C>;
+};
 
 template <class Exec>
 Exec make_exec(std::uint64_t seed) {
@@ -283,24 +302,32 @@ TEST_CASE_TEMPLATE("mlp_experts with device offsets copies nothing; bad offsets 
   REQUIRE(m->backward(ex, b, y.cview(), dx.view(), dp.view(), span_of(sv), span_of(ws)));
   CHECK(ex.copies().to_device == 0);
   CHECK(ex.copies().to_host == 0);
-  // With host counts, simt_gemm copies the row ranges (L + 1 integers) once per GEMM: the
-  // forward's 2 and the backward's 4 (fc1's output is saved), 5 when it recomputes fc1.
+  // With host counts, simt_gemm stores the row ranges (L + 1 integers) on the context with a
+  // kernel carrying them, not a copy: still nothing crosses. The GEMMs, counted: the forward's 2
+  // and the backward's 4 (fc1's output is saved), 5 when it recomputes fc1.
   const expert_batch<double, double, S> hb{.counts = counts, .x = x.cview(), .probs = p.cview()};
+  using counted_mlp = mlp_experts<double, Exec, counting_gemms>;
+  auto cm = counted_mlp::make(s, {w1.cview(), w2.cview()}, {g1.view(), g2.view()});
+  REQUIRE(cm);
   ex.reset_copies();
-  REQUIRE(m->forward(ex, hb, y.view(), span_of(sv), span_of(ws)));
-  REQUIRE(m->backward(ex, hb, y.cview(), dx.view(), dp.view(), span_of(sv), span_of(ws)));
-  CHECK(ex.copies().to_device == 6);
-  CHECK(ex.copies().to_host == 0);
-  auto rm = mlp_experts<double, Exec>::make(s, {w1.cview(), w2.cview()}, {g1.view(), g2.view()},
-                                            {.recompute_fc1 = true});
+  gemm_runs = 0;
+  REQUIRE(cm->forward(ex, hb, y.view(), span_of(sv), span_of(ws)));
+  CHECK(gemm_runs == 2);
+  REQUIRE(cm->backward(ex, hb, y.cview(), dx.view(), dp.view(), span_of(sv), span_of(ws)));
+  CHECK(gemm_runs == 6);
+  CHECK(ex.copies() == copy_counts{});
+  auto rm = counted_mlp::make(s, {w1.cview(), w2.cview()}, {g1.view(), g2.view()},
+                              {.recompute_fc1 = true});
   REQUIRE(rm);
   CHECK(rm->saved_bytes(M) == 0);
   CHECK(rm->workspace_bytes(M) > m->workspace_bytes(M));  // fc1's output is its scratch
   auto rws = nan_workspace(ex, rm->workspace_bytes(M));
   ex.reset_copies();
+  gemm_runs = 0;
   REQUIRE(rm->forward(ex, hb, y.view(), {}, span_of(rws)));
   REQUIRE(rm->backward(ex, hb, y.cview(), dx.view(), dp.view(), {}, span_of(rws)));
-  CHECK(ex.copies().to_device == 7);
+  CHECK(gemm_runs == 7);
+  CHECK(ex.copies() == copy_counts{});
   const expert_batch<double, double, S> bad{
       .x = x.cview(),
       .probs = p.cview(),

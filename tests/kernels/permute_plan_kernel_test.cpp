@@ -298,7 +298,9 @@ TEST_CASE("cpu_exec's build_permute_plan runs the kernels: the host builder's pl
     // The builder reads back only through the context's copies: the status row (counts and
     // faults), and on an error the record for the message's words.
     CHECK(x.copies().to_host == (host ? 1 : 2));
-    CHECK(x.copies().to_device == (several ? 1 : 0));  // each source's first token
+    // Nothing goes to the context by copy: each source's first token is stored by a kernel
+    // carrying the values (store_host_values), and the plan below equals the host's.
+    CHECK(x.copies().to_device == 0);
     if (!host) {
       CHECK(host.error().message == dev.error().message);
       return host.error().message;

@@ -28,6 +28,7 @@
 #include <moefold/kernels/scan.hpp>
 #include <moefold/kernels/simt/block_scan.hpp>
 #include <moefold/kernels/simt/row_copy.hpp>
+#include <moefold/kernels/store_values.hpp>
 #include <moefold/kernels/unpermute.hpp>
 #include <random>
 #include <string>
@@ -367,6 +368,52 @@ TEST_CASE(
   REQUIRE_FALSE(bad);
   CHECK(bad.error().message.find("[3, etp * ep * local_experts]") != std::string::npos);
   CHECK_FALSE(host_exec{}.uniform_chunk_table(t.view(), {.etp = 0, .ep = 8, .rows = 1}));
+}
+
+TEST_CASE(
+    "host values stored by kernels (store_host_values): the host's values on both contexts, "
+    "nothing copied, any length") {
+  // The values travel in the kernels' parameters (kernels/store_values.hpp), capacity values per
+  // launch: lengths below, at and past one launch's capacity (long long: 256, int: 512), into a
+  // strided [rows, width] destination whose row padding stays untouched; cpu_exec counts no copy.
+  std::mt19937_64 rng(41);
+  const auto run = [&]<class V>(V, int rows, int width) {
+    CAPTURE(rows);
+    CAPTURE(width);
+    CAPTURE(sizeof(V));
+    mat<V> src(rows, width), host(rows, width, 3), device(rows, width, 3);
+    for (auto& v : src.v) v = static_cast<V>(rng() % 1000003) - 500000;
+    cpu_exec x(test::simt_seed());
+    REQUIRE(host_exec{}.store_host_values<V>(src.view(), host.view()));
+    REQUIRE(x.store_host_values<V>(src.view(), dev(device.view())));
+    CHECK(x.copies() == copy_counts{});
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c < width + 3; ++c) {
+        const auto i = static_cast<std::size_t>(r) * static_cast<std::size_t>(width + 3) +
+                       static_cast<std::size_t>(c);
+        if (c < width) {
+          const V want = src.view().row_data(r)[c];
+          CHECK(host.v[i] == want);
+          CHECK(device.v[i] == want);
+        } else {
+          CHECK(device.v[i] == static_cast<V>(-1));  // the padding (0xFF bytes) is not written
+        }
+      }
+  };
+  static_assert(kernels::store_values_kernel<long long>::capacity == 256);
+  static_assert(kernels::store_values_kernel<int>::capacity == 512);
+  for (const auto& [rows, width] : {std::array{1, 1}, std::array{1, 3}, std::array{1, 256},
+                                    std::array{1, 257}, std::array{3, 200}, std::array{5, 511}})
+    run((long long)0, rows, width);
+  for (const auto& [rows, width] : {std::array{3, 65}, std::array{1, 512}, std::array{3, 513}})
+    run(0, rows, width);
+  // Shapes that differ are refused, naming the operation; nothing is written.
+  mat<int> a(1, 4), b(2, 2);
+  const auto bad = cpu_exec{}.store_host_values<int>(a.view(), dev(b.view()));
+  REQUIRE_FALSE(bad);
+  CHECK(bad.error().message.find("store_host_values") != std::string::npos);
+  CHECK(b.v[0] == -1);
+  CHECK_FALSE(host_exec{}.store_host_values<int>(a.view(), b.view()));
 }
 
 TEST_CASE("elementwise kernels: relabel, add, add_converted, convert, scale, fill") {

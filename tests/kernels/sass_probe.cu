@@ -20,6 +20,7 @@
 #include <moefold/kernels/scan.hpp>
 #include <moefold/kernels/sequence_order.hpp>
 #include <moefold/kernels/shared_gate.hpp>
+#include <moefold/kernels/store_values.hpp>
 #include <moefold/kernels/unpermute.hpp>
 
 namespace k = moefold::kernels;
@@ -34,6 +35,8 @@ MOEFOLD_SASS_PROBE(k::gather_sum_rows_kernel<bfloat16, bfloat16, float>);
 MOEFOLD_SASS_PROBE(k::copy_chunks_kernel<float>);
 MOEFOLD_SASS_PROBE(k::copy_chunks_kernel<bfloat16>);
 MOEFOLD_SASS_PROBE(k::uniform_chunk_table_kernel);
+MOEFOLD_SASS_PROBE(k::store_values_kernel<int>);
+MOEFOLD_SASS_PROBE(k::store_values_kernel<long long>);
 MOEFOLD_SASS_PROBE(k::relabel_kernel);
 MOEFOLD_SASS_PROBE(k::add_converted_kernel<bfloat16, float>);
 MOEFOLD_SASS_PROBE(k::add_converted_kernel<float, float>);

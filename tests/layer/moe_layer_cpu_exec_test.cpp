@@ -277,11 +277,16 @@ std::vector<feature_out> run_host_features(const problem& p, const drop_policy_v
   return results;
 }
 
+drop_policy_variant drop_policy_of(const std::optional<sub_sequence>& drop) {
+  return drop ? drop_policy_variant(*drop) : drop_policy_variant{};
+}
+
 // The shared expert's TP shard (the host expert's loader cuts it) and its gate on the context,
 // with zeroed gradients: `sp` holds fc1, fc2, the gate and their gradients; the result views them.
+template <class Exec>
 expected<shared_expert_views<float, space>> upload_shared(
-    const problem& p, const dynamic_folded_mesh& fold, int tp_rank, cpu_exec& x,
-    std::vector<exec_buffer<float, cpu_exec>>& sp) {
+    const problem& p, const dynamic_folded_mesh& fold, int tp_rank, Exec& x,
+    std::vector<exec_buffer<float, Exec>>& sp) {
   const int H = p.hidden, fs = shared_ffn / fold.tp();
   const shared_weights sw = make_shared_weights(p);
   TRY_ASSIGN(ref, (reference_mlp<float, float>::make({.hidden = H,
@@ -307,18 +312,20 @@ expected<shared_expert_views<float, space>> upload_shared(
                                            .gate_grad = sp[5].view()};
 }
 
-// One rank's layer on cpu_exec with the features' options, on the caller's parameters (the
-// router weight, and the shared expert's when `shared`, bound as views of buffers on the
-// context). The layer refers to `comms`.
+// One rank's layer on a context (cpu_exec; stream_order_exec) with the features' options, on the
+// caller's parameters (the router weight, and the shared expert's when `shared`, bound as views
+// of buffers on the context). The layer refers to `comms`.
+template <class Exec = cpu_exec>
 struct device_feature_rank {
-  simt_rank_params<float, cpu_exec> par;
-  std::vector<exec_buffer<float, cpu_exec>> sp;  // the shared expert's (with one)
-  std::optional<layer_on_cpu<float, all_to_all_dispatcher>> layer;
+  simt_rank_params<float, Exec> par;
+  std::vector<exec_buffer<float, Exec>> sp;  // the shared expert's (with one)
+  std::optional<device_layer_t<float, all_to_all_dispatcher, Exec, dev_comm>> layer;
 };
-status make_feature_rank(const problem& p, moe_layer_communicators<dev_comm>& comms, int r,
-                         cpu_exec& x, const std::optional<sub_sequence>& drop, bool shared,
-                         device_feature_rank& out) {
-  using layer_t = layer_on_cpu<float, all_to_all_dispatcher>;
+template <class Exec>
+status make_feature_rank(const problem& p, moe_layer_communicators<dev_comm>& comms, int r, Exec& x,
+                         const drop_policy_variant& policy, bool shared,
+                         device_feature_rank<Exec>& out) {
+  using layer_t = device_layer_t<float, all_to_all_dispatcher, Exec, dev_comm>;
   const auto fold = make_folded(p.fold).value();
   TRY_ASSIGN(par, (upload_rank_params<float>(p, fold, r, x)));
   out.par = std::move(*par);
@@ -329,8 +336,6 @@ status make_feature_rank(const problem& p, moe_layer_communicators<dev_comm>& co
     TRY_ASSIGN(v, upload_shared(p, fold, o.shared_expert.tp_rank, x, out.sp));
     sh = *v;
   }
-  drop_policy_variant policy;
-  if (drop) policy = *drop;
   TRY_ASSIGN(layer, layer_t::make(x, o, comms, policy, std::move(*mlp)));
   TRY(layer->bind_parameters(
       {.router_weight = out.par.w.view(), .router_grad = out.par.dw.view(), .shared = sh}));
@@ -346,8 +351,8 @@ expected<feature_out> run_device_features_rank(const problem& p, dev_comm& world
   const int r = world.rank(), H = p.hidden;
   const auto fold = make_folded(p.fold).value();
   TRY_ASSIGN(comms, make_layer_communicators(world, megatron_groups(fold)));
-  device_feature_rank in;
-  TRY(make_feature_rank(p, *comms, r, x, drop, shared, in));
+  device_feature_rank<> in;
+  TRY(make_feature_rank(p, *comms, r, x, drop_policy_of(drop), shared, in));
   auto& layer = *in.layer;
   auto &d_g1 = in.par.g1, &d_g2 = in.par.g2, &d_dw = in.par.dw;
   const auto& sp = in.sp;
@@ -450,8 +455,8 @@ expected<flight_out> run_flight_rank(const problem& p, dev_comm& world, cpu_exec
   const int r = world.rank(), H = p.hidden;
   const auto fold = make_folded(p.fold).value();
   TRY_ASSIGN(comms, make_layer_communicators(world, megatron_groups(fold)));
-  device_feature_rank in;
-  TRY(make_feature_rank(p, *comms, r, x, drop, shared, in));
+  device_feature_rank<> in;
+  TRY(make_feature_rank(p, *comms, r, x, drop_policy_of(drop), shared, in));
   layer_t& layer = *in.layer;
   // The second execution context of this rank (another seed: another block order).
   cpu_exec x2(1000 + static_cast<std::uint64_t>(r));
@@ -1106,6 +1111,113 @@ TEST_CASE("stream order: the whole layer on the GPU code path, dropless and in p
       CHECK(a.dw2 == b.dw2);
       CHECK(a.aux == b.aux);
       CHECK(a.z == b.z);
+    }
+  }
+}
+
+// What a CUDA graph needs of the steps after the first, counted by stream_order_exec on the GPU
+// code path (one rank is one process with one stream): the copies to the host and synchronize()
+// (waits), the host-to-device copies from pageable memory (capture refuses them) and the
+// allocations through the context (a captured step must find every buffer made). `same_out`: every
+// step's output is step 1's, bit for bit (the input and the router weight do not change; a buffer
+// reused but left stale would show).
+struct capture_counts {
+  long long to_host = 0, synchronizations = 0, allocations = 0;
+  std::vector<std::string> pageable;  // the copies from pageable memory, named by shape
+  bool same_out = true;
+};
+
+// One rank: the features' layer (sigmoid scores, the expert bias and its counts, the micro-batch,
+// per-sequence, global and z losses, B = 2, the gated shared expert over TP) on `x`, three steps
+// of forward, backward and gradient reduction; counted from step 2 on.
+expected<capture_counts> capture_steps_rank(const problem& p, dev_comm& world, stream_order_exec& x,
+                                            const drop_policy_variant& policy) {
+  const int r = world.rank(), H = p.hidden;
+  const auto fold = make_folded(p.fold).value();
+  TRY_ASSIGN(comms, make_layer_communicators(world, megatron_groups(fold)));
+  device_feature_rank<stream_order_exec> in;
+  TRY(make_feature_rank(p, *comms, r, x, policy, /*shared=*/true, in));
+  auto& layer = *in.layer;
+  std::vector<float> xs, douts;
+  feature_inputs(p, 0, r, xs, douts);
+  TRY_ASSIGN(d_x, upload(x, xs, p.tokens, H));
+  TRY_ASSIGN(d_dout, upload(x, douts, p.tokens, H));
+  TRY_ASSIGN(d_out, (exec_buffer<float, stream_order_exec>::make(x, p.tokens, H)));
+  TRY_ASSIGN(d_dx, (exec_buffer<float, stream_order_exec>::make(x, p.tokens, H)));
+  capture_counts res;
+  std::vector<float> first_out;
+  for (int step = 0; step < 3; ++step) {
+    x.reset_copies();
+    TRY(layer.forward(x, d_x->cview(), {}, d_out->view()));
+    TRY(layer.backward(x, d_dout->cview(), 1.0f, d_dx->view()));
+    TRY(layer.reduce_gradients(x, {in.par.g1.view(), in.par.g2.view()}));
+    if (step > 0) {  // the layer's counts, before the test's own read below
+      res.to_host += x.copies().to_host;
+      res.synchronizations += x.synchronizations();
+      res.allocations += x.allocations();
+      for (const std::string& c : x.pageable_copies_to_device()) res.pageable.push_back(c);
+    }
+    TRY_ASSIGN(out, (download<float>(x, d_out->cview())));
+    if (step == 0)
+      first_out = *out;
+    else
+      res.same_out = res.same_out && *out == first_out;
+  }
+  TRY(layer.device_status(x));
+  return res;
+}
+
+TEST_CASE(
+    "capture: after step 1 the GPU code path waits for nothing in pad mode, copies from no "
+    "pageable memory and allocates nothing (EP > 1, the stream-order context)") {
+  // A trainer captures a step after a first eager one (which sizes every buffer). With EP > 1 a
+  // capture needs several GPUs; here each rank's steps run on stream_order_exec (cuda_exec's code
+  // path, one stream) over the thread world, with every feature that keeps state across steps.
+  // Pad mode (a static shape, sub-sequence and full-sequence): steps 2-3 make no copy to the host,
+  // no copy from pageable memory, no allocation, and no operation reads what the stream has not
+  // yet written. Dropless, the forward reads the routed counts back (one wait each: not
+  // capturable with EP > 1) but still copies nothing from pageable memory and allocates nothing.
+  const auto f = layer_folds[0];
+  const auto fold = make_folded(f).value();
+  problem p{.fold = f};
+  p.experts = 8;
+  p.topk = 2;
+  p.hidden = 12;
+  p.ffn = 2 * fold.etp();
+  p.tokens = 6;
+  REQUIRE(fold.ep() > 1);
+  const std::pair<drop_policy_variant, long long> runs[] = {
+      {sub_sequence{.capacity_factor = 1.0, .pad_to_capacity = true}, 0},
+      {full_sequence{.capacity_factor = 1.5, .pad_to_capacity = true}, 0},
+      {dropless{}, 2}};  // one wait per forward, steps 2 and 3
+  for (const auto& [policy, waits] : runs) {
+    CAPTURE(policy.policy.index());
+    const int W = f.world;
+    std::vector<capture_counts> got(static_cast<std::size_t>(W));
+    std::vector<std::vector<std::string>> violations(static_cast<std::size_t>(W));
+    const auto st = run_thread_world(W, [&](thread_communicator& world) -> status {
+      auto dw = std::move(world).in_space<space>();
+      const auto r = static_cast<std::size_t>(dw.rank());
+      stream_order_fake fake;
+      {
+        stream_order_exec x(fake, static_cast<std::uint64_t>(11 + dw.rank()));
+        TRY_ASSIGN(res, capture_steps_rank(p, dw, x, policy));
+        x.check();
+        got[r] = std::move(*res);
+      }
+      violations[r] = fake.violations();
+      return {};
+    });
+    for (int r = 0; r < W; ++r) {
+      CAPTURE(r);
+      const auto i = static_cast<std::size_t>(r);
+      REQUIRE_MESSAGE(st[i].has_value(), st[i].error().message);
+      for (const std::string& v : violations[i]) FAIL_CHECK(v);
+      CHECK(got[i].to_host == waits);
+      if (waits == 0) CHECK(got[i].synchronizations == 0);
+      CHECK(got[i].allocations == 0);
+      for (const std::string& c : got[i].pageable) FAIL_CHECK("a copy from pageable memory: " << c);
+      CHECK(got[i].same_out);
     }
   }
 }

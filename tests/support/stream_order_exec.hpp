@@ -62,7 +62,23 @@ class stream_order_exec
 
   [[nodiscard]] std::uint64_t seed() const noexcept { return inner_.seed(); }
   [[nodiscard]] const copy_counts& copies() const noexcept { return counts_; }
-  void reset_copies() noexcept { counts_ = {}; }
+  void reset_copies() noexcept {
+    counts_ = {};
+    pageable_.clear();
+    allocations_ = 0;
+    synchronizations_ = 0;
+  }
+  //! What a CUDA graph cannot capture, counted since the last reset_copies() (as are the copies to
+  //! the host, each a wait, and synchronize()): allocations through
+  //! the context (cudaMallocAsync would be a node of the graph, its address fixed at capture) and
+  //! host-to-device copies from memory not pin()ned (a pageable source is staged by the runtime
+  //! when the call is made, which capture refuses), each named by its size.
+  [[nodiscard]] long long allocations() const noexcept { return allocations_; }
+  //! synchronize() calls (a capturing stream refuses cudaStreamSynchronize).
+  [[nodiscard]] long long synchronizations() const noexcept { return synchronizations_; }
+  [[nodiscard]] const std::vector<std::string>& pageable_copies_to_device() const noexcept {
+    return pageable_;
+  }
   //! The thread world's collectives take the CPU executor (see the file comment).
   operator cpu_exec&() noexcept { return inner_; }
 
@@ -74,6 +90,9 @@ class stream_order_exec
         enqueue_copy(src, dst, counts_.to_device, counts_.bytes_to_device, "copy to the device #");
     if (st && is_pinned(range_of(src)))
       snapshot(src, "copy to the device #" + std::to_string(counts_.to_device));
+    else if (st && !src.empty())
+      pageable_.push_back("[" + std::to_string(src.rows()) + ", " + std::to_string(src.width()) +
+                          "] of " + std::to_string(sizeof(T)) + "-byte values");
     return st;
   }
   //! Device to host: waits for the stream.
@@ -94,6 +113,7 @@ class stream_order_exec
   }
 
   [[nodiscard]] expected<void*> allocate_bytes(std::size_t bytes) const {
+    ++allocations_;
     return moefold::detail::aligned_host_bytes(bytes, name, poison);
   }
   void deallocate_bytes(void* p, std::size_t) const noexcept {
@@ -103,6 +123,7 @@ class stream_order_exec
     return {};
   }
   [[nodiscard]] status synchronize() {
+    ++synchronizations_;
     check_sources();
     wait();
     return {};
@@ -220,6 +241,9 @@ class stream_order_exec
   std::vector<range> pinned_;
   mutable std::vector<pending> pending_;
   copy_counts counts_{};
+  std::vector<std::string> pageable_;
+  mutable long long allocations_ = 0;
+  long long synchronizations_ = 0;
 };
 
 template <class K>

@@ -163,8 +163,8 @@ class all_gather_dispatcher
       return unexpected<error>(st.error());
     const int head[2] = {n, cap};
     static_assert(hdr::tokens == 0 && hdr::capacity == 1);
-    if (auto st = x.copy(row_view<const int>(head, 1, 2),
-                         row_view<int, space>(b.header_row.data(), 1, 2));
+    if (auto st = x.template store_host_values<int>(
+            row_view<const int>(head, 1, 2), row_view<int, space>(b.header_row.data(), 1, 2));
         !st)
       return unexpected<error>(st.error());
     const row_view<int, space> table(b.header.data(), P, HW);  // [P, 4 + E]

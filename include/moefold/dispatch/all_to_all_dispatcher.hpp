@@ -240,16 +240,16 @@ class all_to_all_dispatcher
       dispatch::chunk_offsets(h.st_.chunk_counts, h.st_.order, h.st_.chunk_src, h.st_.chunk_dst);
     }
     // The chunk sizes and offsets in the context's memory, where the chunk copies read them:
-    // copied from the host table, or in pad mode written there from the fold alone (nothing
-    // copied: the host table is rewritten by the next dispatch with no wait in between, which
-    // would race a copy from a pinned host part the stream had not yet run).
+    // the host table's values stored there by kernels carrying them (store_host_values: nothing
+    // copied from the host, so the host table may be rewritten by the next dispatch at once), or
+    // in pad mode written there from the fold alone.
     const row_view<int, space> meta(b.chunk_meta.data(), 3, static_cast<int>(C));
     const kernels::uniform_chunks uniform{
         .etp = s_.etp, .ep = s_.ep, .local_experts = local_experts(), .rows = pad ? cap : 0};
     if (auto st =
             pad ? x.uniform_chunk_table(meta, uniform)
-                : x.copy(row_view<const int>(b.chunk_meta_host.data(), 3, static_cast<int>(C)),
-                         meta);
+                : x.template store_host_values<int>(
+                      row_view<const int>(b.chunk_meta_host.data(), 3, static_cast<int>(C)), meta);
         !st)
       return unexpected<error>(st.error());
     h.st_.chunk_sizes = meta.subrows(0, 1);

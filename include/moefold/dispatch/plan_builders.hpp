@@ -84,7 +84,7 @@ struct plan_builder_access {
     plan p = plan::carve(c, a, upper);
     if (!c.fits()) return plan::workspace_error(c, storage);
     // The fault slots start at INT_MAX (a fill on the context); each source's first token comes
-    // from the host (a host-to-device copy: no wait).
+    // from the host, stored by a kernel carrying the values (store_host_values: no copy, no wait).
     if (auto st = x.template fill<int>(row_view<int, S>(p.fault_, 1, 2), INT_MAX); !st)
       return unexpected<error>(st.error());
     const int sources = a.num_sources;
@@ -92,8 +92,9 @@ struct plan_builder_access {
       std::vector<int> first(static_cast<std::size_t>(sources) + 1, 0);
       for (std::size_t i = 0; i < static_cast<std::size_t>(sources); ++i)
         first[i + 1] = first[i] + a.source_tokens[i];
-      if (auto st = x.copy(row_view<const int>(first.data(), 1, sources + 1),
-                           row_view<int, S>(p.source_first_, 1, sources + 1));
+      if (auto st =
+              x.template store_host_values<int>(row_view<const int>(first.data(), 1, sources + 1),
+                                                row_view<int, S>(p.source_first_, 1, sources + 1));
           !st)
         return unexpected<error>(st.error());
     }
@@ -308,6 +309,7 @@ concept dispatch_context = execution_context<X> &&
   { x.template copy_chunks<float>(src, ids, ids, ids, dst) } -> std::same_as<status>;
   { x.relabel(ids, 0, 1, out) } -> std::same_as<status>;
   { x.uniform_chunk_table(out, kernels::uniform_chunks{}) } -> std::same_as<status>;
+  { x.template store_host_values<int>(row_view<const int>{}, out) } -> std::same_as<status>;
   { x.template fill<float>(dst, 0.f) } -> std::same_as<status>;
 };
 

@@ -151,16 +151,21 @@ template <class TA, class TB, class TC>
                     std::string(who) + ": run() before a successful initialize()");
 }
 
-//! Enqueues the copy of `a`'s host row ranges into `to` ([groups + 1] in x's memory), for a
-//! backend whose kernels read the row ranges on the context: the operation's one host -> device
-//! transfer. Waits for nothing.
+//! Writes `a`'s host row ranges into `to` ([groups + 1] in x's memory), for a backend whose
+//! kernels read the row ranges on the context: with the context's store_host_values (kernels
+//! carrying the values, so that a CUDA graph captures the operation; exec/host_memory_ops.hpp),
+//! or a copy on a context without it. Waits for nothing.
 template <class Exec, class TA, class TB, class TC>
 [[nodiscard]] status copy_host_offsets(Exec& x, const grouped_gemm_args<TA, TB, TC>& a,
                                        std::span<long long> to) {
   using space = typename Exec::memory_space;
   const int entries = a.groups + 1;
-  return x.copy(row_view<const long long, host_space>(a.host_offsets.data(), 1, entries),
-                row_view<long long, space>(to.data(), 1, entries));
+  const row_view<const long long, host_space> src(a.host_offsets.data(), 1, entries);
+  const row_view<long long, space> dst(to.data(), 1, entries);
+  if constexpr (requires { x.template store_host_values<long long>(src, dst); })
+    return x.template store_host_values<long long>(src, dst);
+  else
+    return x.copy(src, dst);
 }
 
 //! A distinct address per context type: what a backend remembers of the context initialize() ran

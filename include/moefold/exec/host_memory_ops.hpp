@@ -233,6 +233,19 @@ struct host_memory_ops {
     return {};
   }
 
+  //! dst = src: host values (the hot path's bookkeeping: row ranges, chunk tables, a few hundred
+  //! values) written into the context's memory. A context that runs kernels writes them with
+  //! kernels carrying them in their parameters (kernels/store_values.hpp), never with a
+  //! host-to-device copy, so a CUDA graph captures them and `src` may be rewritten as soon as the
+  //! call returns; here, a copy.   src, dst [n, w]
+  template <class V>
+  [[nodiscard]] status store_host_values(std::type_identity_t<row_view<const V, host_space>> src,
+                                         row_view<V, S> dst) const {
+    if (auto st = check_same_shape(Derived::name, "store_host_values", src, dst); !st) return st;
+    host_copy_rows(src, dst);
+    return {};
+  }
+
   //! dst += src, element by element (16-bit T: the sum in fp32, as add_converted).
   //! src, dst [n, w]
   template <class T>

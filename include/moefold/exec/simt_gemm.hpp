@@ -5,10 +5,11 @@
 //! is compared with: each output one fma chain over k in ascending order, so its bits are those of
 //! a direct launch of the kernel, on every context.
 //!
-//! Row ranges on the host: initialize() copies them into the workspace (groups + 1 integers in
-//! the context's memory, the one host -> device transfer of the operation) and keeps the host
-//! span to size the grid exactly. Row ranges on the context: no workspace, no transfer; the grid
-//! comes from row_bound (blocks past the real tiles find none).
+//! Row ranges on the host: initialize() writes them into the workspace (groups + 1 integers in
+//! the context's memory, by a kernel carrying them: nothing copied from the host, so a CUDA graph
+//! captures the operation) and keeps the host span to size the grid exactly. Row ranges on the
+//! context: no workspace, nothing written; the grid comes from row_bound (blocks past the real
+//! tiles find none).
 #pragma once
 
 #include <cstddef>
@@ -50,8 +51,8 @@ class simt_gemm {
     return c.required();
   }
 
-  //! Checks `a`, copies host offsets into `workspace` (memory of `x`; at least
-  //! workspace_bytes(a)) and keeps the kernel's arguments. Enqueues the copy, waits for nothing.
+  //! Checks `a`, writes host offsets into `workspace` (memory of `x`; at least
+  //! workspace_bytes(a)) and keeps the kernel's arguments. Enqueues the write, waits for nothing.
   //! host_offsets must stay valid until the last run(): they size its grid.
   template <execution_context Exec>
   [[nodiscard]] status initialize(Exec& x, const args_type& a, std::span<std::byte> workspace) {

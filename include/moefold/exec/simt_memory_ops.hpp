@@ -23,6 +23,7 @@
 #include <moefold/kernels/permute.hpp>
 #include <moefold/kernels/scan.hpp>
 #include <moefold/kernels/simt/row_copy.hpp>
+#include <moefold/kernels/store_values.hpp>
 #include <moefold/kernels/unpermute.hpp>
 
 #include "../core/dtype.hpp"
@@ -164,6 +165,34 @@ struct simt_memory_ops {
                             Derived::max_grid_blocks),
                kernels::uniform_chunk_table_kernel{
                    .u = u, .table = table.data(), .stride = table.stride()});
+  }
+
+  //! dst = src, host values carried in the parameters of store_values kernels (one launch per
+  //! 2 KiB of values), not copied: a CUDA graph captures them by value and `src` may be rewritten
+  //! when the call returns.   src, dst [n, w]
+  template <class V>
+  [[nodiscard]] status store_host_values(std::type_identity_t<row_view<const V, host_space>> src,
+                                         row_view<V, S> dst) const {
+    if (auto st = check_same_shape(Derived::name, "store_host_values", src, dst); !st) return st;
+    using K = kernels::store_values_kernel<V>;
+    const long long n = static_cast<long long>(dst.rows()) * dst.width();
+    for (long long first = 0; first < n; first += K::capacity) {
+      K k{};
+      k.count = static_cast<int>(std::min<long long>(K::capacity, n - first));
+      for (int i = 0; i < k.count; ++i) {
+        const long long flat = first + i;
+        k.values[i] = src.row_data(static_cast<int>(flat / dst.width()))[flat % dst.width()];
+      }
+      k.dst = dst.data();
+      k.stride = dst.stride();
+      k.width = dst.width();
+      k.first = first;
+      if (auto st = run("store_host_values",
+                        element_grid(k.count, K::block_threads, Derived::max_grid_blocks), k);
+          !st)
+        return st;
+    }
+    return {};
   }
 
   //! dst = ids - first where first <= ids < first + count, else -1.   ids, dst [n, k]
