@@ -144,10 +144,12 @@ struct aux_column_sums_kernel {
 //!   loss = coeff E / (k T^2) sum_col sums[col] counts[col] / divide_by,
 //!   dscores[col] = counts[col] coeff E / (k T^2) / divide_by,
 //! T = total_tokens, or, with total_tokens 0 (a padding mask), sum(counts) / per_token. The
-//! global loss passes `running` (the counts summed over this global batch's micro-batches so far,
-//! which the kernel adds these counts to) and `steps` (micro-batches including this one): the
-//! counts used are running / steps. One thread, columns in order: the host's arithmetic, the
-//! same bits. T <= 0 gives loss 0 and zero gradients (no valid token anywhere).
+//! global loss passes `running` [columns + 1]: the counts summed over this global batch's
+//! micro-batches so far, which the kernel adds these counts to, then the number of those
+//! micro-batches, which the kernel counts this one into: the counts used are running / steps. The
+//! count lives on the device with the sums, so a CUDA graph that replays the forward advances
+//! both. One thread, columns in order: the host's arithmetic, the same bits. T <= 0 gives loss 0
+//! and zero gradients (no valid token anywhere); the micro-batch still counts.
 template <class R = float>
 struct switch_loss_kernel {
   static constexpr int block_threads = 32;
@@ -160,8 +162,7 @@ struct switch_loss_kernel {
   double per_token;     //!< k (k B per sequence) under a padding mask
   int topk, num_experts;
   double coeff, divide_by;
-  double* running;  //!< [columns] the global loss's running counts, or null
-  int steps;        //!< with running: micro-batches so far, this one included
+  double* running;  //!< [columns + 1] the global loss's running counts and micro-batches, or null
   double* used;     //!< [columns] the counts the loss used (logging, tests), or null
   R* loss;          //!< [1]
   R* dscores;       //!< [columns] d loss / d scores[row, col], the same for every row
@@ -169,6 +170,11 @@ struct switch_loss_kernel {
   template <class Ctx>
   MOEFOLD_HOST_DEVICE void operator()(Ctx& c) const {
     if (c.block() != 0 || c.thread() != 0) return;
+    double steps = 0.0;  // with running: micro-batches so far, this one included
+    if (running != nullptr) {
+      running[columns] = simt::add(running[columns], 1.0);
+      steps = running[columns];
+    }
     double total = total_tokens;
     if (!(total > 0.0)) {
       double sum = 0.0;
@@ -183,7 +189,7 @@ struct switch_loss_kernel {
     const auto count = [&](int col) {
       if (running == nullptr) return counts[col];
       running[col] = simt::add(running[col], counts[col]);
-      return simt::div(running[col], static_cast<double>(steps));
+      return simt::div(running[col], steps);
     };
     const R factor =
         static_cast<R>(simt::div(simt::mul(static_cast<double>(num_experts), coeff),

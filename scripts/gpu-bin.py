@@ -24,6 +24,8 @@ for t in tests:
 n_tests = len(progs)
 progs.append(("bench-comm-a2av-loopback", build / "benchmarks" / "comm" / "bench-comm-a2av-loopback"))
 progs.append(("bench-kernels", build / "benchmarks" / "kernels" / "bench-kernels"))
+progs.append(("bench-layer", build / "benchmarks" / "layer" / "bench-layer"))
+progs.append(("bench-gemm", build / "benchmarks" / "layer" / "bench-gemm"))
 if n_tests == 0:
     sys.exit(f"gpu-bin.py: {build} has no tests of suite gpu (configured without CUDA?)")
 

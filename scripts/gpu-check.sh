@@ -9,9 +9,10 @@
 # carried program starts; if one cannot, they are rebuilt here, on the GPU machine, once) ->
 # smoke (one seam kernel on the GPU equals the CPU executor; stop if not) -> correctness (every
 # GPU test program; the library GEMM backends' program as the `gemm` step, 60 s; the fast layer's
-# as the `layer` step, 60 s, and the `graph` step, 40 s) -> sanitizers (memcheck, racecheck,
+# as the `layer` step, 25 s, and the `graph` step, 15 s) -> sanitizers (memcheck, racecheck,
 # synccheck, initcheck on the seam tests;
-# a runtime where compute-sanitizer cannot run is detected and reported) -> benchmark.
+# a runtime where compute-sanitizer cannot run is detected and reported) -> benchmark (the layer
+# against its GEMMs and PyTorch, the GEMM backends, within 150 s with `layer` and `graph`).
 # A GPU test that skips (exit 77) while a GPU is present fails the run, as does a missing
 # program or a timed-out step. Output: $OUT/summary.json (docs/gpu-check-summary.schema.json)
 # and $OUT/logs.tar.gz, nothing else. Exit 0 only when the run passed.
@@ -182,9 +183,9 @@ if [ "${ran[*]:-}" != stop ] && [ -f "$manifest" ]; then
     if [ "$name" = exec-gpu-gemm ]; then
       step gemm 60 "$bin_dir/$prog"
     elif [ "$name" = layer-gpu ]; then
-      step layer 60 "$bin_dir/$prog" -tc='layer:*'
+      step layer 25 "$bin_dir/$prog" -tc='layer:*'
       rc=$?
-      step graph 40 "$bin_dir/$prog" -tc='graph:*'
+      step graph 15 "$bin_dir/$prog" -tc='graph:*'
       rc2=$?
       [ $rc = 0 ] && rc=$rc2
       (exit $rc)
@@ -215,6 +216,16 @@ if [ "${ran[*]:-}" != stop ] && [ -f "$manifest" ]; then
       --ours "$logs/bench-kernels.log"
     rc=$?
     [ $rc = 0 ] || [ $rc = 77 ] || fail "router_peer.py failed (rc $rc)"
+  fi
+  # The layer against its GEMMs and PyTorch (bench-layer, then benchmarks/layer/torch_peer.py on
+  # its lines: ratios to torch._grouped_mm), and each GEMM backend against dense cuBLAS
+  # (bench-gemm). With the `layer` and `graph` steps: 150 s at most.
+  if grep -q "^bench-layer	" "$manifest" && [ $gpu_present = 1 ] && [ $dry_run = 0 ]; then
+    step bench-layer 50 "$bin_dir/bench-layer" || fail "bench-layer failed"
+    step bench-layer-peer 40 python3 benchmarks/layer/torch_peer.py --ours "$logs/bench-layer.log"
+    rc=$?
+    [ $rc = 0 ] || [ $rc = 77 ] || fail "torch_peer.py failed (rc $rc)"
+    step bench-gemm 20 "$bin_dir/bench-gemm" || fail "bench-gemm failed"
   fi
   # The planner's calibration rates (dense GEMM and attention, queued and single-call; PyTorch):
   # the file lands in logs.tar.gz as calibration.json (docs/planner.md, "Calibration").

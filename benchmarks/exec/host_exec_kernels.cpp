@@ -405,7 +405,6 @@ struct kernel_groups {
                                            .coeff = aux_coeff,
                                            .divide_by = 1.0,
                                            .running = nullptr,
-                                           .steps = 0,
                                            .used = nullptr,
                                            .loss = s.aux_loss.data(),
                                            .dscores = s.dscores.data()};

@@ -269,7 +269,6 @@ TEST_CASE("router losses in fp64 on cpu_exec and host_exec: aux scores, loss, gr
                                              .coeff = coeff,
                                              .divide_by = 1.0,
                                              .running = nullptr,
-                                             .steps = 1,
                                              .used = nullptr,
                                              .loss = &loss,
                                              .dscores = dscores.data()},

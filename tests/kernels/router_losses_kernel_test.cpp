@@ -125,8 +125,7 @@ struct switch_result {
 };
 switch_result run_switch(const std::vector<float>& sums, const std::vector<double>& counts,
                          double total, double per_token, int kk, int E, double coeff,
-                         double divide_by, std::vector<double>* running, int steps,
-                         std::mt19937_64& rng) {
+                         double divide_by, std::vector<double>* running, std::mt19937_64& rng) {
   const int cols = static_cast<int>(sums.size());
   switch_result r{-7.0f, std::vector<float>(sums.size(), -7.0f), std::vector<double>(sums.size())};
   std::vector<double> host_running;  // the running counts as they were, for host_exec
@@ -141,7 +140,6 @@ switch_result run_switch(const std::vector<float>& sums, const std::vector<doubl
                                        .coeff = coeff,
                                        .divide_by = divide_by,
                                        .running = running ? running->data() : nullptr,
-                                       .steps = steps,
                                        .used = r.used.data(),
                                        .loss = &r.loss,
                                        .dscores = r.dscores.data()};
@@ -158,8 +156,8 @@ switch_result run_switch(const std::vector<float>& sums, const std::vector<doubl
   long differ = 0;
   for (int c = 0; c < cols; ++c)
     differ += same_bits(h.dscores[c], r.dscores[c]) && h.used[c] == r.used[c] ? 0 : 1;
-  if (running)
-    for (int c = 0; c < cols; ++c) differ += host_running[c] == (*running)[c] ? 0 : 1;
+  if (running)  // the counts and the micro-batch count after them
+    for (int c = 0; c <= cols; ++c) differ += host_running[c] == (*running)[c] ? 0 : 1;
   CHECK(differ == 0);
   return r;
 }
@@ -317,14 +315,18 @@ void check_losses(const std::vector<loss_case>& cases, std::mt19937_64& rng, wor
     REQUIRE(st.size() == 1);
     REQUIRE(st[0]);
     const double total = pad ? 0.0 : N;  // 0: from the counts
-    const auto lb_k = run_switch(sums, counts, total, kk, kk, E, coeff, 1.0, nullptr, 0, rng);
+    const auto lb_k = run_switch(sums, counts, total, kk, kk, E, coeff, 1.0, nullptr, rng);
     check_same(lb_k, lb);
     check_same(run_switch(seq_sums, seq_counts, pad ? 0.0 : static_cast<double>(N / B),
-                          static_cast<double>(kk) * B, kk, E, coeff, B, nullptr, 0, rng),
+                          static_cast<double>(kk) * B, kk, E, coeff, B, nullptr, rng),
                seq);
-    std::vector<double> running(static_cast<std::size_t>(E), 0.0);
-    check_same(run_switch(sums, counts, total, kk, kk, E, coeff, 1.0, &running, 1, rng), glob1);
-    check_same(run_switch(sums, counts, total, kk, kk, E, coeff, 1.0, &running, 2, rng), glob2);
+    // The running state [E counts, micro-batches]: the kernel counts each micro-batch itself
+    // (on the device, so a graph's replays advance it), even one with no valid token.
+    std::vector<double> running(static_cast<std::size_t>(E) + 1, 0.0);
+    check_same(run_switch(sums, counts, total, kk, kk, E, coeff, 1.0, &running, rng), glob1);
+    CHECK(running[static_cast<std::size_t>(E)] == 1.0);
+    check_same(run_switch(sums, counts, total, kk, kk, E, coeff, 1.0, &running, rng), glob2);
+    CHECK(running[static_cast<std::size_t>(E)] == 2.0);
     if (lc.padding == 2) CHECK(lb_k.loss == 0.0f);
 
     // The aux-loss gradient into dlogits (added to what is there) against fp64.

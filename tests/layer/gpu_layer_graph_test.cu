@@ -6,11 +6,12 @@
 //     mode and full-sequence by position with order keys, against the same layer on simt_gemm
 //     (the bitwise CPU = GPU reference): the same routing and kept record, outputs, input
 //     gradients and reduced router and expert gradients within 1e-2 normwise.
-//   - graph: forward + backward captured once in a CUDA graph after an eager step and replayed
-//     twice, each replay bitwise equal to an eager step on the same inputs (outputs, input
-//     gradients, the losses, every gradient), in pad mode with EP = 1 (TP 2 folded over one rank:
-//     world 1) and dropless with EP = ETP = 1. The replays start from poisoned outputs and zeroed
-//     gradients, so a node the capture missed would show.
+//   - graph: forward + backward captured once in a CUDA graph after two eager steps and replayed
+//     twice, the replays bitwise equal to eager steps 3 and 4 from the same state (outputs, input
+//     gradients, the losses, every gradient), in pad mode with EP = 1 and dropless with
+//     EP = ETP = 1 (one GPU, world 1), with the expert bias and the global-batch loss, whose
+//     running average moves every step: a count frozen at capture would show. The replays start
+//     from poisoned outputs and zeroed gradients, so a node the capture missed would show too.
 // Without a device: exit 77 (skipped), which the check counts as a failure where a GPU is present.
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
@@ -106,12 +107,25 @@ expected<step_bits> read(cuda_exec& x, graph_rank& g) {
 }
 
 struct graph_result {
-  step_bits eager, replay[2];
+  step_bits eager[2], replay[2];
+  moe_layer_state after_eager, after_replays;  // the layer's state after step 4 each way
   bool finite = true;
 };
 
-// Eager step 1 (sizes everything), eager step 2 (the reference), then the capture of a step and
-// two replays, each after a reset outside the graph.
+// The options of the graph runs: the layer's state across steps on (the expert bias's counts, the
+// global-batch loss's running counts and micro-batches), so a replay that froze a count the host
+// passed at capture would differ from the eager step it stands for.
+moe_layer_options graph_options(const problem& p, const dynamic_folded_mesh& fold) {
+  moe_layer_options o = options_of(p, fold);
+  o.router.score = score_function::sigmoid;
+  o.router.expert_bias = true;
+  o.global_aux_loss_coeff = 0.03;
+  return o;
+}
+
+// Eager steps 1-2 (step 1 sizes everything), the state saved, eager steps 3-4 (the reference),
+// the state loaded back, then a step captured and replayed twice (standing for steps 3 and 4),
+// each step after a reset outside the graph.
 expected<graph_result> capture_and_replay(const problem& p, const drop_policy_variant& drop,
                                           loopback_communicator& c) {
   TRY_ASSIGN(xp, cuda_exec::make(c.stream()));
@@ -119,20 +133,27 @@ expected<graph_result> capture_and_replay(const problem& p, const drop_policy_va
   graph_rank g;
   TRY_ASSIGN(in, (make_layer_rank_setup<T, fast_gemms>(p, c, x, false)));
   g.in.emplace(std::move(*in));
-  TRY_ASSIGN(layer, graph_rank::layer_t::make(x, options_of(p, g.in->fold), g.in->comms, drop,
+  TRY_ASSIGN(layer, graph_rank::layer_t::make(x, graph_options(p, g.in->fold), g.in->comms, drop,
                                               std::move(*g.in->mlp)));
   g.layer.emplace(std::move(*layer));
   TRY(g.layer->bind_parameters(
       {.router_weight = g.in->par.w.view(), .router_grad = g.in->par.dw.view()}));
   graph_result res;
-  TRY(reset(x, g));
-  TRY(step(x, g));  // step 1: every buffer, handle and plan made
-  TRY(x.synchronize());
-  TRY(reset(x, g));
-  TRY(step(x, g));
-  TRY_ASSIGN(eager, read(x, g));
-  res.eager = std::move(*eager);
-  for (T v : res.eager.out) res.finite = res.finite && std::isfinite(static_cast<float>(v));
+  for (int i = 0; i < 2; ++i) {
+    TRY(reset(x, g));
+    TRY(step(x, g));
+  }
+  TRY_ASSIGN(after_two, g.layer->save_state(x));
+  for (int i = 0; i < 2; ++i) {
+    TRY(reset(x, g));
+    TRY(step(x, g));
+    TRY_ASSIGN(eager, read(x, g));
+    res.eager[i] = std::move(*eager);
+    for (T v : res.eager[i].out) res.finite = res.finite && std::isfinite(static_cast<float>(v));
+  }
+  TRY_ASSIGN(after_eager, g.layer->save_state(x));
+  res.after_eager = std::move(*after_eager);
+  TRY(g.layer->load_state(x, *after_two));
   // The capture: the layer's host code runs once, its work becomes the graph's nodes.
   TRY(reset(x, g));
   TRY(x.synchronize());
@@ -163,6 +184,8 @@ expected<graph_result> capture_and_replay(const problem& p, const drop_policy_va
   (void)cudaGraphExecDestroy(exec);
   TRY(replays);
   TRY(x.device_status());
+  TRY_ASSIGN(after_replays, g.layer->save_state(x));
+  res.after_replays = std::move(*after_replays);
   return res;
 }
 
@@ -208,8 +231,8 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "graph: forward + backward captured once and replayed twice equal an eager step bitwise "
-    "(pad mode with EP = 1, dropless with EP = ETP = 1)") {
+    "graph: forward + backward captured once and replayed twice equal eager steps bitwise, the "
+    "layer's state advancing (pad mode with EP = 1, dropless with EP = ETP = 1)") {
   problem q{.fold = {.world = 1}};
   q.experts = 8;
   q.topk = 2;
@@ -229,9 +252,16 @@ TEST_CASE(
     });
     REQUIRE_MESSAGE(st[0].has_value(), st[0].error().message);
     CHECK(res.finite);
-    CHECK(!res.eager.out.empty());
-    CHECK(res.replay[0] == res.eager);
-    CHECK(res.replay[1] == res.eager);
+    CHECK(!res.eager[0].out.empty());
+    CHECK(res.replay[0] == res.eager[0]);
+    CHECK(res.replay[1] == res.eager[1]);
+    // The replays advanced the state on the device as the eager steps did: 4 micro-batches in the
+    // global loss's running counts (a count frozen at capture would also have made replay 2's
+    // loss differ), the expert bias's counts.
+    CHECK(res.after_eager.global_aux_steps == 4);
+    CHECK(res.after_replays.global_aux_steps == 4);
+    CHECK(res.after_replays.global_aux_counts == res.after_eager.global_aux_counts);
+    CHECK(res.after_replays.expert_bias_counts == res.after_eager.expert_bias_counts);
   }
 }
 

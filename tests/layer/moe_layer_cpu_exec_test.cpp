@@ -724,7 +724,8 @@ TEST_CASE("the layer on cpu_exec refuses bad options and misuse, naming the rule
     TRY_ASSIGN(lg, make(global_opts));
     auto f4 = lg->forward(xx, in.cview().first(2), {}, out.view().first(3));
     REQUIRE_FALSE(f4.has_value());
-    CHECK(lg->load_balancing().running_steps() == 0);
+    TRY_ASSIGN(untouched, lg->save_state(xx));
+    CHECK(untouched->global_aux_steps == 0);
     // Pad mode with a capacity above the tokens: C = ceil(2 * 2 / 2 * 1.5) = 3 > N = 2.
     TRY_ASSIGN(lp, make(ok, sub_sequence{.capacity_factor = 1.5, .pad_to_capacity = true}));
     auto f5 = lp->forward(xx, in.cview().first(2), {}, out.view().first(2));
@@ -1190,7 +1191,8 @@ TEST_CASE(
       {sub_sequence{.capacity_factor = 1.0, .pad_to_capacity = true}, 0},
       {full_sequence{.capacity_factor = 1.5, .pad_to_capacity = true}, 0},
       {dropless{}, 2}};  // one wait per forward, steps 2 and 3
-  for (const auto& [policy, waits] : runs) {
+  // Reduced (TSan: 51 s for the three): sub-sequence pad mode only.
+  for (const auto& [policy, waits] : std::span(runs).first(tsan_reduced ? 1 : 3)) {
     CAPTURE(policy.policy.index());
     const int W = f.world;
     std::vector<capture_counts> got(static_cast<std::size_t>(W));

@@ -477,15 +477,16 @@ class moe_layer {
     if (bias_)
       if (auto s = bias_->save(x, st.expert_bias, st.expert_bias_counts); !s)
         return unexpected<error>(s.error());
-    if (o_.global_aux_loss_coeff > 0) {
-      const auto run = lb_.running_counts();
-      st.global_aux_counts.resize(detail::uz(run.width()));
-      if (auto s = first_error({x.copy(run, row_view<double, host_space>(
-                                                st.global_aux_counts.data(), 1, run.width())),
+    if (o_.global_aux_loss_coeff > 0) {  // [E counts, micro-batches] on the context
+      const auto run = lb_.running_state();
+      std::vector<double> v(detail::uz(run.width()));
+      if (auto s = first_error({x.copy(run, row_view<double, host_space>(v.data(), 1, run.width())),
                                 x.synchronize()});
           !s)
         return unexpected<error>(s.error());
-      st.global_aux_steps = lb_.running_steps();
+      st.global_aux_steps = static_cast<int>(v.back());
+      v.pop_back();
+      st.global_aux_counts = std::move(v);
     }
     return st;
   }

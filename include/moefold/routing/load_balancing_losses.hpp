@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 #include <moefold/kernels/router_aux_loss.hpp>
 
@@ -101,8 +102,8 @@ class load_balancing_losses {
                             to_decimal(kernels::aux_scores_block_kernel::max_experts));
     load_balancing_losses l;
     l.o_ = o;
-    if (o.global_aux_coeff > 0) {
-      auto r = exec_buffer<double, Exec>::make(exec, 1, o.num_experts);
+    if (o.global_aux_coeff > 0) {  // [1, E + 1]: the running counts, then their micro-batches
+      auto r = exec_buffer<double, Exec>::make(exec, 1, o.num_experts + 1);
       if (!r) return unexpected<error>(r.error());
       l.running_ = std::move(*r);
       if (auto st = exec.template fill<double>(l.running_.view(), 0.0); !st)
@@ -239,15 +240,14 @@ class load_balancing_losses {
     return {};
   }
 
-  //! The global term's running counts [1, E] (summed over TP x DP x CP) and the micro-batches
-  //! they cover; empty and 0 with the global term off.
-  [[nodiscard]] row_view<const double, space> running_counts() const noexcept {
+  //! The global term's running state [1, E + 1] in the context's memory: the counts (summed
+  //! over TP x DP x CP), then the micro-batches they cover (a double, counted by the forward's
+  //! kernel, so a CUDA graph's replays advance it); empty with the global term off.
+  [[nodiscard]] row_view<const double, space> running_state() const noexcept {
     return running_.cview();
   }
-  [[nodiscard]] int running_steps() const noexcept { return steps_; }
   //! The end of a global batch: the running counts restart.
   [[nodiscard]] status reset_running(Exec& exec) {
-    steps_ = 0;
     if (o_.global_aux_coeff > 0) return exec.template fill<double>(running_.view(), 0.0);
     return {};
   }
@@ -263,12 +263,13 @@ class load_balancing_losses {
                         "off, and steps >= 0");
     if (!on) return {};
     if (counts.empty()) return reset_running(exec);
-    if (auto st = exec.copy(row_view<const double, host_space>(counts.data(), 1, o_.num_experts),
+    std::vector<double> state(counts.begin(), counts.end());
+    state.push_back(static_cast<double>(steps));
+    if (auto st = exec.copy(row_view<const double, host_space>(state.data(), 1, o_.num_experts + 1),
                             running_.view());
         !st)
       return st;
-    steps_ = steps;
-    return {};
+    return exec.synchronize();  // the host vector goes out of scope
   }
 
  private:
@@ -341,7 +342,6 @@ class load_balancing_losses {
                                      reduce_op::sum);
           !st)
         return st;
-    if (i == 2) ++steps_;
     const double coeff[load_balancing_terms] = {o_.aux_coeff, o_.seq_aux_coeff,
                                                 o_.global_aux_coeff};
     const kernels::switch_loss_kernel<R> loss{
@@ -355,7 +355,6 @@ class load_balancing_losses {
         .coeff = coeff[i],
         .divide_by = static_cast<double>(B),
         .running = i == 2 ? running_.view().data() : nullptr,
-        .steps = i == 2 ? steps_ : 0,
         .used = nullptr,
         .loss = sv.loss.data() + i,
         .dscores = sv.dscores[static_cast<std::size_t>(i)].data()};
@@ -363,8 +362,7 @@ class load_balancing_losses {
   }
 
   load_balancing_options o_{};
-  exec_buffer<double, Exec> running_{};  // [1, E] with the global term on
-  int steps_ = 0;                        // micro-batches in running_
+  exec_buffer<double, Exec> running_{};  // [1, E + 1] with the global term on: counts, steps
 };
 
 }  // namespace v0_1

@@ -370,7 +370,6 @@ void loss_chain(const Exec& ex, const loss_ptrs& p, int N, int E, int kk,
                                          .coeff = 0.01,
                                          .divide_by = 1.0,
                                          .running = nullptr,
-                                         .steps = 0,
                                          .used = p.used,
                                          .loss = p.loss,
                                          .dscores = p.dscores}));
