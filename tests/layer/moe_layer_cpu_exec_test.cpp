@@ -62,6 +62,36 @@ std::vector<Out> on_cpu_world(int W, std::uint64_t seed, const Rank& rank) {
   return res;
 }
 
+// The same on stream_order_exec, one stream_order_fake per rank (a rank is one process with one
+// stream): each rank's result and what the fake found once the rank's last pinned sources were
+// compared (stream_order_exec::check).
+template <class Out>
+struct stream_order_run {
+  Out out{};
+  std::vector<std::string> violations;
+};
+template <class Out, class Rank>
+std::vector<stream_order_run<Out>> on_stream_order_world(int W, std::uint64_t seed,
+                                                         const Rank& rank) {
+  std::vector<stream_order_run<Out>> res(static_cast<std::size_t>(W));
+  const auto st = run_thread_world(W, [&](thread_communicator& world) -> status {
+    auto dw = std::move(world).in_space<space>();
+    auto& mine = res[static_cast<std::size_t>(dw.rank())];
+    stream_order_fake fake;
+    {
+      stream_order_exec x(fake, seed + static_cast<std::uint64_t>(dw.rank()));
+      auto r = rank(dw, x);
+      if (!r) return unexpected<error>(r.error());
+      x.check();
+      mine.out = std::move(*r);
+    }
+    mine.violations = fake.violations();
+    return {};
+  });
+  for (const auto& s : st) REQUIRE_MESSAGE(s.has_value(), s.error().message);
+  return res;
+}
+
 template <class T, template <class, class, class, class> class Disp>
 using layer_on_cpu = device_layer_t<T, Disp, cpu_exec, dev_comm>;
 
@@ -1078,31 +1108,19 @@ TEST_CASE("stream order: the whole layer on the GPU code path, dropless and in p
     CAPTURE(fold.ep());
     CAPTURE(drop.has_value());
     const auto ref = run_device<float, all_to_all_dispatcher>(p, drop);
-    const int W = f.world;
-    std::vector<layer_result> got(static_cast<std::size_t>(W));
-    std::vector<std::vector<std::string>> violations(static_cast<std::size_t>(W));
-    const auto st = run_thread_world(W, [&](thread_communicator& world) -> status {
-      auto dw = std::move(world).in_space<space>();
-      const auto r = static_cast<std::size_t>(dw.rank());
-      stream_order_fake fake;  // one per rank: a rank is one process with one stream
-      {
-        stream_order_exec x(fake, static_cast<std::uint64_t>(7 + dw.rank()));
-        auto res = run_device_rank<float, all_to_all_dispatcher>(
-            p, dw, x, drop ? std::optional<drop_policy_variant>(*drop) : std::nullopt);
-        if (!res) return unexpected<error>(res.error());
-        if (auto s = x.device_status(); !s) return s;
-        x.check();
-        got[r] = std::move(*res);
-      }
-      violations[r] = fake.violations();
-      return {};
-    });
-    for (int r = 0; r < W; ++r) {
+    const auto got = on_stream_order_world<layer_result>(
+        f.world, 7, [&](dev_comm& dw, stream_order_exec& x) -> expected<layer_result> {
+          TRY_ASSIGN(
+              res, (run_device_rank<float, all_to_all_dispatcher>(
+                       p, dw, x, drop ? std::optional<drop_policy_variant>(*drop) : std::nullopt)));
+          TRY(x.device_status());
+          return std::move(*res);
+        });
+    for (int r = 0; r < f.world; ++r) {
       CAPTURE(r);
       const auto i = static_cast<std::size_t>(r);
-      REQUIRE_MESSAGE(st[i].has_value(), st[i].error().message);
-      for (const std::string& v : violations[i]) FAIL_CHECK(v);
-      const layer_result &a = ref[i], &b = got[i];
+      for (const std::string& v : got[i].violations) FAIL_CHECK(v);
+      const layer_result &a = ref[i], &b = got[i].out;
       CHECK(a.indices == b.indices);
       CHECK(a.kept == b.kept);
       CHECK(a.out == b.out);
@@ -1194,32 +1212,18 @@ TEST_CASE(
   // Reduced (TSan: 51 s for the three): sub-sequence pad mode only.
   for (const auto& [policy, waits] : std::span(runs).first(tsan_reduced ? 1 : 3)) {
     CAPTURE(policy.policy.index());
-    const int W = f.world;
-    std::vector<capture_counts> got(static_cast<std::size_t>(W));
-    std::vector<std::vector<std::string>> violations(static_cast<std::size_t>(W));
-    const auto st = run_thread_world(W, [&](thread_communicator& world) -> status {
-      auto dw = std::move(world).in_space<space>();
-      const auto r = static_cast<std::size_t>(dw.rank());
-      stream_order_fake fake;
-      {
-        stream_order_exec x(fake, static_cast<std::uint64_t>(11 + dw.rank()));
-        TRY_ASSIGN(res, capture_steps_rank(p, dw, x, policy));
-        x.check();
-        got[r] = std::move(*res);
-      }
-      violations[r] = fake.violations();
-      return {};
-    });
-    for (int r = 0; r < W; ++r) {
+    const auto got = on_stream_order_world<capture_counts>(
+        f.world, 11,
+        [&](dev_comm& dw, stream_order_exec& x) { return capture_steps_rank(p, dw, x, policy); });
+    for (int r = 0; r < f.world; ++r) {
       CAPTURE(r);
-      const auto i = static_cast<std::size_t>(r);
-      REQUIRE_MESSAGE(st[i].has_value(), st[i].error().message);
-      for (const std::string& v : violations[i]) FAIL_CHECK(v);
-      CHECK(got[i].to_host == waits);
-      if (waits == 0) CHECK(got[i].synchronizations == 0);
-      CHECK(got[i].allocations == 0);
-      for (const std::string& c : got[i].pageable) FAIL_CHECK("a copy from pageable memory: " << c);
-      CHECK(got[i].same_out);
+      const auto& g = got[static_cast<std::size_t>(r)];
+      for (const std::string& v : g.violations) FAIL_CHECK(v);
+      CHECK(g.out.to_host == waits);
+      if (waits == 0) CHECK(g.out.synchronizations == 0);
+      CHECK(g.out.allocations == 0);
+      for (const std::string& c : g.out.pageable) FAIL_CHECK("a copy from pageable memory: " << c);
+      CHECK(g.out.same_out);
     }
   }
 }
