@@ -23,6 +23,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <span>
@@ -39,16 +40,30 @@ using namespace moefold::test;
 
 namespace {
 
+// The router's GEMMs that ran on cuBLAS's descriptions, over every rank's thread: the layer's
+// gating runs on the router's policy (its logits: one per rank and forward).
+std::atomic<int> router_cublas_runs{0};
+template <class A, class B, class C>
+struct counted_router_gemm : cublas_dense<A, B, C> {
+  template <execution_context Exec>
+  [[nodiscard]] status run(Exec& x) const {
+    ++router_cublas_runs;
+    return cublas_dense<A, B, C>::run(x);
+  }
+};
+
 // Every GEMM on a library backend, no fallback: a refusal is an error of the layer.
 struct strict_library_gemms {
   template <gemm_kind K, gemm_mode M, class A, class B, class C>
   using backend = std::conditional_t<
       !std::is_same_v<A, B>, simt_gemm<A, B, C>,  // the router's fp32 x bf16 gradients
       std::conditional_t<
-          K == gemm_kind::router || K == gemm_kind::shared, cublas_dense<A, B, C>,
-          std::conditional_t<M == gemm_mode::pad, cublas_strided<A, B, C>,
-                             std::conditional_t<std::is_same_v<A, bfloat16>, cutlass_sm90<A, B, C>,
-                                                cublas_dense<A, B, C>>>>>;
+          K == gemm_kind::router, counted_router_gemm<A, B, C>,
+          std::conditional_t<K == gemm_kind::shared, cublas_dense<A, B, C>,
+                             std::conditional_t<M == gemm_mode::pad, cublas_strided<A, B, C>,
+                                                std::conditional_t<std::is_same_v<A, bfloat16>,
+                                                                   cutlass_sm90<A, B, C>,
+                                                                   cublas_dense<A, B, C>>>>>>;
 };
 static_assert(gemm_policy<strict_library_gemms, cpu_exec>);
 static_assert(gemm_policy<tensor_core_gemms<>, cpu_exec>);
@@ -123,8 +138,14 @@ void check_scenarios(int& with_empty, int& skewed) {
 
 TEST_CASE("the layer on cuBLAS's and CUTLASS's descriptions in bf16: the fp64 reference") {
   int with_empty = 0, skewed = 0;
+  router_cublas_runs = 0;
   check_scenarios<bfloat16, all_to_all_dispatcher, strict_library_gemms>(with_empty, skewed);
   check_scenarios<bfloat16, all_gather_dispatcher, strict_library_gemms>(with_empty, skewed);
+  // The gating linear ran on the router's policy (cuBLAS), not the context's default (SIMT): one
+  // logits GEMM per rank and forward, two dispatchers.
+  int ranks = 0;
+  for (const auto& s : scenarios) ranks += s.fold.world;
+  CHECK(router_cublas_runs == 2 * ranks);
   // The routing gave what the runs are for: empty experts and a skewed expert (checked, not
   // assumed: the router weights decide).
   CHECK(with_empty > 0);

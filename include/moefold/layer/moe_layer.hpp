@@ -62,6 +62,7 @@
 #include "../dispatch/token_dispatcher.hpp"
 #include "../exec/exec.hpp"
 #include "../exec/exec_buffer.hpp"
+#include "../exec/gemm_policy.hpp"
 #include "../experts/expert_fn.hpp"
 #include "../experts/mlp_experts.hpp"
 #include "../experts/shared_expert.hpp"
@@ -131,6 +132,21 @@ struct moe_layer_options {
           .global_aux_coeff = o.global_aux_loss_coeff};
 }
 
+namespace detail {
+//! The GEMM policy of a layer's gating linear: the router's where it names one (topk_router's
+//! `Gemms`), else the routed experts' (as the shared expert's), so that a layer on one policy runs
+//! every GEMM on it (the SIMT layer on cuda_exec stays bitwise the cpu_exec layer).
+template <class Router, class Experts, class Exec>
+struct gating_gemms_of {
+  using type = gemms_of_t<Experts, Exec>;
+};
+template <class Router, class Experts, class Exec>
+requires requires { typename Router::gemms_type; }
+struct gating_gemms_of<Router, Experts, Exec> {
+  using type = typename Router::gemms_type;
+};
+}  // namespace detail
+
 //! One forward's input: x [N, H] and, for full-sequence dropping by position, the tokens' true
 //! sequence positions `order_keys` [N] (or empty; see sequence_order_keys).
 template <class T>
@@ -168,7 +184,8 @@ inline constexpr group_kind shared_gate_gradient_group = group_kind::tp_dp_cp;
 //! the scores, the probabilities the router gives and the losses (Megatron-Core's
 //! moe_router_dtype; the default, accumulator_t<T>, is fp32 for bf16 tokens). The gating GEMM
 //! (router_gating, for every router) reads the T tokens and weight and accumulates in fp32 (fp64
-//! for fp64 operands) into R. `Dispatcher` is any token_dispatcher of token type T on Exec, by
+//! for fp64 operands) into R, on the router's GEMM policy (topk_router's Gemms; the experts' for
+//! a router that names none). `Dispatcher` is any token_dispatcher of token type T on Exec, by
 //! default all_to_all_dispatcher with fp32 probabilities for bf16 tokens; its probability type
 //! Pt (`prob_type`) is the type the kept probabilities are converted to once (exactly when Pt is
 //! R), travel in to the experts, who apply them (Experts must be an expert_fn of T and Pt on Exec,
@@ -199,8 +216,10 @@ class moe_layer {
   using Pt = prob_type;
   // moefold's router (any of its GEMM policies), which takes the expert bias.
   static constexpr bool is_topk_router = is_topk_router_v<Router>;
-  // The gating linear for every router (topk_router's own runs the same code).
-  using gating_type = router_gating<T, Exec, R>;
+  // The gating linear for every router (topk_router's own runs the same code), on the router's
+  // GEMM policy (or the experts').
+  using gating_type =
+      router_gating<T, Exec, R, typename detail::gating_gemms_of<Router, Experts, Exec>::type>;
   template <class U>
   using buffer = exec_buffer<U, Exec>;
 

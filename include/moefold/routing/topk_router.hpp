@@ -71,6 +71,8 @@ class topk_router {
   using token_type = T;
   //! The router element type R (logits, scores, probabilities and their gradients).
   using value_type = R;
+  //! The GEMM policy of its gating linear (a moe_layer runs its gating on it too).
+  using gemms_type = Gemms;
 
   //! The most experts, selections and groups the kernels take.
   static constexpr int max_experts = kernels::router_topk_block_kernel::max_experts;
