@@ -586,23 +586,16 @@ int main(int argc, char** argv) {
         std::snprintf(buf, sizeof buf, "%s\"%s\": %.4f", steps.empty() ? "" : ", ", name, share);
         steps += buf;
       }
-      const auto share = [&](const char* name) {
-        for (const auto& [n, v] : shares)
-          if (std::strcmp(n, name) == 0) return v;
-        return -1.0;  // not on the clock (the SIMT layer)
-      };
       std::printf(
           "{\"bench\": \"layer\", \"shape\": \"%s\", \"T\": %d, \"H\": %d, \"F\": %d, \"E\": %d, "
           "\"k\": %d, \"routing\": \"%s\", \"impl\": \"%s\", \"max_rows\": %d, \"min_rows\": %d, "
           "\"kept_pairs\": %lld, \"fwd_ms\": %.3f, \"fwdbwd_ms\": %.3f, \"fwd_tflops\": %.1f, "
           "\"fwdbwd_tflops\": %.1f, \"dense_fwd_tflops\": %.1f, \"dense_fwdbwd_tflops\": %.1f, "
-          "\"clocked_ms\": %.3f, \"router_gemms_share\": %.4f, \"expert_gemms_share\": %.4f, "
-          "\"other_share\": %.4f, \"steps\": {%s}}\n",
+          "\"clocked_ms\": %.3f, \"steps\": {%s}}\n",
           s.name, s.tokens, s.hidden, s.ffn, s.experts, s.topk, routing, v.impl,
           *std::max_element(counts.begin(), counts.end()),
           *std::min_element(counts.begin(), counts.end()), t->kept, t->fwd * 1e3, t->fwdbwd * 1e3,
-          lf, lfb, df, dfb, t->clocked * 1e3, share("router_gemms"), share("expert_gemms"),
-          share("besides_gemms"), steps.c_str());
+          lf, lfb, df, dfb, t->clocked * 1e3, steps.c_str());
       std::fflush(stdout);
       rows.push_back({s.name, routing, v.impl, lf, lfb, lf / df, lfb / dfb, shares});
       return {};

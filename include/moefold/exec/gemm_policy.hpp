@@ -97,19 +97,20 @@ using default_gemms =
                                           tensor_core_gemms<simt_gemms>, simt_gemms>>;
 
 namespace detail {
-//! The GEMM policy of an experts type: its `gemms_type` where it names one (mlp_experts), the
-//! context's default otherwise (a user's experts).
-template <class E, class Exec>
+//! The GEMM policy a component names as its `gemms_type` (mlp_experts, topk_router), else
+//! `Otherwise`: the context's default (a user's experts), or another component's policy (the
+//! layer's gating: the router's, else the experts').
+template <class E, class Exec, class Otherwise = default_gemms<Exec>>
 struct gemms_of {
-  using type = default_gemms<Exec>;
+  using type = Otherwise;
 };
-template <class E, class Exec>
+template <class E, class Exec, class Otherwise>
 requires requires { typename E::gemms_type; }
-struct gemms_of<E, Exec> {
+struct gemms_of<E, Exec, Otherwise> {
   using type = typename E::gemms_type;
 };
-template <class E, class Exec>
-using gemms_of_t = typename gemms_of<E, Exec>::type;
+template <class E, class Exec, class Otherwise = default_gemms<Exec>>
+using gemms_of_t = typename gemms_of<E, Exec, Otherwise>::type;
 }  // namespace detail
 
 //! P names, for every kind and mode, a backend that runs on Exec (checked at one element type).

@@ -132,21 +132,6 @@ struct moe_layer_options {
           .global_aux_coeff = o.global_aux_loss_coeff};
 }
 
-namespace detail {
-//! The GEMM policy of a layer's gating linear: the router's where it names one (topk_router's
-//! `Gemms`), else the routed experts' (as the shared expert's), so that a layer on one policy runs
-//! every GEMM on it (the SIMT layer on cuda_exec stays bitwise the cpu_exec layer).
-template <class Router, class Experts, class Exec>
-struct gating_gemms_of {
-  using type = gemms_of_t<Experts, Exec>;
-};
-template <class Router, class Experts, class Exec>
-requires requires { typename Router::gemms_type; }
-struct gating_gemms_of<Router, Experts, Exec> {
-  using type = typename Router::gemms_type;
-};
-}  // namespace detail
-
 //! One forward's input: x [N, H] and, for full-sequence dropping by position, the tokens' true
 //! sequence positions `order_keys` [N] (or empty; see sequence_order_keys).
 template <class T>
@@ -217,9 +202,11 @@ class moe_layer {
   // moefold's router (any of its GEMM policies), which takes the expert bias.
   static constexpr bool is_topk_router = is_topk_router_v<Router>;
   // The gating linear for every router (topk_router's own runs the same code), on the router's
-  // GEMM policy (or the experts').
+  // GEMM policy, else the experts' (so a layer on one policy runs every GEMM on it: the SIMT
+  // layer on cuda_exec stays bitwise the cpu_exec layer).
   using gating_type =
-      router_gating<T, Exec, R, typename detail::gating_gemms_of<Router, Experts, Exec>::type>;
+      router_gating<T, Exec, R,
+                    detail::gemms_of_t<Router, Exec, detail::gemms_of_t<Experts, Exec>>>;
   template <class U>
   using buffer = exec_buffer<U, Exec>;
 
