@@ -1,17 +1,18 @@
 #!/usr/bin/env python3
 """Every public header compiles on its own (-Wall -Wextra -Wpedantic -Werror).
 
-Plain headers (outside cuda/ and mpi/ folders) need nothing but the C++20 standard library.
-Headers in mpi/ folders also get the MPI include flags (--mpi-flags), and headers in cuda/
-folders the CUDA toolkit's headers (--cuda-include) and the MPI flags; without those options
-they are counted as skipped.
+Plain headers (outside cuda/, mpi/ and torch/ folders) need nothing but the C++20 standard
+library. Headers in mpi/ folders also get the MPI include flags (--mpi-flags), headers in cuda/
+folders the CUDA toolkit's headers (--cuda-include) and the MPI flags, and headers in torch/
+folders torch's include flags (--torch-flags); without those options they are counted as
+skipped.
 The portable kernel headers (kernels/**/*.hpp, which g++ must include too) are compiled as well,
 included as <moefold/kernels/...> through the source tree's link include/moefold/kernels (.cuh
 files need nvcc and are not compiled here).
 --known 'REGEX=why' counts a header whose diagnostics match REGEX as skipped, printing why: a
 known defect reported elsewhere, so that it stays visible without hiding any other failure.
 
-Usage: headers_alone.py INCLUDE_DIR [--cuda-include DIR] [--mpi-flags FLAGS]
+Usage: headers_alone.py INCLUDE_DIR [--cuda-include DIR] [--mpi-flags FLAGS] [--torch-flags FLAGS]
                         [--known R=why]...
                         -- COMPILER [ARGS...]"""
 import concurrent.futures
@@ -24,7 +25,7 @@ import sys
 
 argv = sys.argv[1:]
 include = pathlib.Path(argv.pop(0))
-cuda_include, mpi_flags, known = None, None, []
+cuda_include, mpi_flags, torch_flags, known = None, None, None, []
 while argv and argv[0] != "--":
     opt, value = argv.pop(0), argv.pop(0)
     if opt == "--cuda-include":
@@ -32,6 +33,8 @@ while argv and argv[0] != "--":
     elif opt == "--mpi-flags":
         # System headers: their own warnings are not ours to fix.
         mpi_flags = [("-isystem" + f[2:]) if f.startswith("-I") else f for f in shlex.split(value)]
+    elif opt == "--torch-flags":
+        torch_flags = [("-isystem" + f[2:]) if f.startswith("-I") else f for f in shlex.split(value)]
     elif opt == "--known":
         rx, _, why = value.partition("=")
         known.append((re.compile(rx), why))
@@ -53,13 +56,17 @@ def flags_for(rel):
         if mpi_flags is None:
             return None
         extra += mpi_flags
+    elif "torch" in parts:
+        if torch_flags is None:
+            return None
+        extra += torch_flags
     return extra
 
 
 def compile_alone(entry):
     rel, extra = entry[0], flags_for(entry[0])
     if extra is None:
-        return rel, "skip", "needs --cuda-include/--mpi-flags"
+        return rel, "skip", "needs --cuda-include/--mpi-flags/--torch-flags"
     r = subprocess.run(compiler + ["-std=c++20", "-fsyntax-only", "-Wall", "-Wextra", "-Wpedantic",
                                    "-Werror", "-I", str(include)] + extra + ["-x", "c++", "-"],
                        input=f"#include <{rel.as_posix()}>\n", capture_output=True, text=True)

@@ -3,7 +3,7 @@
 
     core <- mesh <- kernels <- exec <- comm <- {routing, dispatch, experts} <- layer <- {plan, upcycle}
 
-Reads every header of include/moefold/ (cuda/ and mpi/ sub-folders belong to their layer) and of
+Reads every header of include/moefold/ (cuda/, mpi/ and torch/ sub-folders belong to their layer) and of
 the top-level kernels/, resolves each #include of a moefold header (<moefold/...> or relative) to
 its layer, and fails on an include of a higher layer, on a cycle between the three peers of the
 same level, and on an include that names no header of the tree (a stale path). plan and upcycle

@@ -1,0 +1,136 @@
+"""The process groups of an MoE layer under moefold's Megatron-Core layout.
+
+new_groups(tp=, cp=, pp=, ep=, etp=) creates them with dist.new_group (collective: every rank of
+the job calls it with the same sizes, in the same order); groups_from(tp=, cp=, dp=, ep=, etp=,
+edp=) takes the trainer's own groups instead, checks each against the layout (ValueError naming
+the first mismatch) and creates only the combined groups the layer also needs (tp-cp, tp-dp-cp,
+dp-cp, tp-ep), again collectively.
+"""
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from . import _C
+
+# The kinds the layer runs collectives on, and the ones a trainer usually has (by moefold's names).
+LAYER_KINDS = ("tp", "tp-cp", "tp-dp-cp", "dp-cp", "ep", "etp", "tp-ep", "edp")
+ALL_KINDS = ("tp", "cp", "dp", "pp", "dp-cp", "tp-cp", "tp-dp-cp", "ep", "etp", "tp-ep", "edp")
+
+
+@dataclass
+class Groups:
+    """This rank's process group of each kind (None where the kind has one rank), the fold's
+    sizes, and each kind's global ranks in group order (`ranks[kind]`)."""
+
+    world: int
+    tp: int
+    cp: int
+    pp: int
+    ep: int
+    etp: int
+    dp: int
+    edp: int
+    order: str
+    groups: dict = field(default_factory=dict)  # kind -> ProcessGroup or None (size 1)
+    ranks: dict = field(default_factory=dict)   # kind -> this rank's group, global ranks
+
+    def group(self, kind):
+        """The ProcessGroup of `kind` ('ep', 'tp-dp-cp', ...; None for a group of one rank)."""
+        if kind not in self.groups:
+            raise ValueError(f"moefold_torch: no group of kind {kind!r} (kinds: {ALL_KINDS})")
+        return self.groups[kind]
+
+    def __getattr__(self, name):
+        kind = name.replace("_", "-")
+        groups = self.__dict__.get("groups", {})
+        if kind in groups:
+            return groups[kind]
+        raise AttributeError(name)
+
+
+def _layout(world, tp, cp, pp, ep, etp, order):
+    for name, v in (("tp", tp), ("cp", cp), ("pp", pp), ("ep", ep), ("etp", etp)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"moefold_torch: {name} must be an int >= 1 (got {v!r})")
+    return _C.megatron_group_ranks(world, tp, cp, pp, ep, etp, order)
+
+
+def _mine(groups_of_kind, rank):
+    for g in groups_of_kind:
+        if rank in g:
+            return g
+    raise ValueError(f"moefold_torch: rank {rank} is in no group of the layout")
+
+
+def _make(layout, kinds, rank, have=None):
+    """dist.new_group for every group of each kind in `kinds`, in the same order on every rank;
+    keeps this rank's. `have`: kinds already given (not created)."""
+    groups, ranks = {}, {}
+    for kind in ALL_KINDS:
+        mine = _mine(layout[kind], rank)
+        ranks[kind] = mine
+        if have is not None and kind in have:
+            groups[kind] = have[kind]
+            continue
+        if kind not in kinds:
+            continue
+        for g in layout[kind]:
+            if len(g) == 1:  # a group of one rank needs no process group
+                if g == mine:
+                    groups[kind] = None
+                continue
+            pg = dist.new_group(g)
+            if g == mine:
+                groups[kind] = pg
+    return groups, ranks
+
+
+def _world():
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("moefold_torch: torch.distributed is not initialized "
+                         "(call dist.init_process_group first)")
+    return dist.get_world_size(), dist.get_rank()
+
+
+def new_groups(tp=1, cp=1, pp=1, ep=1, etp=None, order="tp-cp-ep-dp-pp"):
+    """Every group of moefold's layout of the fold (tp, cp, pp, ep, etp over the whole job),
+    created with dist.new_group. Collective: every rank calls it with the same arguments."""
+    world, rank = _world()
+    etp = tp if etp is None else etp
+    layout = _layout(world, tp, cp, pp, ep, etp, order)
+    groups, ranks = _make(layout, ALL_KINDS, rank)
+    return Groups(world=world, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp,
+                  dp=world // (tp * cp * pp), edp=world // (etp * ep * pp), order=order,
+                  groups=groups, ranks=ranks)
+
+
+def _size(pg):
+    return 1 if pg is None else dist.get_world_size(pg)
+
+
+def groups_from(tp=None, cp=None, dp=None, ep=None, etp=None, edp=None, pp=1,
+                order="tp-cp-ep-dp-pp"):
+    """The trainer's own groups (None for size 1), checked against moefold's layout of the fold
+    their sizes give; the combined groups the layer also needs are created (collective)."""
+    world, rank = _world()
+    sizes = {"tp": _size(tp), "cp": _size(cp), "dp": _size(dp), "ep": _size(ep),
+             "etp": _size(etp), "edp": _size(edp)}
+    if sizes["tp"] * sizes["cp"] * sizes["dp"] * pp != world:
+        raise ValueError(f"moefold_torch: groups_from: tp {sizes['tp']} x cp {sizes['cp']} x dp "
+                         f"{sizes['dp']} x pp {pp} != world {world}")
+    if sizes["etp"] * sizes["ep"] * sizes["edp"] * pp != world:
+        raise ValueError(f"moefold_torch: groups_from: etp {sizes['etp']} x ep {sizes['ep']} x "
+                         f"edp {sizes['edp']} x pp {pp} != world {world}")
+    layout = _layout(world, sizes["tp"], sizes["cp"], pp, sizes["ep"], sizes["etp"], order)
+    given = {"tp": tp, "cp": cp, "dp": dp, "ep": ep, "etp": etp, "edp": edp}
+    for kind in ("tp", "cp", "dp", "ep", "etp", "edp"):
+        want = _mine(layout[kind], rank)
+        pg = given[kind]
+        have = [rank] if pg is None else dist.get_process_group_ranks(pg)
+        if have != want:
+            raise ValueError(f"moefold_torch: groups_from: rank {rank}'s {kind} group has ranks "
+                             f"{have}, moefold's layout ({order}) puts it in {want}")
+    groups, ranks = _make(layout, ("pp", "dp-cp", "tp-cp", "tp-dp-cp", "tp-ep"), rank, have=given)
+    return Groups(world=world, tp=sizes["tp"], cp=sizes["cp"], pp=pp, ep=sizes["ep"],
+                  etp=sizes["etp"], dp=sizes["dp"], edp=sizes["edp"], order=order,
+                  groups=groups, ranks=ranks)
