@@ -35,6 +35,14 @@ void check(const status& st) {
   if (!st) raise(st.error());
 }
 
+// Runs a collective with the GIL released (other Python threads go on while it waits for its
+// peers); its status is raised after the GIL is taken back.
+template <class F>
+status without_gil(F&& f) {
+  py::gil_scoped_release nogil;
+  return f();
+}
+
 // An argument this binding refuses before moefold sees it: ValueError naming it.
 [[noreturn]] void bad(const std::string& what) { throw py::value_error("moefold_torch: " + what); }
 
@@ -80,8 +88,7 @@ row_view<T> rows(at::Tensor& t) {
 }
 template <class T>
 row_view<const T> crows(const at::Tensor& t) {
-  return row_view<const T>(reinterpret_cast<const T*>(t.const_data_ptr()), rows_of(t),
-                           width_of(t));
+  return row_view<const T>(reinterpret_cast<const T*>(t.const_data_ptr()), rows_of(t), width_of(t));
 }
 
 reduce_op op_of(const std::string& op) {
@@ -92,8 +99,8 @@ reduce_op op_of(const std::string& op) {
 
 void same_dtype(const at::Tensor& a, const at::Tensor& b) {
   if (a.scalar_type() != b.scalar_type())
-    bad(std::string("send and receive tensors differ in dtype (") +
-        c10::toString(a.scalar_type()) + ", " + c10::toString(b.scalar_type()) + ")");
+    bad(std::string("send and receive tensors differ in dtype (") + c10::toString(a.scalar_type()) +
+        ", " + c10::toString(b.scalar_type()) + ")");
 }
 
 // One rank's communicator over a Python process group. Counts are rows per peer.
@@ -115,8 +122,9 @@ class py_communicator {
     same_dtype(send, recv);
     by_dtype(send, false, [&]<class T>() {
       host_exec x;
-      py::gil_scoped_release nogil;
-      check(c_->all_to_all_v(x, crows<T>(send), send_counts, rows<T>(recv), recv_counts));
+      check(without_gil([&] {
+        return c_->all_to_all_v(x, crows<T>(send), send_counts, rows<T>(recv), recv_counts);
+      }));
     });
   }
   void all_gather_v(const at::Tensor& send, at::Tensor& recv, const std::vector<int>& counts) {
@@ -125,8 +133,8 @@ class py_communicator {
     same_dtype(send, recv);
     by_dtype(send, false, [&]<class T>() {
       host_exec x;
-      py::gil_scoped_release nogil;
-      check(c_->all_gather_v(x, crows<T>(send), rows<T>(recv), counts));
+      check(
+          without_gil([&] { return c_->all_gather_v(x, crows<T>(send), rows<T>(recv), counts); }));
     });
   }
   void reduce_scatter_v(const at::Tensor& send, const std::vector<int>& counts, at::Tensor& recv,
@@ -138,8 +146,8 @@ class py_communicator {
     by_dtype(send, true, [&]<class T>() {
       if constexpr (reducible<T>) {
         host_exec x;
-        py::gil_scoped_release nogil;
-        check(c_->reduce_scatter_v(x, crows<T>(send), counts, rows<T>(recv), o));
+        check(without_gil(
+            [&] { return c_->reduce_scatter_v(x, crows<T>(send), counts, rows<T>(recv), o); }));
       }
     });
   }
@@ -149,8 +157,7 @@ class py_communicator {
     by_dtype(buf, true, [&]<class T>() {
       if constexpr (reducible<T>) {
         host_exec x;
-        py::gil_scoped_release nogil;
-        check(c_->all_reduce(x, rows<T>(buf), o));
+        check(without_gil([&] { return c_->all_reduce(x, rows<T>(buf), o); }));
       }
     });
   }
@@ -158,21 +165,14 @@ class py_communicator {
     check_cpu(buf, "buf");
     by_dtype(buf, false, [&]<class T>() {
       host_exec x;
-      py::gil_scoped_release nogil;
-      check(c_->broadcast(x, rows<T>(buf), root));
+      check(without_gil([&] { return c_->broadcast(x, rows<T>(buf), root); }));
     });
   }
   void barrier() {
-    py::gil_scoped_release nogil;
-    check(c_->barrier());
+    check(without_gil([&] { return c_->barrier(); }));
   }
   void fail(const std::string& why) {
-    status st;
-    {
-      py::gil_scoped_release nogil;
-      st = c_->fail(why);
-    }
-    check(st);
+    check(without_gil([&] { return c_->fail(why); }));
   }
 
  private:
@@ -218,8 +218,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("rank", &py_communicator::rank)
       .def_property_readonly("size", &py_communicator::size)
       .def_property_readonly("broken", &py_communicator::broken)
-      .def("all_to_all_v", &py_communicator::all_to_all_v, py::arg("send"),
-           py::arg("send_counts"), py::arg("recv"), py::arg("recv_counts"))
+      .def("all_to_all_v", &py_communicator::all_to_all_v, py::arg("send"), py::arg("send_counts"),
+           py::arg("recv"), py::arg("recv_counts"))
       .def("all_gather_v", &py_communicator::all_gather_v, py::arg("send"), py::arg("recv"),
            py::arg("counts"))
       .def("reduce_scatter_v", &py_communicator::reduce_scatter_v, py::arg("send"),

@@ -21,8 +21,8 @@
 //! instantiated against exchange_communicator (the layer) includes no torch header.
 #pragma once
 
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/version.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -45,17 +45,14 @@ namespace detail {
 //! The group's byte collectives as an exchange_backend.
 class process_group_exchange final : public exchange_backend {
  public:
-  explicit process_group_exchange(c10::intrusive_ptr<c10d::ProcessGroup> pg)
-      : pg_(std::move(pg)) {}
+  explicit process_group_exchange(c10::intrusive_ptr<c10d::ProcessGroup> pg) : pg_(std::move(pg)) {}
 
   [[nodiscard]] int rank() const noexcept override { return pg_->getRank(); }
   [[nodiscard]] int size() const noexcept override { return pg_->getSize(); }
   [[nodiscard]] std::string name() const override {
     return "torch process group (" + pg_->getBackendName() + ")";
   }
-  [[nodiscard]] const c10::intrusive_ptr<c10d::ProcessGroup>& group() const noexcept {
-    return pg_;
-  }
+  [[nodiscard]] const c10::intrusive_ptr<c10d::ProcessGroup>& group() const noexcept { return pg_; }
 
   [[nodiscard]] status all_gather(std::span<const std::byte> mine,
                                   std::span<std::byte> all) override {
@@ -70,8 +67,7 @@ class process_group_exchange final : public exchange_backend {
     });
   }
 
-  [[nodiscard]] status all_to_all_v(const std::byte* send,
-                                    std::span<const std::int64_t> send_bytes,
+  [[nodiscard]] status all_to_all_v(const std::byte* send, std::span<const std::int64_t> send_bytes,
                                     std::span<const std::int64_t> send_offsets, std::byte* recv,
                                     std::span<const std::int64_t> recv_bytes,
                                     std::span<const std::int64_t> recv_offsets) override {
@@ -128,8 +124,7 @@ class process_group_exchange final : public exchange_backend {
     const std::string where = name() + " " + what;
     try {
       c10::intrusive_ptr<c10d::Work> w = start();
-      if (!w->wait())
-        return make_error(errc::comm_peer_failed, where + " was aborted");
+      if (!w->wait()) return make_error(errc::comm_peer_failed, where + " was aborted");
       return {};
     } catch (const c10::DistNetworkError& e) {
       return classify(where, e.what_without_backtrace(), errc::comm_peer_failed);
@@ -147,8 +142,9 @@ class process_group_exchange final : public exchange_backend {
                            what.find("Timeout") != std::string::npos;
     if (timed_out)
       return make_error(errc::comm_timeout,
-                        where + " did not complete within the group's timeout (a peer is stuck "
-                                "or not calling it): " +
+                        where +
+                            " did not complete within the group's timeout (a peer is stuck "
+                            "or not calling it): " +
                             what);
     return make_error(otherwise, where + " failed (" +
                                      (otherwise == errc::comm_peer_failed
