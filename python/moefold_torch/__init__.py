@@ -1,6 +1,10 @@
-"""moefold_torch: moefold's collectives (and, next, its MoE layer) on a PyTorch job's process
-groups. CPU tensors over gloo; CUDA tensors over NCCL are not implemented yet
-(NotImplementedError).
+"""moefold_torch: moefold's MoE layer and collectives on a PyTorch job's process groups. CPU
+tensors over gloo; CUDA tensors over NCCL are not implemented yet (NotImplementedError).
+
+    groups = moefold_torch.new_groups(tp=1, ep=4)            # after dist.init_process_group
+    layer = moefold_torch.MoELayer(hidden_size=H, ffn_hidden_size=F, num_experts=E,
+                                   router_topk=k, groups=groups, max_tokens=N)
+    out, losses = layer(x)                                  # loss = ... + sum(losses.values())
 
     import torch.distributed as dist, moefold_torch
     dist.init_process_group("gloo", ...)
@@ -17,7 +21,8 @@ import torch.distributed  # noqa: F401  (registers the ProcessGroup type the ext
 
 from ._C import MoefoldError
 from ._C import Communicator as _Communicator
-from .groups import Groups, groups_from, new_groups
+from .groups import Groups, groups_from, new_groups, thread_groups
+from .layer import MoELayer, reduce_gradients
 
 
 class Communicator(_Communicator):
@@ -32,4 +37,12 @@ class Communicator(_Communicator):
         super().__init__(group)
 
 
-__all__ = ["Communicator", "Groups", "MoefoldError", "groups_from", "new_groups"]
+def run_thread_world(n, fn, timeout_s=30.0):
+    """fn(world) on n threads of this process, each a rank of moefold's C++ thread world
+    (thread_groups(world, ...) gives a rank its groups). Returns each rank's error ('' where fn
+    returned); a rank that raises is a dead peer to the others."""
+    return _C._run_thread_world(n, fn, timeout_s)
+
+
+__all__ = ["Communicator", "Groups", "MoELayer", "MoefoldError", "groups_from", "new_groups",
+           "reduce_gradients", "run_thread_world", "thread_groups"]

@@ -8,6 +8,7 @@ dp-cp, tp-ep), again collectively.
 """
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from . import _C
@@ -31,6 +32,7 @@ class Groups:
     dp: int
     edp: int
     order: str
+    rank: int = 0  # this rank's global rank
     groups: dict = field(default_factory=dict)  # kind -> ProcessGroup or None (size 1)
     ranks: dict = field(default_factory=dict)   # kind -> this rank's group, global ranks
 
@@ -62,7 +64,17 @@ def _mine(groups_of_kind, rank):
     raise ValueError(f"moefold_torch: rank {rank} is in no group of the layout")
 
 
-def _make(layout, kinds, rank, have=None):
+def _default_timeout():
+    """The job's default group's timeout (init_process_group's): dist.new_group would otherwise
+    give every new group torch's default of 30 minutes, so a stalled peer would hold the layer
+    that long."""
+    try:
+        return dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
+    except Exception:  # noqa: BLE001  (another backend or torch version: torch's default)
+        return None
+
+
+def _make(layout, kinds, rank, have=None, timeout=None):
     """dist.new_group for every group of each kind in `kinds`, in the same order on every rank;
     keeps this rank's. `have`: kinds already given (not created)."""
     groups, ranks = {}, {}
@@ -79,7 +91,7 @@ def _make(layout, kinds, rank, have=None):
                 if g == mine:
                     groups[kind] = None
                 continue
-            pg = dist.new_group(g)
+            pg = dist.new_group(g, timeout=timeout)
             if g == mine:
                 groups[kind] = pg
     return groups, ranks
@@ -92,16 +104,19 @@ def _world():
     return dist.get_world_size(), dist.get_rank()
 
 
-def new_groups(tp=1, cp=1, pp=1, ep=1, etp=None, order="tp-cp-ep-dp-pp"):
-    """Every group of moefold's layout of the fold (tp, cp, pp, ep, etp over the whole job),
-    created with dist.new_group. Collective: every rank calls it with the same arguments."""
+def new_groups(tp=1, cp=1, pp=1, ep=1, etp=None, order="tp-cp-ep-dp-pp", timeout=None):
+    """Every group of moefold's layout of the fold (tp, cp, pp, ep, etp over the whole job; etp
+    defaults to tp, as Megatron-Core's expert_tensor_parallel_size), created with dist.new_group.
+    `timeout`: how long a collective waits for a peer (default: the job's default group's).
+    Collective: every rank calls it with the same arguments."""
     world, rank = _world()
     etp = tp if etp is None else etp
     layout = _layout(world, tp, cp, pp, ep, etp, order)
-    groups, ranks = _make(layout, ALL_KINDS, rank)
+    groups, ranks = _make(layout, ALL_KINDS, rank,
+                          timeout=timeout if timeout is not None else _default_timeout())
     return Groups(world=world, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp,
                   dp=world // (tp * cp * pp), edp=world // (etp * ep * pp), order=order,
-                  groups=groups, ranks=ranks)
+                  rank=rank, groups=groups, ranks=ranks)
 
 
 def _size(pg):
@@ -109,9 +124,10 @@ def _size(pg):
 
 
 def groups_from(tp=None, cp=None, dp=None, ep=None, etp=None, edp=None, pp=1,
-                order="tp-cp-ep-dp-pp"):
+                order="tp-cp-ep-dp-pp", timeout=None):
     """The trainer's own groups (None for size 1), checked against moefold's layout of the fold
-    their sizes give; the combined groups the layer also needs are created (collective)."""
+    their sizes give; the combined groups the layer also needs are created (collective), with
+    `timeout` (default: the job's default group's)."""
     world, rank = _world()
     sizes = {"tp": _size(tp), "cp": _size(cp), "dp": _size(dp), "ep": _size(ep),
              "etp": _size(etp), "edp": _size(edp)}
@@ -130,7 +146,30 @@ def groups_from(tp=None, cp=None, dp=None, ep=None, etp=None, edp=None, pp=1,
         if have != want:
             raise ValueError(f"moefold_torch: groups_from: rank {rank}'s {kind} group has ranks "
                              f"{have}, moefold's layout ({order}) puts it in {want}")
-    groups, ranks = _make(layout, ("pp", "dp-cp", "tp-cp", "tp-dp-cp", "tp-ep"), rank, have=given)
+    groups, ranks = _make(layout, ("pp", "dp-cp", "tp-cp", "tp-dp-cp", "tp-ep"), rank, have=given,
+                          timeout=timeout if timeout is not None else _default_timeout())
     return Groups(world=world, tp=sizes["tp"], cp=sizes["cp"], pp=pp, ep=sizes["ep"],
                   etp=sizes["etp"], dp=sizes["dp"], edp=sizes["edp"], order=order,
-                  groups=groups, ranks=ranks)
+                  rank=rank, groups=groups, ranks=ranks)
+
+
+def thread_groups(world, tp=1, cp=1, pp=1, ep=1, etp=None, order="tp-cp-ep-dp-pp"):
+    """The groups of a rank of moefold's C++ thread world (`world`: the communicator
+    moefold_torch._C._run_thread_world hands each rank's function), laid out as new_groups lays
+    out process groups: every rank of a mapping runs as a thread of one process, bit for bit as
+    over gloo. For tests and for debugging a mapping without a job. Collective over `world`."""
+    etp = tp if etp is None else etp
+    n, rank = world.size, world.rank
+    layout = _layout(n, tp, cp, pp, ep, etp, order)
+    groups, ranks = {}, {}
+    for kind in ALL_KINDS:
+        mine = _mine(layout[kind], rank)
+        ranks[kind] = mine
+        if kind not in LAYER_KINDS:
+            continue
+        if len(mine) == 1:
+            groups[kind] = None
+            continue
+        groups[kind] = world.split(layout[kind].index(mine), mine.index(rank))
+    return Groups(world=n, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, dp=n // (tp * cp * pp),
+                  edp=n // (etp * ep * pp), order=order, rank=rank, groups=groups, ranks=ranks)

@@ -6,6 +6,7 @@
 // every rank before data moves (counts, collective, element type, a rejected argument, fail()),
 // and a backend that fails breaks the communicator (later calls: comm_broken, never a hang).
 #include <moefold/comm/exchange_communicator.hpp>
+#include <moefold/comm/thread_exchange.hpp>
 #include <moefold/comm/thread_world.hpp>
 
 #include <doctest/doctest.h>
@@ -28,46 +29,6 @@ using namespace moefold;
 using namespace moefold::test;
 
 namespace {
-
-// The thread world's collectives on bytes: the transport of these tests. Send parts are packed
-// in peer order first (the thread world takes counts only); `fail_at` makes call n of this rank
-// fail as a transport would.
-class thread_exchange final : public exchange_backend {
- public:
-  explicit thread_exchange(thread_communicator c, int fail_at = -1)
-      : c_(std::move(c)), fail_at_(fail_at) {}
-  [[nodiscard]] int rank() const noexcept override { return c_.rank(); }
-  [[nodiscard]] int size() const noexcept override { return c_.size(); }
-  [[nodiscard]] std::string name() const override { return "thread world"; }
-  [[nodiscard]] status all_gather(std::span<const std::byte> mine,
-                                  std::span<std::byte> all) override {
-    if (calls_++ == fail_at_)
-      return make_error(errc::comm_peer_failed, "thread_exchange: injected failure");
-    return c_.all_gather<std::byte>(mine, all);
-  }
-  [[nodiscard]] status all_to_all_v(const std::byte* send, std::span<const std::int64_t> sb,
-                                    std::span<const std::int64_t> so, std::byte* recv,
-                                    std::span<const std::int64_t> rb,
-                                    std::span<const std::int64_t>) override {
-    if (calls_++ == fail_at_)
-      return make_error(errc::comm_peer_failed, "thread_exchange: injected failure");
-    std::vector<std::byte> packed;
-    std::vector<int> sc, rc;
-    std::int64_t rt = 0;
-    for (std::size_t p = 0; p < sb.size(); ++p) {
-      packed.insert(packed.end(), send + so[p], send + so[p] + sb[p]);
-      sc.push_back(static_cast<int>(sb[p]));
-      rc.push_back(static_cast<int>(rb[p]));
-      rt += rb[p];
-    }
-    return c_.all_to_all_v<std::byte>(packed, sc, std::span<std::byte>(recv, recv + rt), rc);
-  }
-
- private:
-  thread_communicator c_;
-  int calls_ = 0;
-  int fail_at_;
-};
 
 // An exchange communicator over a duplicate of the rank's world communicator.
 exchange_communicator over(thread_communicator& world, int fail_at = -1) {
@@ -102,6 +63,33 @@ struct outcomes {
 
 static_assert(communicator<exchange_communicator>);
 static_assert(communicator_for<exchange_communicator, host_exec, bfloat16>);
+
+TEST_CASE("a group of one rank (single_rank_exchange): every collective returns its input") {
+  auto c = exchange_communicator::make(std::make_unique<single_rank_exchange>());
+  REQUIRE(c);
+  CHECK(c->rank() == 0);
+  CHECK(c->size() == 1);
+  host_exec ex;
+  const auto v = random_values<float>(7, 12);
+  std::vector<float> recv(12, -1.0f);
+  const row_view<const float> send(v.data(), 4, 3);
+  REQUIRE(c->all_to_all_v(ex, send, std::vector<int>{4}, row_view<float>(recv.data(), 4, 3),
+                          std::vector<int>{4}));
+  CHECK(recv == v);
+  std::fill(recv.begin(), recv.end(), -1.0f);
+  REQUIRE(c->all_gather_v(ex, send, row_view<float>(recv.data(), 4, 3), std::vector<int>{4}));
+  CHECK(recv == v);
+  std::fill(recv.begin(), recv.end(), -1.0f);
+  REQUIRE(c->reduce_scatter_v(ex, send, std::vector<int>{4}, row_view<float>(recv.data(), 4, 3),
+                              reduce_op::sum));
+  CHECK(recv == v);
+  std::vector<float> buf = v;
+  REQUIRE(c->all_reduce(ex, row_view<float>(buf.data(), 4, 3), reduce_op::sum));
+  CHECK(buf == v);
+  // Counts for a second peer are refused, as on any group.
+  CHECK_FALSE(c->all_to_all_v(ex, send, std::vector<int>{2, 2}, row_view<float>(recv.data(), 4, 3),
+                              std::vector<int>{2, 2}));
+}
 
 TEST_CASE("make refuses a null backend") {
   auto c = exchange_communicator::make(nullptr);

@@ -7,6 +7,7 @@
 #include <moefold/comm/group_communicator.hpp>
 #include <moefold/dispatch/all_gather_dispatcher.hpp>
 #include <moefold/dispatch/all_to_all_dispatcher.hpp>
+#include <moefold/dispatch/dispatcher_variant.hpp>
 #include <moefold/experts/reference_mlp.hpp>
 #include <moefold/mesh/fold.hpp>
 #include <moefold/mesh/groups.hpp>
@@ -190,11 +191,21 @@ template <class Comm>
 struct all_to_all_path {
   using type = all_to_all_dispatcher<double, Comm>;
   static constexpr bool exact_bytes = true;  // one row per remote pair
+  static constexpr std::optional<dispatcher_kind> kind{};
 };
 template <class Comm>
 struct all_gather_path {
   using type = all_gather_dispatcher<double, Comm>;
   static constexpr bool exact_bytes = false;
+  static constexpr std::optional<dispatcher_kind> kind{};
+};
+//! Either dispatcher through dispatcher_variant, the kind chosen at run time (make's shape).
+template <class Comm, dispatcher_kind K>
+struct variant_path {
+  using type =
+      dispatcher_variant<all_to_all_dispatcher<double, Comm>, all_gather_dispatcher<double, Comm>>;
+  static constexpr bool exact_bytes = K == dispatcher_kind::all_to_all;
+  static constexpr std::optional<dispatcher_kind> kind = K;
 };
 
 //! Rank r's shard of the routed experts in T: its E / EP local experts, ETP-sharded, loaded from
@@ -290,7 +301,8 @@ auto make_dispatcher(const problem& p, const dynamic_folded_mesh& fold) {
                            .num_experts = p.experts,
                            .ep = fold.ep(),
                            .etp = fold.etp(),
-                           .max_recv_rows = p.max_recv_rows});
+                           .max_recv_rows = p.max_recv_rows,
+                           .kind = Path::kind});
 }
 
 //! One rank's part of the layer: dispatch, experts, combine, backward, EDP gradient reduction.

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <type_traits>
+#include <utility>
 
 #include "dispatch_harness.hpp"
 
@@ -178,6 +179,85 @@ TEST_CASE("dispatcher misuse gives clear errors") {
               .error()
               .message.find("another dispatcher") != std::string::npos);
     return d.combine(hx, *h, rows_of(y, 1), g, rows_of(out, 1));
+  });
+  for (const auto& s : st) CHECK(s.has_value());
+}
+
+// The run-time choice runs the chosen dispatcher's code: bitwise its results and its bytes, on
+// folds with ETP > 1 and EP spanning attention groups, with dropped pairs and in pad mode.
+TEST_CASE_TEMPLATE("a dispatcher chosen at run time equals the concrete one bitwise", Pair,
+                   std::pair<variant_path<thread_communicator, dispatcher_kind::all_to_all>, a2a>,
+                   std::pair<variant_path<thread_communicator, dispatcher_kind::all_gather>, ag>) {
+  using chosen = typename Pair::first_type;
+  using concrete = typename Pair::second_type;
+  problem dropped{.fold = {.world = 8, .tp = 2, .pp = 2, .ep = 2, .etp = 2}, .drop = 0.25};
+  problem padded{.fold = {.world = 4, .ep = 4, .etp = 1}, .experts = 8};
+  padded.capacity = 2;
+  padded.pad = true;
+  for (const problem& p : {dropped, padded}) {
+    CAPTURE(p.pad);
+    const auto a = run<chosen>(p), b = run<concrete>(p);
+    REQUIRE(a.size() == b.size());
+    const auto same = [](const std::vector<double>& u, const std::vector<double>& v) {
+      return u.size() == v.size() &&
+             std::memcmp(u.data(), v.data(), u.size() * sizeof(double)) == 0;
+    };
+    for (std::size_t r = 0; r < a.size(); ++r) {
+      CAPTURE(r);
+      CHECK(same(a[r].out, b[r].out));
+      CHECK(same(a[r].dx, b[r].dx));
+      CHECK(same(a[r].dprob, b[r].dprob));
+      CHECK(same(a[r].dw1, b[r].dw1));
+      CHECK(same(a[r].dw2, b[r].dw2));
+      CHECK(a[r].per_expert == b[r].per_expert);
+      CHECK(a[r].a2a_rows == b[r].a2a_rows);
+    }
+  }
+}
+
+TEST_CASE("a run-time dispatcher choice is checked: kinds, handles of the other kind") {
+  using either = dispatcher_variant<all_to_all_dispatcher<double, thread_communicator>,
+                                    all_gather_dispatcher<double, thread_communicator>>;
+  const dispatch_shape shape{.max_tokens = 2, .hidden = 1, .topk = 1, .num_experts = 2};
+  CHECK(either::make(shape).value().kind() == dispatcher_kind::all_to_all);  // the first
+  dispatch_shape ag_shape = shape;
+  ag_shape.kind = dispatcher_kind::all_gather;
+  CHECK(either::make(ag_shape).value().kind() == dispatcher_kind::all_gather);
+  // A concrete dispatcher refuses a shape asking for the other one, by name.
+  const auto refused = all_to_all_dispatcher<double, thread_communicator>::make(ag_shape);
+  REQUIRE(!refused);
+  CHECK(refused.error().message.find("asks for the allgather dispatcher") != std::string::npos);
+  // The variant checks the shape as its chosen dispatcher does.
+  dispatch_shape bad = ag_shape;
+  bad.topk = 3;
+  CHECK(either::make(bad).error().code == errc::invalid_argument);
+  // A kind none of the alternatives is.
+  using only_a2a = dispatcher_variant<all_to_all_dispatcher<double, thread_communicator>>;
+  CHECK(only_a2a::make(ag_shape).error().message.find("no dispatcher of kind allgather") !=
+        std::string::npos);
+  // A handle of the other kind (or of another dispatcher of the same kind) is refused before any
+  // collective runs.
+  auto st = run_thread_world(1, [&](thread_communicator& world) -> status {
+    auto a = either::make(shape).value(), b = either::make(ag_shape).value(), a2 = a;
+    host_workspace ws(a.workspace_sizes());
+    auto self = world.split(0, 0).value();
+    const dispatch_groups<thread_communicator> g{self, self, self};
+    const std::vector<double> x = {1, 2}, probs = {1, 1};
+    const std::vector<int> expert = {0, 1};
+    host_exec hx;
+    auto h = a.dispatch(hx, host_input(a.shape(), 2, x, expert, probs), g, ws.view());
+    if (!h) return unexpected<error>(h.error());
+    CHECK(h->num_rows() == 2);
+    CHECK(h->batch_counts().size() == 2);
+    std::vector<double> y(2), out(2);
+    CHECK(b.combine(hx, *h, rows_of(y, 1), g, rows_of(out, 1))
+              .error()
+              .message.find("another kind of dispatcher than this one's (allgather)") !=
+          std::string::npos);
+    CHECK(a2.combine(hx, *h, rows_of(y, 1), g, rows_of(out, 1))
+              .error()
+              .message.find("another dispatcher") != std::string::npos);
+    return a.combine(hx, *h, rows_of(y, 1), g, rows_of(out, 1));
   });
   for (const auto& s : st) CHECK(s.has_value());
 }

@@ -67,6 +67,32 @@ class exchange_backend {
                                             std::span<const std::int64_t> recv_offsets) = 0;
 };
 
+//! The backend of a group of one rank (a kind of group a mapping leaves at size 1, e.g. ETP = 1):
+//! both collectives are copies.
+class single_rank_exchange final : public exchange_backend {
+ public:
+  [[nodiscard]] int rank() const noexcept override { return 0; }
+  [[nodiscard]] int size() const noexcept override { return 1; }
+  [[nodiscard]] std::string name() const override { return "one rank"; }
+  [[nodiscard]] status all_gather(std::span<const std::byte> mine,
+                                  std::span<std::byte> all) override {
+    if (all.size() < mine.size())
+      return make_error(errc::workspace_too_small, "single_rank_exchange: all_gather's buffer");
+    std::memmove(all.data(), mine.data(), mine.size());
+    return {};
+  }
+  [[nodiscard]] status all_to_all_v(const std::byte* send, std::span<const std::int64_t> sb,
+                                    std::span<const std::int64_t> so, std::byte* recv,
+                                    std::span<const std::int64_t> rb,
+                                    std::span<const std::int64_t> ro) override {
+    if (sb.size() != 1 || rb.size() != 1 || sb[0] != rb[0])
+      return make_error(errc::shape_mismatch,
+                        "single_rank_exchange: all_to_all_v sends and receives one equal part");
+    if (sb[0] > 0) std::memmove(recv + ro[0], send + so[0], detail::uz(sb[0]));
+    return {};
+  }
+};
+
 //! One rank's communicator over an exchange_backend (host buffers, host_exec). Move-only; owns
 //! its backend.
 class exchange_communicator : public span_collectives<exchange_communicator, host_space> {

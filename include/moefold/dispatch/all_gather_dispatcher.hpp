@@ -76,9 +76,14 @@ class all_gather_dispatcher
   //! In pad mode (dispatch_input::capacity set) every local expert gets `capacity` rows from
   //! each rank of the group: its rows are EP*ETP blocks in tp-ep rank order.
 
-  //! Checks the shape (detail::check_dispatch_shape).
+  //! Which of moefold's dispatchers it is (dispatch_shape::kind).
+  static constexpr dispatcher_kind kind = dispatcher_kind::all_gather;
+
+  //! Checks the shape (detail::check_dispatch_shape; a shape asking for the other kind is
+  //! refused).
   [[nodiscard]] static expected<all_gather_dispatcher> make(const dispatch_shape& s) {
-    if (auto st = detail::check_dispatch_shape(s); !st) return unexpected<error>(st.error());
+    if (auto st = detail::check_dispatch_shape(s, kind, "all_gather_dispatcher"); !st)
+      return unexpected<error>(st.error());
     if (auto st =
             detail::check_packed_width(layout::width(s.hidden, s.topk), "H + k probabilities");
         !st)

@@ -92,9 +92,14 @@ class all_to_all_dispatcher
     std::span<T> rows_a, rows_b, rows_c;
   };
 
-  //! Checks the shape (detail::check_dispatch_shape).
+  //! Which of moefold's dispatchers it is (dispatch_shape::kind).
+  static constexpr dispatcher_kind kind = dispatcher_kind::all_to_all;
+
+  //! Checks the shape (detail::check_dispatch_shape; a shape asking for the other kind is
+  //! refused).
   [[nodiscard]] static expected<all_to_all_dispatcher> make(const dispatch_shape& s) {
-    if (auto st = detail::check_dispatch_shape(s); !st) return unexpected<error>(st.error());
+    if (auto st = detail::check_dispatch_shape(s, kind, "all_to_all_dispatcher"); !st)
+      return unexpected<error>(st.error());
     if (auto st = detail::check_packed_width(layout::width(s.hidden, 1), "H + its probability");
         !st)
       return unexpected<error>(st.error());

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <string>
 
 #include "../comm/communicator.hpp"
 #include "../core/expected.hpp"
@@ -23,6 +24,15 @@ inline namespace v0_1 {
 //! ETP (every routed pair of the tp-ep group lands on this rank's experts), which grows with EP.
 //! A trainer sets it from its capacity or its measured maximum; a step that would exceed it fails
 //! with errc::receive_bound_exceeded on every rank of the group before any row moves.
+//! moefold's two dispatchers (Megatron-Core's moe_token_dispatcher_type "alltoall" and
+//! "allgather"), for a dispatcher chosen at run time (dispatcher_variant).
+enum class dispatcher_kind { all_to_all, all_gather };
+
+//! The kind's name as Megatron-Core's configuration spells it ("alltoall", "allgather").
+[[nodiscard]] constexpr const char* to_string(dispatcher_kind k) noexcept {
+  return k == dispatcher_kind::all_to_all ? "alltoall" : "allgather";
+}
+
 struct dispatch_shape {
   int max_tokens = 0;                  //!< upper bound of N on each rank
   int hidden = 0;                      //!< H
@@ -31,6 +41,10 @@ struct dispatch_shape {
   int ep = 1;                          //!< EP
   int etp = 1;                         //!< ETP
   std::optional<int> max_recv_rows{};  //!< receive bound (rows); unset: the worst case
+  //! The dispatcher asked for: a concrete dispatcher refuses the other kind (so a configuration
+  //! naming one never silently runs the other); dispatcher_variant makes the one named. Unset:
+  //! whichever dispatcher the type names (dispatcher_variant: its first).
+  std::optional<dispatcher_kind> kind{};
 };
 
 //! The three parts of a dispatcher's workspace. `saved`: what the handle keeps from dispatch to
@@ -125,6 +139,18 @@ namespace detail {
                                           to_decimal(worst_recv_rows(s)) +
                                           " rows reaches 2^31; set dispatch_shape::max_recv_rows");
   return {};
+}
+
+//! The shape's checks for a dispatcher of kind `k` named `name`: check_dispatch_shape, and a
+//! shape that asks for the other kind is refused by name.
+[[nodiscard]] inline status check_dispatch_shape(const dispatch_shape& s, dispatcher_kind k,
+                                                 const char* name) {
+  if (s.kind && *s.kind != k)
+    return make_error(errc::invalid_argument,
+                      std::string(name) + ": the shape asks for the " + to_string(*s.kind) +
+                          " dispatcher (dispatch_shape::kind); choose it at run time with "
+                          "dispatcher_variant");
+  return check_dispatch_shape(s);
 }
 
 //! The communicators match the shape and come from one fold.

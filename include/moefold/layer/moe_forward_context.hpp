@@ -121,6 +121,12 @@ struct moe_loss_seeds {
   T z = T(1);           //!< z-loss
 };
 
+//! What a backward leaves of its forward's context: `consumed` (the usual end: the context takes
+//! a new forward next), or `retained` (autograd's retain_graph: the activations are dropped as
+//! after any backward, but the forward stays, so recompute() can refill it for another backward
+//! of the same forward, with the same bits).
+enum class moe_context_after { consumed, retained };
+
 //! One forward of `Layer` in flight. Made empty by the caller, filled by Layer::forward (its
 //! first forward allocates the routing record's buffers and the forward's and backward's scratch
 //! in the layer's memory, for max_tokens; a context kept per micro-batch slot allocates nothing

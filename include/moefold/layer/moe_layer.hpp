@@ -92,9 +92,12 @@ struct moe_shared_expert_options {
 };
 
 struct moe_layer_options {
-  int hidden = 0;                         //!< H
-  int max_tokens = 0;                     //!< upper bound of N on every rank
-  std::optional<int> max_recv_rows{};     //!< dispatch_shape::max_recv_rows (unset: worst case)
+  int hidden = 0;                      //!< H
+  int max_tokens = 0;                  //!< upper bound of N on every rank
+  std::optional<int> max_recv_rows{};  //!< dispatch_shape::max_recv_rows (unset: worst case)
+  //! dispatch_shape::kind: the dispatcher a dispatcher_variant layer makes; a concrete
+  //! dispatcher refuses the other kind (unset: the layer type's dispatcher)
+  std::optional<dispatcher_kind> dispatcher{};
   int ep = 1;                             //!< EP of the fold
   int etp = 1;                            //!< ETP of the fold
   topk_router_options router{};           //!< E, k, score function, expert bias, ...
@@ -115,7 +118,8 @@ struct moe_layer_options {
                              .num_experts = o.router.num_experts,
                              .ep = o.ep,
                              .etp = o.etp,
-                             .max_recv_rows = o.max_recv_rows};
+                             .max_recv_rows = o.max_recv_rows,
+                             .kind = o.dispatcher};
   return shape;
 }
 
@@ -583,11 +587,13 @@ class moe_layer {
     return recompute(ex, ctx, v->x, v->keys, v->out, storage);
   }
 
-  //! dx [N, H] from dout [N, H] of the forward in `ctx`, which it consumes; `seeds` weight each
-  //! loss (see moe_loss_seeds). Adds the router weight, expert and shared-expert gradients.
-  //! After an evaluation forward no auxiliary loss contributes. Reads nothing back to the host.
+  //! dx [N, H] from dout [N, H] of the forward in `ctx`, which it consumes (`after`: or retains
+  //! for recompute() and another backward); `seeds` weight each loss (see moe_loss_seeds). Adds
+  //! the router weight, expert and shared-expert gradients. After an evaluation forward no
+  //! auxiliary loss contributes. Reads nothing back to the host.
   [[nodiscard]] status backward(Exec& ex, context_type& ctx, row_view<const T, space> dout,
-                                const moe_loss_seeds<R>& seeds, row_view<T, space> dx) {
+                                const moe_loss_seeds<R>& seeds, row_view<T, space> dx,
+                                moe_context_after after = moe_context_after::consumed) {
     if (!ctx.ready())
       return make_error(errc::invalid_argument,
                         ctx.filled_ ? "moe_layer: the context's activations were dropped; "
@@ -634,24 +640,24 @@ class moe_layer {
     if (auto st = detail::expert_backward(experts_, ex, hd.batch(), dy, dx_rows, dp_rows,
                                           ctx.experts_saved_, b.experts_ws);
         !st)
-      return done(ctx, st);
+      return done(ctx, st, after);
     if (auto st = disp_.dispatch_backward(ex, hd, dx_rows, dp_rows, g, dx_experts, dprobs); !st)
-      return done(ctx, st);
+      return done(ctx, st, after);
     // Router's path: dropped pairs have no gradient (their probabilities were not renormalised),
     // then the router Jacobian, the auxiliary losses, the gating GEMM.
     const row_view<const R, space> logits = ctx.logits_.first(n);
     const row_view<const T, space> x = ctx.x_.first(n);
-    if (auto st = zero<R>(ex, dlogits); !st) return done(ctx, st);
-    if (auto st = zero<R>(ex, dx_router); !st) return done(ctx, st);
+    if (auto st = zero<R>(ex, dlogits); !st) return done(ctx, st, after);
+    if (auto st = zero<R>(ex, dx_router); !st) return done(ctx, st, after);
     // The kept pairs' probability gradients [N, k], widened from Pt to R for the router.
     if (auto st = ex.template convert<R, Pt>(row_view<const Pt, space>(dprobs), dprobs_r); !st)
-      return done(ctx, st);
+      return done(ctx, st, after);
     if (auto st = router_.backward(ex, {.logits = logits,
                                         .indices = ctx.indices(),
                                         .dprobs = row_view<const R, space>(dprobs_r),
                                         .dlogits = dlogits});
         !st)
-      return done(ctx, st);
+      return done(ctx, st, after);
     // The load-balancing terms (micro-batch, per sequence, global) and the z-loss, each when its
     // forward ran it, into the same dlogits.
     {
@@ -660,10 +666,10 @@ class moe_layer {
       if (auto st = lb_.backward(ex, logits, {}, ctx.lb_, saved.first(lb_bytes),
                                  {seeds.aux, seeds.seq_aux, seeds.global_aux}, dlogits);
           !st)
-        return done(ctx, st);
+        return done(ctx, st, after);
       if (auto st = z_.backward(ex, logits, {}, ctx.z_, saved.subspan(lb_bytes), seeds.z, dlogits);
           !st)
-        return done(ctx, st);
+        return done(ctx, st, after);
     }
     // The router weight's gradient goes straight into its (caller's) buffer, beta = 1.
     if (auto st = gating_.backward(ex,
@@ -675,27 +681,28 @@ class moe_layer {
                                        .weight_grad = dw_},
                                    b.gating_ws);
         !st)
-      return done(ctx, st);
+      return done(ctx, st, after);
     // dx = dx_experts + dx_router (+ dx_shared).
-    if (auto st = ex.copy(row_view<const T, space>(dx_experts), dx); !st) return done(ctx, st);
+    if (auto st = ex.copy(row_view<const T, space>(dx_experts), dx); !st) return done(ctx, st, after);
     if (auto st = ex.template add_converted<T, R>(row_view<const R, space>(dx_router), dx); !st)
-      return done(ctx, st);
+      return done(ctx, st, after);
     if (shared_)  // dx += dx_shared
       if (auto st = shared_->backward(ex, dmain, comms_->tp, dx, ctx.shared_saved_, b.shared_ws);
           !st)
-        return done(ctx, st);
-    return done(ctx, {});
+        return done(ctx, st, after);
+    return done(ctx, {}, after);
   }
   //! The same over host spans (host memory contexts).
-  [[nodiscard]] status backward(Exec& ex, context_type& ctx, std::span<const T> dout,
-                                const moe_loss_seeds<R>& seeds,
-                                std::span<T> dx) requires host_accessible_v<space> {
+  [[nodiscard]] status backward(
+      Exec& ex, context_type& ctx, std::span<const T> dout, const moe_loss_seeds<R>& seeds,
+      std::span<T> dx,
+      moe_context_after after = moe_context_after::consumed) requires host_accessible_v<space> {
     const int n = ctx.n_;
     if (!ctx.ready())  // the view form names what the context lacks
       return backward(ex, ctx, row_view<const T, space>{}, seeds, row_view<T, space>{});
     if (dout.size() != detail::uz(n) * detail::uz(o_.hidden) || dx.size() != dout.size())
       return make_error(errc::shape_mismatch, "moe_layer: dout and dx must be [N, H]");
-    return backward(ex, ctx, rows(dout, n), seeds, rows(dx, n));
+    return backward(ex, ctx, rows(dout, n), seeds, rows(dx, n), after);
   }
 
   //! The one-in-flight form: out [N, H] for x [N, H] into the layer's own context and storage.
@@ -1312,10 +1319,12 @@ class moe_layer {
     ctx.handle_.reset();
     return unexpected<error>(st.error());
   }
-  // The end of a backward: the context's views are released whatever the outcome.
-  static status done(context_type& ctx, status st) {
+  // The end of a backward: the context's views are released whatever the outcome; a retained
+  // forward stays filled after a backward that succeeded (recompute() may refill it).
+  static status done(context_type& ctx, status st,
+                     moe_context_after after = moe_context_after::consumed) {
     ctx.drop_activations();
-    ctx.filled_ = false;
+    ctx.filled_ = after == moe_context_after::retained && st.has_value();
     return st;
   }
 
