@@ -683,7 +683,8 @@ class moe_layer {
         !st)
       return done(ctx, st, after);
     // dx = dx_experts + dx_router (+ dx_shared).
-    if (auto st = ex.copy(row_view<const T, space>(dx_experts), dx); !st) return done(ctx, st, after);
+    if (auto st = ex.copy(row_view<const T, space>(dx_experts), dx); !st)
+      return done(ctx, st, after);
     if (auto st = ex.template add_converted<T, R>(row_view<const R, space>(dx_router), dx); !st)
       return done(ctx, st, after);
     if (shared_)  // dx += dx_shared
@@ -693,10 +694,10 @@ class moe_layer {
     return done(ctx, {}, after);
   }
   //! The same over host spans (host memory contexts).
-  [[nodiscard]] status backward(
-      Exec& ex, context_type& ctx, std::span<const T> dout, const moe_loss_seeds<R>& seeds,
-      std::span<T> dx,
-      moe_context_after after = moe_context_after::consumed) requires host_accessible_v<space> {
+  [[nodiscard]] status backward(Exec& ex, context_type& ctx, std::span<const T> dout,
+                                const moe_loss_seeds<R>& seeds, std::span<T> dx,
+                                moe_context_after after = moe_context_after::consumed) requires
+      host_accessible_v<space> {
     const int n = ctx.n_;
     if (!ctx.ready())  // the view form names what the context lacks
       return backward(ex, ctx, row_view<const T, space>{}, seeds, row_view<T, space>{});
