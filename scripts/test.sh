@@ -7,7 +7,9 @@ cd "$(dirname "$0")/.."
 # its tests join the suite (-Dtorch_python). MOEFOLD_NO_TORCH=1 leaves both out.
 torch_py=""
 if [ "${MOEFOLD_NO_TORCH:-0}" != 1 ]; then
+  t0=$(date +%s)
   torch_py=$(bash scripts/setup-torch.sh | tail -n 1) || exit 1
+  echo "test.sh: torch ready in $(($(date +%s) - t0)) s ($torch_py)"
   t0=$(date +%s)
   MAX_JOBS=2 "$torch_py" -m pip install --quiet --disable-pip-version-check --no-build-isolation \
     --no-deps ./python || { echo "test.sh: building moefold_torch failed"; exit 1; }

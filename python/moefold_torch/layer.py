@@ -396,6 +396,48 @@ class MoELayer(torch.nn.Module):
                                          f"{tuple(dst.shape)}")
                     dst.copy_(t)
 
+    def load_upcycled(self, directory, layer):
+        """Loads layer `layer` of moefold-upcycle's output (docs/upcycling.md): this rank's file
+        `rank-RRRRR.safetensors` in `directory`, whose index.json must describe this job's
+        mapping and this layer's experts and activation (the file's shards are then this rank's).
+        The router weight and this rank's local experts are copied, converted to the parameters'
+        dtype."""
+        import json
+        import os
+        from . import _safetensors
+        where = f"moefold_torch.MoELayer.load_upcycled: {directory}"
+        with open(os.path.join(directory, "index.json")) as f:
+            index = json.load(f)
+        m, o, g = index["mapping"], index["options"], self.groups
+        for key, mine in (("world", g.world), ("tp", g.tp), ("cp", g.cp), ("pp", g.pp),
+                          ("ep", g.ep), ("etp", g.etp), ("order", g.order),
+                          ("experts", self.num_experts), ("activation", self.activation)):
+            theirs = m.get(key, o.get(key))
+            if theirs != mine:
+                raise ValueError(f"{where}: its {key} is {theirs!r}, this layer's {mine!r}")
+        t = _safetensors.read(os.path.join(directory, f"rank-{g.rank:05d}.safetensors"))
+        pre = f"layers.{layer}."
+        if not any(n.startswith(pre) for n in t):
+            raise ValueError(f"{where}: rank {g.rank}'s file has no layer {layer}")
+        if any(n.startswith(pre) and n.endswith(".bias") for n in t):
+            raise ValueError(f"{where}: layer {layer} has FFN biases; moefold's experts have none")
+
+        def get(name, shape):
+            if name not in t:
+                raise ValueError(f"{where}: {name} is missing from rank {g.rank}'s file")
+            if tuple(t[name].shape) != tuple(shape):
+                raise ValueError(f"{where}: {name} is {tuple(t[name].shape)}, this layer's "
+                                 f"{tuple(shape)}")
+            return t[name]
+
+        with torch.no_grad():
+            self.router.weight.copy_(get(pre + "router.weight", self.router.weight.shape))
+            for l, e in enumerate(self._local_experts()):
+                self.experts.fc1[l].copy_(get(f"{pre}experts.{e}.fc1.weight",
+                                              self.experts.fc1.shape[1:]))
+                self.experts.fc2[l].copy_(get(f"{pre}experts.{e}.fc2.weight",
+                                              self.experts.fc2.shape[1:]))
+
     def _grad_buffer(self, p, name):
         """The buffer moefold accumulates p's gradient into (grad_mode 'accumulate'):
         p.main_grad when the trainer gave one, else p.grad (created when None)."""

@@ -12,7 +12,8 @@ reference of reference.py and torch.autograd.gradcheck:
 - last_stats against the reference's routing; accumulate mode adds into .grad / .main_grad;
 - two forwards in flight (F1 F2 B2 B1) and activation checkpointing (reentrant and not) give the
   plain run's gradients bitwise and add nothing twice to the expert bias's counts;
-- state_dict round trip (with the expert bias), load_global, Megatron-Core's TEGroupedMLP names;
+- state_dict round trip (with the expert bias), load_global, Megatron-Core's TEGroupedMLP names,
+  moefold-upcycle's output (argv[1]: the tool), whose copies of a dense FFN give its output;
 - bad input: a clear exception naming the rule (TypeError for an unknown keyword).
 Exit 77 without torch; a doctest-style summary line."""
 import os
@@ -86,6 +87,15 @@ CONFIGS = [
         "activation": "gelu", "shared_expert_intermediate_size": 6, "shared_expert_gate": True,
         "aux_loss_coeff": 0.01, "z_loss_coeff": 0.001, "token_dispatcher_type": "allgather"},
      {"act": "gelu", "aux": 0.01, "z": 0.001}),
+    ("sigmoid, group-limited (4 groups, 2 kept)", {
+        "router_score_function": "sigmoid", "router_num_groups": 4, "router_group_topk": 2},
+     {"score": "sigmoid", "groups": (4, 2)}),
+    ("per-sequence and global aux losses (B = 2)", {
+        "micro_batch": 2, "seq_aux_loss_coeff": 0.05, "global_aux_loss_coeff": 0.02},
+     {"seq_aux": 0.05, "global_aux": 0.02, "batch": 2}),
+    ("full-sequence dropping on one rank: sub-sequence's", {
+        "expert_capacity_factor": 1.0, "full_sequence_dropping": True},
+     {"capacity_factor": 1.0}),
     ("swiglu shared expert, aux loss, capacity 1.25", {
         "shared_expert_intermediate_size": 4, "aux_loss_coeff": 0.1,
         "expert_capacity_factor": 1.25},
@@ -138,7 +148,8 @@ def case_reference(groups):
                     from reference import keep_mask, route
                     probs, mask = route(x.detach().double() @ w["router"].double().t(), k,
                                         ref.get("score", "softmax"),
-                                        ref.get("pre_softmax", False), ref.get("scaling"), None)
+                                        ref.get("pre_softmax", False), ref.get("scaling"), None,
+                                        ref.get("groups"))
                     keep = keep_mask(probs, mask, k, ref.get("capacity_factor"),
                                      ref.get("policy", "probs"))
                 ok = (st["routed"].tolist() == mask.sum(0).tolist() and
@@ -363,6 +374,55 @@ def case_state(groups):
     cases.check("load_megatron_grouped_mlp: a missing expert is named", ok)
 
 
+def write_safetensors(path, tensors):
+    """A safetensors file of fp32 tensors, written here (the format: header length, JSON, data)."""
+    import json
+    import struct
+    header, blobs, at = {}, [], 0
+    for name, t in tensors.items():
+        b = t.to(torch.float32).contiguous().numpy().tobytes()
+        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [at, at + len(b)]}
+        blobs.append(b)
+        at += len(b)
+    h = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
+def case_upcycled(groups, tool):
+    """moefold-upcycle's output, loaded: every expert a copy of the dense FFN (granularity 1),
+    so with the softmax after the top-k the layer's output is the dense FFN's."""
+    import subprocess
+    import tempfile
+    E, H, F, k, N = 4, 6, 8, 2, 12
+    g = torch.Generator().manual_seed(21)
+    gate, up, down = (torch.randn(F, H, generator=g), torch.randn(F, H, generator=g),
+                      torch.randn(H, F, generator=g))
+    work = tempfile.mkdtemp(prefix="moefold-torch-upcycle-")
+    dense = os.path.join(work, "dense.safetensors")
+    write_safetensors(dense, {"model.layers.0.mlp.gate_proj.weight": gate,
+                              "model.layers.0.mlp.up_proj.weight": up,
+                              "model.layers.0.mlp.down_proj.weight": down})
+    out_dir = os.path.join(work, "moe")
+    r = subprocess.run([tool, "--dense", dense, "--out", out_dir, "--experts", str(E), "--topk",
+                        str(k), "--activation", "swiglu", "--world", "1", "--dtype", "fp32"],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        cases.check("load_upcycled: moefold-upcycle ran", False, r.stderr[-500:])
+        return
+    layer = make_layer(groups, E, H, F, k, N)
+    layer.load_upcycled(out_dir, 0)
+    x = torch.randn(N, H, generator=g)
+    out, _ = layer(x)
+    want = (torch.nn.functional.silu(x @ gate.t()) * (x @ up.t())) @ down.t()
+    cases.check("load_upcycled: moefold-upcycle's experts reproduce the dense FFN",
+                rel_err(out.detach(), want) < 1e-5, rel_err(out.detach(), want))
+    expect("load_upcycled: another layer count of experts is refused", ValueError,
+           lambda: make_layer(groups, 8, H, F, k, N).load_upcycled(out_dir, 0), ["experts"])
+    expect("load_upcycled: a layer the file lacks is named", ValueError,
+           lambda: layer.load_upcycled(out_dir, 3), ["no layer 3"])
+
+
 def expect(name, exc, fn, words):
     try:
         fn()
@@ -406,14 +466,20 @@ def main():
     port = ranks.free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     groups = moefold_torch.new_groups()
-    for case in (case_reference, case_bf16, case_gradcheck, case_modes, case_state,
-                 case_bad_input):
+    tool = sys.argv[1] if len(sys.argv) > 1 else None  # moefold-upcycle (meson passes it)
+    all_cases = [case_reference, case_bf16, case_gradcheck, case_modes, case_state, case_bad_input]
+    if tool:
+        all_cases.append(lambda g: case_upcycled(g, tool))
+    else:
+        cases.check("load_upcycled: the moefold-upcycle tool's path is given", False,
+                    "usage: layer_test.py MOEFOLD_UPCYCLE")
+    for case in all_cases:
         try:
             case(groups)
         except Exception as e:  # noqa: BLE001
             import traceback
             traceback.print_exc()
-            cases.check(case.__name__, False, f"{type(e).__name__}: {e}")
+            cases.check(getattr(case, "__name__", "case"), False, f"{type(e).__name__}: {e}")
     return cases.finish()
 
 

@@ -21,8 +21,20 @@ def activate(h, act, gated):
             "squared_relu": lambda v: torch.relu(v) ** 2}[act](h)
 
 
-def route(logits, k, score, pre_softmax, scaling, bias):
-    """probs [N, E] (0 where not selected) and the selection mask [N, E]."""
+def group_limited(sel, k, num_groups, group_topk):
+    """Megatron-Core's group-limited selection: each group scores with its best k / group_topk
+    values, the best group_topk groups stay, the rest are masked out before the top-k."""
+    N, E = sel.shape
+    g = sel.view(N, num_groups, E // num_groups).topk(k // group_topk, dim=-1).values.sum(-1)
+    keep = torch.zeros(N, num_groups, dtype=torch.bool).scatter_(
+        1, torch.topk(g, group_topk, dim=-1).indices, True)
+    keep = keep.unsqueeze(-1).expand(N, num_groups, E // num_groups).reshape(N, E)
+    return sel.masked_fill(~keep, float("-inf"))
+
+
+def route(logits, k, score, pre_softmax, scaling, bias, groups=None):
+    """probs [N, E] (0 where not selected) and the selection mask [N, E]. groups: (num_groups,
+    group_topk) for group-limited routing (sigmoid scores)."""
     N, E = logits.shape
     if score == "softmax":
         if pre_softmax:
@@ -35,6 +47,8 @@ def route(logits, k, score, pre_softmax, scaling, bias):
     else:
         s = torch.sigmoid(logits) if score == "sigmoid" else torch.sqrt(Fn.softplus(logits))
         sel = s + bias if bias is not None else s
+        if groups is not None:
+            sel = group_limited(sel, k, *groups)
         top = torch.topk(sel, k, dim=-1).indices
         p = s.gather(1, top)
         if k > 1:
@@ -63,17 +77,24 @@ def keep_mask(probs, mask, k, capacity_factor, policy):
     return keep
 
 
+def switch(P, f, T, k, E, c):
+    """The Switch/GShard partial: c E / (k T^2) sum_e (sum_t P[t, e]) f[e]."""
+    return c * E / (k * T * T) * (P.sum(0) * f).sum()
+
+
 def moe_world(xs, W, FC1, FC2, *, k, act="swiglu", score="softmax", pre_softmax=False,
-              scaling=None, bias=None, capacity_factor=None, policy="probs", shared=None,
-              aux=0.0, z=0.0, tp_cp_groups=None):
-    """Per rank r: out_r [N_r, H] for xs[r] [N_r, H], and its loss partials {'aux', 'z'}.
+              scaling=None, bias=None, groups=None, capacity_factor=None, policy="probs",
+              shared=None, aux=0.0, z=0.0, seq_aux=0.0, global_aux=0.0, batch=1,
+              tp_cp_groups=None):
+    """Per rank r: out_r [N_r, H] for xs[r] [N_r, H], and its loss partials {'aux', 'seq_aux',
+    'global_aux' (a global batch's first micro-batch), 'z'}.
     W [E, H]; FC1 [E, (2)F, H] (gate rows, then up rows); FC2 [E, H, F]; shared: (S1 [(2)Fs,
     H], S2 [H, Fs], gate [1, H] or None) or None. tp_cp_groups: the ranks whose counts the aux
     loss sums (None: each rank alone)."""
     gated = act in ("swiglu", "geglu")
     E = W.shape[0]
     world = len(xs)
-    groups = tp_cp_groups or [[r] for r in range(world)]
+    stat_groups = tp_cp_groups or [[r] for r in range(world)]
     logits, aux_maps, aux_scores, outs = [], [], [], []
     for x in xs:
         lg = x @ W.t()
@@ -85,7 +106,7 @@ def moe_world(xs, W, FC1, FC2, *, k, act="swiglu", score="softmax", pre_softmax=
         aux_scores.append(s)
         m = torch.zeros(lg.shape, dtype=torch.bool).scatter_(1, torch.topk(s, k, -1).indices, True)
         aux_maps.append(m)
-        probs, mask = route(lg, k, score, pre_softmax, scaling, bias)
+        probs, mask = route(lg, k, score, pre_softmax, scaling, bias, groups)
         keep = keep_mask(probs.detach(), mask, k, capacity_factor, policy)
         kept = probs * keep
         out = torch.zeros_like(x)
@@ -104,12 +125,24 @@ def moe_world(xs, W, FC1, FC2, *, k, act="swiglu", score="softmax", pre_softmax=
         outs.append(out)
     losses = []
     for r in range(world):
-        grp = next(g for g in groups if r in g)
+        grp = next(g for g in stat_groups if r in g)
         part = {}
         if aux > 0:
             f = sum(aux_maps[q].sum(0).to(xs[r].dtype) for q in grp)
             T = sum(xs[q].shape[0] for q in grp)
-            part["aux"] = aux * E / (k * T * T) * (aux_scores[r].sum(0) * f).sum()
+            part["aux"] = switch(aux_scores[r], f, T, k, E, aux)
+        if global_aux > 0:  # the first micro-batch: the running counts are this one's (one rank)
+            f = sum(aux_maps[q].sum(0).to(xs[r].dtype) for q in range(world))
+            T = sum(xs[q].shape[0] for q in range(world))
+            part["global_aux"] = switch(aux_scores[r], f, T, k, E, global_aux)
+        if seq_aux > 0:  # per sequence b (tokens s*B + b), the mean over the B sequences
+            S = xs[r].shape[0] // batch
+            total = 0
+            for b in range(batch):
+                rows = torch.arange(S) * batch + b
+                f = sum(aux_maps[q][rows].sum(0).to(xs[r].dtype) for q in grp)
+                total = total + switch(aux_scores[r][rows], f, S * len(grp), k, E, seq_aux)
+            part["seq_aux"] = total / batch
         if z > 0:
             part["z"] = z / len(grp) * (torch.logsumexp(logits[r], -1) ** 2).mean()
         losses.append(part)
