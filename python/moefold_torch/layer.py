@@ -490,7 +490,9 @@ class MoELayer(torch.nn.Module):
 
     @staticmethod
     def _key(x):
-        return (x.data_ptr(), tuple(x.shape), x._version)
+        """The input's identity for a checkpoint's recomputation: the caller's tensor (the same
+        storage, shape, strides and version in both passes), not a copy made here."""
+        return (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x._version)
 
     def _forget(self, fwd):
         for key, f in list(self._pending.items()):
@@ -499,8 +501,8 @@ class MoELayer(torch.nn.Module):
 
     def _run_forward(self, plan, x2d, keys, out):
         """moefold's forward, or the recomputation of a checkpointed one (plan: (mode, forward
-        to recompute)); returns the _Forward."""
-        mode, fwd = plan
+        to recompute, the input's key)); returns the _Forward."""
+        mode, fwd, key = plan
         if mode == "recompute":
             self._c.recompute(fwd.id, x2d, keys, out)
             return fwd
@@ -513,7 +515,7 @@ class MoELayer(torch.nn.Module):
         fwd = _Forward(self, cid, losses)  # id -1 when nothing was kept ("once")
         if mode == "checkpointed":
             self._c.drop_activations(cid)  # recomputed by the checkpoint before its backward
-            self._pending[self._key(x2d)] = fwd
+            self._pending[key] = fwd
             while len(self._pending) > _MAX_PENDING:
                 self._pending.popitem(last=False)
         return fwd
@@ -552,18 +554,18 @@ class MoELayer(torch.nn.Module):
         params = self._present_params()
         grad_on = torch.is_grad_enabled()
         needs_grad = grad_on and (x.requires_grad or any(p.requires_grad for p in params))
-        key = self._key(x2d)
+        key = self._key(x)
         pending = None
         if self.training and torch._C._current_graph_task_id() != -1:
             pending = self._pending.pop(key, None)
         if pending is not None:
-            plan = ("recompute", pending)  # a checkpoint recomputing an earlier forward
+            plan = ("recompute", pending, key)  # a checkpoint recomputing an earlier forward
         elif self.training and (not grad_on or (needs_grad and _checkpointing())):
-            plan = ("checkpointed", None)  # a checkpoint's first pass: activations dropped
+            plan = ("checkpointed", None, key)  # a checkpoint's first pass: activations dropped
         elif needs_grad:
-            plan = ("keep", None)
+            plan = ("keep", None, key)
         else:
-            plan = ("once", None)
+            plan = ("once", None, key)
         self._bind(None)
         if needs_grad:
             res = _MoEFunction.apply(self, plan, x2d, order_keys, *params)

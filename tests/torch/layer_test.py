@@ -298,10 +298,15 @@ def case_modes(groups):
     for reentrant in (True, False):
         layer = fresh()
         dx = []
-        for x in xs:
-            v = x.clone().requires_grad_()
+        for i, x in enumerate(xs):
+            if i == 0:
+                v = x.clone().requires_grad_()
+            else:  # a non-contiguous [S, B, H] input (the layer copies it into [N, H] rows)
+                v = torch.empty(2, N // 2, H).transpose(0, 1)
+                v.copy_(x.reshape(N // 2, 2, H))
+                v.requires_grad_()
             step(layer, v, reentrant)
-            dx.append(v.grad)
+            dx.append(v.grad.reshape(N, H))
         same = all(torch.equal(a, b) for a, b in zip(grads(layer), g_plain)) and \
             all(torch.equal(a, b) for a, b in zip(dx, dx_plain))
         st = layer.get_extra_state()
