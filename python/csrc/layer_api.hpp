@@ -1,8 +1,8 @@
 // The interface between moefold_torch's torch-facing unit (binding.cpp, g++ with torch's headers)
-// and the units that compile the layer (layer_f32.cpp, layer_bf16.cpp, layer_f64.cpp: no torch
-// header, one element type each, so they compile in parallel and the CUDA units to come can be
-// nvcc units behind the same interface). Tensors cross it as host pointers of the layer's element
-// type T (or its gradient type G: fp32 for bf16), contiguous, in the layouts docs/pytorch.md gives.
+// and the units that compile the layer (layer_f32_f64.cpp, layer_bf16.cpp: no torch header, so
+// they compile in parallel with it and the CUDA units to come can be nvcc units behind the same
+// interface). Tensors cross it as host pointers of the layer's element type T (or its gradient
+// type G: fp32 for bf16), contiguous, in the layouts docs/pytorch.md gives.
 #pragma once
 
 #include <moefold/comm/exchange_communicator.hpp>

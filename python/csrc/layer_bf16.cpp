@@ -1,4 +1,4 @@
-// The layer for bf16 tensors (one element type per unit: the units compile in parallel).
+// The layer for bf16 tensors (its own unit: see layer_f32_f64.cpp).
 #include "layer_impl.hpp"
 
 namespace moefold_torch {

@@ -1,6 +1,7 @@
 // layer_api over moefold's layer of one element type T on host_exec, its dispatcher chosen at run
 // time (dispatcher_variant) and its drop policy too (drop_policy_variant): one layer type per T.
-// Included by one unit per T (layer_f32.cpp, ...), none of which includes a torch header.
+// Included by the units that instantiate it (layer_f32_f64.cpp, layer_bf16.cpp), none of which
+// includes a torch header.
 #pragma once
 
 #include <moefold/dispatch/all_gather_dispatcher.hpp>
