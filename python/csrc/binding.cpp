@@ -14,7 +14,9 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <span>
@@ -132,6 +134,11 @@ class py_communicator {
     check_cpu(send, "send");
     check_cpu(recv, "recv");
     same_dtype(send, recv);
+    // The backend sends from `send` while rows arrive in `recv` (no staging): apart or refused.
+    const auto* s0 = static_cast<const std::byte*>(send.data_ptr());
+    const auto* r0 = static_cast<const std::byte*>(recv.data_ptr());
+    if (send.nbytes() && recv.nbytes() && s0 < r0 + recv.nbytes() && r0 < s0 + send.nbytes())
+      bad("all_to_all_v: send and recv overlap (rows would be overwritten before they are sent)");
     by_dtype(send, false, [&]<class T>() {
       host_exec x;
       check(without_gil([&] {
@@ -487,7 +494,10 @@ class py_layer {
     if (keys)
       k = static_cast<const std::int64_t*>(
           checked(*keys, "order_keys", at::kLong, static_cast<std::size_t>(n)));
-    check(without_gil([&] { return l_->recompute(id, x.data_ptr(), n, k, out.data_ptr()); }));
+    if (auto st =
+            without_gil([&] { return l_->recompute(id, x.data_ptr(), n, k, out.data_ptr()); });
+        !st)
+      raise_layer(st.error());
   }
   void backward(int id, const at::Tensor& dout, const std::vector<double>& seeds, at::Tensor& dx) {
     if (seeds.size() != 5) bad("backward takes 5 seeds (output, aux, seq_aux, global_aux, z)");
@@ -495,8 +505,10 @@ class py_layer {
     checked(dx, "dx", type_, static_cast<std::size_t>(dout.numel()));
     std::array<double, 5> s{};
     std::copy(seeds.begin(), seeds.end(), s.begin());
-    (void)n;
-    check(without_gil([&] { return l_->backward(id, dout.data_ptr(), s, dx.data_ptr()); }));
+    if (auto st =
+            without_gil([&] { return l_->backward(id, dout.data_ptr(), n, s, dx.data_ptr()); });
+        !st)
+      raise_layer(st.error());
   }
   void drop_activations(int id) { check(l_->drop_activations(id)); }
   void release(int id) { l_->release(id); }
@@ -545,6 +557,35 @@ class py_layer {
   int hidden_ = 0;
 };
 
+// A 64-bit digest of a contiguous CPU tensor's bytes: how the layer recognizes the input of a
+// checkpoint's recomputation (the same bytes as its first pass, in a new tensor). Not
+// cryptographic: a strong mix (a 64-bit finalizer) per 8-byte word, the length and tail folded in.
+std::int64_t digest(const at::Tensor& t) {
+  check_cpu(t, "x");
+  const auto* p = static_cast<const unsigned char*>(t.data_ptr());
+  const std::size_t n = t.nbytes();
+  const auto mix = [](std::uint64_t h) {
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdull;
+    h ^= h >> 33;
+    h *= 0xc4ceb9fe1a85ec53ull;
+    return h ^ (h >> 33);
+  };
+  const std::uint64_t h = without_gil([&] {
+    std::uint64_t a = 0x9e3779b97f4a7c15ull ^ n;
+    std::size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      std::uint64_t w;
+      std::memcpy(&w, p + i, 8);
+      a = mix(a ^ w);
+    }
+    std::uint64_t w = 0;
+    if (n > i) std::memcpy(&w, p + i, n - i);
+    return mix(a ^ w ^ (std::uint64_t(n - i) << 56));
+  });
+  return static_cast<std::int64_t>(h);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -573,6 +614,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("rank", &py_thread_comm::rank)
       .def_property_readonly("size", &py_thread_comm::size)
       .def("split", &py_thread_comm::split, py::arg("color"), py::arg("key"));
+  m.def("_digest", &digest, py::arg("x"));
   m.def("_run_thread_world", &run_threads, py::arg("n"), py::arg("fn"),
         py::arg("timeout_s") = 30.0);
   py::class_<py_layer>(m, "Layer")

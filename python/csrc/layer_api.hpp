@@ -79,10 +79,11 @@ class layer_api {
   //! Refills context `id` (its activations) from the same input; changes no layer state.
   [[nodiscard]] virtual moefold::status recompute(int id, const void* x, int n,
                                                   const std::int64_t* order_keys, void* out) = 0;
-  //! dx [n, H] from dout [n, H] of context `id`; seeds weight the output's gradient and each
-  //! loss (output, aux, seq_aux, global_aux, z). The forward stays held (its activations
-  //! dropped) until release(): recompute() and another backward give the same bits again.
-  [[nodiscard]] virtual moefold::status backward(int id, const void* dout,
+  //! dx [n, H] from dout [n, H] of context `id` (n must be its forward's token count); seeds
+  //! weight the output's gradient and each loss (output, aux, seq_aux, global_aux, z). The
+  //! forward stays held (its activations dropped) until release(): recompute() and another
+  //! backward give the same bits again.
+  [[nodiscard]] virtual moefold::status backward(int id, const void* dout, int n,
                                                  const std::array<double, 5>& seeds, void* dx) = 0;
   virtual void release(int id) noexcept = 0;
   //! Whether context `id` holds its activations (a backward may run without a recompute).

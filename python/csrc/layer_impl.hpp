@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -83,16 +84,17 @@ class layer_impl final : public layer_api {
                                              .shared_fc2 = p.shared.fc2,
                                              .shared_gate = p.shared_gate};
     // Gradient placeholders for every parameter until the caller binds its own buffers (a
-    // forward binds the weights alone).
-    self->own_g_.assign(c.router + c.fc1 + c.fc2 + c.shared_fc1 + c.shared_fc2 + c.shared_gate,
-                        G(0));
-    G* at = self->own_g_.data();
+    // forward binds the weights alone): the experts' are own_g_, which they already point at
+    // (never resized: a reallocation would leave them pointing at freed memory), the others'
+    // own_rest_g_.
+    self->own_rest_g_.assign(c.router + c.shared_fc1 + c.shared_fc2 + c.shared_gate, G(0));
+    G* at = self->own_rest_g_.data();
     const auto next = [&](std::size_t k) -> void* {
       return k ? std::exchange(at, at + k) : nullptr;
     };
     self->grads_ = {.router = next(c.router),
-                    .fc1 = next(c.fc1),
-                    .fc2 = next(c.fc2),
+                    .fc1 = self->own_g_.data(),
+                    .fc2 = self->own_g_.data() + n.fc1,
                     .shared_fc1 = next(c.shared_fc1),
                     .shared_fc2 = next(c.shared_fc2),
                     .shared_gate = next(c.shared_gate)};
@@ -142,6 +144,7 @@ class layer_impl final : public layer_api {
     if (!weights_only) {
       grads_ = given;
       own_g_ = {};  // nor the gradient placeholders
+      own_rest_g_ = {};
     }
     return {};
   }
@@ -165,22 +168,23 @@ class layer_impl final : public layer_api {
     std::unique_ptr<slot> s = take_slot();
     auto st = layer_->forward(x_, in, o, s->ctx, storage_of(*s));
     if (!st) {
-      free_.push_back(std::move(s));
+      give_back(std::move(s));
       return moefold::unexpected<moefold::error>(st.error());
     }
     if (auto e = values_of(*st, s->ctx.dispatch(), v); !e) {
-      free_.push_back(std::move(s));
+      give_back(std::move(s));
       return moefold::unexpected<moefold::error>(e.error());
     }
+    const std::lock_guard lock(slots_m_);
     const int id = next_id_++;
     held_.emplace(id, std::move(s));
     return id;
   }
 
   moefold::status drop_activations(int id) override {
-    auto it = held_.find(id);
-    if (it == held_.end()) return unknown(id);
-    slot& s = *it->second;
+    slot* found = held(id);
+    if (!found) return unknown(id);
+    slot& s = *found;
     s.ctx.drop_activations();
     s.saved = {};  // freed: the memory a checkpointed forward gives back until its recompute
     s.host = {};
@@ -189,24 +193,34 @@ class layer_impl final : public layer_api {
 
   moefold::status recompute(int id, const void* x, int n, const std::int64_t* order_keys,
                             void* out) override {
-    auto it = held_.find(id);
-    if (it == held_.end()) return unknown(id);
-    size_storage(*it->second);
+    slot* s = held(id);
+    if (!s) return unknown(id);
+    if (n != s->ctx.num_tokens())
+      return moefold::make_error(moefold::errc::invalid_argument,
+                                 "recompute: x has " + std::to_string(n) + " tokens, forward " +
+                                     std::to_string(id) + " had " +
+                                     std::to_string(s->ctx.num_tokens()));
+    size_storage(*s);
     const std::size_t elems = static_cast<std::size_t>(n) * static_cast<std::size_t>(hidden());
     const moefold::moe_forward_input<T> in{
         .num_tokens = n,
         .x = {static_cast<const T*>(x), elems},
         .order_keys = order_keys ? std::span<const std::int64_t>(order_keys, std::size_t(n))
                                  : std::span<const std::int64_t>()};
-    return layer_->recompute(x_, it->second->ctx, in, std::span<T>(static_cast<T*>(out), elems),
-                             storage_of(*it->second));
+    return layer_->recompute(x_, s->ctx, in, std::span<T>(static_cast<T*>(out), elems),
+                             storage_of(*s));
   }
 
-  moefold::status backward(int id, const void* dout, const std::array<double, 5>& seeds,
+  moefold::status backward(int id, const void* dout, int n, const std::array<double, 5>& seeds,
                            void* dx) override {
-    auto it = held_.find(id);
-    if (it == held_.end()) return unknown(id);
-    slot& s = *it->second;
+    slot* found = held(id);
+    if (!found) return unknown(id);
+    slot& s = *found;
+    if (n != s.ctx.num_tokens())  // dout and dx are read and written as the forward's [n, H]
+      return moefold::make_error(moefold::errc::invalid_argument,
+                                 "backward: dout has " + std::to_string(n) + " tokens, forward " +
+                                     std::to_string(id) + " had " +
+                                     std::to_string(s.ctx.num_tokens()));
     const std::size_t elems =
         static_cast<std::size_t>(s.ctx.num_tokens()) * static_cast<std::size_t>(hidden());
     const moefold::moe_loss_seeds<R> sd{.output = static_cast<R>(seeds[0]),
@@ -222,17 +236,20 @@ class layer_impl final : public layer_api {
   }
 
   void release(int id) noexcept override {
+    // Its context keeps the buffers its first forward allocated: the next forward reuses them.
+    const std::lock_guard lock(slots_m_);
     auto it = held_.find(id);
     if (it == held_.end()) return;
-    std::unique_ptr<slot> s = std::move(it->second);
+    free_.push_back(std::move(it->second));
     held_.erase(it);
-    // Its context keeps the buffers its first forward allocated: the next forward reuses them.
-    free_.push_back(std::move(s));
   }
-  int in_flight() const noexcept override { return static_cast<int>(held_.size()); }
+  int in_flight() const noexcept override {
+    const std::lock_guard lock(slots_m_);
+    return static_cast<int>(held_.size());
+  }
   bool ready(int id) const noexcept override {
-    auto it = held_.find(id);
-    return it != held_.end() && it->second->ctx.ready();
+    const slot* s = held(id);
+    return s && s->ctx.ready();
   }
 
   moefold::status reduce_gradients() override { return layer_->reduce_gradients(x_); }
@@ -257,15 +274,29 @@ class layer_impl final : public layer_api {
                                    " (its backward already ran, or it was released)");
   }
 
+  // The slots' bookkeeping (held_, free_, next_id_) is locked: Python's garbage collector may
+  // release a forward from any thread, also while this layer's thread runs a forward without the
+  // GIL. Only the bookkeeping: a forward's collectives never run under the lock.
+  slot* held(int id) const {
+    const std::lock_guard lock(slots_m_);
+    auto it = held_.find(id);
+    return it == held_.end() ? nullptr : it->second.get();
+  }
+  void give_back(std::unique_ptr<slot> s) {
+    const std::lock_guard lock(slots_m_);
+    free_.push_back(std::move(s));
+  }
   // A slot from the pool (a new one when none is free), its storage sized for every forward.
   std::unique_ptr<slot> take_slot() {
     std::unique_ptr<slot> s;
-    if (free_.empty()) {
-      s = std::make_unique<slot>();
-    } else {
-      s = std::move(free_.back());
-      free_.pop_back();
+    {
+      const std::lock_guard lock(slots_m_);
+      if (!free_.empty()) {
+        s = std::move(free_.back());
+        free_.pop_back();
+      }
     }
+    if (!s) s = std::make_unique<slot>();
     size_storage(*s);
     return s;
   }
@@ -296,10 +327,11 @@ class layer_impl final : public layer_api {
   exec x_{};
   moefold::mlp_shape shape_{};
   std::vector<T> own_w_;
-  std::vector<G> own_g_;
+  std::vector<G> own_g_, own_rest_g_;
   std::optional<layer> layer_;
   param_counts counts_{};
   param_pointers grads_{};  // the gradient buffers bound last (placeholders at first)
+  mutable std::mutex slots_m_;
   std::map<int, std::unique_ptr<slot>> held_;
   std::vector<std::unique_ptr<slot>> free_;
   int next_id_ = 0;

@@ -131,21 +131,40 @@ def groups_from(tp=None, cp=None, dp=None, ep=None, etp=None, edp=None, pp=1,
     world, rank = _world()
     sizes = {"tp": _size(tp), "cp": _size(cp), "dp": _size(dp), "ep": _size(ep),
              "etp": _size(etp), "edp": _size(edp)}
-    if sizes["tp"] * sizes["cp"] * sizes["dp"] * pp != world:
-        raise ValueError(f"moefold_torch: groups_from: tp {sizes['tp']} x cp {sizes['cp']} x dp "
-                         f"{sizes['dp']} x pp {pp} != world {world}")
-    if sizes["etp"] * sizes["ep"] * sizes["edp"] * pp != world:
-        raise ValueError(f"moefold_torch: groups_from: etp {sizes['etp']} x ep {sizes['ep']} x "
-                         f"edp {sizes['edp']} x pp {pp} != world {world}")
-    layout = _layout(world, sizes["tp"], sizes["cp"], pp, sizes["ep"], sizes["etp"], order)
     given = {"tp": tp, "cp": cp, "dp": dp, "ep": ep, "etp": etp, "edp": edp}
+    layout, problem = None, None
+    if sizes["tp"] * sizes["cp"] * sizes["dp"] * pp != world:
+        problem = (f"tp {sizes['tp']} x cp {sizes['cp']} x dp {sizes['dp']} x pp {pp} != world "
+                   f"{world}")
+    elif sizes["etp"] * sizes["ep"] * sizes["edp"] * pp != world:
+        problem = (f"etp {sizes['etp']} x ep {sizes['ep']} x edp {sizes['edp']} x pp {pp} != "
+                   f"world {world}")
+    else:
+        try:
+            layout = _layout(world, sizes["tp"], sizes["cp"], pp, sizes["ep"], sizes["etp"], order)
+        except ValueError as e:
+            problem = str(e)
     for kind in ("tp", "cp", "dp", "ep", "etp", "edp"):
-        want = _mine(layout[kind], rank)
+        if problem is not None:
+            break
+        try:
+            want = _mine(layout[kind], rank)
+        except ValueError as e:
+            problem = str(e)
+            break
         pg = given[kind]
         have = [rank] if pg is None else dist.get_process_group_ranks(pg)
         if have != want:
-            raise ValueError(f"moefold_torch: groups_from: rank {rank}'s {kind} group has ranks "
-                             f"{have}, moefold's layout ({order}) puts it in {want}")
+            problem = (f"rank {rank}'s {kind} group has ranks {have}, moefold's layout ({order}) "
+                       f"puts it in {want}")
+    # Every rank's verdict, exchanged before any group is made: a mismatch found on some ranks
+    # raises on all of them instead of leaving the others waiting in dist.new_group.
+    verdicts = [None] * world
+    dist.all_gather_object(verdicts, problem)
+    for r, found in enumerate(verdicts):
+        if found is not None:
+            raise ValueError(f"moefold_torch: groups_from: {found}"
+                             + ("" if r == rank else f" (found on rank {r})"))
     groups, ranks = _make(layout, ("pp", "dp-cp", "tp-cp", "tp-dp-cp", "tp-ep"), rank, have=given,
                           timeout=timeout if timeout is not None else _default_timeout())
     return Groups(world=world, tp=sizes["tp"], cp=sizes["cp"], pp=pp, ep=sizes["ep"],

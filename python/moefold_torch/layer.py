@@ -26,7 +26,8 @@ _GRADIENT_GROUPS = {"router.weight": "tp-dp-cp", "experts.fc1": "edp", "experts.
                     "shared_expert.gate": "tp-dp-cp"}
 # At most this many forwards whose activations were dropped wait for their recomputation (a
 # forward without gradients in training mode is one: reentrant checkpointing's first pass); the
-# oldest is forgotten beyond it.
+# oldest is forgotten beyond it. A recomputation is recognized by its input's bytes (the
+# checkpointed function runs again, so the layer's input is a new tensor with the same bytes).
 _MAX_PENDING = 64
 
 
@@ -133,8 +134,9 @@ class _MoEFunction(torch.autograd.Function):
         layer._forget(fwd)
         layer._c.backward(fwd.id, dout.contiguous(), seeds, dx)
         present = [g for g in grads if g is not None]
-        if layer.grad_mode == "return":
-            pgrads = [g.to(p.dtype) for g, p in zip(present, layer._present_params())]
+        if layer.grad_mode == "return":  # (layer, plan, x2d, keys, *params)
+            pgrads = [g.to(p.dtype) if need else None for g, p, need in
+                      zip(present, layer._present_params(), ctx.needs_input_grad[4:])]
         else:
             pgrads = [None] * len(present)
         return (None, None, dx, None, *pgrads)
@@ -160,7 +162,11 @@ class MoELayer(torch.nn.Module):
         if not isinstance(groups, Groups):
             raise ValueError("moefold_torch.MoELayer: groups must be a moefold_torch.Groups "
                              "(new_groups or groups_from)")
-        if torch.device(device).type != "cpu":
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"moefold_torch.MoELayer: device {device!r} is not a device") from None
+        if device.type != "cpu":
             raise NotImplementedError(
                 f"moefold_torch.MoELayer: device {device!r}: moefold_torch runs CPU tensors over "
                 "gloo so far (CUDA tensors over NCCL are not implemented yet)")
@@ -202,8 +208,12 @@ class MoELayer(torch.nn.Module):
                                   ("swiglu", "geglu", "gelu", "silu", "relu", "squared_relu"))
         self._gated = activation in ("swiglu", "geglu")
         self._router_dtype = want_router
-        self._enabled = [c > 0 for c in (aux_loss_coeff, seq_aux_loss_coeff,
-                                         global_aux_loss_coeff, z_loss_coeff)]
+        # None is off (Megatron-Core's default for moe_z_loss_coeff).
+        coeffs = {n: _float(n, 0.0 if v is None else v) for n, v in (
+            ("aux_loss_coeff", aux_loss_coeff), ("seq_aux_loss_coeff", seq_aux_loss_coeff),
+            ("global_aux_loss_coeff", global_aux_loss_coeff), ("z_loss_coeff", z_loss_coeff))}
+        self._enabled = [coeffs[n] > 0 for n in ("aux_loss_coeff", "seq_aux_loss_coeff",
+                                                   "global_aux_loss_coeff", "z_loss_coeff")]
         spec = {
             "hidden_size": H, "ffn_hidden_size": F, "num_experts": E, "router_topk": k,
             "max_tokens": _int("max_tokens", max_tokens),
@@ -230,10 +240,7 @@ class MoELayer(torch.nn.Module):
             "full_sequence_dropping": full_sequence_dropping,
             "token_dispatcher_type": _choice("token_dispatcher_type", token_dispatcher_type,
                                              ("alltoall", "allgather")),
-            "aux_loss_coeff": _float("aux_loss_coeff", aux_loss_coeff),
-            "z_loss_coeff": _float("z_loss_coeff", z_loss_coeff),
-            "seq_aux_loss_coeff": _float("seq_aux_loss_coeff", seq_aux_loss_coeff),
-            "global_aux_loss_coeff": _float("global_aux_loss_coeff", global_aux_loss_coeff),
+            **coeffs,
             "shared_expert_intermediate_size": Fs,
             "shared_expert_gate": shared_expert_gate,
             "activation": activation,
@@ -280,7 +287,8 @@ class MoELayer(torch.nn.Module):
                 raise RuntimeError(f"moefold_torch: {name} has {p.numel()} elements, the layer "
                                    f"expects {counts[key]}")
         self._init_weights(_int("init_seed", init_seed, low=0))
-        self._pending = collections.OrderedDict()  # input key -> checkpointed _Forward
+        self._pending = collections.OrderedDict()  # (input key, serial) -> checkpointed _Forward
+        self._serial = 0
         self._last = None
         self.train(True)
 
@@ -375,6 +383,8 @@ class MoELayer(torch.nn.Module):
                 if not hasattr(se, "gate"):
                     raise ValueError("moefold_torch.MoELayer.load_global: shared_gate given to a "
                                      "layer without shared_expert_gate")
+                if not isinstance(shared_gate, torch.Tensor) or shared_gate.numel() != H:
+                    shape_check("shared_gate", shared_gate, (1, H))
                 se.gate.copy_(shared_gate.reshape(1, H))
 
     def load_megatron_grouped_mlp(self, state, prefix=""):
@@ -470,9 +480,12 @@ class MoELayer(torch.nn.Module):
 
     def _bind_for_backward(self):
         """Binds the weights and the gradient buffers of this backward: the parameters' own
-        (accumulate) or zeroed temporaries returned to autograd (return)."""
+        (accumulate) or zeroed temporaries returned to autograd (return). A frozen parameter
+        (requires_grad False) gets a zeroed scratch buffer in accumulate mode: moefold computes
+        every gradient, and neither its .grad nor its main_grad sees one."""
         if self.grad_mode == "accumulate":
-            grads = [self._grad_buffer(p, n) if p is not None else None
+            grads = [None if p is None else self._grad_buffer(p, n) if p.requires_grad else
+                     torch.zeros(p.shape, dtype=self._grad_dtype)
                      for n, p in zip(_PARAMS, self._param_list())]
         else:
             grads = [torch.zeros(p.shape, dtype=self._grad_dtype) if p is not None else None
@@ -489,10 +502,18 @@ class MoELayer(torch.nn.Module):
         return self
 
     @staticmethod
-    def _key(x):
-        """The input's identity for a checkpoint's recomputation: the caller's tensor (the same
-        storage, shape, strides and version in both passes), not a copy made here."""
-        return (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x._version)
+    def _key(x2d):
+        """The input's identity for a checkpoint's recomputation: its dtype, shape and a digest
+        of its bytes. The recomputation runs the checkpointed function again, so the layer sees a
+        new tensor (a norm's output, say) holding the same bytes; another forward in flight has
+        other bytes (and if it had the same, recomputing either gives the same result)."""
+        return (x2d.dtype, tuple(x2d.shape), _C._digest(x2d))
+
+    def _take_pending(self, key):
+        for k in self._pending:
+            if k[0] == key:
+                return self._pending.pop(k)
+        return None
 
     def _forget(self, fwd):
         for key, f in list(self._pending.items()):
@@ -515,7 +536,8 @@ class MoELayer(torch.nn.Module):
         fwd = _Forward(self, cid, losses)  # id -1 when nothing was kept ("once")
         if mode == "checkpointed":
             self._c.drop_activations(cid)  # recomputed by the checkpoint before its backward
-            self._pending[key] = fwd
+            self._pending[(key, self._serial)] = fwd
+            self._serial += 1
             while len(self._pending) > _MAX_PENDING:
                 self._pending.popitem(last=False)
         return fwd
@@ -542,6 +564,13 @@ class MoELayer(torch.nn.Module):
             raise ValueError(f"moefold_torch.MoELayer: x must be [S, B, {H}] or [N, {H}] "
                              f"(got {list(x.shape)})")
         x2d = x.reshape(-1, H).contiguous()
+        B = self._spec["micro_batch"]
+        if x.dim() == 3 and x.shape[1] != B:
+            raise ValueError(f"moefold_torch.MoELayer: x is [S, B, H] with B = {x.shape[1]}, the "
+                             f"layer's micro_batch = {B}")
+        if x2d.shape[0] % B:
+            raise ValueError(f"moefold_torch.MoELayer: {x2d.shape[0]} tokens are not a multiple "
+                             f"of micro_batch = {B} (token n = s*B + b)")
         if x2d.shape[0] > self._spec["max_tokens"]:
             raise ValueError(f"moefold_torch.MoELayer: {x2d.shape[0]} tokens exceed max_tokens "
                              f"= {self._spec['max_tokens']}")
@@ -554,18 +583,21 @@ class MoELayer(torch.nn.Module):
         params = self._present_params()
         grad_on = torch.is_grad_enabled()
         needs_grad = grad_on and (x.requires_grad or any(p.requires_grad for p in params))
-        key = self._key(x)
-        pending = None
-        if self.training and torch._C._current_graph_task_id() != -1:
-            pending = self._pending.pop(key, None)
+        # The input's key (a pass over its bytes) only where a checkpoint may be involved: plain
+        # training and evaluation never compute it.
+        key = pending = None
+        if self.training and self._pending and torch._C._current_graph_task_id() != -1:
+            key = self._key(x2d)
+            pending = self._take_pending(key)
         if pending is not None:
             plan = ("recompute", pending, key)  # a checkpoint recomputing an earlier forward
         elif self.training and (not grad_on or (needs_grad and _checkpointing())):
-            plan = ("checkpointed", None, key)  # a checkpoint's first pass: activations dropped
+            # a checkpoint's first pass: activations dropped
+            plan = ("checkpointed", None, self._key(x2d) if key is None else key)
         elif needs_grad:
-            plan = ("keep", None, key)
+            plan = ("keep", None, None)
         else:
-            plan = ("once", None, key)
+            plan = ("once", None, None)
         self._bind(None)
         if needs_grad:
             res = _MoEFunction.apply(self, plan, x2d, order_keys, *params)
@@ -599,9 +631,10 @@ class MoELayer(torch.nn.Module):
                 "global_aux_steps": torch.tensor(s["global_aux_steps"], dtype=torch.int64)}
 
     def set_extra_state(self, state):
-        if not isinstance(state, dict):
+        want = ("expert_bias", "expert_bias_counts", "global_aux_counts", "global_aux_steps")
+        if not isinstance(state, dict) or any(k not in state for k in want):
             raise ValueError("moefold_torch.MoELayer: the extra state must be the dict "
-                             "get_extra_state gives")
+                             f"get_extra_state gives (keys {list(want)})")
         self._c.load_state({
             "expert_bias": state["expert_bias"].tolist(),
             "expert_bias_counts": state["expert_bias_counts"].tolist(),

@@ -16,7 +16,8 @@ rank hung (each case has a wall-clock limit).
 - stalled peer: a rank that sleeps past the group's timeout: the others raise MoefoldError
   (comm_timeout) at the timeout.
 - bad input: a tensor off the CPU (NotImplementedError), a dtype that is not reduced, mixed
-  dtypes, a non-contiguous tensor (ValueError), fail() (the peers' MoefoldError names the rank).
+  dtypes, a non-contiguous tensor, send and recv of all_to_all_v overlapping (ValueError),
+  fail() (the peers' MoefoldError names the rank).
 Prints a doctest-style summary line (counted by scripts/count_tests.py); exit 77 without torch.
 
 Usage: comm_test.py            (the parent)
@@ -199,6 +200,9 @@ def scenario_bad_input(comm, rank, world, out):
     expect("non-contiguous", ValueError,
            lambda: comm.all_reduce(torch.ones(4, 4).t(), "sum"))
     expect("bad op", ValueError, lambda: comm.all_reduce(torch.ones(4), "mean"))
+    both = torch.zeros(2 * world, 3)
+    expect("overlapping all_to_all_v", ValueError,
+           lambda: comm.all_to_all_v(both[:world], [1] * world, both[1:world + 1], [1] * world))
     comm.barrier()  # none of the refusals reached a collective: still in step
     # fail(): rank 0 gives up; the others' next collective names it.
     try:
@@ -284,7 +288,8 @@ def main():
          [r["stderr"] for r in res][:1])
     if all(g is not None for g in gots):
         want = {"meta tensor": "NotImplementedError", "int all_reduce": "ValueError",
-                "mixed dtypes": "ValueError", "non-contiguous": "ValueError", "bad op": "ValueError"}
+                "mixed dtypes": "ValueError", "non-contiguous": "ValueError",
+                "bad op": "ValueError", "overlapping all_to_all_v": "ValueError"}
         case("bad input: each refusal is the named exception, before any collective",
              all(all(g[k] == v for k, v in want.items()) for g in gots), gots)
         case("bad input: fail() on rank 0 raises on every rank; its peers name it",

@@ -7,7 +7,8 @@
   on it gathers exactly those ranks; a kind of size 1 has no group);
 - groups_from with the trainer's own groups of that layout is accepted, and the groups it adds
   (tp-cp, tp-dp-cp, dp-cp, tp-ep) are Megatron's; with an EP group of another layout it raises
-  ValueError naming the kind and both rank lists, on every rank, and no rank hangs;
+  ValueError naming the kind and both rank lists, on every rank, and no rank hangs; with one
+  rank's groups wrong (its sizes), every rank raises its message at once;
 - bad sizes: a size that does not divide the world raises ValueError naming the rule.
 Exit 77 without torch; a doctest-style summary line."""
 import os
@@ -68,7 +69,7 @@ def scenario_new(rank, world, out, name):
     out["bad"] = bad
 
 
-def scenario_from(rank, world, out, wrong):
+def scenario_from(rank, world, out, wrong, none_on=None):
     import torch.distributed as dist
     import moefold_torch
     # The trainer's own groups of the tp2-ep2 layout (every rank creates every group, in order).
@@ -82,6 +83,8 @@ def scenario_from(rank, world, out, wrong):
             if rank in grp:
                 own[kind] = pg
     try:
+        if rank == none_on:  # this rank alone passes no EP group: its sizes break the rule
+            own["ep"] = None
         g = moefold_torch.groups_from(tp=own["tp"], dp=own["dp"], ep=own["ep"], edp=own["edp"])
         out["raised"] = None
         out["added"] = {k: g.ranks[k] for k in ("tp-cp", "tp-dp-cp", "dp-cp", "tp-ep")}
@@ -109,6 +112,8 @@ def worker(scenario, rank, world, port):
         scenario_from(rank, world, out, wrong=False)
     elif scenario == "from-wrong":
         scenario_from(rank, world, out, wrong=True)
+    elif scenario == "from-partial":
+        scenario_from(rank, world, out, wrong=False, none_on=3)
     else:
         scenario_bad_sizes(rank, world, out)
     # Every rank leaves together: a rank that exits while a peer still completes the handshake of
@@ -147,6 +152,14 @@ def main():
     rs = [r["result"] for r in res]
     cases.check("groups_from with another layout's EP group: ValueError naming it on every rank",
                 not hung and all(r is not None and r["raised"] and "ep group" in r["raised"]
+                                 for r in rs),
+                [(r["rc"], r["result"], r["stderr"][-300:]) for r in res])
+    # Only rank 3's groups are wrong: the other ranks pass their own checks but raise too (the
+    # verdicts are exchanged before any group is made), rather than waiting in dist.new_group.
+    res, hung = ranks.launch(me, "from-partial", WORLD, 60)
+    rs = [r["result"] for r in res]
+    cases.check("groups_from wrong on one rank only: ValueError on every rank, none waits",
+                not hung and all(r is not None and r["raised"] and "ep 1" in r["raised"]
                                  for r in rs),
                 [(r["rc"], r["result"], r["stderr"][-300:]) for r in res])
     res, hung = ranks.launch(me, "bad-sizes", WORLD, 60)

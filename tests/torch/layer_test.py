@@ -301,9 +301,9 @@ def case_modes(groups):
         for i, x in enumerate(xs):
             if i == 0:
                 v = x.clone().requires_grad_()
-            else:  # a non-contiguous [S, B, H] input (the layer copies it into [N, H] rows)
-                v = torch.empty(2, N // 2, H).transpose(0, 1)
-                v.copy_(x.reshape(N // 2, 2, H))
+            else:  # a non-contiguous [N, H] input (the layer copies it into [N, H] rows)
+                v = torch.empty(H, N).t()
+                v.copy_(x)
                 v.requires_grad_()
             step(layer, v, reentrant)
             dx.append(v.grad.reshape(N, H))
@@ -318,6 +318,62 @@ def case_modes(groups):
         cases.check(f"checkpoint (use_reentrant={reentrant}): nothing held afterwards",
                     layer._c.in_flight == 0 and not layer._pending,
                     (layer._c.in_flight, len(layer._pending)))
+    # The layer behind another op of the checkpointed function (a norm's output in a block): the
+    # recomputation feeds it a new tensor with the same bytes. x * 1.0 is that op, exactly: the
+    # gradients stay the plain run's. Then two such checkpointed micro-batches in flight (F1 F2
+    # B2 B1), whose freed inputs may share an address.
+    def behind(layer, x):
+        def run(v):
+            out, losses = layer(v * 1.0)
+            return (out, *losses.values())
+        return run
+
+    for reentrant in (True, False):
+        for in_flight in (False, True):
+            layer = fresh()
+            vs = [x.clone().requires_grad_() for x in xs]
+            if in_flight:
+                outs = [ckpt.checkpoint(behind(layer, v), v, use_reentrant=reentrant)
+                        for v in vs]
+                for o in reversed(outs):
+                    (o[0].sum() + sum(o[1:])).backward()
+                del outs, o
+            else:
+                for v in vs:
+                    o = ckpt.checkpoint(behind(layer, v), v, use_reentrant=reentrant)
+                    (o[0].sum() + sum(o[1:])).backward()
+                del o
+            how = f"use_reentrant={reentrant}{', two in flight' if in_flight else ''}"
+            same = all(torch.equal(a, b) for a, b in zip(grads(layer), g_plain)) and \
+                all(torch.equal(v.grad, b) for v, b in zip(vs, dx_plain))
+            st = layer.get_extra_state()
+            cases.check(f"checkpoint of the layer behind another op ({how}) equals the plain "
+                        "run bitwise", same)
+            cases.check(f"checkpoint of the layer behind another op ({how}): the expert bias "
+                        "counts once",
+                        torch.equal(st["expert_bias_counts"], st_plain["expert_bias_counts"]),
+                        f'{st["expert_bias_counts"]} vs {st_plain["expert_bias_counts"]}')
+            cases.check(f"checkpoint of the layer behind another op ({how}): nothing held "
+                        "afterwards", layer._c.in_flight == 0 and not layer._pending,
+                        (layer._c.in_flight, len(layer._pending)))
+    # inference_mode in eval: the same output as no_grad (inference tensors have no version
+    # counter; nothing of the checkpoint machinery reads them).
+    layer = fresh().eval()
+    with torch.no_grad():
+        want, _ = layer(xs[0])
+    with torch.inference_mode():
+        got, _ = layer(xs[0].clone())
+    cases.check("eval under torch.inference_mode equals no_grad", torch.equal(got, want))
+    # A frozen parameter (the router): no gradient written to it; the others as in the plain run.
+    layer = fresh()
+    layer.router.weight.requires_grad_(False)
+    for x in xs:
+        out, losses = layer(x.clone().requires_grad_())
+        (out.sum() + sum(losses.values())).backward()
+    cases.check("accumulate: a frozen parameter gets no .grad, the others the plain run's",
+                layer.router.weight.grad is None and
+                all(torch.equal(p.grad, g) for p, g in zip(layer.parameters(), g_plain)
+                    if p.requires_grad))
     # main_grad: accumulated there, .grad untouched.
     layer = fresh()
     for p in layer.parameters():
@@ -462,6 +518,29 @@ def case_bad_input(groups):
     expect("a bf16 parameter without main_grad (accumulate)", ValueError,
            lambda: bf(torch.zeros(N, H, dtype=torch.bfloat16, requires_grad=True))[0].sum()
            .backward(), ["router.weight", "main_grad"])
+    expect("a loss coefficient that is not a number names it", ValueError,
+           lambda: make_layer(groups, E, H, F, k, N, z_loss_coeff="0.1"), ["z_loss_coeff"])
+    off = make_layer(groups, E, H, F, k, N, z_loss_coeff=None, aux_loss_coeff=0.01)
+    cases.check("z_loss_coeff=None (Megatron-Core's default) is off",
+                sorted(off(torch.zeros(N, H))[1]) == ["aux"])
+    expect("a device that is not one names the argument", ValueError,
+           lambda: make_layer(groups, E, H, F, k, N, device="bogus"), ["device"])
+    expect("x [S, B, H] with B other than micro_batch", ValueError,
+           lambda: layer(torch.zeros(N // 2, 2, H)), ["micro_batch"])
+    two = make_layer(groups, E, H, F, k, N, micro_batch=2)
+    expect("N tokens not a multiple of micro_batch", ValueError,
+           lambda: two(torch.zeros(N - 1, H)), ["micro_batch"])
+    gated = make_layer(groups, E, H, F, k, N, shared_expert_intermediate_size=4,
+                       shared_expert_gate=True)
+    expect("a shared_gate of the wrong size names it", ValueError,
+           lambda: gated.load_global(shared_gate=torch.zeros(H + 1)), ["shared_gate"])
+    expect("an extra state without its keys", ValueError,
+           lambda: layer.set_extra_state({"expert_bias": torch.zeros(E)}), ["expert_bias_counts"])
+    keep = layer._c.forward(torch.zeros(N, H), None, torch.zeros(N, H), True)[0]
+    expect("a backward with fewer rows than its forward", ValueError,
+           lambda: layer._c.backward(keep, torch.zeros(N - 2, H), [1.0, 0, 0, 0, 0],
+                                     torch.zeros(N - 2, H)), ["tokens"])
+    layer._c.release(keep)
     expect("router options moefold refuses (expert bias with softmax)", ValueError,
            lambda: make_layer(groups, E, H, F, k, N, router_enable_expert_bias=True),
            ["expert bias"])
